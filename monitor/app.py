@@ -1,0 +1,127 @@
+"""The composition root: the only place where settings, storage, targets, probes, the scheduler,
+the REST API and the metrics are wired together.
+
+``Monitor`` owns the long-lived parts; ``create_app`` serves them over HTTP and starts and stops
+the scheduler with the app's lifespan, so SIGTERM to ``kvcanary serve`` drains cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor.api.main import api_router, health_router
+from monitor.config import Settings, api_token, tenant_keys
+from monitor.incidents import prune_expired
+from monitor.metrics import MonitorMetrics
+from monitor.runner import ProbeRunner, RunSummary
+from monitor.scheduler import build_scheduler
+from monitor.storage.db import check_migrated, make_engine, make_session_factory
+from monitor.storage.queries import open_incident_counts
+from monitor.targets.openai_http import OpenAIHttpTarget
+from probes.canaries import MarkerBook
+
+log = logging.getLogger("kvcanary")
+
+
+class Monitor:
+    """Everything ``kvcanary serve`` runs. Construction validates secrets and the database.
+
+    Raises ``ConfigError`` for missing secrets and ``DatabaseNotMigrated`` for an old schema.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        metrics: MonitorMetrics | None = None,
+        on_summary: Callable[[RunSummary], None] | None = None,
+    ):
+        self.settings = settings
+        self.token = api_token(settings)
+        keys = tenant_keys(settings)
+        self.engine = make_engine(settings.database_url)
+        check_migrated(self.engine)
+        self.session_factory: sessionmaker[Session] = make_session_factory(self.engine)
+        self.metrics = metrics or MonitorMetrics()
+        self.metrics.watch_incidents(self._open_incident_counts, self._pairs)
+        self.markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
+        self.clients = {
+            t.name: OpenAIHttpTarget(t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants})
+            for t in settings.targets
+        }
+        self.runner = ProbeRunner(
+            settings, self.clients, self.markers, self.metrics, self.session_factory, on_summary
+        )
+        self.scheduler = build_scheduler(settings, self.runner, prune=self.prune)
+
+    def _pairs(self) -> Iterable[tuple[str, str]]:
+        return [(t.name, p) for t in self.settings.targets for p in t.probes]
+
+    def _open_incident_counts(self) -> Iterable[tuple[str, str, str, int]]:
+        with self.session_factory() as session:
+            return list(open_incident_counts(session))
+
+    async def prune(self) -> None:
+        def work() -> int:
+            with self.session_factory() as session, session.begin():
+                return prune_expired(session, now=datetime.now(UTC))
+
+        removed = await asyncio.to_thread(work)
+        if removed:
+            log.info("pruned %d expired probe results", removed)
+
+    def health(self) -> dict[str, Any]:
+        return {"scheduler": "running" if self.scheduler.running else "stopped", "targets": len(self.clients)}
+
+    def start(self) -> None:
+        if not self.scheduler.running:
+            self.scheduler.start()
+
+    async def stop(self) -> None:
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=False)
+        for client in self.clients.values():
+            await client.aclose()
+        self.engine.dispose()
+
+
+def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
+    """Return the HTTP app: ``/api/v1`` (bearer token), ``/healthz`` and ``/metrics``."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if start_scheduler:
+            monitor.start()
+        try:
+            yield
+        finally:
+            await monitor.stop()
+
+    app = FastAPI(
+        title="kvcanary",
+        version="0.1.0",
+        description="Canary probes for KV-cache isolation: incidents, probe results and targets.",
+        lifespan=lifespan,
+    )
+    app.state.session_factory = monitor.session_factory
+    app.state.api_token = monitor.token
+    app.state.settings = monitor.settings
+    app.state.run_target = monitor.runner.run_target
+    app.state.health = monitor.health
+    app.include_router(health_router)
+    app.include_router(api_router)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(generate_latest(monitor.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,77 @@
+"""``kvcanary check``: every configured probe once on every target, as a deploy gate.
+
+It needs no database: it judges and prints. Targets run concurrently; the probes of one
+target run in their configured order, so markers planted by ``cross_tenant`` are live when
+``boundary`` reads whatever stale pages an over-capacity request is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import typer
+
+from monitor.config import Settings, TargetConfig, tenant_keys
+from monitor.runner import execute_probe
+from monitor.targets.openai_http import OpenAIHttpTarget
+from probes.base import ProbeResult, Verdict
+from probes.canaries import MarkerBook
+
+EXIT_OK, EXIT_FAILED, EXIT_UNJUDGED = 0, 1, 3
+
+
+async def _check_target(
+    target: TargetConfig, keys: dict[str, str | None], markers: MarkerBook
+) -> list[tuple[str, str, ProbeResult]]:
+    client = OpenAIHttpTarget(target, keys)
+    try:
+        rows = []
+        for kind in target.probes:
+            result, _ = await execute_probe(kind, client, markers, target)
+            rows.append((target.name, kind, result))
+        return rows
+    finally:
+        await client.aclose()
+
+
+async def _check_all(settings: Settings, only: list[str] | None) -> list[tuple[str, str, ProbeResult]]:
+    keys = tenant_keys(settings)
+    markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
+    targets = [t for t in settings.targets if only is None or t.name in only]
+    per_target = await asyncio.gather(
+        *(_check_target(t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants}, markers) for t in targets)
+    )
+    return [row for rows in per_target for row in rows]
+
+
+def exit_code(verdicts: list[Verdict]) -> int:
+    """Return 1 when anything failed, 3 when errors alone kept a probe from judging, else 0."""
+    if any(v.is_failure for v in verdicts):
+        return EXIT_FAILED
+    if any(v is Verdict.ERROR for v in verdicts):
+        return EXIT_UNJUDGED
+    return EXIT_OK
+
+
+def run_check(settings: Settings, *, json_lines: bool, only: list[str] | None = None) -> int:
+    rows = asyncio.run(_check_all(settings, only))
+    if json_lines:
+        for target, probe, result in rows:
+            line = {
+                "target": target,
+                "probe": probe,
+                "verdict": result.verdict.value,
+                "reason": result.reason,
+            }
+            if result.detail:
+                line["detail"] = result.detail
+            typer.echo(json.dumps(line))
+    else:
+        width = max([len(t) for t, _, _ in rows] + [6])
+        typer.echo(f"{'TARGET':<{width}}  {'PROBE':<12}  {'VERDICT':<8}  REASON")
+        for target, probe, result in rows:
+            typer.echo(
+                f"{target:<{width}}  {probe:<12}  {result.verdict.value:<8}  {result.reason}: {result.detail}"
+            )
+    return exit_code([r.verdict for _, _, r in rows])

@@ -1,0 +1,160 @@
+"""``kvcanary``: the command line. Thin: every command parses, then calls one function.
+
+Exit codes are part of the interface: 0 ok / all pass, 1 a leak or mismatch (``check``),
+2 a bad config or an un-migrated database, 3 only errors kept ``check`` from judging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from monitor.config import ConfigError, Settings, load_settings
+
+app = typer.Typer(
+    name="kvcanary",
+    help="Catch KV-cache isolation failures in shared LLM serving: probes judged on output.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="Database migrations (Alembic).", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+ConfigOpt = Annotated[
+    Path, typer.Option("--config", "-c", help="The YAML config file (see kvcanary.example.yml).")
+]
+EXIT_CONFIG = 2
+
+
+def _fail(message: str, code: int = EXIT_CONFIG) -> typer.Exit:
+    typer.echo(f"kvcanary: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _settings(path: Path) -> Settings:
+    try:
+        return load_settings(path)
+    except ConfigError as exc:
+        raise _fail(f"config error: {exc}") from None
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    # httpx logs every request URL at INFO; keep the monitor's own lines readable.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+@app.command()
+def serve(
+    config: ConfigOpt,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+) -> None:
+    """Run the scheduler, the REST API and /metrics until SIGTERM or Ctrl-C."""
+    from monitor.serve import serve_forever
+    from monitor.storage.db import DatabaseNotMigrated
+
+    settings = _settings(config)
+    _logging(log_level)
+    try:
+        serve_forever(settings)
+    except ConfigError as exc:
+        raise _fail(f"config error: {exc}") from None
+    except DatabaseNotMigrated as exc:
+        raise _fail(str(exc)) from None
+
+
+@app.command()
+def check(
+    config: ConfigOpt,
+    json_lines: Annotated[
+        bool, typer.Option("--json", help="One JSON object per line instead of a table.")
+    ] = False,
+    target: Annotated[list[str] | None, typer.Option(help="Only this target (repeatable).")] = None,
+) -> None:
+    """Run every configured probe once on every target: the deploy gate.
+
+    Run it after every change of weights, quantization, parallelism or memory fraction.
+    Exit 0 when all pass, 1 on any leak or mismatch, 3 when only errors kept it from judging.
+    """
+    from monitor.check import run_check
+
+    settings = _settings(config)
+    _logging("warning")
+    unknown = [t for t in target or [] if settings.target(t) is None]
+    if unknown:
+        raise _fail(f"--target: no target named {unknown[0]!r} in {config}")
+    try:
+        code = run_check(settings, json_lines=json_lines, only=target or None)
+    except ConfigError as exc:
+        raise _fail(f"config error: {exc}") from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def demo(
+    duration: Annotated[
+        float | None, typer.Option(help="Stop after this many seconds (default: run until Ctrl-C).")
+    ] = None,
+    port: Annotated[int, typer.Option(help="Port for the monitor's REST API and /metrics.")] = 8600,
+    workdir: Annotated[Path | None, typer.Option(help="Where to keep the demo database and logs.")] = None,
+    until_caught: Annotated[
+        bool, typer.Option(help="Exit once the leak is caught and the healthy target is green (for CI).")
+    ] = False,
+) -> None:
+    """Start a healthy and a defective reference worker and the monitor; show the leak being caught."""
+    from monitor.demo import run_demo
+
+    _logging("warning")
+    raise typer.Exit(run_demo(duration=duration, port=port, workdir=workdir, until_caught=until_caught))
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def worker(ctx: typer.Context) -> None:
+    """Run the reference serving worker (torch). All flags go to it: kvcanary worker --help."""
+    # The monitor never imports the worker: they meet over HTTP. Hand this process over to it.
+    os.execv(sys.executable, [sys.executable, "-m", "workers", *ctx.args])
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    config: ConfigOpt,
+    revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
+) -> None:
+    """Migrate the configured database to the newest schema (or --revision)."""
+    from monitor.storage.db import upgrade
+
+    settings = _settings(config)
+    upgrade(settings.database_url, revision)
+    typer.echo(f"database migrated to {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    config: ConfigOpt,
+    revision: Annotated[str, typer.Option(help="Target revision, e.g. base or -1.")],
+) -> None:
+    """Revert the configured database to an older schema."""
+    from monitor.storage.db import downgrade
+
+    settings = _settings(config)
+    downgrade(settings.database_url, revision)
+    typer.echo(f"database downgraded to {revision}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

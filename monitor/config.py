@@ -1,0 +1,300 @@
+"""The one validated settings object, read from a YAML file (see ``kvcanary.example.yml``).
+
+Every key is checked at startup; :func:`load_settings` raises :class:`ConfigError` whose message
+names the key and the problem (``targets[0].interval_seconds: must be greater than 0``), and the
+CLI turns it into exit status 2. Secrets never sit in the file: tenant API keys and the REST token
+come from environment variables or files named here, and are read by :func:`read_secret`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from probes import REGISTRY
+
+Engine = Literal["sglang", "vllm", "llamacpp", "reference", "openai"]
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The REST token must not be a placeholder someone forgot to change.
+WEAK_TOKENS = {"", "changeme", "change-me", "secret", "token", "password", "kvcanary"}
+
+
+class ConfigError(Exception):
+    """A configuration problem; ``str()`` names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantConfig(_Strict):
+    name: str
+    api_key_env: str | None = None
+    api_key_file: Path | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env(cls, v: str | None) -> str | None:
+        if v is not None and not ENV_RE.match(v):
+            raise ValueError("must be an environment variable name")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_literal_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError("api_key: literal keys are refused; use api_key_env or api_key_file")
+        return data
+
+
+class TargetConfig(_Strict):
+    name: str
+    base_url: str
+    engine: Engine = "reference"
+    model: str = "default"
+    tenants: list[TenantConfig] = Field(min_length=1)
+    interval_seconds: float = Field(30.0, gt=0)
+    timeout_seconds: float = Field(30.0, gt=0)
+    probes: list[str] = Field(default_factory=lambda: ["canary", "cross_tenant", "boundary"], min_length=1)
+    # Per-kind interval override; the boundary probe is large and runs on its own, longer clock.
+    probe_intervals: dict[str, float] = Field(default_factory=lambda: {"boundary": 300.0})
+    # Per-kind options handed to the probe (e.g. boundary: {max_prompt_tokens: 2000000}).
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError("must be an http:// or https:// URL")
+        return v.rstrip("/")
+
+    @field_validator("probes")
+    @classmethod
+    def _known_probes(cls, v: list[str]) -> list[str]:
+        unknown = [p for p in v if p not in REGISTRY]
+        if unknown:
+            raise ValueError(f"unknown probe kind(s) {unknown}; known: {sorted(REGISTRY)}")
+        if len(set(v)) != len(v):
+            raise ValueError("lists a probe kind twice")
+        return v
+
+    @field_validator("probe_intervals", "options")
+    @classmethod
+    def _known_kinds(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = [p for p in v if p not in REGISTRY]
+        if unknown:
+            raise ValueError(f"unknown probe kind(s) {unknown}; known: {sorted(REGISTRY)}")
+        if any(isinstance(x, int | float) and x <= 0 for x in v.values()):
+            raise ValueError("intervals must be greater than 0")
+        return v
+
+    @model_validator(mode="after")
+    def _tenants(self) -> TargetConfig:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenants: names must be unique")
+        if "cross_tenant" in self.probes and len(self.tenants) < 2:
+            raise ValueError("tenants: the cross_tenant probe needs two or more tenants")
+        return self
+
+    def interval_for(self, kind: str) -> float:
+        return float(self.probe_intervals.get(kind, self.interval_seconds))
+
+
+class ApiConfig(_Strict):
+    listen: str = "127.0.0.1:8600"
+    token_env: str = "KVCANARY_API_TOKEN"
+    token_file: Path | None = None
+    # Serve /api/v1 without a token. Only allowed on a loopback address.
+    local_only: bool = False
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:8600")
+        return v
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+    @model_validator(mode="after")
+    def _local_only_on_loopback(self) -> ApiConfig:
+        if self.local_only and not _is_loopback(self.host):
+            raise ValueError("local_only: an API without a token may only listen on a loopback address")
+        return self
+
+
+class IncidentConfig(_Strict):
+    resolve_after_passes: int = Field(3, ge=1)
+    # Errors (the probe could not judge) open a warning incident once they last this long.
+    error_warning_after_seconds: float = Field(300.0, ge=0)
+
+
+class SchedulerConfig(_Strict):
+    max_concurrency: int = Field(4, ge=1, le=64)
+    jitter_seconds: float = Field(2.0, ge=0)
+
+
+class RetentionConfig(_Strict):
+    pass_days: float = Field(7, gt=0)
+    failure_days: float = Field(90, gt=0)
+
+
+class Settings(_Strict):
+    database_url: str = "sqlite:///kvcanary.db"
+    api: ApiConfig = ApiConfig()
+    targets: list[TargetConfig] = Field(default_factory=list)
+    incidents: IncidentConfig = IncidentConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    retention: RetentionConfig = RetentionConfig()
+    marker_ttl_seconds: float = Field(6 * 3600, gt=0)
+
+    @field_validator("database_url")
+    @classmethod
+    def _db(cls, v: str) -> str:
+        if not re.match(r"^(sqlite|postgresql)(\+\w+)?://", v):
+            raise ValueError("must be sqlite:///PATH or postgresql+psycopg://USER@HOST/DB")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_targets(self) -> Settings:
+        names = [t.name for t in self.targets]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"targets: duplicate name(s) {dupes}")
+        return self
+
+    def target(self, name: str) -> TargetConfig | None:
+        return next((t for t in self.targets if t.name == name), None)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "literal[")):
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def parse_settings(data: Any, *, source: str = "config") -> Settings:
+    """Validate already-parsed YAML; raise ConfigError naming the first bad keys."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys")
+    overrides = {"database_url": os.environ.get("KVCANARY_DATABASE_URL")}
+    data = {**data, **{k: v for k, v in overrides.items() if v}}
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors()[:5]:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{_key_path(tuple(err['loc']))}: {msg}")
+        raise ConfigError(f"{source}: " + "; ".join(lines)) from None
+
+
+def load_settings(path: str | Path) -> Settings:
+    """Read and validate the YAML file at ``path``."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_settings(data, source=str(path))
+
+
+def read_secret(*, env: str | None, file: Path | None, key: str) -> str | None:
+    """Return the secret from ``file`` or the environment variable ``env``; None when neither is set.
+
+    Raise ConfigError naming ``key`` when a file is named but unreadable or empty.
+    """
+    if file is not None:
+        try:
+            value = Path(file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{key}: cannot read {file}: {exc.strerror}") from None
+        if not value:
+            raise ConfigError(f"{key}: {file} is empty")
+        return value
+    if env:
+        value = os.environ.get(env, "").strip()
+        return value or None
+    return None
+
+
+def tenant_keys(settings: Settings) -> dict[tuple[str, str], str | None]:
+    """Return every tenant's API key by (target, tenant). A named but unset variable is an error.
+
+    A tenant with neither ``api_key_env`` nor ``api_key_file`` gets None (an engine without auth).
+    """
+    keys: dict[tuple[str, str], str | None] = {}
+    for i, target in enumerate(settings.targets):
+        for j, tenant in enumerate(target.tenants):
+            where = f"targets[{i}].tenants[{j}]"
+            key = read_secret(env=tenant.api_key_env, file=tenant.api_key_file, key=where + ".api_key_file")
+            if key is None and tenant.api_key_env:
+                raise ConfigError(
+                    f"{where}.api_key_env: environment variable {tenant.api_key_env} is not set"
+                )
+            keys[(target.name, tenant.name)] = key
+    return keys
+
+
+def api_token(settings: Settings) -> str | None:
+    """Return the REST bearer token, None when the API runs local-only, or raise ConfigError."""
+    api = settings.api
+    token = read_secret(env=api.token_env, file=api.token_file, key="api.token_file")
+    if token is None:
+        if api.local_only:
+            return None
+        raise ConfigError(
+            f"api.token_env: set {api.token_env} (or api.token_file) to a bearer token, "
+            "or set api.local_only: true to serve the API without one on loopback"
+        )
+    if token.lower() in WEAK_TOKENS or len(token) < 16:
+        raise ConfigError("api.token_env: the bearer token is a placeholder or shorter than 16 characters")
+    return token

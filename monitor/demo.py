@@ -1,0 +1,253 @@
+"""``kvcanary demo``: the disclosed incident, reproduced and caught on one machine.
+
+Starts two reference workers as processes on free loopback ports — one healthy, one
+disaggregated with the placeholder defect and a prefill pool smaller than its context window
+(the incident's configuration) — and the monitor on SQLite with two tenants. It prints verdicts
+as they arrive, then the incident with its redacted evidence, and keeps serving the REST API and
+/metrics until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from monitor.app import Monitor, create_app
+from monitor.config import Settings, parse_settings
+from monitor.runner import RunSummary
+from monitor.storage.db import upgrade
+from probes.base import Verdict
+
+TENANTS = ("tenant-a", "tenant-b")
+WORKERS = {
+    # name: worker flags. The defective node advertises 8,192 tokens of context on a 2,048-token
+    # prefill pool and swaps over-capacity requests for a one-token placeholder (SGLang #30233).
+    "healthy": ["--mode", "single", "--kv-pool-tokens", "16384", "--context-window", "8192"],
+    "defective": [
+        "--mode",
+        "disaggregated",
+        "--admission",
+        "placeholder",
+        "--prefill-pool-tokens",
+        "2048",
+        "--decode-pool-tokens",
+        "16384",
+        "--context-window",
+        "8192",
+    ],
+}
+INTERVALS = {"canary": 5.0, "cross_tenant": 5.0, "boundary": 8.0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _private_file(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+def _start_worker(
+    name: str, flags: list[str], keys_file: Path, workdir: Path
+) -> tuple[str, subprocess.Popen[bytes]]:
+    port = _free_port()
+    log = (workdir / f"worker-{name}.log").open("wb")
+    argv = [
+        sys.executable,
+        "-m",
+        "workers",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-keys-file",
+        str(keys_file),
+        *flags,
+    ]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker at {url} exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"worker at {url} not ready after {timeout:.0f}s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def demo_settings(workdir: Path, urls: dict[str, str], port: int) -> Settings:
+    return parse_settings(
+        {
+            "database_url": f"sqlite:///{workdir / 'kvcanary.db'}",
+            "api": {"listen": f"127.0.0.1:{port}", "token_file": str(workdir / "api-token")},
+            "targets": [
+                {
+                    "name": name,
+                    "base_url": url,
+                    "engine": "reference",
+                    "model": "kvcanary-reference",
+                    "tenants": [{"name": t, "api_key_file": str(workdir / f"key-{t}")} for t in TENANTS],
+                    "interval_seconds": 5,
+                    "timeout_seconds": 20,
+                    "probes": list(INTERVALS),
+                    "probe_intervals": INTERVALS,
+                }
+                for name, url in urls.items()
+            ],
+            "incidents": {"resolve_after_passes": 3},
+        },
+        source="demo",
+    )
+
+
+class DemoPrinter:
+    """Prints each verdict change, then the first incident on the defective target in full."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[str, str], str] = {}
+        self.caught: RunSummary | None = None
+
+    def __call__(self, summary: RunSummary) -> None:
+        key = (summary.target, summary.probe)
+        verdict = summary.result.verdict
+        if self.last.get(key) != verdict.value:
+            mark = {"pass": "ok  ", "error": "ERR ", "mismatch": "FAIL", "leak": "LEAK"}[verdict.value]
+            line = f"  [{mark}] {summary.target:<9} {summary.probe:<12} {verdict.value:<8}"
+            print(f"{line} {summary.result.reason}", flush=True)
+        self.last[key] = verdict.value
+        if self.caught is None and summary.target == "defective" and verdict is Verdict.LEAK:
+            self.caught = summary
+            self._show(summary)
+
+    def healthy_green(self) -> bool:
+        mine = [v for (t, _), v in self.last.items() if t == "healthy"]
+        return len(mine) == len(INTERVALS) and all(v == "pass" for v in mine)
+
+    def _show(self, s: RunSummary) -> None:
+        leaks: list[dict[str, Any]] = s.result.evidence.get("leaks", [])
+        print("\n=== LEAK CAUGHT on target 'defective' ===", flush=True)
+        print(f"  probe     : {s.probe}    verdict: {s.result.verdict.value}    reason: {s.result.reason}")
+        if s.outcome and s.outcome.incident_id:
+            print(f"  incident  : #{s.outcome.incident_id} ({s.outcome.severity}, {s.outcome.change})")
+        print(f"  detail    : {s.result.detail}")
+        for hit in leaks[:2]:
+            print(f"  marker    : {hit['marker_id']} of {hit['owner_tenant']} read by {hit['reader_tenant']}")
+            print(f"  excerpt   : {hit['excerpt']!r}")
+        m = s.result.measurements
+        if "prompt_tokens_sent" in m:
+            print(
+                f"  usage     : sent {m.get('prompt_tokens_sent'):.0f} prompt tokens, engine reported "
+                f"{m.get('prompt_tokens_reported', float('nan')):.0f}"
+            )
+        print("", flush=True)
+
+
+async def _serve(
+    monitor: Monitor, settings: Settings, printer: DemoPrinter, duration: float | None, until_caught: bool
+) -> None:
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(monitor), host="127.0.0.1", port=settings.api.port, log_level="warning", lifespan="on"
+        )
+    )
+
+    async def narrate() -> None:
+        started = time.monotonic()
+        while not server.should_exit:
+            await asyncio.sleep(0.5)
+            if printer.caught and printer.healthy_green():
+                _where_to_look(settings)
+                server.should_exit = until_caught
+                break
+            if time.monotonic() - started > 90:
+                print(
+                    "  ... still waiting for a verdict on every probe; see the logs in the workdir",
+                    flush=True,
+                )
+                break
+
+    async def stop_after() -> None:
+        if duration is not None:
+            await asyncio.sleep(duration)
+            server.should_exit = True
+
+    tasks = [asyncio.create_task(narrate()), asyncio.create_task(stop_after())]
+    await server.serve()
+    for task in tasks:
+        task.cancel()
+
+
+def _where_to_look(settings: Settings) -> None:
+    base = f"http://{settings.api.listen}"
+    token_file = settings.api.token_file
+    print("=== healthy target is green; the monitor keeps running. Where to look: ===")
+    print(f'  export KVCANARY_TOKEN="$(cat {token_file})"')
+    print(f'  curl -s -H "Authorization: Bearer $KVCANARY_TOKEN" {base}/api/v1/incidents')
+    print(f'  curl -s -H "Authorization: Bearer $KVCANARY_TOKEN" {base}/api/v1/targets')
+    print(f"  curl -s {base}/metrics | grep ^kvcanary_")
+    print(f"  OpenAPI: {base}/docs     database: {settings.database_url}")
+    print("  Ctrl-C to stop.\n", flush=True)
+
+
+def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_caught: bool = False) -> int:
+    """Run the demo; return 0 when the leak was caught and the healthy target stayed green."""
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="kvcanary-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    keys = {t: secrets.token_urlsafe(24) for t in TENANTS}
+    for tenant, key in keys.items():
+        _private_file(workdir / f"key-{tenant}", key)
+    keys_file = _private_file(workdir / "worker-keys", "".join(f"{k}={t}\n" for t, k in keys.items()))
+    _private_file(workdir / "api-token", secrets.token_urlsafe(32))
+    print(f"kvcanary demo — workdir {workdir}", flush=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        urls = {}
+        for name, flags in WORKERS.items():
+            url, proc = _start_worker(name, flags, keys_file, workdir)
+            procs.append(proc)
+            urls[name] = url
+        for (name, url), proc in zip(urls.items(), procs, strict=True):
+            _wait_ready(url, proc)
+            print(f"  worker {name:<9} {url}  {' '.join(WORKERS[name])}", flush=True)
+        settings = demo_settings(workdir, urls, port)
+        upgrade(settings.database_url)
+        printer = DemoPrinter()
+        monitor = Monitor(settings, on_summary=printer)
+        print(f"  monitor   http://127.0.0.1:{port}  probes {', '.join(INTERVALS)}\n", flush=True)
+        asyncio.run(_serve(monitor, settings, printer, duration, until_caught))
+        return 0 if printer.caught and printer.healthy_green() else 1
+    finally:
+        for proc in procs:
+            _stop(proc)

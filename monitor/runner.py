@@ -1,0 +1,149 @@
+"""Run one probe against one target and record what it concluded.
+
+The runner owns everything around a probe, as blackbox_exporter's handler does: the timeout,
+the timing, turning a crash into an ``error`` verdict, the final leak judgement over every
+response (:func:`probes.base.judge`), the database row, the incident lifecycle and the metrics.
+Probes only compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor.config import Settings, TargetConfig
+from monitor.incidents import RecordOutcome, record_result
+from monitor.metrics import MonitorMetrics
+from probes import REGISTRY
+from probes.base import ProbeContext, ProbeResult, TargetClient, judge
+from probes.canaries import MarkerBook
+
+log = logging.getLogger("kvcanary.runner")
+
+# A probe may make several requests (the boundary probe tokenizes, then sends a huge prompt),
+# so its budget is a few request timeouts.
+PROBE_TIMEOUT_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    target: str
+    probe: str
+    result: ProbeResult
+    started_at: datetime
+    duration_seconds: float
+    outcome: RecordOutcome | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "probe": self.probe,
+            "verdict": self.result.verdict.value,
+            "reason": self.result.reason,
+            "detail": self.result.detail,
+            "result_id": self.outcome.result_id if self.outcome else None,
+            "incident_id": self.outcome.incident_id if self.outcome else None,
+        }
+
+
+async def execute_probe(
+    kind: str, client: TargetClient, markers: MarkerBook, target: TargetConfig
+) -> tuple[ProbeResult, float]:
+    """Run probe ``kind`` once; return its judged result and its duration. Never raise."""
+    probe = REGISTRY[kind]()
+    ctx = ProbeContext(client, markers, options=target.options.get(kind, {}))
+    started = time.monotonic()
+    try:
+        result = await asyncio.wait_for(probe.run(ctx), timeout=target.timeout_seconds * PROBE_TIMEOUT_FACTOR)
+    except TimeoutError:
+        result = ProbeResult.error("probe_timeout", f"the probe took longer than its budget on {target.name}")
+    except Exception as exc:  # a probe bug is an error verdict, never a crash of the service
+        log.exception("probe %s crashed on %s", kind, target.name)
+        result = ProbeResult.error("probe_crashed", f"{type(exc).__name__} in the {kind} probe")
+    return judge(result, ctx), time.monotonic() - started
+
+
+class ProbeRunner:
+    """Runs probes with bounded concurrency, never two runs of one (target, probe) at once."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        clients: dict[str, TargetClient],
+        markers: MarkerBook,
+        metrics: MonitorMetrics,
+        session_factory: sessionmaker[Session] | None,
+        on_summary: Callable[[RunSummary], None] | None = None,
+    ):
+        self.settings = settings
+        self.clients = clients
+        self.markers = markers
+        self.metrics = metrics
+        self.session_factory = session_factory
+        self.on_summary = on_summary
+        self._slots = asyncio.Semaphore(settings.scheduler.max_concurrency)
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        for target in settings.targets:
+            metrics.declare(target.name, target.probes)
+
+    async def run(self, target_name: str, kind: str) -> RunSummary:
+        """Run one probe and record it. Raise KeyError for an unknown target or kind."""
+        target = self.settings.target(target_name)
+        if target is None or kind not in target.probes:
+            raise KeyError(f"{target_name}/{kind}")
+        lock = self._locks.setdefault((target_name, kind), asyncio.Lock())
+        async with lock, self._slots:
+            started_at = datetime.now(UTC)
+            result, duration = await execute_probe(kind, self.clients[target_name], self.markers, target)
+            outcome = await asyncio.to_thread(self._record, target, kind, result, started_at, duration)
+        self.metrics.observe(target_name, kind, result, duration, time.time())
+        summary = RunSummary(target_name, kind, result, started_at, duration, outcome)
+        log.info("%s/%s: %s (%s) in %.2fs", target_name, kind, result.verdict.value, result.reason, duration)
+        if self.on_summary:
+            self.on_summary(summary)
+        return summary
+
+    async def run_target(self, target_name: str) -> list[dict[str, Any]]:
+        """Run every probe of one target, in its configured order; raise KeyError when unknown."""
+        target = self.settings.target(target_name)
+        if target is None:
+            raise KeyError(target_name)
+        return [(await self.run(target_name, kind)).as_dict() for kind in target.probes]
+
+    def _record(
+        self, target: TargetConfig, kind: str, result: ProbeResult, started_at: datetime, duration: float
+    ) -> RecordOutcome | None:
+        if self.session_factory is None:
+            return None
+        try:
+            with self.session_factory() as session, session.begin():
+                return record_result(
+                    session,
+                    target_name=target.name,
+                    engine=target.engine,
+                    base_url=target.base_url,
+                    model=target.model,
+                    probe=kind,
+                    result=result,
+                    started_at=started_at,
+                    duration_seconds=duration,
+                    policy=self.settings.incidents,
+                    retention=self.settings.retention,
+                )
+        except Exception:
+            # The verdict still reaches the log and the metrics; the next run tries the database again.
+            log.exception(
+                "could not record %s/%s verdict=%s reason=%s",
+                target.name,
+                kind,
+                result.verdict,
+                result.reason,
+            )
+            return None

@@ -1,0 +1,54 @@
+"""The probe clock: one APScheduler 3.x job per (target, probe kind), plus housekeeping.
+
+Each job fires at the target's interval for that kind with jitter, ``max_instances=1`` so a slow
+run is never overlapped by the next, and ``coalesce=True`` so a backlog after a pause collapses
+into one run. Concurrency across jobs is bounded by the runner's semaphore.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from datetime import UTC, datetime, timedelta
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+
+from monitor.config import Settings
+from monitor.runner import ProbeRunner
+
+log = logging.getLogger("kvcanary.scheduler")
+
+PRUNE_INTERVAL_SECONDS = 3600
+
+
+def build_scheduler(settings: Settings, runner: ProbeRunner, prune: object | None = None) -> AsyncIOScheduler:
+    """Return a scheduler (not started) with a job for every configured (target, probe).
+
+    First runs are staggered over a couple of seconds so a restart does not fire every probe at once.
+    """
+    scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"misfire_grace_time": 30})
+    now = datetime.now(UTC)
+    jitter = settings.scheduler.jitter_seconds
+    for target in settings.targets:
+        for kind in target.probes:
+            interval = target.interval_for(kind)
+            scheduler.add_job(
+                runner.run,
+                IntervalTrigger(seconds=interval, jitter=min(jitter, interval / 4) or None),
+                args=[target.name, kind],
+                id=f"probe:{target.name}:{kind}",
+                name=f"{kind} on {target.name}",
+                coalesce=True,
+                max_instances=1,
+                next_run_time=now + timedelta(seconds=random.uniform(0.2, 0.2 + min(2.0, interval / 4))),
+            )
+    if prune is not None:
+        scheduler.add_job(
+            prune,
+            IntervalTrigger(seconds=PRUNE_INTERVAL_SECONDS),
+            id="housekeeping:prune",
+            coalesce=True,
+            max_instances=1,
+        )
+    return scheduler

@@ -1,0 +1,17 @@
+"""Probe kinds, registered by name. One file per kind; one explicit line per kind here.
+
+The key is the kind's name in ``targets.yml``, its file name and its ``probe`` metric label.
+"""
+
+from __future__ import annotations
+
+from probes.base import Probe
+from probes.boundary import BoundaryProbe
+from probes.canary import CanaryProbe
+from probes.cross_tenant import CrossTenantProbe
+
+REGISTRY: dict[str, type[Probe]] = {
+    "canary": CanaryProbe,
+    "cross_tenant": CrossTenantProbe,
+    "boundary": BoundaryProbe,
+}

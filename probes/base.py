@@ -1,0 +1,213 @@
+"""The probe interface: what a probe gets, what it returns, and how a target is reached.
+
+A probe is one kind of check (``canary``, ``cross_tenant``, ``boundary``). It talks to a serving
+endpoint only through :class:`TargetClient`, which ``monitor/targets`` implements over HTTP, and it
+returns a :class:`ProbeResult`. It never raises, never writes to a database, metrics or alerts:
+the runner records (see ``docs/architecture.md``).
+
+Verdicts:
+
+- ``pass``: the output was judged and was right.
+- ``leak``: another tenant's live marker came back in a response. Sound by construction: a
+  marker carries 128 random bits, so no model, nondeterministic or not, produces one by chance.
+- ``mismatch``: a wrong answer, or a success where a refusal was due.
+- ``error``: the probe could not judge (refused connection, timeout, 5xx, bad credentials).
+  An error never counts as a leak or a mismatch.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from probes.canaries import LeakHit, MarkerBook, redact_markers
+
+
+class Verdict(enum.StrEnum):
+    PASS = "pass"
+    LEAK = "leak"
+    MISMATCH = "mismatch"
+    ERROR = "error"
+
+    @property
+    def is_failure(self) -> bool:
+        """Return True for the verdicts that open incidents (leak, mismatch)."""
+        return self in (Verdict.LEAK, Verdict.MISMATCH)
+
+
+#: Longest excerpt of model output a result may carry: evidence, not a second copy of the data.
+EXCERPT_CHARS = 160
+
+
+@dataclass
+class ProbeResult:
+    """What one probe run concluded.
+
+    ``reason`` is a short, bounded token (``nonce_missing``, ``foreign_marker``, ``accepted_over_capacity``)
+    fit for a metric label; ``detail`` is one human sentence. ``evidence`` holds only redacted facts:
+    marker ids, hashes, counts and excerpts already passed through :func:`redact_markers`.
+    ``measurements`` holds numbers (``latency_seconds``, ``ttft_seconds``, ``status_code``,
+    ``prompt_tokens_sent``, ``prompt_tokens_reported``).
+    """
+
+    verdict: Verdict
+    reason: str
+    detail: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+    measurements: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def error(cls, reason: str, detail: str = "", **measurements: float) -> ProbeResult:
+        return cls(Verdict.ERROR, reason, detail, measurements=dict(measurements))
+
+
+@dataclass
+class CompletionRequest:
+    """One request to the serving path. ``chat`` selects /v1/chat/completions over /v1/completions."""
+
+    prompt: str
+    max_tokens: int = 32
+    chat: bool = True
+    stream: bool = True
+    temperature: float = 0.0
+    seed: int | None = 0
+    system: str | None = None
+
+
+@dataclass
+class Completion:
+    """What came back. ``status`` is None when no HTTP response arrived (``error`` says why).
+
+    ``text`` is the generated text, or the error body for a non-2xx answer (scanned for markers too:
+    an error body is output a tenant sees). ``error_kind`` is ``connect``, ``timeout``, ``protocol``
+    or ``http`` when something went wrong.
+    """
+
+    status: int | None
+    text: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    latency_seconds: float | None = None
+    ttft_seconds: float | None = None
+    error: str | None = None
+    error_kind: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def refused(self) -> bool:
+        """Return True for a 4xx answer other than auth failures (a refusal the engine chose)."""
+        return self.status is not None and 400 <= self.status < 500 and self.status not in (401, 403, 429)
+
+
+@dataclass
+class ServerCapacity:
+    """What a node says about its KV pool and context window. Any field may be None (unknown).
+
+    ``kv_pool_tokens`` is the pool that admission must respect: on a disaggregated node, the
+    prefill pool (the incident's 681,280). ``pools`` names every pool found (``prefill``, ``decode``).
+    """
+
+    context_window: int | None = None
+    kv_pool_tokens: int | None = None
+    max_req_input_len: int | None = None
+    page_size: int | None = None
+    disaggregation_mode: str | None = None
+    version: str | None = None
+    pools: dict[str, int] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def admission_limit(self) -> int | None:
+        """Return the largest prompt the node can hold, or None when nothing is known."""
+        known = [n for n in (self.context_window, self.kv_pool_tokens, self.max_req_input_len) if n]
+        return min(known) if known else None
+
+
+class TargetClient(Protocol):
+    """A serving endpoint as probes see it. Implementations must not raise on network failure:
+    they return a :class:`Completion` with ``status=None`` and ``error`` set, or None for lookups."""
+
+    name: str
+    tenants: list[str]
+
+    async def complete(self, tenant: str, request: CompletionRequest) -> Completion: ...
+
+    async def capacity(self) -> ServerCapacity | None: ...
+
+    async def count_tokens(self, text: str) -> int | None: ...
+
+
+class ProbeContext:
+    """Everything one probe run may use: the target, the marker book, and a scanning ``complete``.
+
+    Every response a probe receives through :meth:`complete` is scanned against the live markers
+    of the *other* tenants; hits accumulate in :attr:`leaks`, and :func:`judge` turns any hit
+    into a ``leak`` verdict whatever the probe itself concluded.
+    """
+
+    def __init__(self, target: TargetClient, markers: MarkerBook, options: dict[str, Any] | None = None):
+        self.target = target
+        self.markers = markers
+        self.options = options or {}
+        self.leaks: list[LeakHit] = []
+        self.responses = 0
+
+    @property
+    def tenants(self) -> list[str]:
+        return self.target.tenants
+
+    async def complete(self, tenant: str, request: CompletionRequest) -> Completion:
+        completion = await self.target.complete(tenant, request)
+        self.responses += 1
+        self.leaks.extend(self.markers.scan(completion.text, target=self.target.name, reader=tenant))
+        return completion
+
+
+class Probe(ABC):
+    """One probe kind. Subclasses set ``kind`` (the registry key, file name and metric label)."""
+
+    kind: ClassVar[str]
+    #: Default seconds between runs when the target does not say; large probes run less often.
+    default_interval_seconds: ClassVar[float] = 30.0
+
+    @abstractmethod
+    async def run(self, ctx: ProbeContext) -> ProbeResult:
+        """Probe the target and return a verdict. Never raise: return ``ProbeResult.error`` instead."""
+
+
+def judge(result: ProbeResult, ctx: ProbeContext) -> ProbeResult:
+    """Return the final result: any foreign marker seen in any response makes it a ``leak``.
+
+    The evidence keeps marker ids, hashes and redacted excerpts only.
+    """
+    if not ctx.leaks:
+        return result
+    hits = ctx.leaks
+    owners = sorted({h.owner_tenant for h in hits})
+    readers = sorted({h.reader_tenant for h in hits})
+    evidence = dict(result.evidence)
+    evidence["leaks"] = [h.as_evidence() for h in hits[:8]]
+    evidence["leak_count"] = len(hits)
+    evidence["probe_verdict"] = result.verdict.value
+    detail = (
+        f"{len(hits)} live marker(s) of tenant(s) {', '.join(owners)} came back in responses to "
+        f"{', '.join(readers)}"
+    )
+    if result.verdict is not Verdict.PASS and result.detail:
+        detail += f"; the probe also found: {result.detail}"
+    return ProbeResult(Verdict.LEAK, "foreign_marker", detail, evidence, result.measurements)
+
+
+def excerpt(text: str, around: int | None = None) -> str:
+    """Return at most EXCERPT_CHARS of ``text`` (centred on ``around``), markers redacted."""
+    if around is None:
+        around = 0
+    start = max(0, around - EXCERPT_CHARS // 2)
+    return redact_markers(text[start : start + EXCERPT_CHARS])

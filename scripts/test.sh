@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up everything the test suite needs on a fresh Debian machine, then run every test.
+# Real services only: PostgreSQL (127.0.0.1:5432, started when down) and a vLLM CPU server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+need=()
+command -v pg_ctlcluster >/dev/null || need+=(postgresql)
+if [ ${#need[@]} -gt 0 ]; then
+  as_root apt-get update -q
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}"
+fi
+if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
+  as_root pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | sort | tail -n1)" main start || true
+fi
+
+bash scripts/setup.sh
+bash scripts/setup-vllm.sh
+export KVCANARY_REQUIRE_VLLM=1
+
+set +e
+.venv/bin/python -m pytest -q "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected no test: that is a failure of the suite, not a pass.
+[ "$rc" = 5 ] && { echo "test.sh: no tests ran" >&2; exit 1; }
+exit "$rc"

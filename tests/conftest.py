@@ -1,0 +1,169 @@
+"""Fixtures shared by every test: free loopback ports, a real PostgreSQL, reference workers as processes.
+
+Nothing here fakes a server. PostgreSQL is the machine's cluster on 127.0.0.1:5432 (started when
+it is down); each test session gets its own throw-away database in it. Workers are started as
+real processes with ``python -m workers`` and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PG_HOST, PG_PORT = "127.0.0.1", int(os.environ.get("KVCANARY_TEST_PG_PORT", "5432"))
+
+
+def free_port() -> int:
+    """Return a TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll ``url`` until it answers 200; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError as exc:
+            last = str(exc)
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout}s ({last})")
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+# --- PostgreSQL -------------------------------------------------------------------------------------
+
+
+def _pg_up() -> bool:
+    try:
+        with socket.create_connection((PG_HOST, PG_PORT), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _start_local_pg() -> None:
+    """Start the machine's cluster when it is down (Debian: pg_ctlcluster)."""
+    if _pg_up() or not shutil.which("pg_ctlcluster"):
+        return
+    versions = sorted(Path("/etc/postgresql").glob("*"))
+    if versions:
+        subprocess.run(
+            ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1].name, "main", "start"],
+            check=False,
+            capture_output=True,
+            timeout=60,
+        )
+    for _ in range(50):
+        if _pg_up():
+            return
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database on the real server, dropped at the end of the session."""
+    import psycopg
+
+    _start_local_pg()
+    if not _pg_up():
+        pytest.fail(f"PostgreSQL is not reachable on {PG_HOST}:{PG_PORT} and could not be started")
+    name = f"kvcanary_test_{uuid.uuid4().hex[:10]}"
+    admin = f"host={PG_HOST} port={PG_PORT} user=postgres dbname=postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/{name}"
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# --- reference workers as processes ------------------------------------------------------------------
+
+
+@dataclass
+class WorkerProcess:
+    url: str
+    port: int
+    args: list[str]
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start ``python -m workers ARGS`` on a free port; every started worker is stopped afterwards.
+
+    Usage: ``w = start_worker("--mode", "disaggregated", "--admission", "placeholder")``.
+    """
+    started: list[WorkerProcess] = []
+
+    def start(*args: str, port: int | None = None) -> WorkerProcess:
+        port = port or free_port()
+        log = tmp_path / f"worker-{port}.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "workers",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ]
+        argv += list(args)
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            )
+        worker = WorkerProcess(f"http://127.0.0.1:{port}", port, list(args), proc, log)
+        started.append(worker)
+        try:
+            wait_http(worker.url + "/health", timeout=60, proc=proc)
+        except Exception as exc:
+            raise RuntimeError(f"worker {args} did not start: {exc}\n{worker.output()}") from exc
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

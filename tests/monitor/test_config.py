@@ -1,0 +1,125 @@
+"""The config file: every bad file exits 2 with a message naming the key, through the real CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from monitor.config import ConfigError, api_token, load_settings, parse_settings, tenant_keys
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "config"
+INVALID = sorted(FIXTURES.glob("invalid-*.yml"))
+
+
+def expected_key(path: Path) -> str:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# expect: "), f"{path.name} must say what it expects"
+    return first.removeprefix("# expect: ")
+
+
+def kvcanary(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "monitor", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("path", INVALID, ids=[p.stem for p in INVALID])
+def test_it_names_the_bad_key_of_each_invalid_file(path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(path)
+    assert expected_key(path) in str(err.value)
+
+
+@pytest.mark.parametrize("command", ["check", "serve"])
+def test_the_cli_exits_2_naming_the_key(command: str) -> None:
+    path = FIXTURES / "invalid-interval.yml"
+    proc = kvcanary(command, "--config", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert "targets[0].interval_seconds" in proc.stderr
+    assert "greater than 0" in proc.stderr
+
+
+def test_the_cli_exits_2_for_a_missing_file(tmp_path: Path) -> None:
+    proc = kvcanary("check", "--config", str(tmp_path / "nope.yml"))
+    assert proc.returncode == 2
+    assert "cannot read" in proc.stderr
+
+
+def test_the_annotated_example_is_valid() -> None:
+    settings = load_settings(REPO / "kvcanary.example.yml")
+    target = settings.targets[0]
+    assert target.engine == "sglang"
+    assert target.interval_for("boundary") == 300
+    assert target.interval_for("canary") == 30
+
+
+def test_a_named_but_unset_key_variable_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVC_TEST_UNSET", raising=False)
+    settings = parse_settings(
+        {
+            "targets": [
+                {
+                    "name": "a",
+                    "base_url": "http://127.0.0.1:1",
+                    "probes": ["canary"],
+                    "tenants": [{"name": "x", "api_key_env": "KVC_TEST_UNSET"}],
+                }
+            ]
+        }
+    )
+    with pytest.raises(ConfigError, match=r"targets\[0\]\.tenants\[0\]\.api_key_env.*KVC_TEST_UNSET"):
+        tenant_keys(settings)
+
+
+def test_keys_come_from_files_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "k").write_text("file-key\n")
+    monkeypatch.setenv("KVC_TEST_KEY", "env-key")
+    settings = parse_settings(
+        {
+            "targets": [
+                {
+                    "name": "a",
+                    "base_url": "http://127.0.0.1:1",
+                    "probes": ["canary"],
+                    "tenants": [
+                        {"name": "x", "api_key_file": str(tmp_path / "k")},
+                        {"name": "y", "api_key_env": "KVC_TEST_KEY"},
+                        {"name": "z"},
+                    ],
+                }
+            ]
+        }
+    )
+    assert tenant_keys(settings) == {("a", "x"): "file-key", ("a", "y"): "env-key", ("a", "z"): None}
+
+
+def test_the_api_needs_a_token_unless_local_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVCANARY_API_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=r"api\.token_env"):
+        api_token(parse_settings({}))
+    assert api_token(parse_settings({"api": {"local_only": True}})) is None
+
+
+def test_the_api_refuses_a_placeholder_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCANARY_API_TOKEN", "changeme")
+    with pytest.raises(ConfigError, match="placeholder"):
+        api_token(parse_settings({}))
+
+
+def test_serve_exits_2_without_a_token(tmp_path: Path) -> None:
+    config = tmp_path / "c.yml"
+    config.write_text(yaml.safe_dump({"database_url": f"sqlite:///{tmp_path}/x.db", "targets": []}))
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KVCANARY_API_TOKEN"}
+    proc = kvcanary("serve", "--config", str(config), env=env)
+    assert proc.returncode == 2
+    assert "api.token_env" in proc.stderr

@@ -1,0 +1,47 @@
+"""The walls of the house: which package may import which (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def imported_roots(package: str) -> dict[str, set[str]]:
+    """Return {file: top-level modules it imports} for every .py file under ``package``."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        roots: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                roots |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                roots.add(node.module.split(".")[0])
+        found[str(path.relative_to(REPO))] = roots
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("workers", {"monitor", "probes"}),  # the worker side stands alone; they meet over HTTP
+        ("probes", {"monitor", "workers", "torch", "sqlalchemy", "fastapi", "prometheus_client"}),
+        ("monitor", {"workers", "torch"}),  # the monitor installs and runs without torch
+    ],
+)
+def test_packages_import_only_across_allowed_walls(package: str, forbidden: set[str]) -> None:
+    offenders = {f: sorted(r & forbidden) for f, r in imported_roots(package).items() if r & forbidden}
+    assert offenders == {}
+
+
+def test_the_monitor_cli_loads_without_torch() -> None:
+    code = (
+        "import sys, monitor.cli, monitor.app, monitor.demo, monitor.check; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
