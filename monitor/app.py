@@ -86,12 +86,20 @@ class Monitor:
         if not self.scheduler.running:
             self.scheduler.start()
 
-    async def stop(self) -> None:
+    async def stop(self, drain_seconds: float = 10.0) -> None:
+        """Stop scheduling, let runs in flight finish (cancelling stragglers), close clients."""
+        # Pause first: shutting APScheduler's asyncio executor down cancels the jobs it is running.
+        if self.scheduler.running:
+            self.scheduler.pause()
+        cancelled = await self.runner.drain(drain_seconds)
+        if cancelled:
+            log.warning("cancelled %d probe run(s) still in flight at shutdown", cancelled)
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)
         for client in self.clients.values():
             await client.aclose()
         self.engine.dispose()
+        log.info("kvcanary stopped cleanly")
 
 
 def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:

@@ -90,6 +90,7 @@ class ProbeRunner:
         self.on_summary = on_summary
         self._slots = asyncio.Semaphore(settings.scheduler.max_concurrency)
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._in_flight: set[asyncio.Task[Any]] = set()
         for target in settings.targets:
             metrics.declare(target.name, target.probes)
 
@@ -99,6 +100,10 @@ class ProbeRunner:
         if target is None or kind not in target.probes:
             raise KeyError(f"{target_name}/{kind}")
         lock = self._locks.setdefault((target_name, kind), asyncio.Lock())
+        task = asyncio.current_task()
+        if task is not None:
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
         async with lock, self._slots:
             started_at = datetime.now(UTC)
             result, duration = await execute_probe(kind, self.clients[target_name], self.markers, target)
@@ -109,6 +114,16 @@ class ProbeRunner:
         if self.on_summary:
             self.on_summary(summary)
         return summary
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for runs in flight, then cancel the rest; return how many."""
+        pending = {t for t in self._in_flight if t is not asyncio.current_task()}
+        if not pending:
+            return 0
+        _, late = await asyncio.wait(pending, timeout=timeout)
+        for task in late:
+            task.cancel()
+        return len(late)
 
     async def run_target(self, target_name: str) -> list[dict[str, Any]]:
         """Run every probe of one target, in its configured order; raise KeyError when unknown."""

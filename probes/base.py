@@ -81,8 +81,9 @@ class Completion:
     """What came back. ``status`` is None when no HTTP response arrived (``error`` says why).
 
     ``text`` is the generated text, or the error body for a non-2xx answer (scanned for markers too:
-    an error body is output a tenant sees). ``error_kind`` is ``connect``, ``timeout``, ``protocol``
-    or ``http`` when something went wrong.
+    an error body is output a tenant sees). ``error_kind`` is ``connect``, ``timeout``, ``protocol``,
+    ``stream`` (the engine reported an error inside a 200 stream) or ``http`` when something went
+    wrong.
     """
 
     status: int | None
@@ -182,12 +183,35 @@ class Probe(ABC):
         """Probe the target and return a verdict. Never raise: return ``ProbeResult.error`` instead."""
 
 
+def unjudgeable(completion: Completion) -> str | None:
+    """Return why ``completion`` says nothing about the output (a bounded reason), or None if it does.
+
+    Judgeable: a complete 2xx answer, or a refusal the engine chose (see :attr:`Completion.refused`).
+    Not judgeable: no answer (``unreachable``, ``timeout``), bad credentials (``auth_failed``),
+    ``rate_limited``, ``server_error`` (5xx), or a 2xx whose body or stream broke (``protocol``,
+    ``stream_error``, ``timeout``).
+    """
+    kind = completion.error_kind
+    if completion.status is None:
+        return "timeout" if kind == "timeout" else "unreachable"
+    if completion.status in (401, 403):
+        return "auth_failed"
+    if completion.status == 429:
+        return "rate_limited"
+    if completion.status >= 500:
+        return "server_error"
+    if completion.ok and kind is not None:
+        return {"stream": "stream_error", "timeout": "timeout"}.get(kind, "protocol")
+    return None
+
+
 def judge(result: ProbeResult, ctx: ProbeContext) -> ProbeResult:
     """Return the final result: any foreign marker seen in any response makes it a ``leak``.
 
-    The evidence keeps marker ids, hashes and redacted excerpts only.
+    The evidence keeps marker ids, hashes and redacted excerpts only. Idempotent: a probe may judge
+    its own result and the runner judge it again.
     """
-    if not ctx.leaks:
+    if not ctx.leaks or (result.verdict is Verdict.LEAK and "leak_count" in result.evidence):
         return result
     hits = ctx.leaks
     owners = sorted({h.owner_tenant for h in hits})

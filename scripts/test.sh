@@ -16,6 +16,9 @@ if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
 fi
 
 bash scripts/setup.sh
+# vLLM's CPU build (2.5 GB) lives outside the clone, so fresh clones on one machine share it.
+export KVCANARY_VLLM_VENV="${KVCANARY_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-vllm}"
+mkdir -p "$(dirname "$KVCANARY_VLLM_VENV")"
 bash scripts/setup-vllm.sh
 export KVCANARY_REQUIRE_VLLM=1
 

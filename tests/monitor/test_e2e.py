@@ -206,7 +206,25 @@ def test_the_defective_target_opens_a_critical_incident_that_resolves_once_fixed
     resolved = dep.api(f"/api/v1/incidents/{incidents[0]['id']}")
     assert resolved["state"] == "resolved"
 
+    # A manual run through the API runs every probe of the target and reports the verdicts.
+    ran = httpx.post(
+        f"{dep.url}/api/v1/targets/{dep.name('healthy')}/run",
+        headers={"Authorization": f"Bearer {dep.token}"},
+        timeout=120,
+    )
+    assert ran.status_code == 200, ran.text
+    assert sorted(r["probe"] for r in ran.json()["results"]) == sorted(INTERVALS)
+
     assert_no_secret_anywhere(dep)
+
+    # SIGTERM drains cleanly. (uvicorn re-raises the signal after its graceful shutdown, so the
+    # exit status is the signal's; the log says whether the drain completed.)
+    assert dep.proc is not None
+    stop_process(dep.proc, timeout=30)
+    log = dep.log.read_text()
+    assert dep.proc.returncode in (0, -15), log[-3000:]
+    assert "kvcanary stopped cleanly" in log
+    assert "Traceback" not in log and "CancelledError" not in log
 
 
 def assert_no_secret_anywhere(dep: Deployment) -> None:

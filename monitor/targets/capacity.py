@@ -1,0 +1,223 @@
+"""Read a node's KV pool and context window from whatever the engine publishes.
+
+The incident's configuration was a context window (1,048,576) larger than the prefill KV pool
+(681,280). Each engine states the two in different places (``docs/engines.md``):
+
+- SGLang and the reference worker: ``GET /get_server_info`` (newer SGLang: ``/server_info``):
+  ``context_length``, ``max_total_num_tokens`` (the pool), ``max_req_input_len``, ``page_size``,
+  ``disaggregation_mode``, ``version``; the reference worker adds ``kv_pools`` per role. Behind an
+  SGLang PD router the answer is ``{"prefill": [...], "decode": [...]}``, one entry per node.
+- vLLM: ``GET /v1/models`` ``max_model_len``; ``GET /metrics`` ``vllm:cache_config_info`` labels
+  ``num_gpu_blocks`` x ``block_size``; ``GET /version``.
+- llama.cpp: ``GET /props`` ``default_generation_settings.n_ctx`` (per slot; the slot is the pool).
+- Hosted OpenAI-compatible APIs: ``/v1/models`` ``max_model_len`` when they say it.
+
+Every lookup that fails leaves its fields None; nothing here raises on a bad answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from probes.base import ServerCapacity
+
+OVERRIDABLE = ("context_window", "kv_pool_tokens", "max_req_input_len", "page_size")
+ROLES = ("prefill", "decode")
+# Names a pool's size goes by inside a kv_pools entry.
+_POOL_SIZE_KEYS = ("tokens", "max_total_num_tokens", "capacity_tokens", "size")
+
+
+class Lookups(Protocol):
+    async def get_json(self, path: str) -> Any | None: ...
+
+    async def get_text(self, path: str) -> str | None: ...
+
+
+def _int(value: Any) -> int | None:
+    """Return a positive int from an int or a numeric string ("16", "1024.0"), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value > 0 else None
+    if isinstance(value, float | str):
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+        return int(number) if number > 0 and number == int(number) else None
+    return None
+
+
+def _min(*values: int | None) -> int | None:
+    known = [v for v in values if v]
+    return min(known) if known else None
+
+
+async def read_capacity(lookups: Lookups, engine: str) -> ServerCapacity:
+    """Return the capacity ``engine`` publishes through ``lookups``; unknown fields stay None."""
+    if engine in ("sglang", "reference"):
+        return await _sglang(lookups)
+    if engine == "vllm":
+        return await _vllm(lookups)
+    if engine == "llamacpp":
+        return await _llamacpp(lookups)
+    return ServerCapacity(context_window=await _max_model_len(lookups), source="/v1/models")
+
+
+def apply_overrides(found: ServerCapacity, options: dict[str, Any]) -> ServerCapacity:
+    """Return ``found`` with the fields an operator stated in ``options`` replaced."""
+    stated = {k: v for k in OVERRIDABLE if (v := _int(options.get(k))) is not None}
+    if not stated:
+        return found
+    result = dataclasses.replace(found, source=f"{found.source}+config" if found.source else "config")
+    for name, value in stated.items():
+        setattr(result, name, value)
+    return result
+
+
+# --- SGLang and the reference worker ---------------------------------------------------------------
+
+
+async def _sglang(lookups: Lookups) -> ServerCapacity:
+    source = "/get_server_info"
+    info = await lookups.get_json(source)
+    if not isinstance(info, dict):
+        source = "/server_info"
+        info = await lookups.get_json(source)
+    if not isinstance(info, dict):
+        return ServerCapacity(context_window=await _max_model_len(lookups), source="/v1/models")
+    if isinstance(info.get("prefill"), list) and isinstance(info.get("decode"), list):
+        return _sglang_router(info, source)
+    cap = _sglang_node(info, source)
+    if cap.context_window is None:
+        cap.context_window = await _max_model_len(lookups)
+    return cap
+
+
+def _sglang_node(info: dict[str, Any], source: str) -> ServerCapacity:
+    # Scheduler fields are top-level in most releases and inside internal_states[0] in others.
+    states = info.get("internal_states")
+    inner = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+
+    def pick(*keys: str) -> Any:
+        for key in keys:
+            for where in (info, inner):
+                if where.get(key) is not None:
+                    return where[key]
+        return None
+
+    pools = _pools(info.get("kv_pools"))
+    mode = pick("disaggregation_mode")
+    return ServerCapacity(
+        context_window=_int(pick("context_length", "context_len", "max_model_len")),
+        kv_pool_tokens=_min(_int(pick("max_total_num_tokens")), *pools.values()),
+        max_req_input_len=_int(pick("max_req_input_len")),
+        page_size=_int(pick("page_size")),
+        disaggregation_mode=str(mode) if mode is not None else None,
+        version=str(info["version"]) if info.get("version") is not None else None,
+        pools=pools,
+        source=source,
+    )
+
+
+def _sglang_router(info: dict[str, Any], source: str) -> ServerCapacity:
+    """Combine a PD router's per-node answers: a request must fit every node it can land on."""
+    nodes = {role: [_sglang_node(n, source) for n in info[role] if isinstance(n, dict)] for role in ROLES}
+    pools: dict[str, int] = {}
+    for role, caps in nodes.items():
+        if (pool := _min(*(c.kv_pool_tokens for c in caps))) is not None:
+            pools[role] = pool
+    every = nodes["prefill"] + nodes["decode"]
+    return ServerCapacity(
+        context_window=_min(*(c.context_window for c in every)),
+        kv_pool_tokens=_min(*pools.values()),
+        max_req_input_len=_min(*(c.max_req_input_len for c in every)),
+        page_size=next((c.page_size for c in every if c.page_size), None),
+        disaggregation_mode="router",
+        version=next((c.version for c in every if c.version), None),
+        pools=pools,
+        source=source,
+    )
+
+
+def _pools(raw: Any) -> dict[str, int]:
+    """Parse ``kv_pools``: ``{"prefill": 1024}``, ``{"prefill": {"tokens": 1024}}`` or a list of those."""
+    if isinstance(raw, list):
+        named = {}
+        for i, item in enumerate(raw):
+            if isinstance(item, dict):
+                named[str(item.get("name") or item.get("role") or i)] = item
+        raw = named
+    if not isinstance(raw, dict):
+        return {}
+    pools: dict[str, int] = {}
+    for name, value in raw.items():
+        if isinstance(value, dict):
+            value = next((value[k] for k in _POOL_SIZE_KEYS if k in value), None)
+        if (tokens := _int(value)) is not None:
+            pools[str(name)] = tokens
+    return pools
+
+
+# --- vLLM, llama.cpp, hosted APIs -----------------------------------------------------------------
+
+
+async def _max_model_len(lookups: Lookups) -> int | None:
+    models = await lookups.get_json("/v1/models")
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        return None
+    return _min(*(_int(m.get("max_model_len")) for m in data if isinstance(m, dict)))
+
+
+async def _vllm(lookups: Lookups) -> ServerCapacity:
+    pool, block_size = _vllm_pool(await lookups.get_text("/metrics") or "")
+    version = await lookups.get_json("/version")
+    return ServerCapacity(
+        context_window=await _max_model_len(lookups),
+        kv_pool_tokens=pool,
+        page_size=block_size,
+        version=str(version["version"]) if isinstance(version, dict) and "version" in version else None,
+        pools={"gpu": pool} if pool else {},
+        source="/v1/models,/metrics",
+    )
+
+
+def _vllm_pool(metrics_text: str) -> tuple[int | None, int | None]:
+    """Return (pool tokens, block size) from ``vllm:cache_config_info``; the smallest engine's pool."""
+    pools: list[int] = []
+    block_size: int | None = None
+    try:
+        families = list(text_string_to_metric_families(metrics_text))
+    except Exception:  # A scrape that does not parse says nothing about the pool.
+        return None, None
+    for family in families:
+        if family.name not in ("vllm:cache_config_info", "vllm:cache_config"):
+            continue
+        for sample in family.samples:
+            blocks, size = _int(sample.labels.get("num_gpu_blocks")), _int(sample.labels.get("block_size"))
+            if blocks and size:
+                pools.append(blocks * size)
+                block_size = size
+    return (min(pools) if pools else None), block_size
+
+
+async def _llamacpp(lookups: Lookups) -> ServerCapacity:
+    props = await lookups.get_json("/props")
+    if not isinstance(props, dict):
+        return ServerCapacity(source="/props unavailable")
+    settings = props.get("default_generation_settings")
+    n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, dict) else None
+    n_ctx = n_ctx or _int(props.get("n_ctx"))
+    build = props.get("build_info")
+    # A llama.cpp slot holds one sequence's KV: the per-slot n_ctx is both window and pool.
+    return ServerCapacity(
+        context_window=n_ctx,
+        kv_pool_tokens=n_ctx,
+        version=str(build) if build is not None else None,
+        pools={"slot": n_ctx} if n_ctx else {},
+        source="/props",
+    )

@@ -1,0 +1,210 @@
+"""The one HTTP client for every serving engine: OpenAI-compatible completions, capacity, tokenizing.
+
+:class:`OpenAIHttpTarget` implements :class:`probes.base.TargetClient` for SGLang, vLLM, llama.cpp,
+hosted OpenAI-compatible APIs and the reference worker. Its contract:
+
+- It never raises on network or protocol trouble. ``complete`` returns a :class:`Completion` whose
+  ``error_kind`` says what went wrong: ``connect`` (no connection; ``status`` None), ``timeout``
+  (``config.timeout_seconds`` passed; ``status`` None unless headers had arrived), ``protocol`` (a
+  body or stream that is not what the API promises), ``stream`` (the engine reported an error inside
+  a 200 stream) or ``http`` (a non-2xx answer). Lookups return None fields instead.
+- A non-2xx answer keeps its raw body, bounded to :data:`ERROR_BODY_BYTES`, in ``text``: an error
+  body is output a tenant sees, so probes scan it for foreign markers like any other output.
+- A tenant's API key goes into its own ``Authorization`` header and nowhere else: every string this
+  module returns passes through :meth:`OpenAIHttpTarget._scrub` first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from monitor.config import TargetConfig
+from monitor.targets.capacity import apply_overrides, read_capacity
+from monitor.targets.wire import (
+    ERROR_BODY_BYTES,
+    StreamState,
+    error_message,
+    parse_body,
+    read_bounded,
+    request_body,
+)
+from probes.base import Completion, CompletionRequest, ServerCapacity
+
+__all__ = ["ERROR_BODY_BYTES", "OpenAIHttpTarget"]
+
+# Keys shorter than this are not scrubbed: replacing "a" everywhere would destroy the evidence.
+_MIN_SCRUB_LEN = 4
+
+
+class OpenAIHttpTarget:
+    """A serving endpoint reached over HTTP. One :class:`httpx.AsyncClient` per target; call :meth:`aclose`.
+
+    ``api_keys`` maps each tenant name to its key, or None for an engine without authentication.
+    ``transport`` replaces the network in tests (``httpx.MockTransport``).
+    """
+
+    def __init__(
+        self,
+        config: TargetConfig,
+        api_keys: dict[str, str | None],
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.name = config.name
+        self.tenants = [t.name for t in config.tenants]
+        self.engine = config.engine
+        self._config = config
+        self._keys = dict(api_keys)
+        secrets = {k for k in self._keys.values() if k and len(k) >= _MIN_SCRUB_LEN}
+        # Longest first, so a key that contains another is replaced whole.
+        self._secrets = sorted(secrets, key=len, reverse=True)
+        self._timeout = config.timeout_seconds
+        self._client = httpx.AsyncClient(
+            # Paths below start at /v1; a base URL written with its /v1 would double it.
+            base_url=config.base_url.removesuffix("/v1"),
+            timeout=httpx.Timeout(config.timeout_seconds),
+            transport=transport,
+            # Redirects could carry the Authorization header to another host.
+            follow_redirects=False,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def __aenter__(self) -> OpenAIHttpTarget:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # --- completions ----------------------------------------------------------------------------------
+
+    async def complete(self, tenant: str, request: CompletionRequest) -> Completion:
+        """Send one completion as ``tenant`` and return what came back; never raise (see module doc)."""
+        path, body = request_body(request, self._config.model)
+        state = StreamState(chat=request.chat, started=time.monotonic())
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._exchange(tenant, path, body, request.stream, state)
+        except TimeoutError:
+            state.fail("timeout", f"no complete answer within {self._timeout:g}s")
+        except httpx.TimeoutException as exc:
+            state.fail("timeout", f"{type(exc).__name__} after {self._timeout:g}s")
+        except httpx.ConnectError as exc:
+            state.fail("connect", f"cannot connect to {self._config.base_url}: {exc}")
+        except httpx.HTTPError as exc:
+            state.fail("protocol", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # A monitor must survive any odd answer; say what it was.
+            state.fail("protocol", f"{type(exc).__name__}: {exc}")
+        completion = state.to_completion(time.monotonic())
+        completion.text = self._scrub(completion.text)
+        completion.error = self._scrub(completion.error) if completion.error else None
+        return completion
+
+    async def _exchange(
+        self, tenant: str, path: str, body: dict[str, Any], stream: bool, state: StreamState
+    ) -> None:
+        headers = self._auth(tenant)
+        async with self._client.stream("POST", path, json=body, headers=headers) as response:
+            state.status = response.status_code
+            if not response.is_success:
+                raw = await read_bounded(response, ERROR_BODY_BYTES)
+                state.text = raw
+                state.apply_error_body(raw)
+                state.fail("http", error_message(raw) or f"HTTP {response.status_code}")
+                return
+            content_type = response.headers.get("content-type", "")
+            if stream and "text/event-stream" in content_type:
+                async for line in response.aiter_lines():
+                    if not state.feed_sse_line(line, time.monotonic()):
+                        break
+                state.finish_stream()
+            else:
+                # Some servers ignore ``stream``; a JSON body is as good an answer.
+                parse_body(await response.aread(), state, time.monotonic())
+
+    def _auth(self, tenant: str) -> dict[str, str]:
+        key = self._keys.get(tenant)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _any_auth(self) -> dict[str, str]:
+        """Headers for lookups: the first tenant that has a key (many engines guard /v1/models)."""
+        for tenant in self.tenants:
+            if self._keys.get(tenant):
+                return self._auth(tenant)
+        return {}
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, "<api-key>")
+        return text
+
+    # --- lookups --------------------------------------------------------------------------------------
+
+    async def get_json(self, path: str) -> Any | None:
+        """GET ``path`` and return its JSON, or None on any failure."""
+        text = await self.get_text(path)
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
+
+    async def get_text(self, path: str) -> str | None:
+        """GET ``path`` and return its body when the answer is 2xx, else None."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                response = await self._client.get(path, headers=self._any_auth())
+        except (TimeoutError, httpx.HTTPError):
+            return None
+        return response.text if response.is_success else None
+
+    async def capacity(self) -> ServerCapacity:
+        """Return what the node says about its KV pool and context window; unknown fields are None.
+
+        ``options["boundary"]`` in the target's config overrides any field (``context_window``,
+        ``kv_pool_tokens``, ``max_req_input_len``, ``page_size``): an operator can state a pool the
+        engine does not publish.
+        """
+        try:
+            found = await read_capacity(self, self.engine)
+        except Exception:  # A lookup never breaks a probe: unknown is an answer.
+            found = ServerCapacity(source="lookup failed")
+        return apply_overrides(found, self._config.options.get("boundary", {}))
+
+    async def count_tokens(self, text: str) -> int | None:
+        """Return how many tokens the engine's own tokenizer makes of ``text``; None when it cannot say.
+
+        llama.cpp takes ``{"content"}`` and answers ``{"tokens": [...]}``; vLLM, SGLang and the
+        reference worker take ``{"prompt"}`` and answer ``{"count", "tokens", ...}``. No ``model`` is
+        sent: vLLM refuses a name it does not serve, and every engine defaults to its one model.
+        """
+        if self.engine == "openai":
+            return None
+        if self.engine == "llamacpp":
+            return await self._tokenize("/tokenize", {"content": text})
+        count = await self._tokenize("/tokenize", {"prompt": text})
+        if count is None and self.engine == "sglang":
+            count = await self._tokenize("/v1/tokenize", {"prompt": text})
+        return count
+
+    async def _tokenize(self, path: str, body: dict[str, Any]) -> int | None:
+        try:
+            async with asyncio.timeout(self._timeout):
+                response = await self._client.post(path, json=body, headers=self._any_auth())
+            data = response.json() if response.is_success else None
+        except (TimeoutError, httpx.HTTPError, ValueError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        count = data.get("count")
+        if isinstance(count, int) and not isinstance(count, bool):
+            return count
+        tokens = data.get("tokens")
+        return len(tokens) if isinstance(tokens, list) else None

@@ -1,0 +1,246 @@
+"""The OpenAI-compatible wire format as the engines really speak it: request bodies, SSE, error bodies.
+
+Kept apart from the HTTP client so that every shape an engine can send (see ``docs/engines.md``) is
+parsed in one place. Nothing here does I/O except :func:`read_bounded`; nothing here raises on a
+bad answer: :class:`StreamState` records ``protocol`` or ``stream`` failures instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from probes.base import Completion, CompletionRequest
+
+#: How much of an error body is kept: enough for any engine's message, not a second copy of a prompt.
+ERROR_BODY_BYTES = 4096
+_MESSAGE_CHARS = 500
+
+
+def request_body(request: CompletionRequest, model: str) -> tuple[str, dict[str, Any]]:
+    """Return ``(path, json_body)`` for ``request``: chat messages or a raw prompt."""
+    body: dict[str, Any] = {"model": model}
+    if request.chat:
+        path = "/v1/chat/completions"
+        messages = [{"role": "system", "content": request.system}] if request.system else []
+        body["messages"] = [*messages, {"role": "user", "content": request.prompt}]
+    else:
+        path = "/v1/completions"
+        body["prompt"] = request.prompt
+    body.update(max_tokens=request.max_tokens, temperature=request.temperature, stream=request.stream)
+    if request.seed is not None:
+        body["seed"] = request.seed
+    if request.stream:
+        # Without this no engine sends usage in a stream, and prompt_tokens is the incident's tell.
+        body["stream_options"] = {"include_usage": True}
+    return path, body
+
+
+def error_message(raw: str) -> str | None:
+    """Return the message of an engine's error body, or None when the body is not a known shape.
+
+    Shapes: vLLM/OpenAI ``{"error": {"message", "type", "code"}}``, SGLang ``{"object": "error",
+    "message", ...}``, llama.cpp ``{"error": {"code", "type", "message", "n_prompt_tokens", "n_ctx"}}``,
+    FastAPI ``{"detail": ...}``.
+    """
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    err = data.get("error")
+    message: Any = None
+    if isinstance(err, dict):
+        message = err.get("message") or _describe_llamacpp(err)
+    elif isinstance(err, str):
+        message = err
+    if not message:
+        message = data.get("message") or data.get("detail")
+    if isinstance(message, list | dict):
+        message = json.dumps(message)
+    return str(message)[:_MESSAGE_CHARS] if message else None
+
+
+def _describe_llamacpp(err: dict[str, Any]) -> str | None:
+    # Older llama.cpp builds send only type and counts; say them in words.
+    kind = err.get("type")
+    if not isinstance(kind, str):
+        return None
+    n_prompt, n_ctx = err.get("n_prompt_tokens"), err.get("n_ctx")
+    if n_prompt is not None and n_ctx is not None:
+        return f"{kind}: request ({n_prompt} tokens) exceeds the context size ({n_ctx} tokens)"
+    return kind
+
+
+async def read_bounded(response: httpx.Response, limit: int) -> str:
+    """Return at most ``limit`` bytes of the body, decoded leniently (an error body may be anything)."""
+    buf = bytearray()
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        if len(buf) >= limit:
+            break
+    return bytes(buf[:limit]).decode("utf-8", "replace")
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass
+class StreamState:
+    """What is known of one answer so far; :meth:`to_completion` turns it into a Completion."""
+
+    chat: bool
+    started: float
+    status: int | None = None
+    parts: list[str] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    error: str | None = None
+    error_kind: str | None = None
+    chunks: int = 0
+    done: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self.parts = [value]
+
+    def fail(self, kind: str, message: str) -> None:
+        """Record a failure; the first one is the cause, later ones are consequences."""
+        if self.error_kind is None:
+            self.error_kind, self.error = kind, message
+
+    def feed_sse_line(self, line: str, now: float) -> bool:
+        """Take one line of an event stream; return False when the stream is over or broken."""
+        line = line.strip()
+        if not line.startswith("data:"):
+            return True  # blank separators, ": keep-alive" comments, event:/id: fields
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            self.done = True
+            return False
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            self.fail("protocol", "a stream chunk is not JSON")
+            return False
+        if not isinstance(chunk, dict):
+            self.fail("protocol", "a stream chunk is not a JSON object")
+            return False
+        self.chunks += 1
+        if "error" in chunk or chunk.get("object") == "error":
+            # SGLang and vLLM report errors raised after the headers inside the stream, with status 200.
+            self.parts.append(payload[:ERROR_BODY_BYTES])
+            self.fail("stream", error_message(payload) or "the engine reported an error in the stream")
+            return False
+        return self._absorb(chunk, now, "delta")
+
+    def finish_stream(self) -> None:
+        """Judge how the stream ended: a cut stream is a protocol failure, not a short answer."""
+        if self.error_kind is not None or self.done:
+            return
+        if self.chunks == 0:
+            self.fail("protocol", "the stream ended without any data")
+        elif self.finish_reason is None:
+            self.fail("protocol", "the stream ended before [DONE] or a finish_reason")
+
+    def apply_error_body(self, raw: str) -> None:
+        """Keep the prompt length llama.cpp states in its refusal (``n_prompt_tokens``)."""
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return
+        err = data.get("error") if isinstance(data, dict) else None
+        if isinstance(err, dict):
+            self.prompt_tokens = _int(err.get("n_prompt_tokens"))
+
+    def _absorb(self, chunk: dict[str, Any], now: float, key: str) -> bool:
+        choices = chunk.get("choices")
+        if choices is not None and not isinstance(choices, list):
+            self.fail("protocol", "choices is not a list")
+            return False
+        if choices:
+            choice = choices[0]
+            if not isinstance(choice, dict):
+                self.fail("protocol", "a choice is not an object")
+                return False
+            piece = _choice_text(choice, self.chat, key)
+            if piece:
+                self.parts.append(piece)
+                # Time to first token means something only for a stream.
+                if self.first_token_at is None and key == "delta":
+                    self.first_token_at = now
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str):
+                self.finish_reason = reason
+        self._absorb_usage(chunk.get("usage"))
+        return True
+
+    def _absorb_usage(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        self.prompt_tokens = _int(usage.get("prompt_tokens"))
+        self.completion_tokens = _int(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            self.cached_tokens = _int(details.get("cached_tokens"))
+
+    def to_completion(self, now: float) -> Completion:
+        ttft = self.first_token_at - self.started if self.first_token_at is not None else None
+        return Completion(
+            status=self.status,
+            text=self.text,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            finish_reason=self.finish_reason,
+            latency_seconds=now - self.started,
+            ttft_seconds=ttft,
+            error=self.error,
+            error_kind=self.error_kind,
+        )
+
+
+def _choice_text(choice: dict[str, Any], chat: bool, key: str) -> str:
+    # Reasoning models put part of what a tenant sees in reasoning fields: scan those too.
+    holder = choice.get(key) if chat else None
+    if isinstance(holder, dict):
+        fields = [holder.get("reasoning_content"), holder.get("reasoning"), holder.get("content")]
+    else:
+        fields = [choice.get("text")]
+    return "".join(f for f in fields if isinstance(f, str))
+
+
+def parse_body(raw: bytes, state: StreamState, now: float) -> None:
+    """Fill ``state`` from a non-streamed JSON answer; a body that is not one is a protocol failure."""
+    text = raw.decode("utf-8", "replace")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        state.text = text[:ERROR_BODY_BYTES]
+        state.fail("protocol", "the body is not JSON")
+        return
+    if not isinstance(data, dict):
+        state.fail("protocol", "the body is not a JSON object")
+        return
+    if "error" in data or data.get("object") == "error":
+        state.text = text[:ERROR_BODY_BYTES]
+        state.fail("stream", error_message(text) or "the engine reported an error with status 200")
+        return
+    if not isinstance(data.get("choices"), list) or not data["choices"]:
+        state.fail("protocol", "the body has no choices")
+        return
+    state.chunks = 1
+    state._absorb(data, now, "message")
+    state.done = True

@@ -1,0 +1,174 @@
+"""Canary: does every tenant get its own secret back, intact, through the serving path?
+
+Targets: a serving path that decodes a request over KV it does not own, or over none of it: the
+incident's one-token placeholder decoded over stale pages, and the answer held someone else's text
+instead of what the request asked. The check asks each tenant's model to repeat a fresh nonce.
+
+Why the check is sound (``docs/detection-research.md`` §5):
+
+- The nonce is a :class:`~probes.canaries.MarkerBook` marker (128 random bits), planted as the
+  asking tenant. Coming back to that tenant it proves the request's own KV was read; coming back to
+  anyone else it is a leak (:func:`~probes.base.judge`), which no model produces by chance.
+- The task is self-referential, short (one 45-character code, well before the ~100th token where
+  nondeterministic runs diverge) and greedy (temperature 0, seed 0): nondeterminism changes late
+  tokens of long answers, not a short copy. A 200 without the nonce is therefore a wrong answer
+  (``mismatch``), never hidden behind the status code.
+- ``usage.prompt_tokens`` is compared with the engine's own count of what was sent: the incident
+  reported 1 prompt token for a huge prompt. A report under half of what was sent is a ``mismatch``
+  (a chat template only adds tokens, so honest reports are at or above the raw count).
+
+Every tenant is asked in every run, one after another: each tenant's path (key, quota, cache salt)
+can break on its own, so a rotation would leave a broken tenant unseen for several intervals, and
+sequential requests keep each tenant's latency and time to first token free of the others' load.
+A 4xx refusal of this tiny prompt is an ``error``: the probe could not judge the output (a wrong
+model name or parameter, not a KV fault); long-lasting errors raise their own warning incident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from probes.base import (
+    Completion,
+    CompletionRequest,
+    Probe,
+    ProbeContext,
+    ProbeResult,
+    Verdict,
+    excerpt,
+    judge,
+    unjudgeable,
+)
+from probes.canaries import marker_hash, redact_markers
+
+#: Short on purpose: the reference worker echoes its prompt from position 0, real models copy it.
+REPEAT_PROMPT = "Repeat this code exactly, with nothing else: {marker}"
+#: Enough for an echoing model to reach past the nonce (the prompt is 90 characters).
+MAX_TOKENS = 96
+#: An engine that reports fewer prompt tokens than this share of what it was sent dropped the prompt.
+MIN_REPORTED_SHARE = 0.5
+# Without a tokenizer count, only the incident's own signature is certain: one token for a prompt.
+_TINY_REPORT = 1
+
+_SEVERITY = {Verdict.MISMATCH: 2, Verdict.ERROR: 1, Verdict.PASS: 0}
+
+
+def repeat_prompt(marker: str) -> str:
+    """Return the prompt that asks a model to repeat ``marker``."""
+    return REPEAT_PROMPT.format(marker=marker)
+
+
+def prompt_tokens_dropped(sent: int | None, reported: int | None) -> bool:
+    """Return True when ``reported`` prompt tokens are implausibly few for ``sent`` (None: unknown)."""
+    if reported is None:
+        return False
+    if sent:
+        return reported < MIN_REPORTED_SHARE * sent
+    return reported <= _TINY_REPORT
+
+
+@dataclass
+class TenantCheck:
+    """One tenant's canary: what it sent, what came back, and what that means."""
+
+    tenant: str
+    marker_id: str
+    digest: str
+    sent_tokens: int | None
+    completion: Completion
+    verdict: Verdict
+    reason: str
+    detail: str
+
+    def evidence(self) -> dict[str, Any]:
+        c = self.completion
+        out: dict[str, Any] = {
+            "tenant": self.tenant,
+            "marker_id": self.marker_id,
+            "marker_sha256": self.digest,
+            "verdict": self.verdict.value,
+            "reason": self.reason,
+            "status_code": c.status,
+            "prompt_tokens_sent": self.sent_tokens,
+            "prompt_tokens_reported": c.prompt_tokens,
+            "finish_reason": c.finish_reason,
+        }
+        if self.verdict is not Verdict.PASS:
+            out["excerpt"] = excerpt(c.text)
+            out["error"] = redact_markers(c.error or "")
+        return out
+
+
+class CanaryProbe(Probe):
+    """Ask every tenant to repeat its own fresh nonce; judge the answer, not the status code."""
+
+    kind = "canary"
+
+    async def run(self, ctx: ProbeContext) -> ProbeResult:
+        try:
+            checks = [await self.check(ctx, tenant) for tenant in ctx.tenants]
+            result = combine(checks)
+        except Exception as exc:  # Never raise: a crash is an error the runner records.
+            result = ProbeResult.error("probe_crashed", f"{type(exc).__name__}: {redact_markers(str(exc))}")
+        return judge(result, ctx)
+
+    async def check(self, ctx: ProbeContext, tenant: str) -> TenantCheck:
+        """Plant a nonce as ``tenant``, ask for it back, and judge the answer."""
+        marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
+        prompt = repeat_prompt(marker)
+        sent = await ctx.target.count_tokens(prompt)
+        request = CompletionRequest(
+            prompt=prompt,
+            max_tokens=int(ctx.options.get("max_tokens", MAX_TOKENS)),
+            chat=bool(ctx.options.get("chat", True)),
+            stream=True,
+            temperature=0.0,
+            seed=0,
+        )
+        c = await ctx.complete(tenant, request)
+        verdict, reason, detail = _judge_answer(c, prompt, marker, sent)
+        return TenantCheck(tenant, marker_id, marker_hash(marker), sent, c, verdict, reason, detail)
+
+
+def _judge_answer(c: Completion, prompt: str, marker: str, sent: int | None) -> tuple[Verdict, str, str]:
+    if (why := unjudgeable(c)) is not None:
+        said = redact_markers(c.error or f"HTTP {c.status}")
+        return Verdict.ERROR, why, f"no answer to judge ({c.error_kind or 'http'}: {said})"
+    if not c.ok:
+        return Verdict.ERROR, "refused", f"HTTP {c.status} refused a {len(prompt)}-character prompt"
+    if marker not in c.text:
+        return Verdict.MISMATCH, "nonce_missing", f"HTTP {c.status}, but the model did not repeat the nonce"
+    if prompt_tokens_dropped(sent, c.prompt_tokens):
+        return (
+            Verdict.MISMATCH,
+            "prompt_tokens_mismatch",
+            f"the engine reported {c.prompt_tokens} prompt tokens for {sent or 'a'} sent",
+        )
+    return Verdict.PASS, "nonce_intact", "the nonce came back intact"
+
+
+def combine(checks: list[TenantCheck]) -> ProbeResult:
+    """Return one result for all tenants: the worst verdict decides, every tenant is in evidence."""
+    if not checks:
+        return ProbeResult.error("no_tenants", "the target names no tenant to probe as")
+    worst = max(checks, key=lambda c: _SEVERITY[c.verdict])
+    measurements: dict[str, float] = {
+        "tenants_checked": len(checks),
+        "tenants_passed": sum(c.verdict is Verdict.PASS for c in checks),
+    }
+    for name in ("latency_seconds", "ttft_seconds"):
+        values = [v for c in checks if (v := getattr(c.completion, name)) is not None]
+        if values:
+            measurements[name] = max(values)
+    for name, value in (
+        ("status_code", worst.completion.status),
+        ("prompt_tokens_sent", worst.sent_tokens),
+        ("prompt_tokens_reported", worst.completion.prompt_tokens),
+    ):
+        if value is not None:
+            measurements[name] = value
+    failing = [c for c in checks if c.verdict is worst.verdict]
+    detail = "; ".join(f"{c.tenant}: {c.detail}" for c in failing)
+    evidence = {"tenants": [c.evidence() for c in checks]}
+    return ProbeResult(worst.verdict, worst.reason, detail, evidence, measurements)
