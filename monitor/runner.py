@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -76,7 +76,7 @@ class ProbeRunner:
     def __init__(
         self,
         settings: Settings,
-        clients: dict[str, TargetClient],
+        clients: Mapping[str, TargetClient],
         markers: MarkerBook,
         metrics: MonitorMetrics,
         session_factory: sessionmaker[Session] | None,

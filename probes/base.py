@@ -214,15 +214,18 @@ def judge(result: ProbeResult, ctx: ProbeContext) -> ProbeResult:
     if not ctx.leaks or (result.verdict is Verdict.LEAK and "leak_count" in result.evidence):
         return result
     hits = ctx.leaks
+    # A stale page is read whole, so one marker usually comes back several times: count markers.
+    distinct = list({h.digest: h for h in hits}.values())
     owners = sorted({h.owner_tenant for h in hits})
     readers = sorted({h.reader_tenant for h in hits})
     evidence = dict(result.evidence)
-    evidence["leaks"] = [h.as_evidence() for h in hits[:8]]
-    evidence["leak_count"] = len(hits)
+    evidence["leaks"] = [h.as_evidence() for h in distinct[:8]]
+    evidence["leak_count"] = len(distinct)
+    evidence["leak_occurrences"] = len(hits)
     evidence["probe_verdict"] = result.verdict.value
     detail = (
-        f"{len(hits)} live marker(s) of tenant(s) {', '.join(owners)} came back in responses to "
-        f"{', '.join(readers)}"
+        f"{len(distinct)} live marker(s) of tenant(s) {', '.join(owners)} came back "
+        f"{len(hits)} time(s) in responses to {', '.join(readers)}"
     )
     if result.verdict is not Verdict.PASS and result.detail:
         detail += f"; the probe also found: {result.detail}"

@@ -14,6 +14,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MARKER_RE = re.compile(r"KVC-([0-9a-f]{8})-([0-9a-f]{32})")
@@ -72,7 +73,12 @@ class LeakHit:
 class MarkerBook:
     """Live markers by hash, with expiry. Safe to share between concurrent probes."""
 
-    def __init__(self, ttl_seconds: float = 6 * 3600, max_markers: int = 200_000, clock=time.time):
+    def __init__(
+        self,
+        ttl_seconds: float = 6 * 3600,
+        max_markers: int = 200_000,
+        clock: Callable[[], float] = time.time,
+    ):
         self.ttl_seconds = ttl_seconds
         self.max_markers = max_markers
         self._clock = clock

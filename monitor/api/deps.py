@@ -1,0 +1,108 @@
+"""Dependencies of the REST routers: a database session, the bearer token, pagination, time ranges.
+
+Routers read what the composition root (``monitor/app.py``) put on ``app.state``:
+``session_factory`` (a sessionmaker), ``api_token`` (``str``, or None for a local-only API
+without auth), ``settings``, ``run_target`` and ``health``.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Query, Request, Security, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor.storage.db import as_utc
+
+MAX_LIMIT = 500
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """Yield a session for one request; it is closed (and rolled back) afterwards."""
+    factory: sessionmaker[Session] = request.app.state.session_factory
+    with factory() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="The API token configured by api.token_env or api.token_file.",
+)
+
+
+def require_token(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+) -> None:
+    """Pass when ``Authorization: Bearer <token>`` matches ``app.state.api_token``; else raise 401.
+
+    With ``api_token`` None (a local-only API on loopback) every request passes. The comparison
+    takes the same time whatever the token, and the token is never echoed or logged.
+    """
+    expected: str | None = request.app.state.api_token
+    if expected is None:
+        return
+    given = credentials.credentials if credentials is not None else ""
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise HTTPException(
+            status_code=status.HTTP_401_UNAUTHORIZED,
+            detail="missing or invalid bearer token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+@dataclass(frozen=True)
+class Page:
+    limit: int
+    offset: int
+
+
+def pagination(
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Items per page, 1 to 500.")] = 50,
+    offset: Annotated[int, Query(ge=0, description="Items to skip.")] = 0,
+) -> Page:
+    return Page(limit, offset)
+
+
+PageDep = Annotated[Page, Depends(pagination)]
+
+
+@dataclass(frozen=True)
+class TimeRange:
+    since: datetime | None
+    until: datetime | None
+
+
+_TIME_HELP = "ISO-8601 time, e.g. 2026-11-29T17:00:00Z (no offset: UTC; encode '+' as %2B)."
+
+
+def time_range(
+    since: Annotated[datetime | None, Query(description="From this time, inclusive. " + _TIME_HELP)] = None,
+    until: Annotated[datetime | None, Query(description="Before this time, exclusive. " + _TIME_HELP)] = None,
+) -> TimeRange:
+    """Return the range in UTC; raise 422 naming ``since`` when it is later than ``until``."""
+    since = as_utc(since) if since is not None else None
+    until = as_utc(until) if until is not None else None
+    if since is not None and until is not None and since > until:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "value_error",
+                    "loc": ("query", "since"),
+                    "msg": "since must not be later than until",
+                    "input": since.isoformat(),
+                }
+            ]
+        )
+    return TimeRange(since, until)
+
+
+TimeRangeDep = Annotated[TimeRange, Depends(time_range)]

@@ -1,0 +1,68 @@
+"""``/api/v1/incidents``: list incidents and read one incident's timeline and evidence."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query
+
+from monitor.api.deps import PageDep, SessionDep, TimeRangeDep
+from monitor.api.schemas import (
+    IncidentDetailOut,
+    IncidentEventOut,
+    IncidentOut,
+    IncidentPage,
+    ProbeResultOut,
+    Problem,
+)
+from monitor.storage import queries
+from monitor.storage.models import Severity, State
+
+router = APIRouter(prefix="/incidents", tags=["incidents"])
+
+
+@router.get("", summary="List incidents, newest opened first")
+def list_incidents(
+    session: SessionDep,
+    page: PageDep,
+    when: TimeRangeDep,
+    target: Annotated[str | None, Query(description="Target name.")] = None,
+    probe: Annotated[str | None, Query(description="Probe kind.")] = None,
+    severity: Annotated[Severity | None, Query()] = None,
+    state: Annotated[State | None, Query()] = None,
+) -> IncidentPage:
+    """Return a page of incidents; ``since``/``until`` bound the time each incident opened."""
+    rows, total = queries.list_incidents(
+        session,
+        target=target,
+        probe=probe,
+        severity=severity,
+        state=state,
+        since=when.since,
+        until=when.until,
+        limit=page.limit,
+        offset=page.offset,
+    )
+    items = [IncidentOut.of(row) for row in rows]
+    return IncidentPage(items=items, total=total, limit=page.limit, offset=page.offset)
+
+
+@router.get(
+    "/{incident_id}",
+    summary="One incident: its timeline and the evidence of its linked results",
+    responses={404: {"model": Problem, "description": "No incident has this id."}},
+)
+def get_incident(
+    session: SessionDep,
+    incident_id: Annotated[int, Path(ge=1)],
+    results: Annotated[int, Query(ge=1, le=500, description="How many linked results to return.")] = 50,
+) -> IncidentDetailOut:
+    """Return the incident, every event oldest first, and its most recent linked probe results."""
+    detail = queries.get_incident(session, incident_id=incident_id, results_limit=results)
+    if detail is None:
+        raise HTTPException(status_code=404, detail=f"incident {incident_id} not found")
+    return IncidentDetailOut(
+        **IncidentOut.of(detail.incident).model_dump(),
+        events=[IncidentEventOut.of(e) for e in detail.events],
+        results=[ProbeResultOut.of(r) for r in detail.results],
+    )

@@ -1,0 +1,148 @@
+"""Response bodies of the REST API. Built from rows by the ``of`` constructors; nothing secret is
+stored, so nothing secret can be served (target URLs are kept without credentials)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from monitor.storage.models import EventKind, Incident, IncidentEvent, ProbeResult, Severity, State, Verdict
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class Problem(_Out):
+    """An error answer (401, 404, 503)."""
+
+    detail: str
+
+
+class IncidentOut(_Out):
+    id: int
+    target: str
+    probe: str
+    severity: Severity
+    state: State
+    title: str
+    opened_at: datetime
+    last_failure_at: datetime = Field(description="Start of the latest result that counted against it.")
+    resolved_at: datetime | None
+    failure_count: int
+    consecutive_passes: int
+    last_verdict: Verdict
+    last_reason: str
+
+    @classmethod
+    def of(cls, row: Incident) -> IncidentOut:
+        fields = {name: getattr(row, name) for name in cls.model_fields if name != "target"}
+        return cls(target=row.target.name, **fields)
+
+
+class IncidentPage(_Out):
+    items: list[IncidentOut]
+    total: int = Field(description="Incidents matching the filters, all pages together.")
+    limit: int
+    offset: int
+
+
+class IncidentEventOut(_Out):
+    id: int
+    created_at: datetime
+    kind: EventKind
+    old_state: State | None
+    new_state: State
+    old_severity: Severity | None
+    new_severity: Severity
+    verdict: Verdict | None
+    reason: str | None
+    probe_result_id: int | None = Field(description="The result that caused it; null once pruned.")
+    processed_at: datetime | None = Field(description="When a notifier handled it; null: not yet.")
+
+    @classmethod
+    def of(cls, row: IncidentEvent) -> IncidentEventOut:
+        return cls(**{name: getattr(row, name) for name in cls.model_fields})
+
+
+class ProbeResultOut(_Out):
+    id: int
+    target: str
+    probe: str
+    verdict: Verdict
+    reason: str
+    detail: str
+    started_at: datetime
+    duration_seconds: float
+    status_code: int | None
+    latency_seconds: float | None
+    ttft_seconds: float | None
+    prompt_tokens_sent: int | None
+    prompt_tokens_reported: int | None
+    evidence: dict[str, Any] = Field(description="Redacted by the probe: marker ids, hashes, excerpts.")
+    incident_id: int | None
+    expires_at: datetime
+
+    @classmethod
+    def of(cls, row: ProbeResult) -> ProbeResultOut:
+        fields = {name: getattr(row, name) for name in cls.model_fields if name != "target"}
+        return cls(target=row.target.name, **fields)
+
+
+class ProbeResultPage(_Out):
+    items: list[ProbeResultOut]
+    total: int = Field(description="Results matching the filters, all pages together.")
+    limit: int
+    offset: int
+
+
+class IncidentDetailOut(IncidentOut):
+    events: list[IncidentEventOut] = Field(description="The timeline, oldest first.")
+    results: list[ProbeResultOut] = Field(description="The most recent linked results, newest first.")
+
+
+class LastVerdictOut(_Out):
+    verdict: Verdict
+    started_at: datetime
+    reason: str
+
+
+class TargetOut(_Out):
+    name: str
+    engine: str
+    base_url: str = Field(description="Without credentials or query string.")
+    model: str
+    probes: list[str]
+    last_verdicts: dict[str, LastVerdictOut] = Field(
+        description="The latest verdict of each configured probe; a probe not judged yet is absent."
+    )
+
+
+class TargetList(_Out):
+    items: list[TargetOut]
+
+
+class ProbeRunOut(_Out):
+    probe: str
+    verdict: Verdict
+    reason: str
+    detail: str
+    result_id: int | None = Field(description="null when the result could not be stored.")
+    incident_id: int | None
+
+
+class RunOut(_Out):
+    target: str
+    results: list[ProbeRunOut]
+
+
+class HealthOut(BaseModel):
+    """Health of the process: the database and the scheduler, plus whatever the monitor reports."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["ok", "unhealthy"]
+    database: Literal["ok", "unreachable"]
+    scheduler: str | None = None

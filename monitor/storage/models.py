@@ -1,0 +1,186 @@
+"""The tables: what was probed (``target``), what each probe run concluded (``probe_result``), the
+incidents those results open and resolve (``incident``), and every state change of an incident as
+a row (``incident_event``).
+
+The schema itself is created only by ``migrations/``; ``tests/monitor/test_migrations.py`` checks
+that the migrations and these models agree on SQLite and PostgreSQL. Relationships are
+``lazy="raise"``: a query says what it loads, so no request quietly issues one query per row.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal, get_args
+from urllib.parse import urlsplit, urlunsplit
+
+from sqlalchemy import JSON, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from monitor.storage.db import Base, UTCDateTime
+
+Verdict = Literal["pass", "leak", "mismatch", "error"]
+Severity = Literal["critical", "high", "warning"]
+State = Literal["open", "resolved"]
+EventKind = Literal["opened", "escalated", "resolved", "failure"]
+
+VERDICTS: tuple[str, ...] = get_args(Verdict)
+#: Worst first; an incident's severity only ever moves towards the front.
+SEVERITIES: tuple[str, ...] = get_args(Severity)
+STATES: tuple[str, ...] = get_args(State)
+EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+def public_url(url: str) -> str:
+    """Return ``url`` without credentials or query string: the only form stored or served.
+
+    ``https://user:key@host/v1?api_key=k`` becomes ``https://host/v1``.
+    """
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    netloc = f"{host}:{parts.port}" if parts.port is not None else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class Target(Base):
+    """A serving endpoint as last configured. Rows are upserted by name as results arrive."""
+
+    __tablename__ = "target"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    engine: Mapped[str] = mapped_column(String(32))
+    # Always public_url(): never credentials.
+    base_url: Mapped[str] = mapped_column(String(2048))
+    model: Mapped[str] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # Last time engine, base_url or model changed (not the last result).
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class ProbeResult(Base):
+    """One probe run's verdict and measurements. ``evidence`` is already redacted by the probe.
+
+    ``incident_id`` is the incident that was open for (target, probe) when the result was
+    recorded, whatever the verdict (the failures it counted, the errors and passes in between).
+    ``expires_at`` is when :func:`monitor.incidents.prune_expired` may delete the row: failures
+    are kept longer than passes.
+    """
+
+    __tablename__ = "probe_result"
+    __table_args__ = (
+        CheckConstraint(_one_of("verdict", VERDICTS), name="verdict"),
+        # Last verdicts, error streaks and the results list all read one (target, probe) by time.
+        Index("ix_probe_result_target_probe_started", "target_id", "probe", "started_at"),
+        Index("ix_probe_result_expires_at", "expires_at"),
+        Index("ix_probe_result_incident_id", "incident_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    target_id: Mapped[int] = mapped_column(ForeignKey("target.id"))
+    probe: Mapped[str] = mapped_column(String(64))
+    verdict: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    duration_seconds: Mapped[float] = mapped_column(Float)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    latency_seconds: Mapped[float | None] = mapped_column(Float)
+    ttft_seconds: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens_sent: Mapped[int | None] = mapped_column(Integer)
+    prompt_tokens_reported: Mapped[int | None] = mapped_column(Integer)
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSON)
+    incident_id: Mapped[int | None] = mapped_column(ForeignKey("incident.id", ondelete="SET NULL"))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+    target: Mapped[Target] = relationship(lazy="raise")
+
+
+class Incident(Base):
+    """A failing (target, probe): opened by a leak, a mismatch or lasting errors; resolved by passes.
+
+    ``state`` and ``severity`` change only through compare-and-set UPDATEs in
+    ``monitor/incidents.py``, and every change writes an :class:`IncidentEvent`.
+    """
+
+    __tablename__ = "incident"
+    __table_args__ = (
+        CheckConstraint(_one_of("severity", SEVERITIES), name="severity"),
+        CheckConstraint(_one_of("state", STATES), name="state"),
+        # At most one open incident per (target, probe), enforced by the database so that it also
+        # holds across monitor replicas. monitor.incidents._try_open relies on it: the replica whose
+        # INSERT fails with IntegrityError rolls back to its SAVEPOINT and attaches to the winner's.
+        Index(
+            "uq_incident_open_target_probe",
+            "target_id",
+            "probe",
+            unique=True,
+            sqlite_where=text("state = 'open'"),
+            postgresql_where=text("state = 'open'"),
+        ),
+        Index("ix_incident_opened_at", "opened_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    target_id: Mapped[int] = mapped_column(ForeignKey("target.id"))
+    probe: Mapped[str] = mapped_column(String(64))
+    severity: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))
+    title: Mapped[str] = mapped_column(String(200))
+    opened_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # started_at of the latest result that counted against this incident.
+    last_failure_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    resolved_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    failure_count: Mapped[int] = mapped_column(Integer)
+    consecutive_passes: Mapped[int] = mapped_column(Integer)
+    last_verdict: Mapped[str] = mapped_column(String(16))
+    last_reason: Mapped[str] = mapped_column(String(64))
+
+    target: Mapped[Target] = relationship(lazy="raise")
+    events: Mapped[list[IncidentEvent]] = relationship(
+        lazy="raise", back_populates="incident", order_by="[IncidentEvent.created_at, IncidentEvent.id]"
+    )
+
+
+class IncidentEvent(Base):
+    """One change in an incident's life: opened, escalated, resolved, or a notable failure.
+
+    The table doubles as an outbox: ``processed_at`` is NULL until a notifier (the Alertmanager
+    pager) has handled the event, which it claims with
+    ``UPDATE incident_event SET processed_at=:now WHERE id=:id AND processed_at IS NULL``.
+    """
+
+    __tablename__ = "incident_event"
+    __table_args__ = (
+        CheckConstraint(_one_of("kind", EVENT_KINDS), name="kind"),
+        Index("ix_incident_event_incident_created", "incident_id", "created_at"),
+        # The pager polls for unprocessed events; the partial index keeps that scan as small as the
+        # backlog instead of the whole history.
+        Index(
+            "ix_incident_event_unprocessed",
+            "created_at",
+            sqlite_where=text("processed_at IS NULL"),
+            postgresql_where=text("processed_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    incident_id: Mapped[int] = mapped_column(ForeignKey("incident.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    kind: Mapped[str] = mapped_column(String(16))
+    old_state: Mapped[str | None] = mapped_column(String(16))
+    new_state: Mapped[str] = mapped_column(String(16))
+    old_severity: Mapped[str | None] = mapped_column(String(16))
+    new_severity: Mapped[str] = mapped_column(String(16))
+    verdict: Mapped[str | None] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String(64))
+    # Pruning a result keeps the event: the link just goes NULL.
+    probe_result_id: Mapped[int | None] = mapped_column(ForeignKey("probe_result.id", ondelete="SET NULL"))
+    processed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+    incident: Mapped[Incident] = relationship(lazy="raise", back_populates="events")

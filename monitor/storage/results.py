@@ -1,0 +1,177 @@
+"""Write the rows one probe run produces: its target (upserted) and its ``probe_result``.
+
+The incident rules that follow live in ``monitor/incidents.py``; this module only turns a probe's
+result into storable values (bounded text, plain JSON, finite numbers, an expiry).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from monitor.storage.db import as_utc
+from monitor.storage.models import VERDICTS, Incident, ProbeResult, Target, public_url
+
+if TYPE_CHECKING:
+    from monitor.config import RetentionConfig
+    from probes.base import ProbeResult as ProbeOutcome
+
+REASON_CHARS = 64
+DETAIL_CHARS = 2000
+
+
+def upsert_target(
+    session: Session, *, name: str, engine: str, base_url: str, model: str, now: datetime
+) -> int:
+    """Return the id of target ``name``, inserting it or updating what changed.
+
+    ``base_url`` is stored as :func:`public_url` (no credentials). The row is read first and
+    written only on a change: an unchanged target takes no row lock, so replicas recording results
+    for it do not queue behind each other. Concurrent first inserts are settled by the unique name.
+    """
+    base_url = public_url(base_url)
+    query = select(Target.id, Target.engine, Target.base_url, Target.model).where(Target.name == name)
+    row = session.execute(query).one_or_none()
+    if row is None:
+        dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+        values = dict(
+            name=name, engine=engine, base_url=base_url, model=model, created_at=now, updated_at=now
+        )
+        session.execute(
+            dialect.insert(Target).values(**values).on_conflict_do_nothing(index_elements=["name"])
+        )
+        row = session.execute(query).one()
+    if (row.engine, row.base_url, row.model) != (engine, base_url, model):
+        session.execute(
+            update(Target)
+            .where(Target.id == row.id)
+            .values(engine=engine, base_url=base_url, model=model, updated_at=now)
+        )
+    return int(row.id)
+
+
+def new_probe_result(
+    *,
+    probe: str,
+    result: ProbeOutcome,
+    started_at: datetime,
+    duration_seconds: float,
+    retention: RetentionConfig,
+) -> ProbeResult:
+    """Return an unsaved probe_result row for ``result``, without its ``target_id``.
+
+    ``expires_at`` is ``started_at`` + ``retention.pass_days`` for a pass and
+    ``retention.failure_days`` for anything else: failure evidence outlives success evidence.
+    Raise ValueError for a verdict outside pass|leak|mismatch|error.
+    """
+    verdict = str(result.verdict)
+    if verdict not in VERDICTS:
+        raise ValueError(f"verdict must be one of {VERDICTS}, not {verdict!r}")
+    days = retention.pass_days if verdict == "pass" else retention.failure_days
+    return ProbeResult(
+        probe=probe,
+        verdict=verdict,
+        reason=result.reason[:REASON_CHARS],
+        detail=result.detail[:DETAIL_CHARS],
+        started_at=started_at,
+        duration_seconds=float(duration_seconds),
+        evidence=_jsonable(result.evidence),
+        incident_id=None,
+        expires_at=started_at + timedelta(days=days),
+        **_measurements(result.measurements),
+    )
+
+
+def prune_expired(session: Session, *, now: datetime) -> int:
+    """Delete probe_result rows whose ``expires_at`` has passed; return how many were deleted.
+
+    Rows linked to an incident that is still open are kept, whatever their expiry: an open incident
+    keeps all its evidence. Once it is resolved each linked row lives until its own expiry (failures
+    were given the longer ``failure_days``). Events that pointed at a deleted row keep their
+    verdict and reason; their ``probe_result_id`` becomes NULL (ON DELETE SET NULL).
+    """
+    still_open = select(Incident.id).where(Incident.state == "open")
+    stmt = delete(ProbeResult).where(
+        ProbeResult.expires_at <= as_utc(now),
+        (ProbeResult.incident_id.is_(None)) | (ProbeResult.incident_id.not_in(still_open)),
+    )
+    result = session.execute(stmt, execution_options={"synchronize_session": False})
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def error_streak(session: Session, *, target_id: int, probe: str, until: datetime) -> tuple[datetime, int]:
+    """Return when the current run of errors of (target, probe) began and how many errors it holds.
+
+    The run is every ``error`` result after the last judged (non-error) result, up to ``until``
+    inclusive. With no error in that range, return (``until``, 1): the result being recorded.
+    """
+    mine = (ProbeResult.target_id == target_id, ProbeResult.probe == probe, ProbeResult.started_at <= until)
+    last_judged = session.execute(
+        select(func.max(ProbeResult.started_at)).where(*mine, ProbeResult.verdict != "error")
+    ).scalar_one_or_none()
+    streak = select(func.min(ProbeResult.started_at), func.count()).where(
+        *mine, ProbeResult.verdict == "error"
+    )
+    if last_judged is not None:
+        streak = streak.where(ProbeResult.started_at > last_judged)
+    first, count = session.execute(streak).one()
+    return (as_utc(first) if first is not None else until), max(int(count), 1)
+
+
+def link_errors(
+    session: Session, *, target_id: int, probe: str, incident_id: int, since: datetime, until: datetime
+) -> None:
+    """Link the unlinked error results of (target, probe) started in [since, until] to an incident."""
+    session.execute(
+        update(ProbeResult)
+        .where(
+            ProbeResult.target_id == target_id,
+            ProbeResult.probe == probe,
+            ProbeResult.verdict == "error",
+            ProbeResult.started_at >= since,
+            ProbeResult.started_at <= until,
+            ProbeResult.incident_id.is_(None),
+        )
+        .values(incident_id=incident_id),
+        execution_options={"synchronize_session": False},
+    )
+
+
+def _measurements(measurements: dict[str, float]) -> dict[str, Any]:
+    """Pick the stored measurements; absent or non-finite ones become NULL."""
+
+    def number(key: str) -> float | None:
+        value = measurements.get(key)
+        if value is None:
+            return None
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return None
+        return value if math.isfinite(value) else None
+
+    def integer(key: str) -> int | None:
+        value = number(key)
+        return None if value is None else int(value)
+
+    return {
+        "latency_seconds": number("latency_seconds"),
+        "ttft_seconds": number("ttft_seconds"),
+        "status_code": integer("status_code"),
+        "prompt_tokens_sent": integer("prompt_tokens_sent"),
+        "prompt_tokens_reported": integer("prompt_tokens_reported"),
+    }
+
+
+def _jsonable(evidence: dict[str, Any]) -> dict[str, Any]:
+    """Return ``evidence`` as plain JSON; a value JSON cannot hold becomes its ``str()``.
+
+    A probe's odd value (a set, bytes) must not cost the recording of a leak.
+    """
+    return dict(json.loads(json.dumps(evidence or {}, default=str)))
