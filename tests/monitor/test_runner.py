@@ -1,0 +1,101 @@
+"""The runner and the scheduler: one run per (target, probe) at a time, errors never leak."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from monitor.config import Settings, parse_settings
+from monitor.metrics import MonitorMetrics
+from monitor.runner import ProbeRunner, RunSummary
+from monitor.scheduler import build_scheduler
+from monitor.targets.openai_http import OpenAIHttpTarget
+from probes.base import Verdict
+from probes.canaries import MarkerBook
+from tests.conftest import WorkerProcess, free_port
+
+
+def settings_for(url: str, **target: object) -> Settings:
+    return parse_settings(
+        {
+            "scheduler": {"max_concurrency": 2},
+            "targets": [
+                {
+                    "name": "t",
+                    "base_url": url,
+                    "engine": "reference",
+                    "model": "kvcanary-reference",
+                    "tenants": [{"name": "a"}, {"name": "b"}],
+                    "timeout_seconds": 10,
+                    **target,
+                }
+            ],
+        }
+    )
+
+
+def runner_for(settings: Settings, summaries: list[RunSummary] | None = None) -> ProbeRunner:
+    clients = {t.name: OpenAIHttpTarget(t, {tn.name: None for tn in t.tenants}) for t in settings.targets}
+    metrics = MonitorMetrics(CollectorRegistry())
+    return ProbeRunner(
+        settings, clients, MarkerBook(), metrics, None, summaries.append if summaries is not None else None
+    )
+
+
+def test_two_runs_of_one_target_and_probe_never_overlap(start_worker: Callable[..., WorkerProcess]) -> None:
+    worker = start_worker("--mode", "single")
+    summaries: list[RunSummary] = []
+    runner = runner_for(settings_for(worker.url, probes=["canary"]), summaries)
+
+    async def both() -> None:
+        await asyncio.gather(runner.run("t", "canary"), runner.run("t", "canary"))
+
+    asyncio.run(both())
+    first, second = sorted(summaries, key=lambda s: s.started_at)
+    assert first.result.verdict is Verdict.PASS and second.result.verdict is Verdict.PASS
+    assert second.started_at >= first.started_at + timedelta(seconds=first.duration_seconds * 0.99)
+
+
+def test_an_unreachable_target_is_an_error_counted_in_metrics_never_a_leak() -> None:
+    settings = settings_for(f"http://127.0.0.1:{free_port()}")
+    runner = runner_for(settings)
+    results = asyncio.run(runner.run_target("t"))
+    assert {r["verdict"] for r in results} == {"error"}
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(runner.metrics.registry).decode())
+    }
+    runs = {
+        (s.labels["probe"], s.labels["verdict"]): s.value
+        for s in families["kvcanary_probe_runs"].samples
+        if s.name == "kvcanary_probe_runs_total"
+    }
+    assert runs[("canary", "error")] == 1
+    assert runs[("canary", "leak")] == 0, "known series are exported as zeros"
+    leaks = [s for s in families["kvcanary_cross_tenant_leaks"].samples if s.name.endswith("_total")]
+    assert [s.value for s in leaks] == [0]
+
+
+def test_an_unknown_target_or_probe_is_a_key_error() -> None:
+    runner = runner_for(settings_for("http://127.0.0.1:1", probes=["canary"]))
+    with pytest.raises(KeyError):
+        asyncio.run(runner.run("nope", "canary"))
+    with pytest.raises(KeyError):
+        asyncio.run(runner.run("t", "boundary"))
+
+
+def test_the_scheduler_has_one_non_overlapping_job_per_target_and_probe() -> None:
+    settings = settings_for("http://127.0.0.1:1", interval_seconds=7, probe_intervals={"boundary": 90})
+    scheduler = build_scheduler(settings, runner_for(settings))
+    jobs = {job.id: job for job in scheduler.get_jobs()}
+    assert set(jobs) == {"probe:t:canary", "probe:t:cross_tenant", "probe:t:boundary"}
+    for job in jobs.values():
+        assert job.max_instances == 1 and job.coalesce is True
+    assert jobs["probe:t:boundary"].trigger.interval == timedelta(seconds=90)
+    assert jobs["probe:t:canary"].trigger.interval == timedelta(seconds=7)
+    assert jobs["probe:t:canary"].trigger.jitter
