@@ -51,6 +51,7 @@ class Monitor:
         self.engine = make_engine(settings.database_url)
         check_migrated(self.engine)
         self.session_factory: sessionmaker[Session] = make_session_factory(self.engine)
+        self.read_session_factory = make_session_factory(self.engine, read_only=True)
         self.metrics = metrics or MonitorMetrics()
         self.metrics.watch_incidents(self._open_incident_counts, self._pairs)
         self.markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
@@ -67,7 +68,7 @@ class Monitor:
         return [(t.name, p) for t in self.settings.targets for p in t.probes]
 
     def _open_incident_counts(self) -> Iterable[tuple[str, str, str, int]]:
-        with self.session_factory() as session:
+        with self.read_session_factory() as session:
             return list(open_incident_counts(session))
 
     async def prune(self) -> None:
@@ -120,7 +121,8 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
         description="Canary probes for KV-cache isolation: incidents, probe results and targets.",
         lifespan=lifespan,
     )
-    app.state.session_factory = monitor.session_factory
+    # The routers only read; recordings go through the runner's own (writing) sessions.
+    app.state.session_factory = monitor.read_session_factory
     app.state.api_token = monitor.token
     app.state.settings = monitor.settings
     app.state.run_target = monitor.runner.run_target

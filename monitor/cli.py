@@ -6,9 +6,12 @@ Exit codes are part of the interface: 0 ok / all pass, 1 a leak or mismatch (``c
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -44,6 +47,28 @@ def _settings(path: Path) -> Settings:
         raise _fail(f"config error: {exc}") from None
 
 
+class LogLevel(enum.StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+@contextmanager
+def _database_errors(url: str) -> Iterator[None]:
+    """Turn an unusable database into exit 2 with one line, not a traceback (no URL password shown)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        where = make_url(url).render_as_string(hide_password=True)
+        raise _fail(
+            f"database error at {where}: {type(exc).__name__}: {getattr(exc, 'orig', None) or exc}"
+        ) from None
+
+
 def _logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -55,16 +80,17 @@ def _logging(level: str) -> None:
 @app.command()
 def serve(
     config: ConfigOpt,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="How much to log.")] = LogLevel.info,
 ) -> None:
     """Run the scheduler, the REST API and /metrics until SIGTERM or Ctrl-C."""
     from monitor.serve import serve_forever
     from monitor.storage.db import DatabaseNotMigrated
 
     settings = _settings(config)
-    _logging(log_level)
+    _logging(log_level.value)
     try:
-        serve_forever(settings)
+        with _database_errors(settings.database_url):
+            serve_forever(settings)
     except ConfigError as exc:
         raise _fail(f"config error: {exc}") from None
     except DatabaseNotMigrated as exc:
@@ -135,7 +161,8 @@ def db_upgrade(
     from monitor.storage.db import upgrade
 
     settings = _settings(config)
-    upgrade(settings.database_url, revision)
+    with _database_errors(settings.database_url):
+        upgrade(settings.database_url, revision)
     typer.echo(f"database migrated to {revision}")
 
 
@@ -148,7 +175,8 @@ def db_downgrade(
     from monitor.storage.db import downgrade
 
     settings = _settings(config)
-    downgrade(settings.database_url, revision)
+    with _database_errors(settings.database_url):
+        downgrade(settings.database_url, revision)
     typer.echo(f"database downgraded to {revision}")
 
 

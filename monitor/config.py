@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -22,6 +23,7 @@ from probes import REGISTRY
 Engine = Literal["sglang", "vllm", "llamacpp", "reference", "openai"]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DAY = 86400.0
 # The REST token must not be a placeholder someone forgot to change.
 WEAK_TOKENS = {"", "changeme", "change-me", "secret", "token", "password", "kvcanary"}
 
@@ -31,7 +33,8 @@ class ConfigError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf/nan: an infinite interval or retention passes "> 0" and then overflows a timer.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TenantConfig(_Strict):
@@ -63,12 +66,12 @@ class TenantConfig(_Strict):
 
 class TargetConfig(_Strict):
     name: str
-    base_url: str
+    base_url: str = Field(max_length=2048)
     engine: Engine = "reference"
-    model: str = "default"
+    model: str = Field("default", min_length=1, max_length=255)
     tenants: list[TenantConfig] = Field(min_length=1)
-    interval_seconds: float = Field(30.0, gt=0)
-    timeout_seconds: float = Field(30.0, gt=0)
+    interval_seconds: float = Field(30.0, gt=0, le=7 * DAY)
+    timeout_seconds: float = Field(30.0, gt=0, le=3600)
     probes: list[str] = Field(default_factory=lambda: ["canary", "cross_tenant", "boundary"], min_length=1)
     # Per-kind interval override; the boundary probe is large and runs on its own, longer clock.
     probe_intervals: dict[str, float] = Field(default_factory=lambda: {"boundary": 300.0})
@@ -85,9 +88,21 @@ class TargetConfig(_Strict):
     @field_validator("base_url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", v):
-            raise ValueError("must be an http:// or https:// URL")
-        return v.rstrip("/")
+        """Accept ``http(s)://host[:port][/prefix]``; a trailing ``/v1`` is dropped (paths add it)."""
+        try:
+            url = httpx.URL(v)
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise ValueError(f"not a valid URL: {exc}") from None
+        if url.port is not None and not 0 < url.port < 65536:
+            raise ValueError(f"not a valid URL: port {url.port} is out of range")
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if url.userinfo:
+            # Credentials in a URL end up in logs, rows and error messages; keys belong to tenants.
+            raise ValueError("must not carry credentials; use the tenants' api_key_env or api_key_file")
+        if url.query or url.fragment:
+            raise ValueError("must not carry a query string or fragment")
+        return v.rstrip("/").removesuffix("/v1").rstrip("/")
 
     @field_validator("probes")
     @classmethod
@@ -105,8 +120,8 @@ class TargetConfig(_Strict):
         unknown = [p for p in v if p not in REGISTRY]
         if unknown:
             raise ValueError(f"unknown probe kind(s) {unknown}; known: {sorted(REGISTRY)}")
-        if any(isinstance(x, int | float) and x <= 0 for x in v.values()):
-            raise ValueError("intervals must be greater than 0")
+        if any(isinstance(x, int | float) and not 0 < x <= 7 * DAY for x in v.values()):
+            raise ValueError("intervals must be greater than 0 and at most 7 days")
         return v
 
     @model_validator(mode="after")
@@ -155,17 +170,17 @@ class ApiConfig(_Strict):
 class IncidentConfig(_Strict):
     resolve_after_passes: int = Field(3, ge=1)
     # Errors (the probe could not judge) open a warning incident once they last this long.
-    error_warning_after_seconds: float = Field(300.0, ge=0)
+    error_warning_after_seconds: float = Field(300.0, ge=0, le=7 * DAY)
 
 
 class SchedulerConfig(_Strict):
     max_concurrency: int = Field(4, ge=1, le=64)
-    jitter_seconds: float = Field(2.0, ge=0)
+    jitter_seconds: float = Field(2.0, ge=0, le=3600)
 
 
 class RetentionConfig(_Strict):
-    pass_days: float = Field(7, gt=0)
-    failure_days: float = Field(90, gt=0)
+    pass_days: float = Field(7, gt=0, le=3650)
+    failure_days: float = Field(90, gt=0, le=3650)
 
 
 class Settings(_Strict):
@@ -175,7 +190,7 @@ class Settings(_Strict):
     incidents: IncidentConfig = IncidentConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     retention: RetentionConfig = RetentionConfig()
-    marker_ttl_seconds: float = Field(6 * 3600, gt=0)
+    marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
 
     @field_validator("database_url")
     @classmethod
@@ -237,9 +252,11 @@ def load_settings(path: str | Path) -> Settings:
     """Read and validate the YAML file at ``path``."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -254,9 +271,11 @@ def read_secret(*, env: str | None, file: Path | None, key: str) -> str | None:
     """
     if file is not None:
         try:
-            value = Path(file).read_text().strip()
+            value = Path(file).read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise ConfigError(f"{key}: cannot read {file}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{key}: {file} is not UTF-8 text") from None
         if not value:
             raise ConfigError(f"{key}: {file} is empty")
         return value

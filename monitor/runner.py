@@ -123,6 +123,8 @@ class ProbeRunner:
         _, late = await asyncio.wait(pending, timeout=timeout)
         for task in late:
             task.cancel()
+        if late:  # let them unwind before the caller closes the clients they use
+            await asyncio.wait(late, timeout=5)
         return len(late)
 
     async def run_target(self, target_name: str) -> list[dict[str, Any]]:

@@ -37,6 +37,9 @@ class Verdict(enum.StrEnum):
         return self in (Verdict.LEAK, Verdict.MISMATCH)
 
 
+#: Statuses with which engines refuse a request they will not serve (SGLang, vLLM, llama.cpp: 400).
+REFUSAL_STATUSES = frozenset({400, 413, 422})
+
 #: Longest excerpt of model output a result may carry: evidence, not a second copy of the data.
 EXCERPT_CHARS = 160
 
@@ -82,8 +85,9 @@ class Completion:
 
     ``text`` is the generated text, or the error body for a non-2xx answer (scanned for markers too:
     an error body is output a tenant sees). ``error_kind`` is ``connect``, ``timeout``, ``protocol``,
-    ``stream`` (the engine reported an error inside a 200 stream) or ``http`` when something went
-    wrong.
+    ``stream`` (the engine reported an error inside a 200 stream), ``http`` (a non-2xx with an
+    engine's error body) or ``foreign`` (a non-2xx whose body is no engine's: a proxy, a redirect)
+    when something went wrong.
     """
 
     status: int | None
@@ -103,8 +107,14 @@ class Completion:
 
     @property
     def refused(self) -> bool:
-        """Return True for a 4xx answer other than auth failures (a refusal the engine chose)."""
-        return self.status is not None and 400 <= self.status < 500 and self.status not in (401, 403, 429)
+        """Return True when the ENGINE refused the request: 400, 413 or 422 with an engine-shaped
+        error body (``error_kind == "http"``). A proxy's 413 page or a redirect is not a refusal."""
+        return self.status in REFUSAL_STATUSES and self.error_kind == "http"
+
+    @property
+    def answered(self) -> bool:
+        """Return True for a complete 2xx answer (no broken stream, no timeout after the headers)."""
+        return self.ok and self.error_kind is None
 
 
 @dataclass
@@ -188,8 +198,10 @@ def unjudgeable(completion: Completion) -> str | None:
 
     Judgeable: a complete 2xx answer, or a refusal the engine chose (see :attr:`Completion.refused`).
     Not judgeable: no answer (``unreachable``, ``timeout``), bad credentials (``auth_failed``),
-    ``rate_limited``, ``server_error`` (5xx), or a 2xx whose body or stream broke (``protocol``,
-    ``stream_error``, ``timeout``).
+    ``rate_limited``, ``server_error`` (5xx), a 2xx whose body or stream broke (``protocol``,
+    ``stream_error``, ``timeout``), an answer from something in front of the engine
+    (``foreign_answer``), an engine's refusal that says nothing about the output (``refused``: 404
+    unknown model, 405), or any other status (``unexpected_status``).
     """
     kind = completion.error_kind
     if completion.status is None:
@@ -202,6 +214,10 @@ def unjudgeable(completion: Completion) -> str | None:
         return "server_error"
     if completion.ok and kind is not None:
         return {"stream": "stream_error", "timeout": "timeout"}.get(kind, "protocol")
+    if not completion.ok and not completion.refused:
+        if kind == "foreign":
+            return "foreign_answer"
+        return "refused" if 400 <= completion.status < 500 else "unexpected_status"
     return None
 
 

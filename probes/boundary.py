@@ -135,7 +135,7 @@ class BoundaryProbe(Probe):
         if result.verdict is Verdict.PASS and sized.counted:
             # No small request of ours went first (it would sit at the head of the free list).
             control = await sizer.control(sizer.sample_chars)
-            if not _answered(control):
+            if not control.answered:
                 detail = "the small control prompt was refused too: the refusal says nothing about capacity"
                 return dataclasses.replace(
                     result, verdict=Verdict.ERROR, reason="control_failed", detail=detail
@@ -170,10 +170,6 @@ async def _prime(
     request = CompletionRequest(filler(marker, chars), max_tokens=budget, chat=False, stream=False)
     c = await ctx.complete(owner, request)
     return {"tenant": owner, "status_code": c.status, "prompt_tokens": c.prompt_tokens, "max_tokens": budget}
-
-
-def _answered(c: Completion) -> bool:
-    return c.ok and c.error_kind is None
 
 
 def _too_large(tokens: int, ceiling: int, limit: int) -> ProbeResult:
@@ -228,7 +224,7 @@ class _Sizer:
         small, big = self.sample_chars // 2 or 1, self.sample_chars
         first, second = await self.control(small), await self.control(big)
         for c in (first, second):
-            if not _answered(c):
+            if not c.answered:
                 detail = f"a small calibration prompt got no answer ({c.error_kind}: {c.status})"
                 return ProbeResult.error("control_failed", redact_markers(detail))
         p1, p2 = first.prompt_tokens, second.prompt_tokens
@@ -258,6 +254,11 @@ def _verdict(c: Completion, sized: Sized, capacity: ServerCapacity, limit: int) 
         "prompt_tokens_sent": sized.tokens,
         "prompt_tokens_reported": c.prompt_tokens,
     }
+    evidence["message"] = redact_markers(c.error or "")[:200]
+    # Unjudgeable first: a 200 whose stream broke is an error, not an acceptance.
+    if (why := unjudgeable(c)) is not None:
+        detail = f"no judgeable answer to a {sized.tokens}-token prompt ({c.error_kind}: {c.status})"
+        return ProbeResult(Verdict.ERROR, why, detail, evidence, measurements)
     if c.ok:
         evidence["excerpt"] = excerpt(c.text)
         detail = (
@@ -265,9 +266,5 @@ def _verdict(c: Completion, sized: Sized, capacity: ServerCapacity, limit: int) 
             f"(the engine reported {c.prompt_tokens} prompt tokens)"
         )
         return ProbeResult(Verdict.MISMATCH, "accepted_over_capacity", detail, evidence, measurements)
-    evidence["message"] = redact_markers(c.error or "")[:200]
-    if (why := unjudgeable(c)) is not None:
-        detail = f"no judgeable answer to a {sized.tokens}-token prompt ({c.error_kind}: {c.status})"
-        return ProbeResult(Verdict.ERROR, why, detail, evidence, measurements)
     detail = f"HTTP {c.status}: refused a {sized.tokens}-token prompt over the limit of {limit}"
     return ProbeResult(Verdict.PASS, "refused_over_capacity", detail, evidence, measurements)

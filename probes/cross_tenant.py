@@ -76,10 +76,6 @@ def plant_chars(page_size: int | None, admission_limit: int | None, tenants: int
     return max(chars, 1)
 
 
-def _answered(c: Completion) -> bool:
-    return c.ok and c.error_kind is None
-
-
 class CrossTenantProbe(Probe):
     """Plant every tenant's markers in the KV cache, read as every tenant, and look for foreign ones."""
 
@@ -129,8 +125,8 @@ class CrossTenantProbe(Probe):
 
 
 def _conclude(plants: list[Completion], reads: list[Completion], chars: int) -> ProbeResult:
-    plants_ok = sum(map(_answered, plants))
-    reads_ok = sum(map(_answered, reads))
+    plants_ok = sum(c.answered for c in plants)
+    reads_ok = sum(c.answered for c in reads)
     measurements: dict[str, float] = {
         "requests_sent": len(plants) + len(reads),
         "requests_answered": plants_ok + reads_ok,
@@ -157,5 +153,5 @@ def _failures(completions: list[Completion]) -> list[dict[str, Any]]:
     return [
         {"status_code": c.status, "error_kind": c.error_kind, "error": redact_markers(c.error or "")[:200]}
         for c in completions
-        if not _answered(c)
+        if not c.answered
     ][:8]

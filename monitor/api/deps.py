@@ -59,6 +59,12 @@ def require_token(
         )
 
 
+#: Ids and offsets fit PostgreSQL's integer column; larger values are refused with 422, not a 500.
+MAX_ID = 2**31 - 1
+#: Target names and probe kinds as the config allows them (no NUL, which PostgreSQL refuses).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+
+
 @dataclass(frozen=True)
 class Page:
     limit: int
@@ -67,7 +73,7 @@ class Page:
 
 def pagination(
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Items per page, 1 to 500.")] = 50,
-    offset: Annotated[int, Query(ge=0, description="Items to skip.")] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_ID, description="Items to skip.")] = 0,
 ) -> Page:
     return Page(limit, offset)
 
@@ -88,9 +94,9 @@ def time_range(
     since: Annotated[datetime | None, Query(description="From this time, inclusive. " + _TIME_HELP)] = None,
     until: Annotated[datetime | None, Query(description="Before this time, exclusive. " + _TIME_HELP)] = None,
 ) -> TimeRange:
-    """Return the range in UTC; raise 422 naming ``since`` when it is later than ``until``."""
-    since = as_utc(since) if since is not None else None
-    until = as_utc(until) if until is not None else None
+    """Return the range in UTC; raise 422 naming the parameter that is out of range or reversed."""
+    since = _utc_or_422("since", since)
+    until = _utc_or_422("until", until)
     if since is not None and until is not None and since > until:
         raise RequestValidationError(
             [
@@ -106,3 +112,21 @@ def time_range(
 
 
 TimeRangeDep = Annotated[TimeRange, Depends(time_range)]
+
+
+def _utc_or_422(name: str, value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return as_utc(value)
+    except OverflowError:  # year 1 at +14:00 or year 9999 at -14:00 has no UTC value
+        raise RequestValidationError(
+            [
+                {
+                    "type": "value_error",
+                    "loc": ("query", name),
+                    "msg": "out of range in UTC",
+                    "input": str(value),
+                }
+            ]
+        ) from None

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query
 
-from monitor.api.deps import PageDep, SessionDep, TimeRangeDep
+from monitor.api.deps import MAX_ID, NAME_PATTERN, PageDep, SessionDep, TimeRangeDep
 from monitor.api.schemas import (
     IncidentDetailOut,
     IncidentEventOut,
@@ -26,8 +26,8 @@ def list_incidents(
     session: SessionDep,
     page: PageDep,
     when: TimeRangeDep,
-    target: Annotated[str | None, Query(description="Target name.")] = None,
-    probe: Annotated[str | None, Query(description="Probe kind.")] = None,
+    target: Annotated[str | None, Query(description="Target name.", pattern=NAME_PATTERN)] = None,
+    probe: Annotated[str | None, Query(description="Probe kind.", pattern=NAME_PATTERN)] = None,
     severity: Annotated[Severity | None, Query()] = None,
     state: Annotated[State | None, Query()] = None,
 ) -> IncidentPage:
@@ -54,7 +54,7 @@ def list_incidents(
 )
 def get_incident(
     session: SessionDep,
-    incident_id: Annotated[int, Path(ge=1)],
+    incident_id: Annotated[int, Path(ge=1, le=MAX_ID)],
     results: Annotated[int, Query(ge=1, le=500, description="How many linked results to return.")] = 50,
 ) -> IncidentDetailOut:
     """Return the incident, every event oldest first, and its most recent linked probe results."""

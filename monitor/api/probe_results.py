@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from monitor.api.deps import PageDep, SessionDep, TimeRangeDep
+from monitor.api.deps import NAME_PATTERN, PageDep, SessionDep, TimeRangeDep
 from monitor.api.schemas import ProbeResultOut, ProbeResultPage
 from monitor.storage import queries
 from monitor.storage.models import Verdict
@@ -19,8 +19,8 @@ def list_probe_results(
     session: SessionDep,
     page: PageDep,
     when: TimeRangeDep,
-    target: Annotated[str | None, Query(description="Target name.")] = None,
-    probe: Annotated[str | None, Query(description="Probe kind.")] = None,
+    target: Annotated[str | None, Query(description="Target name.", pattern=NAME_PATTERN)] = None,
+    probe: Annotated[str | None, Query(description="Probe kind.", pattern=NAME_PATTERN)] = None,
     verdict: Annotated[Verdict | None, Query()] = None,
 ) -> ProbeResultPage:
     """Return a page of results; ``since``/``until`` bound the time each run started."""

@@ -81,6 +81,9 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+READ_ONLY_OPTION = "kvcanary_read_only"
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """Return an Engine for ``url`` (``sqlite:///PATH`` or ``postgresql+psycopg://...``).
 
@@ -93,6 +96,8 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     PostgreSQL: connections are checked before use (``pool_pre_ping``), so a restarted server
     costs one reconnect instead of one failed probe recording.
     """
+    # Parameters can hold probe evidence; keep them out of error messages and logs.
+    kwargs.setdefault("hide_parameters", True)
     if url.startswith("sqlite"):
         connect_args = {"check_same_thread": False, "timeout": 15.0, **kwargs.pop("connect_args", {})}
         engine = create_engine(url, connect_args=connect_args, **kwargs)
@@ -114,16 +119,21 @@ def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
 
 
 def _sqlite_on_begin(connection: Any) -> None:
-    connection.exec_driver_sql("BEGIN IMMEDIATE")
+    # Readers (the API, the /metrics gauge) begin DEFERRED: under WAL they never wait for, or block,
+    # the probe recordings, which take the write lock up front.
+    deferred = connection.get_execution_options().get(READ_ONLY_OPTION, False)
+    connection.exec_driver_sql("BEGIN" if deferred else "BEGIN IMMEDIATE")
 
 
-def make_session_factory(engine: Engine) -> sessionmaker[Session]:
-    """Return a Session factory bound to ``engine``.
+def make_session_factory(engine: Engine, *, read_only: bool = False) -> sessionmaker[Session]:
+    """Return a Session factory bound to ``engine``; ``read_only`` sessions must not write.
 
     Objects stay readable after commit (``expire_on_commit=False``): API handlers serialise rows
-    after the session is done with them.
+    after the session is done with them. On SQLite, read-only sessions begin DEFERRED so that a
+    scrape or an API page never queues behind (or blocks) a recording.
     """
-    return sessionmaker(bind=engine, expire_on_commit=False)
+    bind = engine.execution_options(**{READ_ONLY_OPTION: True}) if read_only else engine
+    return sessionmaker(bind=bind, expire_on_commit=False)
 
 
 # --- migrations --------------------------------------------------------------------------------------

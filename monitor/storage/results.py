@@ -77,8 +77,8 @@ def new_probe_result(
     return ProbeResult(
         probe=probe,
         verdict=verdict,
-        reason=result.reason[:REASON_CHARS],
-        detail=result.detail[:DETAIL_CHARS],
+        reason=_text(result.reason)[:REASON_CHARS],
+        detail=_text(result.detail)[:DETAIL_CHARS],
         started_at=started_at,
         duration_seconds=float(duration_seconds),
         evidence=_jsonable(result.evidence),
@@ -169,9 +169,26 @@ def _measurements(measurements: dict[str, float]) -> dict[str, Any]:
     }
 
 
-def _jsonable(evidence: dict[str, Any]) -> dict[str, Any]:
-    """Return ``evidence`` as plain JSON; a value JSON cannot hold becomes its ``str()``.
+def _text(value: str) -> str:
+    # PostgreSQL text cannot hold NUL; an engine's error message can carry one.
+    return value.replace("\x00", "")
 
-    A probe's odd value (a set, bytes) must not cost the recording of a leak.
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # NaN and inf are not JSON; PostgreSQL refuses them
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _jsonable(evidence: dict[str, Any]) -> dict[str, Any]:
+    """Return ``evidence`` as plain JSON that both databases store the same way.
+
+    A value JSON cannot hold (a set, bytes, NaN) becomes its ``str()``, and NUL characters are
+    dropped: a probe's odd value must not cost the recording of a leak.
     """
-    return dict(json.loads(json.dumps(evidence or {}, default=str)))
+    text = json.dumps(_finite(evidence or {}), default=str).replace("\\u0000", "")
+    return dict(json.loads(text))

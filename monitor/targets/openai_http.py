@@ -115,7 +115,13 @@ class OpenAIHttpTarget:
                 raw = await read_bounded(response, ERROR_BODY_BYTES)
                 state.text = raw
                 state.apply_error_body(raw)
-                state.fail("http", error_message(raw) or f"HTTP {response.status_code}")
+                message = error_message(raw)
+                if message is None:  # no engine wrote this body: a proxy, a load balancer, a redirect
+                    state.fail(
+                        "foreign", f"HTTP {response.status_code} with a body that is no engine's error"
+                    )
+                else:
+                    state.fail("http", message)
                 return
             content_type = response.headers.get("content-type", "")
             if stream and "text/event-stream" in content_type:

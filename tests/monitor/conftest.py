@@ -198,7 +198,7 @@ def settings_with_targets() -> Settings:
             "targets": [
                 {
                     "name": "glm-prod",
-                    "base_url": "http://svc:s3cr3t@127.0.0.1:30000/v1?api_key=k3y",
+                    "base_url": "http://127.0.0.1:30000/v1",
                     "engine": "sglang",
                     "model": "glm-5.3",
                     "tenants": tenants,

@@ -17,7 +17,7 @@ INVALID = sorted(FIXTURES.glob("invalid-*.yml"))
 
 
 def expected_key(path: Path) -> str:
-    first = path.read_text().splitlines()[0]
+    first = path.read_text(errors="replace").splitlines()[0]
     assert first.startswith("# expect: "), f"{path.name} must say what it expects"
     return first.removeprefix("# expect: ")
 
@@ -123,3 +123,11 @@ def test_serve_exits_2_without_a_token(tmp_path: Path) -> None:
     proc = kvcanary("serve", "--config", str(config), env=env)
     assert proc.returncode == 2
     assert "api.token_env" in proc.stderr
+
+
+def test_an_unusable_database_exits_2_with_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "c.yml"
+    config.write_text(yaml.safe_dump({"database_url": "sqlite:////nonexistent/dir/x.db", "targets": []}))
+    proc = kvcanary("db", "upgrade", "--config", str(config))
+    assert proc.returncode == 2
+    assert "database error" in proc.stderr and "Traceback" not in proc.stderr

@@ -159,3 +159,12 @@ def test_no_column_of_any_table_holds_a_credential(session_factory: Factory) -> 
 def test_upgrade_is_idempotent(db_url: str) -> None:
     upgrade(db_url)
     upgrade(db_url)
+
+
+def test_odd_text_and_numbers_from_an_engine_are_recorded_on_both_databases(session_factory: Factory) -> None:
+    # An engine's error message may carry a NUL and a measurement may be NaN: PostgreSQL refuses both
+    # raw, and losing the recording of a failure to that would be worse than the oddity.
+    outcome = record(session_factory, "mismatch", at=T0, detail="bad\x00answer", latency_seconds=float("nan"))
+    with session_factory() as s:
+        row = s.get(ProbeResult, outcome.result_id)
+        assert row is not None and row.detail == "badanswer"

@@ -222,8 +222,14 @@ def test_llamacpp_refusals_report_the_prompt_length_they_counted() -> None:
 
 def test_an_error_body_is_bounded_and_a_non_json_one_still_gets_a_message() -> None:
     c = complete(lambda r: httpx.Response(502, content=b"<html>" + b"x" * 100_000))
-    assert (c.status, c.error_kind, c.error) == (502, "http", "HTTP 502")
+    assert (c.status, c.error_kind) == (502, "foreign")
+    assert c.error is not None and c.error.startswith("HTTP 502")
     assert len(c.text.encode()) == ERROR_BODY_BYTES
+
+
+def test_a_proxys_413_page_is_not_an_engine_refusal() -> None:
+    c = complete(lambda r: httpx.Response(413, content=b"<html>413 Request Entity Too Large</html>"))
+    assert (c.status, c.error_kind, c.refused) == (413, "foreign", False)
 
 
 def test_a_refused_connection_is_status_none_and_connect() -> None:

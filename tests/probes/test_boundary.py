@@ -198,6 +198,37 @@ def test_answers_it_cannot_judge_are_errors(status: int, reason: str) -> None:
     assert (result.verdict, result.reason) == (Verdict.ERROR, reason)
 
 
+@pytest.mark.parametrize(
+    ("status", "body", "reason"),
+    [
+        (413, b"<html>413 Request Entity Too Large</html>", "foreign_answer"),  # nginx's body limit
+        (307, b"", "foreign_answer"),
+        (408, b"<html>timeout</html>", "foreign_answer"),
+        (404, b'{"error": {"message": "no such model", "code": 404}}', "refused"),
+    ],
+)
+def test_an_answer_from_in_front_of_the_engine_is_an_error_never_a_pass(
+    status: int, body: bytes, reason: str
+) -> None:
+    def reply(call: Call) -> httpx.Response:
+        if len(call.prompt) > LIMIT:
+            return httpx.Response(status, content=body)
+        return answer(call, "ok")
+
+    result = run_fake(FakeEngine(reply))
+    assert (result.verdict, result.reason) == (Verdict.ERROR, reason)
+
+
+def test_a_200_whose_body_is_broken_is_an_error_not_an_acceptance() -> None:
+    def reply(call: Call) -> httpx.Response:
+        if len(call.prompt) > LIMIT:
+            return httpx.Response(200, content=b"not json at all")
+        return answer(call, "ok")
+
+    result = run_fake(FakeEngine(reply))
+    assert (result.verdict, result.reason) == (Verdict.ERROR, "protocol")
+
+
 def test_unknown_capacity_is_an_error_and_nothing_is_sent() -> None:
     engine = FakeEngine(info=None)
     result = run_fake(engine)

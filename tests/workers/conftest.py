@@ -1,0 +1,81 @@
+"""Fixtures for the reference worker's tests; helpers and sizes live in ``tests.workers.support``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from tests.conftest import REPO, WorkerProcess, free_port, wait_http
+from tests.workers.support import PLACEHOLDER_FLAGS, small_config
+from workers.server import create_app
+
+# The in-process engines run many tiny decode steps; one intra-op thread keeps them from stalling on
+# a descheduled sibling thread when the machine is busy. Outputs do not depend on it.
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., TestClient]]:
+    """Start an in-process worker (engine thread included) per call: ``client = serve(mode="disaggregated")``.
+
+    The app runs on the tests' small pools (``support.SMALL``) with ``overrides`` applied.
+    """
+    clients: list[TestClient] = []
+
+    def start(**overrides: Any) -> TestClient:
+        client = TestClient(create_app(small_config(**overrides)), raise_server_exceptions=False)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def worker_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
+    """Start two real ``python -m workers`` processes at once (their startups overlap) for a module.
+
+    ``healthy``: single mode, default pools. ``defective``: the incident's disaggregated placeholder
+    node on the small pools, with keys ``sk-a`` → tenant-a and ``sk-b`` → tenant-b.
+    """
+    flags = {
+        "healthy": ["--mode", "single", "--max-batch", "16"],
+        "defective": [*PLACEHOLDER_FLAGS, "--api-key", "sk-a=tenant-a", "--api-key", "sk-b=tenant-b"],
+    }
+    logs = tmp_path_factory.mktemp("workers")
+    workers: dict[str, WorkerProcess] = {}
+    for name, args in flags.items():
+        port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "workers",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            *args,
+        ]
+        log = logs / f"{name}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            )
+        workers[name] = WorkerProcess(f"http://127.0.0.1:{port}", port, args, proc, log)
+    try:
+        for worker in workers.values():
+            wait_http(worker.url + "/health", timeout=90, proc=worker.proc)
+        yield workers
+    finally:
+        for worker in workers.values():
+            worker.stop()

@@ -1,0 +1,180 @@
+"""The engine without HTTP: continuous batching, aborts, and what owner verification catches.
+
+The corruption tests break the engine on purpose, the way the related failures did (a block table
+pointing at another request's pages, SGLang #34208; a late write landing in pages a request reads,
+SGLang #24527), and check that verification refuses the read while the unverified engine leaks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.support import small_config
+from workers.engine import Engine
+from workers.request import OWNERSHIP_VIOLATION, Event, FinishEvent, TokenEvent
+
+SECRET = "tenant A's secret: the vault code is 0451-ALPHA. " * 4
+
+
+class Collector:
+    """Collect one request's events."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+    @property
+    def text(self) -> str:
+        return bytes(e.token_id for e in self.events if isinstance(e, TokenEvent)).decode(errors="replace")
+
+    @property
+    def last(self) -> Event:
+        return self.events[-1]
+
+
+def run_until_idle(engine: Engine) -> None:
+    while engine.batch or engine._waiting:
+        engine.admit_waiting()
+        if engine.batch:
+            engine.decode_once()
+
+
+def submit(engine: Engine, text: str, max_tokens: int, tenant: str) -> Collector:
+    collector = Collector()
+    engine.submit(list(text.encode()), max_tokens, tenant=tenant, emit=collector)
+    return collector
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"verify_ownership": True},
+        {"verify_ownership": True, "shortcut": False},
+        {"zero_freed_pages": True},
+    ],
+    ids=["plain", "verified", "verified-branch-free", "zero-freed"],
+)
+def test_it_decodes_many_tenants_in_one_batch_each_with_its_own_echo(flags: dict[str, bool]) -> None:
+    flags = dict(flags)
+    shortcut = flags.pop("shortcut", True)
+    engine = Engine(small_config(max_batch=8, **flags))
+    engine.model.ownership_shortcut = shortcut
+    prompts = {f"tenant-{i}": f"tenant {i} says: " + chr(65 + i) * (20 + 7 * i) for i in range(6)}
+    collectors = {tenant: submit(engine, prompt, 500, tenant) for tenant, prompt in prompts.items()}
+    run_until_idle(engine)
+    assert engine.largest_batch == 6
+    assert {tenant: c.text for tenant, c in collectors.items()} == prompts
+    assert all(isinstance(c.last, FinishEvent) and c.last.reason == "stop" for c in collectors.values())
+
+
+def test_it_queues_requests_until_pages_free_up() -> None:
+    engine = Engine(small_config(kv_pool_tokens=256, max_batch=8))
+    collectors = [submit(engine, chr(97 + i) * 100, 100, f"t{i}") for i in range(3)]  # 200 tokens each
+    engine.admit_waiting()
+    assert len(engine.batch) == 1 and len(engine._waiting) == 2
+    run_until_idle(engine)
+    assert [c.text for c in collectors] == [chr(97 + i) * 100 for i in range(3)]
+
+
+def test_it_frees_the_pages_of_an_aborted_request() -> None:
+    engine = Engine(small_config())
+    pool = engine.decode_pool
+    collector = submit(engine, "x" * 300, 300, "t")
+    engine.admit_waiting()
+    engine.decode_once()
+    engine.abort(engine.batch.requests[0])
+    engine.decode_once()
+    assert len(engine.batch) == 0
+    assert pool.free_pages == pool.num_pages
+    assert len(collector.events) == 1  # no event after the abort
+
+
+def point_b_at_a_pages(engine: Engine) -> tuple[Collector, Collector]:
+    """Admit A and B, then corrupt B's block table to A's pages (a double-allocation bug)."""
+    a = submit(engine, SECRET, 200, "tenant-a")
+    b = submit(engine, "b" * len(SECRET), 200, "tenant-b")
+    engine.admit_waiting()
+    pages_a = engine.batch.requests[0].pages
+    engine.batch.table[1, : len(pages_a)] = torch.tensor(pages_a)
+    return a, b
+
+
+@pytest.mark.parametrize("shortcut", [True, False], ids=["cpu-shortcut", "branch-free"])
+def test_it_refuses_a_block_table_pointing_at_another_request_pages(shortcut: bool) -> None:
+    engine = Engine(small_config(verify_ownership=True))
+    engine.model.ownership_shortcut = shortcut  # branch-free is the CUDA path, run here on the CPU
+    a, b = point_b_at_a_pages(engine)
+    run_until_idle(engine)
+    assert b.events == [OWNERSHIP_VIOLATION]
+    assert a.text == SECRET[:200]
+    assert engine.metrics.ownership_violations._value.get() == 1
+
+
+def test_it_leaks_through_the_same_corruption_without_verification() -> None:
+    engine = Engine(small_config())
+    _, b = point_b_at_a_pages(engine)
+    run_until_idle(engine)
+    assert "0451-ALPHA" in b.text
+
+
+@pytest.mark.parametrize("shortcut", [True, False], ids=["cpu-shortcut", "branch-free"])
+def test_it_never_gathers_the_foreign_pages_it_refuses(shortcut: bool) -> None:
+    engine = Engine(small_config(verify_ownership=True))
+    engine.model.ownership_shortcut = shortcut
+    gathered: list[torch.Tensor] = []
+    attend = engine.model.attend
+
+    def spy(pool: object, tables: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        gathered.append(tables.clone())
+        return attend(pool, tables, *args)  # type: ignore[arg-type]
+
+    engine.model.attend = spy  # type: ignore[method-assign]
+    point_b_at_a_pages(engine)
+    pages_a = set(engine.batch.requests[0].pages)
+    engine.decode_once()
+    assert gathered and not pages_a & set(gathered[0][1].tolist())
+
+
+@pytest.mark.parametrize("shortcut", [True, False], ids=["cpu-shortcut", "branch-free"])
+def test_it_refuses_to_read_a_page_after_a_late_foreign_write(shortcut: bool) -> None:
+    engine = Engine(small_config(verify_ownership=True))
+    engine.model.ownership_shortcut = shortcut
+    a = submit(engine, SECRET, 200, "tenant-a")
+    engine.admit_waiting()
+    engine.decode_once()
+    late_page = torch.tensor([engine.batch.requests[0].pages[2]])
+    engine.decode_pool.record_write(
+        late_page, torch.tensor([0]), torch.tensor([16]), request_id=99, tenant_index=9
+    )
+    engine.decode_once()
+    assert a.events[-1] == OWNERSHIP_VIOLATION
+    assert a.text == SECRET[:1]
+
+
+def test_it_refuses_pages_written_by_a_later_request_even_before_reading_them() -> None:
+    engine = Engine(small_config(verify_ownership=True))
+    a = submit(engine, "short", 5, "tenant-a")
+    engine.admit_waiting()
+    unread = torch.tensor(engine.batch.requests[0].pages[-1:])
+    engine.decode_pool.record_write(
+        unread, torch.tensor([0]), torch.tensor([1]), request_id=99, tenant_index=9
+    )
+    run_until_idle(engine)
+    assert a.events == [OWNERSHIP_VIOLATION]
+
+
+def test_it_aborts_a_request_whose_submitter_is_gone_and_keeps_serving() -> None:
+    engine = Engine(small_config())
+
+    def gone(event: Event) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    engine.submit(list(b"nobody listens"), 50, tenant="t", emit=gone)
+    healthy = submit(engine, "still served", 50, "u")
+    run_until_idle(engine)
+    assert healthy.text == "still served"
+    assert engine.decode_pool.free_pages == engine.decode_pool.num_pages

@@ -1,0 +1,80 @@
+"""/metrics: the documented contract (docs/worker-metrics.md) parses, starts at zero and moves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.workers.support import complete
+from workers.metrics import WorkerMetrics
+
+CONTRACT = {
+    "kvcanary_kv_pages_allocated": ("counter", set()),
+    "kvcanary_kv_pages_reused_dirty": ("counter", set()),
+    "kvcanary_kv_ownership_checks": ("counter", set()),
+    "kvcanary_kv_ownership_violations": ("counter", set()),
+    "kvcanary_admission_rejections": ("counter", {"reason"}),
+    "kvcanary_placeholder_substitutions": ("counter", set()),
+    "kvcanary_requests": ("counter", {"code"}),
+    "kvcanary_time_to_first_token_seconds": ("histogram", set()),
+    "kvcanary_kv_pool_tokens": ("gauge", {"pool"}),
+    "kvcanary_kv_pages_free": ("gauge", {"pool"}),
+    "kvcanary_context_window_tokens": ("gauge", set()),
+}
+
+
+def families(client: TestClient) -> dict[str, object]:
+    return {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+
+
+def value(client: TestClient, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    raise AssertionError(f"{name}{labels} not exported")
+
+
+def test_it_exports_the_documented_metrics_with_their_types_and_labels(
+    serve: Callable[..., TestClient],
+) -> None:
+    found = families(serve(mode="disaggregated"))
+    for name, (kind, labels) in CONTRACT.items():
+        family = found[name]
+        assert family.type == kind, name  # type: ignore[attr-defined]
+        sample_labels = {k for s in family.samples for k in s.labels if k != "le"}  # type: ignore[attr-defined]
+        assert sample_labels == labels, name
+
+
+def test_it_starts_known_label_values_at_zero(serve: Callable[..., TestClient]) -> None:
+    client = serve(mode="disaggregated")
+    for reason in ("context_window", "kv_capacity"):
+        assert value(client, "kvcanary_admission_rejections_total", reason=reason) == 0
+    for code in ("200", "400", "401", "404", "500"):
+        assert value(client, "kvcanary_requests_total", code=code) == 0
+    assert value(client, "kvcanary_kv_pool_tokens", pool="prefill") == 1024
+    assert value(client, "kvcanary_kv_pool_tokens", pool="decode") == 4096
+    assert value(client, "kvcanary_kv_pages_free", pool="decode") == 256
+    assert value(client, "kvcanary_context_window_tokens") == 8192
+
+
+def test_it_counts_requests_pages_and_first_tokens(serve: Callable[..., TestClient]) -> None:
+    client = serve()
+    complete(client, "x" * 40, max_tokens=8)
+    complete(client, "y" * 9000)
+    complete(client, "z", model="nope")
+    assert value(client, "kvcanary_requests_total", code="200") == 1
+    assert value(client, "kvcanary_requests_total", code="400") == 1
+    assert value(client, "kvcanary_requests_total", code="404") == 1
+    assert value(client, "kvcanary_admission_rejections_total", reason="context_window") == 1
+    assert value(client, "kvcanary_kv_pages_allocated_total") == 3  # 40 prompt + 8 new tokens = 3 pages
+    assert value(client, "kvcanary_time_to_first_token_seconds_count") == 1
+    assert value(client, "kvcanary_kv_ownership_checks_total") == 0  # verification is off
+
+
+def test_it_uses_its_own_registry() -> None:
+    first, second = WorkerMetrics(), WorkerMetrics()
+    first.placeholder_substitutions.inc()
+    assert b"kvcanary_placeholder_substitutions_total 0.0" in second.render()

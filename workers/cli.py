@@ -1,0 +1,175 @@
+"""``python -m workers``: parse flags into a WorkerConfig and serve it.
+
+A bad flag value exits 2 with a message naming the flag (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+from workers.auth import load_keys_file, parse_key_spec
+from workers.config import ADMISSIONS, MODES, WorkerConfig
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser; every flag carries a help string."""
+    parser = argparse.ArgumentParser(
+        prog="python -m workers",
+        description="kvcanary reference serving worker: a paged-KV copy model behind an OpenAI API. "
+        "It reproduces the disaggregated placeholder leak (--mode disaggregated --admission placeholder), "
+        "its fix (--admission reject) and owner-verified pages (--verify-ownership).",
+    )
+    _add_serving_flags(parser.add_argument_group("serving"))
+    _add_cache_flags(parser.add_argument_group("KV cache and admission"))
+    _add_isolation_flags(parser.add_argument_group("isolation"))
+    return parser
+
+
+def _add_serving_flags(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    add("--port", type=int, default=30000, help="TCP port to bind (default: %(default)s)")
+    add("--device", default=None, help="torch device, cpu or cuda (default: cuda when available)")
+    add(
+        "--served-model-name",
+        default="kvcanary-reference",
+        help="model name clients must send (default: %(default)s)",
+    )
+    add("--max-batch", type=int, default=64, help="most requests decoding together (default: %(default)s)")
+    add("--seed", type=int, default=0, help="seed of the model's token embeddings (default: %(default)s)")
+    add(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY=TENANT",
+        help="accept bearer KEY as TENANT (repeatable); with no keys every request is accepted and "
+        "its bearer token (or 'anonymous') names its tenant",
+    )
+    add(
+        "--api-keys-file",
+        metavar="PATH",
+        help="file of KEY=TENANT lines (# comments allowed), added to --api-key",
+    )
+    add(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="log level of worker and uvicorn (default: %(default)s)",
+    )
+
+
+def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add(
+        "--mode",
+        choices=MODES,
+        default="single",
+        help="one KV pool, or prefill and decode pools (default: %(default)s)",
+    )
+    add(
+        "--admission",
+        choices=ADMISSIONS,
+        default="reject",
+        help="disaggregated mode: reject over-capacity prompts with HTTP 400 (the fix), or replace them by a "
+        "one-token placeholder that decodes over stale pages (the defect of sgl-project/sglang#30233); "
+        "single mode always rejects (default: %(default)s)",
+    )
+    add(
+        "--kv-pool-tokens",
+        type=int,
+        default=4096,
+        help="tokens of the single pool; in disaggregated mode the size of each pool whose own flag is "
+        "absent (default: %(default)s)",
+    )
+    add(
+        "--prefill-pool-tokens",
+        type=int,
+        help="prefill pool tokens, which admission checks (default: --kv-pool-tokens)",
+    )
+    add("--decode-pool-tokens", type=int, help="decode pool tokens (default: --kv-pool-tokens)")
+    add("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    add(
+        "--context-window",
+        type=int,
+        default=8192,
+        help="advertised context window in tokens; it may exceed the pool (the incident's "
+        "misconfiguration, logged as a warning) (default: %(default)s)",
+    )
+
+
+def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add(
+        "--verify-ownership",
+        action="store_true",
+        help="verify before each decode read that every page attended is owned and filled by the "
+        "request; fail closed with HTTP 500 otherwise",
+    )
+    add(
+        "--zero-freed-pages",
+        action="store_true",
+        help="zero K/V and clear owner tags of pages when they are freed",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """Return the WorkerConfig of parsed ``args``; raise ``ValueError`` naming the bad flag."""
+    keys = load_keys_file(args.api_keys_file) if args.api_keys_file else {}
+    for spec in args.api_key:
+        key, tenant = parse_key_spec(spec, source="--api-key")
+        keys[key] = tenant
+    device = args.device or _default_device()
+    if device == "cuda" and not _cuda_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine")
+    return WorkerConfig(
+        host=args.host,
+        port=args.port,
+        device=device,
+        mode=args.mode,
+        admission=args.admission,
+        kv_pool_tokens=args.kv_pool_tokens,
+        prefill_pool_tokens=args.prefill_pool_tokens,
+        decode_pool_tokens=args.decode_pool_tokens,
+        page_size=args.page_size,
+        context_window=args.context_window,
+        max_batch=args.max_batch,
+        seed=args.seed,
+        served_model_name=args.served_model_name,
+        api_keys=keys,
+        verify_ownership=args.verify_ownership,
+        zero_freed_pages=args.zero_freed_pages,
+        log_level=args.log_level,
+    )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and serve; return the exit status (2 for a bad flag, via argparse)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from workers.server import serve
+
+    serve(config)
+    return 0

@@ -1,0 +1,127 @@
+"""WorkerConfig: every setting of the reference worker, validated once at startup.
+
+A bad value raises ``ValueError`` whose message names the command-line flag, so the CLI can exit 2
+with it. Derived sizes (pages per pool, ``max_req_input_len``) live here so that the engine, the
+admission rule and ``/get_server_info`` all read the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("single", "disaggregated")
+ADMISSIONS = ("reject", "placeholder")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one worker process; see ``python -m workers --help`` for each flag."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"
+    mode: str = "single"
+    admission: str = "reject"
+    kv_pool_tokens: int = 4096
+    prefill_pool_tokens: int | None = None
+    decode_pool_tokens: int | None = None
+    page_size: int = 16
+    context_window: int = 8192
+    max_batch: int = 64
+    seed: int = 0
+    served_model_name: str = "kvcanary-reference"
+    api_keys: dict[str, str] = field(default_factory=dict)
+    verify_ownership: bool = False
+    zero_freed_pages: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _require(self.mode in MODES, f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _require(
+            self.admission in ADMISSIONS,
+            f"--admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}",
+        )
+        _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        _require(self.page_size >= 1, f"--page-size must be at least 1, got {self.page_size}")
+        _require(self.context_window >= 2, f"--context-window must be at least 2, got {self.context_window}")
+        _require(self.max_batch >= 1, f"--max-batch must be at least 1, got {self.max_batch}")
+        _require(bool(self.served_model_name.strip()), "--served-model-name must not be empty")
+        for flag, tokens in self._pool_flags().items():
+            _require(
+                tokens >= 2 * self.page_size,
+                f"{flag} must hold at least two pages ({2 * self.page_size} tokens), got {tokens}",
+            )
+        for key, tenant in self.api_keys.items():
+            _require(bool(key) and bool(tenant), "--api-key entries need a non-empty KEY and TENANT")
+
+    def _pool_flags(self) -> dict[str, int]:
+        """Return each configured pool size under the flag that set it."""
+        if self.mode == "single":
+            return {"--kv-pool-tokens": self.kv_pool_tokens}
+        return {
+            "--prefill-pool-tokens": self.prefill_tokens_requested,
+            "--decode-pool-tokens": self.decode_tokens_requested,
+        }
+
+    @property
+    def prefill_tokens_requested(self) -> int:
+        """Return the prefill pool size asked for (``--kv-pool-tokens`` when the flag is absent)."""
+        return self.prefill_pool_tokens if self.prefill_pool_tokens is not None else self.kv_pool_tokens
+
+    @property
+    def decode_tokens_requested(self) -> int:
+        """Return the decode pool size asked for (``--kv-pool-tokens`` when the flag is absent)."""
+        return self.decode_pool_tokens if self.decode_pool_tokens is not None else self.kv_pool_tokens
+
+    @property
+    def pool_tokens(self) -> dict[str, int]:
+        """Return the usable tokens of each pool by name: ``single``, or ``prefill`` and ``decode``.
+
+        A pool holds whole pages only, so a size that is not a multiple of ``page_size`` is rounded down.
+        """
+        if self.mode == "single":
+            return {"single": self._whole_pages(self.kv_pool_tokens)}
+        return {
+            "prefill": self._whole_pages(self.prefill_tokens_requested),
+            "decode": self._whole_pages(self.decode_tokens_requested),
+        }
+
+    def _whole_pages(self, tokens: int) -> int:
+        return tokens // self.page_size * self.page_size
+
+    @property
+    def admission_pool_tokens(self) -> int:
+        """Return the pool that admission checks: the single pool, or the prefill pool."""
+        pools = self.pool_tokens
+        return pools["single"] if self.mode == "single" else pools["prefill"]
+
+    @property
+    def decode_pool_name(self) -> str:
+        """Return the name of the pool that decode reads from."""
+        return "single" if self.mode == "single" else "decode"
+
+    @property
+    def max_req_input_len(self) -> int:
+        """Return the longest prompt admitted: ``min(context_window, admission pool) - 1``.
+
+        SGLang subtracts a few more tokens of headroom; one is enough here because the worker
+        reserves decode pages separately (see ``workers.admission``).
+        """
+        return min(self.context_window, self.admission_pool_tokens) - 1
+
+    @property
+    def effective_admission(self) -> str:
+        """Return the admission behaviour in force (single mode always rejects, as SGLang's single node)."""
+        return self.admission if self.mode == "disaggregated" else "reject"
+
+    @property
+    def context_exceeds_pool(self) -> bool:
+        """Return True for the incident's misconfiguration: a context window the pool cannot hold."""
+        return self.context_window > self.admission_pool_tokens
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

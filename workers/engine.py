@@ -1,0 +1,261 @@
+"""Engine: admission, prefill, KV transfer and continuous-batching decode on one background thread.
+
+HTTP handlers call ``submit`` (which plans admission synchronously, so a rejection is an immediate
+400) and receive events through the request's ``emit`` callback. The engine thread loops:
+
+1. admit waiting requests FIFO while the batch has room and the pools have free pages (a request
+   that does not fit yet waits; admission already guarantees it fits an empty pool);
+2. prefill each admitted request; in disaggregated mode transfer its KV with a manifest and free the
+   prefill pages;
+3. run one batched decode step for every running request, with one device-to-host sync;
+4. retire finished, failed and aborted requests, freeing their decode pages (LIFO, see kv_cache).
+
+``admit_waiting`` and ``decode_once`` are public so that the benchmark can drive the engine without
+the thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from workers.admission import AdmissionPlan, AdmissionRejected, plan_admission
+from workers.batch import RunningBatch
+from workers.config import WorkerConfig
+from workers.kv_cache import PagePool
+from workers.metrics import WorkerMetrics
+from workers.model import HEAD_DIM, CopyModel
+from workers.request import OWNERSHIP_VIOLATION, ErrorEvent, Event, FinishEvent, Request, TokenEvent
+from workers.transfer import TransferManifest, transfer_kv
+
+log = logging.getLogger("workers.engine")
+INTERNAL_ERROR = ErrorEvent(500, "internal engine error", "internal_error", 500)
+
+
+def build_pools(config: WorkerConfig, device: torch.device) -> dict[str, PagePool]:
+    """Return the configured pools by name (``single``, or ``prefill`` and ``decode``)."""
+    return {
+        name: PagePool(
+            name=name,
+            num_pages=tokens // config.page_size,
+            page_size=config.page_size,
+            head_dim=HEAD_DIM,
+            device=device,
+            zero_freed_pages=config.zero_freed_pages,
+        )
+        for name, tokens in config.pool_tokens.items()
+    }
+
+
+class Engine:
+    """The serving engine of one worker; thread-safe entry points are ``submit``, ``abort`` and ``stop``."""
+
+    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics if metrics is not None else WorkerMetrics()
+        self.device = torch.device(config.device)
+        self.model = CopyModel(device=self.device, seed=config.seed)
+        self.pools = build_pools(config, self.device)
+        self.decode_pool = self.pools[config.decode_pool_name]
+        self.prefill_pool = self.pools.get("prefill")
+        self.batch = RunningBatch(
+            max_batch=config.max_batch, pool=self.decode_pool, verify_ownership=config.verify_ownership
+        )
+        self.metrics.watch_pools(self.pools)
+        self._waiting: deque[Request] = deque()
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._request_ids = itertools.count(1)
+        self._tenants: dict[str, int] = {}
+        self.largest_batch = 0  # most requests ever decoded in one step (continuous batching at work)
+
+    # --- thread-safe entry points -----------------------------------------------------------------
+
+    def submit(
+        self, prompt_ids: list[int], max_tokens: int, *, tenant: str, emit: Callable[[Event], None]
+    ) -> Request:
+        """Plan admission and queue the request; raise ``AdmissionRejected`` (HTTP 400) without queueing."""
+        try:
+            plan = plan_admission(self.config, prompt_ids, max_tokens)
+        except AdmissionRejected as rejected:
+            self.metrics.admission_rejections.labels(reason=rejected.reason).inc()
+            raise
+        if plan.placeholder:
+            self.metrics.placeholder_substitutions.inc()
+            log.warning(
+                "placeholder substituted for a %d-token prompt (--admission placeholder)", plan.decode_len
+            )
+        with self._wakeup:
+            # Ids are drawn in queue order: admission is FIFO, so a later id is always admitted later,
+            # which ownership verification relies on (see workers.model.entries_owned).
+            request = Request(
+                request_id=next(self._request_ids),
+                tenant=tenant,
+                tenant_index=self._tenants.setdefault(tenant, len(self._tenants) + 1),
+                plan=plan,
+                emit=emit,
+            )
+            self._waiting.append(request)
+            self._wakeup.notify()
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Stop ``request`` (its client went away): it gets no more events and its pages are freed."""
+        with self._wakeup:
+            request.aborted = True
+            self._wakeup.notify()
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread = threading.Thread(target=self._run, name="kvcanary-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the engine thread after its current step."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # --- engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._stopping and not self._waiting and not self.batch:
+                    self._wakeup.wait()
+                if self._stopping:
+                    return
+            try:
+                self.admit_waiting()
+                if self.batch:
+                    self.decode_once()
+            except Exception:
+                log.exception("engine step failed; failing the running requests")
+                self._fail_running(INTERNAL_ERROR)
+
+    def admit_waiting(self) -> int:
+        """Move waiting requests into the batch (FIFO) while they fit; return how many joined."""
+        joined = 0
+        while not self.batch.full:
+            with self._wakeup:
+                if not self._waiting:
+                    break
+                request = self._waiting[0]
+                if not request.aborted and not self._fits(request.plan):
+                    break
+                self._waiting.popleft()
+            if request.aborted:
+                continue
+            try:
+                self._prefill(request)
+            except Exception:
+                log.exception("prefill of request %d failed", request.request_id)
+                self.decode_pool.free(request.pages)
+                self._emit(request, INTERNAL_ERROR)
+                continue
+            self.batch.add(request)
+            joined += 1
+        return joined
+
+    def _fits(self, plan: AdmissionPlan) -> bool:
+        decode_pages = self.decode_pool.pages_for(plan.reserve_tokens)
+        if self.prefill_pool is not None and not self.prefill_pool.can_alloc(
+            self.prefill_pool.pages_for(len(plan.input_ids))
+        ):
+            return False
+        return self.decode_pool.can_alloc(decode_pages)
+
+    def _prefill(self, request: Request) -> None:
+        """Compute the request's input K/V into decode pages (through a transfer when disaggregated)."""
+        plan, rid, tenant = request.plan, request.request_id, request.tenant_index
+        decode_pages = self.decode_pool.pages_for(plan.reserve_tokens)
+        if self.prefill_pool is None:
+            request.pages = self.decode_pool.alloc(decode_pages, request_id=rid)
+            self.model.prefill(
+                self.decode_pool, request.pages, list(plan.input_ids), request_id=rid, tenant_index=tenant
+            )
+            return
+        src = self.prefill_pool.alloc(self.prefill_pool.pages_for(len(plan.input_ids)), request_id=rid)
+        try:
+            self.model.prefill(
+                self.prefill_pool, src, list(plan.input_ids), request_id=rid, tenant_index=tenant
+            )
+            # Decode preallocates for the length it believes (decode_len), whatever prefill computed.
+            request.pages = self.decode_pool.alloc(decode_pages, request_id=rid)
+            manifest = TransferManifest(
+                request_id=rid,
+                tenant=request.tenant,
+                num_tokens=len(plan.input_ids),
+                src_pages=tuple(src),
+                dst_pages=tuple(request.pages[: len(src)]),
+            )
+            transfer_kv(manifest, self.prefill_pool, self.decode_pool, tenant_index=tenant)
+        finally:
+            self.prefill_pool.free(src)
+
+    def decode_once(self) -> None:
+        """Run one decode step for the whole batch, emit its tokens and retire whoever is done."""
+        self.largest_batch = max(self.largest_batch, len(self.batch))
+        step = self.batch.decode_step()
+        if step.entries_checked:
+            self.metrics.ownership_checks.inc(step.entries_checked)
+        tokens = self.model.decode(self.decode_pool, step).tolist()
+        now = time.monotonic()
+        done: list[int] = []
+        for row, (request, token) in enumerate(zip(self.batch.requests, tokens, strict=True)):
+            if request.aborted:
+                done.append(row)
+            elif token < 0:
+                self.metrics.ownership_violations.inc()
+                log.warning(
+                    "KV ownership violation: request %d refused (tenant index %d)",
+                    request.request_id,
+                    request.tenant_index,
+                )
+                self._emit(request, OWNERSHIP_VIOLATION)
+                done.append(row)
+            elif self._advance(request, token, now):
+                done.append(row)
+        self._retire(done)
+
+    def _advance(self, request: Request, token: int, now: float) -> bool:
+        """Record ``token`` for ``request``; return True when the request finished with it."""
+        if not request.generated:
+            self.metrics.time_to_first_token.observe(now - request.submitted_at)
+        request.generated.append(token)
+        self._emit(request, TokenEvent(token))
+        reason = request.finish_reason(self.config.page_size)
+        if reason is None:
+            return False
+        self._emit(request, FinishEvent(reason, request.plan.prompt_tokens, len(request.generated)))
+        return True
+
+    def _emit(self, request: Request, event: Event) -> None:
+        """Hand ``event`` to the request's submitter; a submitter that cannot take it aborts its request."""
+        try:
+            request.emit(event)
+        except Exception:
+            # E.g. the handler's event loop has closed: nobody waits for this request any more.
+            log.exception("could not deliver an event of request %d; aborting it", request.request_id)
+            request.aborted = True
+
+    def _retire(self, rows: list[int]) -> None:
+        for row in rows:
+            self.decode_pool.free(self.batch.requests[row].pages)
+        self.batch.remove(rows)
+
+    def _fail_running(self, error: ErrorEvent) -> None:
+        rows = list(range(len(self.batch)))
+        for request in self.batch.requests:
+            if not request.aborted:
+                self._emit(request, error)
+        self._retire(rows)

@@ -1,0 +1,122 @@
+"""Run one generation for an HTTP handler: submit to the engine, then answer plain or as SSE.
+
+The handler waits for the engine's FIRST event before it commits to a response. So an error found
+before any token (an ownership violation at the first decode step, or an engine failure) is a plain
+JSON error with its status, even for ``stream: true``, and no content is ever sent with it. An error
+after tokens were streamed (not produced by this worker's checks, which run before the first token,
+but possible in principle) ends the stream with a ``data: {"error": ...}`` event and ``data: [DONE]``.
+A client that goes away aborts its request, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from workers.admission import AdmissionRejected
+from workers.engine import Engine
+from workers.errors import WorkerError
+from workers.protocol import GenerationRequest, ResponseShape, Usage
+from workers.request import ErrorEvent, Event, FinishEvent, Request, TokenEvent
+from workers.tokenizer import StreamDecoder, decode
+
+
+class EventChannel:
+    """Carry events from the engine thread into the handler's event loop."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def emit(self, event: Event) -> None:
+        """Hand ``event`` over from any thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def next(self) -> Event:
+        """Return the next event, waiting for it."""
+        return await self._queue.get()
+
+
+def _error_of(event: ErrorEvent) -> WorkerError:
+    return WorkerError(event.status, event.message, type=event.type, code=event.code)
+
+
+async def generate(
+    engine: Engine, shape: ResponseShape, prompt_ids: list[int], body: GenerationRequest, *, tenant: str
+) -> Response:
+    """Return the response for ``prompt_ids``; raise ``WorkerError`` for a rejection or an early failure."""
+    channel = EventChannel()
+    try:
+        request = engine.submit(prompt_ids, body.token_budget(), tenant=tenant, emit=channel.emit)
+    except AdmissionRejected as rejected:
+        raise WorkerError(400, rejected.message, type="BadRequestError", code=400) from None
+    try:
+        first = await channel.next()
+        if isinstance(first, ErrorEvent):
+            raise _error_of(first)
+        if body.stream:
+            events = _sse(engine, request, shape, channel, first, include_usage=body.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(await _collect(shape, channel, first))
+    except BaseException:
+        engine.abort(request)
+        raise
+
+
+async def _collect(shape: ResponseShape, channel: EventChannel, event: Event) -> dict[str, Any]:
+    tokens: list[int] = []
+    while True:
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token_id)
+        elif isinstance(event, FinishEvent):
+            usage = Usage(event.prompt_tokens, event.completion_tokens)
+            return shape.complete(decode(tokens), event.reason, usage)
+        else:
+            raise _error_of(event)
+        event = await channel.next()
+
+
+def _data(body: dict[str, Any] | str) -> str:
+    payload = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+async def _sse(
+    engine: Engine,
+    request: Request,
+    shape: ResponseShape,
+    channel: EventChannel,
+    event: Event,
+    *,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Yield the SSE events of a stream whose first engine event is ``event``."""
+    decoder = StreamDecoder()
+    finished = False
+    try:
+        if shape.kind == "chat":
+            yield _data(shape.chunk("", first=True, with_usage=include_usage))
+        while True:
+            if isinstance(event, TokenEvent):
+                text = decoder.push(event.token_id)
+                if text:
+                    yield _data(shape.chunk(text, with_usage=include_usage))
+            elif isinstance(event, FinishEvent):
+                tail = decoder.flush()
+                yield _data(shape.chunk(tail or None, event.reason, with_usage=include_usage))
+                if include_usage:
+                    yield _data(shape.usage_chunk(Usage(event.prompt_tokens, event.completion_tokens)))
+                break
+            else:
+                yield _data(_error_of(event).body())
+                break
+            event = await channel.next()
+        finished = True
+        yield _data("[DONE]")
+    finally:
+        if not finished:
+            engine.abort(request)

@@ -1,0 +1,112 @@
+"""Every metric the worker exports, in its own CollectorRegistry (never the global one).
+
+The names, types and labels are a stable contract documented in ``docs/worker-metrics.md``. No label
+carries a request id, tenant or key: ``reason``, ``code`` and ``pool`` take a handful of values each,
+and the known ones start at 0 so that ``increase()`` sees the first event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from workers.kv_cache import PagePool
+
+REJECTION_REASONS = ("context_window", "kv_capacity")
+KNOWN_STATUS_CODES = ("200", "400", "401", "404", "500")
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class WorkerMetrics:
+    """The worker's counters, gauges and histogram, registered in ``self.registry``.
+
+    Example::
+
+        metrics = WorkerMetrics()
+        metrics.admission_rejections.labels(reason="kv_capacity").inc()
+        text = metrics.render()
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ownership_checks = Counter(
+            "kvcanary_kv_ownership_checks",
+            "KV pages verified before a decode read (--verify-ownership).",
+            registry=r,
+        )
+        self.ownership_violations = Counter(
+            "kvcanary_kv_ownership_violations",
+            "Decode reads refused because a page was not owned or not filled by the reading request.",
+            registry=r,
+        )
+        self.admission_rejections = Counter(
+            "kvcanary_admission_rejections",
+            "Requests refused at admission with HTTP 400.",
+            ["reason"],
+            registry=r,
+        )
+        self.placeholder_substitutions = Counter(
+            "kvcanary_placeholder_substitutions",
+            "Over-capacity requests replaced by a one-token placeholder (--admission placeholder).",
+            registry=r,
+        )
+        self.requests = Counter(
+            "kvcanary_requests",
+            "Completion and chat requests answered, by HTTP status.",
+            ["code"],
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "kvcanary_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.context_window = Gauge(
+            "kvcanary_context_window_tokens", "Advertised context window in tokens.", registry=r
+        )
+        for reason in REJECTION_REASONS:
+            self.admission_rejections.labels(reason=reason)
+        for code in KNOWN_STATUS_CODES:
+            self.requests.labels(code=code)
+
+    def watch_pools(self, pools: Mapping[str, PagePool]) -> None:
+        """Export the page counters and pool gauges of ``pools`` (read at scrape time)."""
+        self.registry.register(PoolCollector(pools))
+
+    def render(self) -> bytes:
+        """Return the registry in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class PoolCollector(Collector):
+    """Read the pools' own counters at scrape time, so the allocator stays free of metrics code."""
+
+    def __init__(self, pools: Mapping[str, PagePool]) -> None:
+        self._pools = dict(pools)
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        pools: Iterable[PagePool] = self._pools.values()
+        yield CounterMetricFamily(
+            "kvcanary_kv_pages_allocated",
+            "KV pages handed out by the allocators (all pools).",
+            value=sum(pool.pages_allocated for pool in pools),
+        )
+        yield CounterMetricFamily(
+            "kvcanary_kv_pages_reused_dirty",
+            "KV pages allocated while still holding another request's data (all pools).",
+            value=sum(pool.pages_reused_dirty for pool in pools),
+        )
+        capacity = GaugeMetricFamily(
+            "kvcanary_kv_pool_tokens", "KV pool capacity in tokens.", labels=["pool"]
+        )
+        free = GaugeMetricFamily("kvcanary_kv_pages_free", "KV pages free right now.", labels=["pool"])
+        for name, pool in self._pools.items():
+            capacity.add_metric([name], pool.capacity_tokens)
+            free.add_metric([name], pool.free_pages)
+        yield capacity
+        yield free

@@ -1,0 +1,109 @@
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and vLLM's /tokenize.
+
+Every ``/v1`` route needs a valid API key when keys are configured (see ``workers.auth``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import Response
+
+from workers.auth import resolve_tenant
+from workers.config import WorkerConfig
+from workers.engine import Engine
+from workers.errors import WorkerError
+from workers.generation import generate
+from workers.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape, TokenizeRequest
+from workers.tokenizer import encode, render_chat
+
+router = APIRouter()
+
+
+def _config(request: Request) -> WorkerConfig:
+    config: WorkerConfig = request.app.state.config
+    return config
+
+
+def _engine(request: Request) -> Engine:
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+def _tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+    return resolve_tenant(authorization, _config(request).api_keys)
+
+
+ConfigDep = Annotated[WorkerConfig, Depends(_config)]
+EngineDep = Annotated[Engine, Depends(_engine)]
+TenantDep = Annotated[str, Depends(_tenant)]
+
+
+def _check_model(config: WorkerConfig, model: str) -> None:
+    if model != config.served_model_name:
+        raise WorkerError(
+            404,
+            f"The model '{model}' does not exist; this worker serves '{config.served_model_name}'.",
+            code="model_not_found",
+            param="model",
+        )
+
+
+def _chat_prompt(messages: list[Any]) -> list[int]:
+    prompt_ids = encode(render_chat(message.text() for message in messages))
+    if not prompt_ids:
+        raise WorkerError(
+            400, "Invalid value for 'messages': the rendered prompt is empty.", param="messages"
+        )
+    return prompt_ids
+
+
+@router.post("/v1/completions")
+async def completions(
+    body: CompletionRequest, tenant: TenantDep, config: ConfigDep, engine: EngineDep
+) -> Response:
+    """Complete ``prompt``: the CopyModel echoes the prompt as its KV cache holds it."""
+    _check_model(config, body.model)
+    shape = ResponseShape("completion", config.served_model_name)
+    return await generate(engine, shape, encode(body.prompt), body, tenant=tenant)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, tenant: TenantDep, config: ConfigDep, engine: EngineDep
+) -> Response:
+    """Answer ``messages``: the reply echoes the rendered chat prompt (see ``workers.tokenizer``)."""
+    _check_model(config, body.model)
+    shape = ResponseShape("chat", config.served_model_name)
+    return await generate(engine, shape, _chat_prompt(body.messages), body, tenant=tenant)
+
+
+@router.get("/v1/models")
+async def models(tenant: TenantDep, config: ConfigDep) -> dict[str, Any]:
+    """List the one served model; ``max_model_len`` is the advertised context window, not the pool."""
+    card = {
+        "id": config.served_model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "kvcanary",
+        "root": config.served_model_name,
+        "max_model_len": config.context_window,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, config: ConfigDep) -> dict[str, Any]:
+    """Return vLLM's tokenize shape for ``prompt`` or ``messages`` (chat template applied): byte tokens."""
+    if (body.prompt is None) == (body.messages is None):
+        raise WorkerError(400, "Send exactly one of 'prompt' or 'messages'.", param="prompt")
+    if body.model is not None:
+        _check_model(config, body.model)
+    tokens = (
+        encode(body.prompt)
+        if body.prompt is not None
+        else encode(render_chat(m.text() for m in body.messages or []))
+    )
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": config.context_window}

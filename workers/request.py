@@ -1,0 +1,78 @@
+"""A request inside the engine, and the events the engine sends back to whoever submitted it.
+
+The engine thread calls ``Request.emit`` with ``TokenEvent``s, then exactly one ``FinishEvent`` or
+``ErrorEvent``; nothing follows that terminal event. An aborted request gets no events at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from workers.admission import AdmissionPlan
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token."""
+
+    token_id: int
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """Generation ended normally; ``reason`` is OpenAI's ``finish_reason`` (``stop`` or ``length``)."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """Generation failed; the fields are the OpenAI error body and its HTTP status."""
+
+    status: int
+    message: str
+    type: str
+    code: int | str
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+OWNERSHIP_VIOLATION = ErrorEvent(500, "KV page ownership check failed", "kv_ownership_violation", 500)
+
+
+@dataclass(eq=False)
+class Request:
+    """A submitted request: its plan, its decode pages and what it generated so far."""
+
+    request_id: int
+    tenant: str
+    tenant_index: int
+    plan: AdmissionPlan
+    emit: Callable[[Event], None]
+    submitted_at: float = field(default_factory=time.monotonic)
+    pages: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    aborted: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """Return the positions the next step attends: the believed prompt plus the tokens generated."""
+        return self.plan.decode_len + len(self.generated)
+
+    def finish_reason(self, page_size: int) -> str | None:
+        """Return ``stop``, ``length`` or None (keep decoding) after the latest token.
+
+        ``stop`` means one whole copy of the prompt was echoed; ``length`` means the budget or the
+        reserved pages ran out first.
+        """
+        done = len(self.generated)
+        if done >= self.plan.max_new_tokens:
+            return "stop" if done >= self.plan.decode_len else "length"
+        next_write = self.plan.decode_len + done - 1
+        if next_write >= min(self.plan.reserve_tokens, len(self.pages) * page_size):
+            return "length"
+        return None

@@ -1,0 +1,127 @@
+"""The worker's HTTP app (FastAPI) and its uvicorn entry point.
+
+Besides the OpenAI routes (``workers.openai_api``) it serves:
+
+- ``GET /health``: 200 once the engine thread runs.
+- ``GET /get_server_info`` and ``GET /server_info``: SGLang's shape (see ``server_info``).
+- ``GET /metrics``: Prometheus text from the worker's own registry (``docs/worker-metrics.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from workers import __version__
+from workers.config import WorkerConfig
+from workers.engine import Engine
+from workers.errors import install_error_handlers
+from workers.metrics import WorkerMetrics
+from workers.openai_api import router
+
+log = logging.getLogger("workers.server")
+COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def server_info(config: WorkerConfig) -> dict[str, Any]:
+    """Return SGLang's ``/get_server_info`` fields plus the worker's isolation settings.
+
+    ``max_total_num_tokens`` is the pool admission checks (single, or prefill in disaggregated mode,
+    which is why ``disaggregation_mode`` reads ``prefill`` there) and ``max_req_input_len`` is
+    ``min(context_length, max_total_num_tokens) - 1``.
+    """
+    return {
+        "context_length": config.context_window,
+        "max_total_num_tokens": config.admission_pool_tokens,
+        "max_req_input_len": config.max_req_input_len,
+        "page_size": config.page_size,
+        "disaggregation_mode": "null" if config.mode == "single" else "prefill",
+        "version": f"kvcanary-reference {__version__}",
+        "served_model_name": config.served_model_name,
+        "kv_pools": config.pool_tokens,
+        "admission": config.effective_admission,
+        "verify_ownership": config.verify_ownership,
+        "zero_freed_pages": config.zero_freed_pages,
+        "status": "ready",
+    }
+
+
+class RequestCounter:
+    """ASGI middleware counting completion and chat answers by status, streams included."""
+
+    def __init__(self, app: ASGIApp, metrics: WorkerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in COUNTED_PATHS:
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(code=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(config: WorkerConfig) -> FastAPI:
+    """Return the worker app; its lifespan starts and stops the engine thread."""
+    metrics = WorkerMetrics()
+    metrics.context_window.set(config.context_window)
+    engine = Engine(config, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="kvcanary reference worker", version=__version__, lifespan=lifespan)
+    app.state.config = config
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    app.include_router(router)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return server_info(config)
+
+    @app.get("/metrics")
+    async def prometheus_metrics(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(config: WorkerConfig) -> None:
+    """Serve ``config`` with uvicorn until SIGINT/SIGTERM."""
+    if config.context_exceeds_pool:
+        log.warning(
+            "context window %d exceeds the admission KV pool (%d tokens): prompts over %d tokens "
+            "fit the context but not the pool (the incident's misconfiguration)",
+            config.context_window,
+            config.admission_pool_tokens,
+            config.max_req_input_len,
+        )
+    if config.mode == "single" and config.admission == "placeholder":
+        log.warning("--admission placeholder has no effect in single mode: the single-node path rejects")
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level)
