@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from probes.base import ProbeResult, Verdict
+
+# ``*_created`` series double the exposition and no rule or dashboard of ours reads them.
+disable_created_metrics()
 
 SEVERITIES = ("critical", "high", "warning")
 # Probe runs range from a 20 ms canary to a boundary probe that ships millions of tokens.
