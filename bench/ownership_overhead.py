@@ -118,17 +118,19 @@ def synchronize(device: str) -> None:
 
 
 def share_memory(engines: dict[str, Engine]) -> None:
-    """Point every engine at the baseline's pool tensors and model (with its gather buffers).
+    """Point every engine at the baseline's pool tensors, block table and model (with its buffers).
 
     Exact, because the engines run identical workloads in lockstep: same prompts, same request ids,
     same pages from identical allocators, same tokens, so each writes the very bytes the others
-    write, and a step never attends the position another engine's step wrote ahead of it. And
-    necessary, because where a pool lands in memory moves a CPU's step time by about 1%, which
-    must not favour any config.
+    write (block-table rows included), and a step never attends the position another engine's step
+    wrote ahead of it. And necessary, because where a pool or the strided block table lands in
+    memory moves a CPU's step time by a few tenths of a percent, which must not favour any config.
+    The verify config's bounds stay its own: touching them is part of the cost measured.
     """
     base = engines["baseline"]
     for engine in engines.values():
         engine.model = base.model
+        engine.batch.table = base.batch.table
         for name, pool in engine.pools.items():
             shared = base.pools[name]
             pool.k, pool.v, pool.ownership, pool.owner_tenant = (
