@@ -188,9 +188,17 @@ class Probe(ABC):
     #: Default seconds between runs when the target does not say; large probes run less often.
     default_interval_seconds: ClassVar[float] = 30.0
 
-    @abstractmethod
     async def run(self, ctx: ProbeContext) -> ProbeResult:
-        """Probe the target and return a verdict. Never raise: return ``ProbeResult.error`` instead."""
+        """Run :meth:`probe` and return its judged result; never raise (a crash is an ``error``)."""
+        try:
+            result = await self.probe(ctx)
+        except Exception as exc:  # a probe bug must cost one verdict, never the monitor
+            result = ProbeResult.error("probe_crashed", f"{type(exc).__name__}: {redact_markers(str(exc))}")
+        return judge(result, ctx)
+
+    @abstractmethod
+    async def probe(self, ctx: ProbeContext) -> ProbeResult:
+        """Probe the target and return a verdict; :meth:`run` adds the leak judgement over every response."""
 
 
 def unjudgeable(completion: Completion) -> str | None:

@@ -46,7 +46,6 @@ from probes.base import (
     ServerCapacity,
     Verdict,
     excerpt,
-    judge,
     unjudgeable,
 )
 from probes.canaries import redact_markers
@@ -99,14 +98,7 @@ class BoundaryProbe(Probe):
     kind = "boundary"
     default_interval_seconds = 300.0
 
-    async def run(self, ctx: ProbeContext) -> ProbeResult:
-        try:
-            result = await self._run(ctx)
-        except Exception as exc:  # Never raise: a crash is an error the runner records.
-            result = ProbeResult.error("probe_crashed", f"{type(exc).__name__}: {redact_markers(str(exc))}")
-        return judge(result, ctx)
-
-    async def _run(self, ctx: ProbeContext) -> ProbeResult:
+    async def probe(self, ctx: ProbeContext) -> ProbeResult:
         if not ctx.tenants:
             return ProbeResult.error("no_tenants", "the target names no tenant to probe as")
         tenant = str(ctx.options.get("tenant") or ctx.tenants[0])

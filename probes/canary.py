@@ -37,7 +37,6 @@ from probes.base import (
     ProbeResult,
     Verdict,
     excerpt,
-    judge,
     unjudgeable,
 )
 from probes.canaries import marker_hash, redact_markers
@@ -105,13 +104,8 @@ class CanaryProbe(Probe):
 
     kind = "canary"
 
-    async def run(self, ctx: ProbeContext) -> ProbeResult:
-        try:
-            checks = [await self.check(ctx, tenant) for tenant in ctx.tenants]
-            result = combine(checks)
-        except Exception as exc:  # Never raise: a crash is an error the runner records.
-            result = ProbeResult.error("probe_crashed", f"{type(exc).__name__}: {redact_markers(str(exc))}")
-        return judge(result, ctx)
+    async def probe(self, ctx: ProbeContext) -> ProbeResult:
+        return combine([await self.check(ctx, tenant) for tenant in ctx.tenants])
 
     async def check(self, ctx: ProbeContext, tenant: str) -> TenantCheck:
         """Plant a nonce as ``tenant``, ask for it back, and judge the answer."""

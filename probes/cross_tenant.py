@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from probes.base import Completion, CompletionRequest, Probe, ProbeContext, ProbeResult, Verdict, judge
+from probes.base import Completion, CompletionRequest, Probe, ProbeContext, ProbeResult, Verdict
 from probes.canaries import redact_markers
 from probes.canary import MAX_TOKENS, repeat_prompt
 
@@ -81,14 +81,7 @@ class CrossTenantProbe(Probe):
 
     kind = "cross_tenant"
 
-    async def run(self, ctx: ProbeContext) -> ProbeResult:
-        try:
-            result = await self._run(ctx)
-        except Exception as exc:  # Never raise: a crash is an error the runner records.
-            result = ProbeResult.error("probe_crashed", f"{type(exc).__name__}: {redact_markers(str(exc))}")
-        return judge(result, ctx)
-
-    async def _run(self, ctx: ProbeContext) -> ProbeResult:
+    async def probe(self, ctx: ProbeContext) -> ProbeResult:
         tenants = list(ctx.tenants)
         if len(tenants) < 2:
             return ProbeResult.error("too_few_tenants", "a cross-tenant probe needs two or more tenants")

@@ -129,6 +129,27 @@ class WorkerProcess:
         return self.log.read_text(errors="replace")
 
 
+def launch_worker(args: list[str], log_dir: Path, port: int | None = None) -> WorkerProcess:
+    """Spawn ``python -m workers ARGS`` on ``port`` (default: a free one) without waiting for it."""
+    port = port or free_port()
+    log = log_dir / f"worker-{port}.log"
+    argv = [sys.executable, "-m", "workers", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*argv, *args], stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        )
+    return WorkerProcess(f"http://127.0.0.1:{port}", port, list(args), proc, log)
+
+
+def wait_worker(worker: WorkerProcess, timeout: float = 90) -> WorkerProcess:
+    """Wait for the worker's /health; on failure raise with its log."""
+    try:
+        wait_http(worker.url + "/health", timeout=timeout, proc=worker.proc)
+    except Exception as exc:
+        raise RuntimeError(f"worker {worker.args} did not start: {exc}\n{worker.output()}") from exc
+    return worker
+
+
 @pytest.fixture
 def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """Start ``python -m workers ARGS`` on a free port; every started worker is stopped afterwards.
@@ -138,31 +159,9 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
     def start(*args: str, port: int | None = None) -> WorkerProcess:
-        port = port or free_port()
-        log = tmp_path / f"worker-{port}.log"
-        argv = [
-            sys.executable,
-            "-m",
-            "workers",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-        ]
-        argv += list(args)
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
-            )
-        worker = WorkerProcess(f"http://127.0.0.1:{port}", port, list(args), proc, log)
+        worker = launch_worker(list(args), tmp_path, port)
         started.append(worker)
-        try:
-            wait_http(worker.url + "/health", timeout=60, proc=proc)
-        except Exception as exc:
-            raise RuntimeError(f"worker {args} did not start: {exc}\n{worker.output()}") from exc
-        return worker
+        return wait_worker(worker)
 
     yield start
     for worker in started:

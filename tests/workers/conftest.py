@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,7 +9,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from tests.conftest import REPO, WorkerProcess, free_port, wait_http
+from tests.conftest import WorkerProcess, launch_worker, wait_worker
 from tests.workers.support import PLACEHOLDER_FLAGS, small_config
 from workers.server import create_app
 
@@ -51,30 +49,10 @@ def worker_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
         "defective": [*PLACEHOLDER_FLAGS, "--api-key", "sk-a=tenant-a", "--api-key", "sk-b=tenant-b"],
     }
     logs = tmp_path_factory.mktemp("workers")
-    workers: dict[str, WorkerProcess] = {}
-    for name, args in flags.items():
-        port = free_port()
-        argv = [
-            sys.executable,
-            "-m",
-            "workers",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-            *args,
-        ]
-        log = logs / f"{name}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
-            )
-        workers[name] = WorkerProcess(f"http://127.0.0.1:{port}", port, args, proc, log)
+    workers = {name: launch_worker(args, logs) for name, args in flags.items()}
     try:
         for worker in workers.values():
-            wait_http(worker.url + "/health", timeout=90, proc=worker.proc)
+            wait_worker(worker)
         yield workers
     finally:
         for worker in workers.values():
