@@ -14,7 +14,9 @@ start=$(date +%s)
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # grafana-client pulls urllib3-future, whose wheel overrides urllib3 at every start (setup-notes §1).
 export URLLIB3_NO_OVERRIDE=1
-.venv/bin/pip install -q --disable-pip-version-check 'torch==2.13.0' numpy
-.venv/bin/pip install -q --disable-pip-version-check --no-binary urllib3-future -e '.[worker,dashboards,dev]'
+# This machine's pip.conf names local indexes that lack most projects; pip warns once per project.
+pip() { .venv/bin/pip -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+pip install 'torch==2.13.0' numpy
+pip install --no-binary urllib3-future -e '.[worker,dashboards,dev]'
 echo "$want" > "$stamp"
 echo "setup: .venv ready in $(( $(date +%s) - start ))s"
