@@ -114,15 +114,29 @@ class TargetConfig(_Strict):
             raise ValueError("lists a probe kind twice")
         return v
 
-    @field_validator("probe_intervals", "options")
+    @field_validator("probe_intervals")
     @classmethod
-    def _known_kinds(cls, v: dict[str, Any]) -> dict[str, Any]:
-        unknown = [p for p in v if p not in REGISTRY]
-        if unknown:
-            raise ValueError(f"unknown probe kind(s) {unknown}; known: {sorted(REGISTRY)}")
-        if any(isinstance(x, int | float) and not 0 < x <= 7 * DAY for x in v.values()):
+    def _intervals(cls, v: dict[str, float]) -> dict[str, float]:
+        _known(v)
+        if any(not 0 < x <= 7 * DAY for x in v.values()):
             raise ValueError("intervals must be greater than 0 and at most 7 days")
         return v
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Check each kind's options against that kind's own model; keep only what was stated."""
+        _known(v)
+        checked = {}
+        for kind, given in v.items():
+            try:
+                model = REGISTRY[kind].options_model.model_validate(given)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in (kind, *err["loc"]))
+                raise ValueError(f"{where}: {err['msg']}") from None
+            checked[kind] = model.model_dump(exclude_unset=True)
+        return checked
 
     @model_validator(mode="after")
     def _tenants(self) -> TargetConfig:
@@ -209,6 +223,12 @@ class Settings(_Strict):
 
     def target(self, name: str) -> TargetConfig | None:
         return next((t for t in self.targets if t.name == name), None)
+
+
+def _known(kinds: dict[str, Any]) -> None:
+    unknown = [p for p in kinds if p not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown probe kind(s) {unknown}; known: {sorted(REGISTRY)}")
 
 
 def _is_loopback(host: str) -> bool:

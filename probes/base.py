@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from pydantic import BaseModel, ConfigDict
+
 from probes.canaries import LeakHit, MarkerBook, redact_markers
 
 
@@ -181,10 +183,19 @@ class ProbeContext:
         return completion
 
 
+class ProbeOptions(BaseModel):
+    """A kind's ``options`` in targets.yml. Unknown keys are refused, so a typo exits 2 at startup
+    instead of being silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
 class Probe(ABC):
-    """One probe kind. Subclasses set ``kind`` (the registry key, file name and metric label)."""
+    """One probe kind. Subclasses set ``kind`` (the registry key, file name and metric label) and,
+    when they take options, ``options_model``."""
 
     kind: ClassVar[str]
+    options_model: ClassVar[type[ProbeOptions]] = ProbeOptions
     #: Default seconds between runs when the target does not say; large probes run less often.
     default_interval_seconds: ClassVar[float] = 30.0
 

@@ -37,11 +37,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import Field
+
 from probes.base import (
     Completion,
     CompletionRequest,
     Probe,
     ProbeContext,
+    ProbeOptions,
     ProbeResult,
     ServerCapacity,
     Verdict,
@@ -92,11 +95,24 @@ class Sized:
     counted: bool
 
 
+class BoundaryOptions(ProbeOptions):
+    tenant: str | None = None  # probe as this tenant (default: the first)
+    prime: bool = True  # plant another tenant's markers first, so a stale read is attributable
+    max_tokens: int = Field(MAX_TOKENS, ge=1, le=8192)
+    max_prompt_tokens: int = Field(DEFAULT_MAX_PROMPT_TOKENS, ge=1)
+    # What the operator knows of the node when it states nothing itself (or states it wrong).
+    context_window: int | None = Field(None, ge=1)
+    kv_pool_tokens: int | None = Field(None, ge=1)
+    max_req_input_len: int | None = Field(None, ge=1)
+    page_size: int | None = Field(None, ge=1)
+
+
 class BoundaryProbe(Probe):
     """Send a prompt just over the node's KV capacity; pass only on a refusal before generating."""
 
     kind = "boundary"
     default_interval_seconds = 300.0
+    options_model = BoundaryOptions
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         if not ctx.tenants:

@@ -29,11 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import Field
+
 from probes.base import (
     Completion,
     CompletionRequest,
     Probe,
     ProbeContext,
+    ProbeOptions,
     ProbeResult,
     Verdict,
     excerpt,
@@ -99,10 +102,17 @@ class TenantCheck:
         return out
 
 
+class CanaryOptions(ProbeOptions):
+    # Reasoning models may need more room before they repeat the nonce.
+    max_tokens: int = Field(MAX_TOKENS, ge=1, le=8192)
+    chat: bool = True
+
+
 class CanaryProbe(Probe):
     """Ask every tenant to repeat its own fresh nonce; judge the answer, not the status code."""
 
     kind = "canary"
+    options_model = CanaryOptions
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         return combine([await self.check(ctx, tenant) for tenant in ctx.tenants])

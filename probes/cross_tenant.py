@@ -26,7 +26,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from probes.base import Completion, CompletionRequest, Probe, ProbeContext, ProbeResult, Verdict
+from pydantic import Field
+
+from probes.base import (
+    Completion,
+    CompletionRequest,
+    Probe,
+    ProbeContext,
+    ProbeOptions,
+    ProbeResult,
+    Verdict,
+)
 from probes.canaries import redact_markers
 from probes.canary import MAX_TOKENS, repeat_prompt
 
@@ -74,6 +84,11 @@ def plant_chars(page_size: int | None, admission_limit: int | None, tenants: int
     if admission_limit:
         chars = min(chars, admission_limit - PLANT_HEADROOM)
     return max(chars, 1)
+
+
+class CrossTenantOptions(ProbeOptions):
+    # Characters per planted prompt; default: about 16 KV pages, capped by the node's limit.
+    plant_chars: int | None = Field(None, ge=64, le=10_000_000)
 
 
 class CrossTenantProbe(Probe):
