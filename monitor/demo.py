@@ -221,6 +221,10 @@ def _where_to_look(settings: Settings) -> None:
     print("  Ctrl-C to stop.\n", flush=True)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_caught: bool = False) -> int:
     """Run the demo; return 0 when the leak was caught and the healthy target stayed green."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvcanary-demo-"))
@@ -232,6 +236,9 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
     _private_file(workdir / "api-token", secrets.token_urlsafe(32))
     print(f"kvcanary demo — workdir {workdir}", flush=True)
     procs: list[subprocess.Popen[bytes]] = []
+    # uvicorn re-raises SIGTERM after its graceful shutdown; make that an exception so that the
+    # `finally` below still stops the workers instead of the process dying around them.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         urls = {}
         for name, flags in WORKERS.items():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,48 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
     assert "healthy target is green" in out
     keys = [(tmp_path / f"key-{t}").read_text() for t in ("tenant-a", "tenant-b")]
     assert all(k not in out + proc.stderr for k in keys)
+
+
+def test_sigterm_to_the_demo_stops_its_workers(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monitor", "demo", "--port", str(free_port()), "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # wait until both workers are up and the monitor is serving
+        lines.append(line)
+        if line.strip().startswith("monitor "):
+            break
+    worker_pids = workers_of(tmp_path)
+    assert len(worker_pids) == 2, "".join(lines)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(pid) for pid in worker_pids):
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in worker_pids), "the demo left its workers running"
+
+
+def workers_of(workdir: Path) -> list[int]:
+    """PIDs of the `python -m workers` processes whose command line names ``workdir``."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"workers" in argv and any(str(workdir).encode() in a for a in argv):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.split(") ", 1)[1][0] != "Z"  # a zombie has exited; it only awaits its reaper
