@@ -20,12 +20,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.api.main import api_router, health_router
 from monitor.config import Settings, api_token, tenant_keys
-from monitor.incidents import prune_expired
 from monitor.metrics import MonitorMetrics
 from monitor.runner import ProbeRunner, RunSummary
 from monitor.scheduler import build_scheduler
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts
+from monitor.storage.results import prune_expired
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.canaries import MarkerBook
 

@@ -29,9 +29,13 @@ from sqlalchemy.orm import Session
 
 from monitor.storage.db import as_utc, utcnow
 from monitor.storage.models import Incident, IncidentEvent, ProbeResult
-from monitor.storage.results import error_streak, link_errors, new_probe_result, prune_expired, upsert_target
-
-__all__ = ["SEVERITY_FOR", "RecordOutcome", "prune_expired", "record_result", "resolve_incident"]
+from monitor.storage.results import (
+    error_streak,
+    incident_title,
+    link_errors,
+    new_probe_result,
+    upsert_target,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy import Row
@@ -42,7 +46,6 @@ if TYPE_CHECKING:
 #: Severity opened by each failing verdict; errors open ``warning`` (see module docstring).
 SEVERITY_FOR = {"leak": "critical", "mismatch": "high", "error": "warning"}
 _RANK = {"warning": 0, "high": 1, "critical": 2}
-TITLE_CHARS = 200
 # Opening can lose a race (another replica opened first) and attaching can lose one (the incident
 # was resolved in between); each loss means the next attempt sees the winner's row.
 _ATTEMPTS = 3
@@ -190,7 +193,9 @@ def _on_failure(session: Session, rec: _Recording, severity: str) -> RecordOutco
     for _ in range(_ATTEMPTS):
         current = _open_incident(session, rec)
         if current is None:
-            opened = _try_open(session, rec, severity, title=_title(rec, severity))
+            opened = _try_open(
+                session, rec, severity, title=incident_title(rec.row, rec.target_name, severity)
+            )
             if opened is not None:
                 return rec.outcome(opened, "opened", severity)
         else:
@@ -266,7 +271,7 @@ def _on_error(session: Session, rec: _Recording, policy: IncidentConfig) -> Reco
         lasted = (rec.started_at - first_error_at).total_seconds()
         if lasted < policy.error_warning_after_seconds:
             return rec.outcome(None, None, None)
-        title = _title(rec, "warning", lasted=lasted)
+        title = incident_title(rec.row, rec.target_name, "warning", lasted)
         opened = _try_open(session, rec, "warning", title=title, failure_count=errors)
         if opened is not None:
             link_errors(
@@ -367,7 +372,7 @@ def _escalate(session: Session, rec: _Recording, incident_id: int, old: str, new
     stmt = (
         update(Incident)
         .where(Incident.id == incident_id, Incident.state == "open", Incident.severity == old)
-        .values(severity=new, title=_title(rec, new))
+        .values(severity=new, title=incident_title(rec.row, rec.target_name, new))
     )
     if session.execute(stmt).rowcount != 1:  # type: ignore[attr-defined]
         return False
@@ -393,20 +398,3 @@ def _event(
         processed_at=None,
     )
     session.add(event)
-
-
-# --- values ---------------------------------------------------------------------------------------
-
-
-def _title(rec: _Recording, severity: str, *, lasted: float | None = None) -> str:
-    """Return a one-line title, at most TITLE_CHARS: ``leak on glm-prod/cross_tenant: <detail>``."""
-    what = rec.row.detail or rec.reason
-    if severity == "warning":
-        head = f"errors on {rec.target_name}/{rec.probe}"
-        if lasted is not None:
-            head += f" for {int(lasted)}s"
-        what = f"{rec.reason}: {rec.row.detail}" if rec.row.detail else rec.reason
-    else:
-        head = f"{rec.verdict} on {rec.target_name}/{rec.probe}"
-    title = " ".join(f"{head}: {what}".split())
-    return title if len(title) <= TITLE_CHARS else title[: TITLE_CHARS - 1] + "…"

@@ -170,7 +170,6 @@ class ProbeContext:
         self.markers = markers
         self.options = options or {}
         self.leaks: list[LeakHit] = []
-        self.responses = 0
 
     @property
     def tenants(self) -> list[str]:
@@ -178,7 +177,6 @@ class ProbeContext:
 
     async def complete(self, tenant: str, request: CompletionRequest) -> Completion:
         completion = await self.target.complete(tenant, request)
-        self.responses += 1
         self.leaks.extend(self.markers.scan(completion.text, target=self.target.name, reader=tenant))
         return completion
 

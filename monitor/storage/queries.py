@@ -45,15 +45,10 @@ def list_incidents(
 
     ``since``/``until`` bound ``opened_at``. A None filter does not filter.
     """
-    query = select(Incident).join(Incident.target)
-    if target is not None:
-        query = query.where(Target.name == target)
-    if probe is not None:
-        query = query.where(Incident.probe == probe)
-    if severity is not None:
-        query = query.where(Incident.severity == severity)
-    if state is not None:
-        query = query.where(Incident.state == state)
+    query = _matching(
+        select(Incident).join(Incident.target),
+        {Target.name: target, Incident.probe: probe, Incident.severity: severity, Incident.state: state},
+    )
     query = _between(query, Incident.opened_at, since, until)
     total = _count(session, query)
     page = (
@@ -107,13 +102,10 @@ def list_probe_results(
 
     ``since``/``until`` bound ``started_at``. A None filter does not filter.
     """
-    query = select(ProbeResult).join(ProbeResult.target)
-    if target is not None:
-        query = query.where(Target.name == target)
-    if probe is not None:
-        query = query.where(ProbeResult.probe == probe)
-    if verdict is not None:
-        query = query.where(ProbeResult.verdict == verdict)
+    query = _matching(
+        select(ProbeResult).join(ProbeResult.target),
+        {Target.name: target, ProbeResult.probe: probe, ProbeResult.verdict: verdict},
+    )
     query = _between(query, ProbeResult.started_at, since, until)
     total = _count(session, query)
     page = (
@@ -169,6 +161,11 @@ def open_incident_counts(session: Session) -> list[tuple[str, str, str, int]]:
         .order_by(Target.name, Incident.probe, Incident.severity)
     )
     return [(name, probe, severity, int(count)) for name, probe, severity, count in session.execute(query)]
+
+
+def _matching(query: Select[Any], equal: dict[Any, str | None]) -> Select[Any]:
+    """Return ``query`` filtered on ``column == value`` for every value that is not None."""
+    return query.where(*(column == value for column, value in equal.items() if value is not None))
 
 
 def _between(query: Select[Any], column: Any, since: datetime | None, until: datetime | None) -> Select[Any]:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 REASON_CHARS = 64
 DETAIL_CHARS = 2000
+TITLE_CHARS = 200
 
 
 def upsert_target(
@@ -192,3 +193,16 @@ def _jsonable(evidence: dict[str, Any]) -> dict[str, Any]:
     """
     text = json.dumps(_finite(evidence or {}), default=str).replace("\\u0000", "")
     return dict(json.loads(text))
+
+
+def incident_title(row: ProbeResult, target: str, severity: str, lasted: float | None = None) -> str:
+    """Return a one-line title for an incident opened or escalated by ``row``, at most TITLE_CHARS:
+    ``leak on glm-prod/cross_tenant: <detail>``; a ``warning`` says how long errors ``lasted``."""
+    what = row.detail or row.reason
+    if severity == "warning":
+        head = f"errors on {target}/{row.probe}" + (f" for {int(lasted)}s" if lasted is not None else "")
+        what = f"{row.reason}: {row.detail}" if row.detail else row.reason
+    else:
+        head = f"{row.verdict} on {target}/{row.probe}"
+    title = " ".join(f"{head}: {what}".split())
+    return title if len(title) <= TITLE_CHARS else title[: TITLE_CHARS - 1] + "…"

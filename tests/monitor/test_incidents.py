@@ -9,8 +9,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.config import IncidentConfig
-from monitor.incidents import TITLE_CHARS, RecordOutcome, prune_expired, record_result, resolve_incident
+from monitor.incidents import RecordOutcome, record_result, resolve_incident
 from monitor.storage.models import Incident, IncidentEvent, ProbeResult, Target
+from monitor.storage.results import TITLE_CHARS, prune_expired
 from tests.monitor.conftest import POLICY, RETENTION, T0, minutes, outcome, record
 
 Factory = sessionmaker[Session]
