@@ -125,7 +125,7 @@ def share_memory(engines: dict[str, Engine]) -> None:
     write (block-table rows included), and a step never attends the position another engine's step
     wrote ahead of it. And necessary, because where a pool or the strided block table lands in
     memory moves a CPU's step time by a few tenths of a percent, which must not favour any config.
-    The verify config's bounds stay its own: touching them is part of the cost measured.
+    The verify config's expected words stay its own: keeping them is part of the cost measured.
     """
     base = engines["baseline"]
     for engine in engines.values():

@@ -5,13 +5,19 @@ attention call, so the block table of each row is the only thing keeping them ap
 
 Row ``i`` of ``table`` is the decode block table of ``requests[i]``, padded with the scratch page.
 Rows stay compact (a leaving request's row is filled by the last one), so a step's block tables are
-the view ``table[:B, :P]`` with no per-step copy.
+the view ``table[:B, :P]`` with no per-step copy. Rows are as wide as one request's largest
+reservation, not as the pool: a step's view is then nearly contiguous.
 
-With ownership verification the batch also keeps, per row and page, the lowest ownership word the
-page may hold when the row reads it (``expected_low``; see ``workers.model.entries_owned``): set when
-the request joins (it reads its ``decode_len`` prompt tokens) and, each step, raised for the page of
-the newest token with one small device write. The highest word allowed is the same for a whole row,
-``word(request, page_size)`` (``expected_high``, ``[max_batch, 1]``).
+With ownership verification the batch also keeps, per row and page, the EXACT ownership word the
+page must hold when the row reads it (``expected``; see ``workers.model.entries_owned``):
+
+- pages the row reads: the request itself with every slot it reads written, ``word(r, n)``;
+- pages allocated ahead and not written yet: the word they held when the request joined (nobody may
+  write them but the request);
+- scratch padding: 0 (the scratch page is never written).
+
+Each step the newest token's page is written by its request, so its expected word is raised to
+``word(r, slot + 1)`` with one small device write; nothing else changes while a request runs.
 """
 
 from __future__ import annotations
@@ -24,31 +30,60 @@ from workers.kv_cache import SCRATCH_PAGE, PagePool
 from workers.model import DecodeStep
 from workers.request import Request
 
-UNCHECKED_LOW = torch.iinfo(torch.int64).min
-StepViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # block tables, lower and upper bounds
+StepViews = tuple[torch.Tensor, torch.Tensor]  # block tables, expected ownership words
 
 
 class RunningBatch:
-    """At most ``max_batch`` requests and a ``[max_batch, max_pages]`` int64 block-table tensor."""
+    """At most ``max_batch`` requests and a ``[max_batch, max_pages]`` int64 block-table tensor.
 
-    def __init__(self, *, max_batch: int, pool: PagePool, verify_ownership: bool) -> None:
+    ``max_pages`` bounds one request's pages (its reservation never exceeds the context window or
+    the pool). ``entries_checked`` counts the block-table entries verified so far; the metrics
+    collector reads it at scrape time, which keeps a lock out of the decode loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        max_pages: int,
+        pool: PagePool,
+        verify_ownership: bool,
+        host_stores: bool | None = None,
+    ) -> None:
         self.max_batch = max_batch
         self.pool = pool
         self.page_size = pool.page_size
         self.device = pool.device
         self.verify_ownership = verify_ownership
-        shape = (max_batch, pool.num_pages)
+        shape = (max_batch, max_pages)
         self.table = torch.full(shape, SCRATCH_PAGE, dtype=torch.int64, device=self.device)
-        # The bounds exist only with verification: at a 2M-token pool they weigh 64 MB per 64 rows.
-        bounds_shape = shape if verify_ownership else (0, 0)
-        self.expected_low = torch.full(bounds_shape, UNCHECKED_LOW, dtype=torch.int64, device=self.device)
-        self.expected_high = torch.zeros((bounds_shape[0], 1), dtype=torch.int64, device=self.device)
-        # put_ takes row-major flat indices (row * width + page): it raises the frontier bounds in one
-        # op per step, where view + index_copy_ cost two dispatches.
-        self._width = shape[1]
+        self.expected, self._expected_stores = self._expected_words(shape, host_stores)
+        self._width = max_pages
         self._word_base = pool.page_size + 1  # word(request, filled) = request * _word_base + filled
         self._cached_views: tuple[tuple[int, int], StepViews] | None = None
         self.requests: list[Request] = []
+        self.entries_checked = 0
+
+    def _expected_words(
+        self, shape: tuple[int, int], host_stores: bool | None
+    ) -> tuple[torch.Tensor, memoryview | None]:
+        """Return the expected-words tensor and, where the interpreter can write it directly, its slots.
+
+        With ``host_stores`` (default: on the CPU) the tensor lives in a bytearray: raising a
+        row's frontier word is then a plain store, where a torch op costs about ten microseconds
+        once a decode step's gathers have evicted the caches. On a GPU the words are raised with
+        one ``put_`` per step instead, from columns of the step's single host-to-device copy.
+        """
+        if not self.verify_ownership:
+            return torch.zeros((0, 0), dtype=torch.int64, device=self.device), None
+        if host_stores is None:
+            host_stores = self.device.type == "cpu"
+        if not host_stores:
+            return torch.zeros(shape, dtype=torch.int64, device=self.device), None
+        if self.device.type != "cpu":
+            raise ValueError("host stores need the expected words in host memory (device cpu)")
+        storage = bytearray(8 * shape[0] * shape[1])
+        return torch.frombuffer(storage, dtype=torch.int64).view(shape), memoryview(storage).cast("q")
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -60,21 +95,25 @@ class RunningBatch:
 
     def add(self, request: Request) -> None:
         """Append ``request`` as the last row; its ``pages`` become that row of the table."""
-        row = len(self.requests)
+        row, pages = len(self.requests), request.pages
+        if len(pages) > self._width:
+            raise ValueError(f"request {request.request_id}: {len(pages)} pages, rows hold {self._width}")
         self.table[row].fill_(SCRATCH_PAGE)
-        self.table[row, : len(request.pages)] = self._tensor(request.pages)
+        self.table[row, : len(pages)] = self._tensor(pages)
         if self.verify_ownership:
-            low = self._initial_low(request)
-            self.expected_low[row].fill_(UNCHECKED_LOW)
-            self.expected_low[row, : len(low)] = self._tensor(low)
-            self.expected_high[row] = self._word(request.request_id, self.page_size)
+            read = self._read_words(request)
+            self.expected[row].zero_()
+            self.expected[row, : len(read)] = self._tensor(read)
+            # Pages allocated ahead still hold their previous writer's tag: that tag must stay put.
+            ahead = self._tensor(pages[len(read) :])
+            self.expected[row, len(read) : len(pages)] = self.pool.ownership[ahead]
         self.requests.append(request)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _initial_low(self, request: Request) -> list[int]:
-        """Return a joining row's lower bounds for the pages its ``decode_len`` prompt tokens fill."""
+    def _read_words(self, request: Request) -> list[int]:
+        """Return the words of the pages a joining row reads: its ``decode_len`` prompt tokens, its own."""
         length, size = request.plan.decode_len, self.page_size
         return [
             self._word(request.request_id, min(size, length - j * size)) for j in range(-(-length // size))
@@ -90,8 +129,7 @@ class RunningBatch:
             if row != last:
                 self.table[row] = self.table[last]
                 if self.verify_ownership:
-                    self.expected_low[row] = self.expected_low[last]
-                    self.expected_high[row] = self.expected_high[last]
+                    self.expected[row] = self.expected[last]
                 self.requests[row] = self.requests[last]
             self.requests.pop()
 
@@ -110,9 +148,13 @@ class RunningBatch:
             [r.request_id for _, r, _ in writers],
             [r.tenant_index for _, r, _ in writers],
         ]
-        if self.verify_ownership:
-            base, width = self._word_base, self._width
-            columns.append([row * width + p // size for row, _, p in writers])
+        stores, base, width = self._expected_stores, self._word_base, self._width
+        # The newest token's page now holds its request's slots up to the one just written.
+        if stores is not None:
+            for row, r, p in writers:
+                stores[row * width + p // size] = r.request_id * base + p % size + 1
+        elif self.verify_ownership:
+            columns.append([row * width + p // size for row, _, p in writers])  # put_ takes flat indices
             columns.append([r.request_id * base + p % size + 1 for _, r, p in writers])
         b, w = len(requests), len(writers)
         # array + frombuffer converts in C: several times faster than torch.tensor(list), every step.
@@ -121,7 +163,7 @@ class RunningBatch:
         # One unbind per group instead of an indexing op per column: each torch op costs microseconds.
         seq_lens_t, query_positions = packed[: 2 * b].view(2, b).unbind(0)
         writes = packed[2 * b :].view(len(columns) - 2, w).unbind(0)
-        table, low, high = self._views(b, -(-max(seq_lens) // size))
+        table, expected = self._views(b, -(-max(seq_lens) // size))
         pages, slots, positions, tokens, writer_ids, tenants = writes[:6]
         step = DecodeStep(
             block_tables=table,
@@ -135,15 +177,15 @@ class RunningBatch:
             write_tenants=tenants,
         )
         if self.verify_ownership:
-            if w:
-                # The newest token's page is now read up to its slot: raise that page's lower bound.
-                self.expected_low.put_(writes[6], writes[7])
-            step.expected_low, step.expected_high, step.entries_checked = low, high, table.numel()
+            if w and stores is None:
+                self.expected.put_(writes[6], writes[7])
+            step.expected_words = expected
+            self.entries_checked += table.numel()
         return step
 
     def _views(self, batch: int, span: int) -> StepViews:
-        """Return the step's views of table, lower and upper bounds; they change only every few steps."""
+        """Return the step's views of table and expected words; they change only every few steps."""
         if self._cached_views is None or self._cached_views[0] != (batch, span):
-            views = (self.table[:batch, :span], self.expected_low[:batch, :span], self.expected_high[:batch])
+            views = (self.table[:batch, :span], self.expected[:batch, :span])
             self._cached_views = ((batch, span), views)
         return self._cached_views[1]

@@ -56,18 +56,35 @@ def build_pools(config: WorkerConfig, device: torch.device) -> dict[str, PagePoo
 class Engine:
     """The serving engine of one worker; thread-safe entry points are ``submit``, ``abort`` and ``stop``."""
 
-    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        metrics: WorkerMetrics | None = None,
+        *,
+        cpu_fast_paths: bool | None = None,
+    ) -> None:
+        """``cpu_fast_paths`` (default: on a CPU device) picks the verification paths that pay off only
+        where the device shares the host's memory; tests turn them off to run the GPU paths on a CPU.
+        """
         self.config = config
         self.metrics = metrics if metrics is not None else WorkerMetrics()
         self.device = torch.device(config.device)
-        self.model = CopyModel(device=self.device, seed=config.seed)
+        fast = self.device.type == "cpu" if cpu_fast_paths is None else cpu_fast_paths
+        self.model = CopyModel(device=self.device, seed=config.seed, ownership_shortcut=fast)
         self.pools = build_pools(config, self.device)
         self.decode_pool = self.pools[config.decode_pool_name]
         self.prefill_pool = self.pools.get("prefill")
         self.batch = RunningBatch(
-            max_batch=config.max_batch, pool=self.decode_pool, verify_ownership=config.verify_ownership
+            max_batch=config.max_batch,
+            # A reservation never exceeds the context window nor the pool (see workers.admission).
+            max_pages=self.decode_pool.pages_for(
+                min(config.context_window, self.decode_pool.capacity_tokens)
+            ),
+            pool=self.decode_pool,
+            verify_ownership=config.verify_ownership,
+            host_stores=fast,
         )
-        self.metrics.watch_pools(self.pools)
+        self.metrics.watch_engine(self.pools, self.batch)
         self._waiting: deque[Request] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
@@ -206,8 +223,6 @@ class Engine:
         """Run one decode step for the whole batch, emit its tokens and retire whoever is done."""
         self.largest_batch = max(self.largest_batch, len(self.batch))
         step = self.batch.decode_step()
-        if step.entries_checked:
-            self.metrics.ownership_checks.inc(step.entries_checked)
         tokens = self.model.decode(self.decode_pool, step).tolist()
         now = time.monotonic()
         done: list[int] = []

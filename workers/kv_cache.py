@@ -17,8 +17,8 @@ Owner tags live on the device beside K/V so that verification needs no host roun
 
 ``owner_request`` and ``filled`` are stored packed in one int64 word per page,
 ``owner_request * (page_size + 1) + filled`` (``ownership_word``), so that verification compares one
-gathered word against a window per page instead of gathering two tensors; the two tags are read
-back through properties.
+gathered word per page with the exact word the reader expects; the two tags are read back through
+properties.
 
 Tags change on write (prefill, transfer, decode), never on allocation: an allocated page that still
 carries another request's tag is exactly a dirty reuse, which ``alloc`` counts.

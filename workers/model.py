@@ -38,9 +38,8 @@ class DecodeStep:
     Row ``b`` attends positions ``[0, seq_lens[b])`` through ``block_tables[b]`` (padded with the
     scratch page) and queries position ``query_positions[b]``. The ``write_*`` vectors (length
     ``W <= B``) carry the newest token of each request that has one; it is written before attention.
-    With ownership verification, ``expected_low`` (``[B, P]``) and ``expected_high`` (``[B, 1]``)
-    bound the ownership word each block-table entry must hold (see ``entries_owned``), and
-    ``entries_checked`` = ``B * P`` counts the entries compared.
+    With ownership verification, ``expected_words`` (``[B, P]``) is the ownership word each
+    block-table entry must hold (see ``entries_owned``).
     """
 
     block_tables: torch.Tensor
@@ -52,15 +51,15 @@ class DecodeStep:
     write_tokens: torch.Tensor
     write_request_ids: torch.Tensor
     write_tenants: torch.Tensor
-    expected_low: torch.Tensor | None = None
-    expected_high: torch.Tensor | None = None
-    entries_checked: int = 0
+    expected_words: torch.Tensor | None = None
 
 
 class CopyModel:
     """The model: positional keys, embedding values, greedy decoding over paged K/V."""
 
-    def __init__(self, *, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(
+        self, *, device: torch.device | str, seed: int = 0, ownership_shortcut: bool = False
+    ) -> None:
         self.device = torch.device(device)
         positions_rng = torch.Generator().manual_seed(_POSITION_SEED)
         freqs = 0.3 + torch.rand(HEAD_DIM // 2, generator=positions_rng, dtype=torch.float64) * (
@@ -78,7 +77,7 @@ class CopyModel:
         self._gathered_keys = torch.empty(0, device=self.device)
         self._gathered_values = torch.empty(0, device=self.device)
         # Ownership check shortcut (see entries_owned): sound anywhere, cheap only without a device sync.
-        self.ownership_shortcut = self.device.type == "cpu"
+        self.ownership_shortcut = ownership_shortcut
 
     def positional_code(self, positions: torch.Tensor) -> torch.Tensor:
         """Return unit keys ``[N, HEAD_DIM]`` (float32) for int positions ``[N]``, computed in float64."""
@@ -141,19 +140,17 @@ class CopyModel:
     def decode(self, pool: PagePool, step: DecodeStep) -> torch.Tensor:
         """Run one decode step; return next tokens ``[B]`` on the device, ``-1`` for an ownership violation.
 
-        When the step carries expected ownership windows, every block-table entry that fails the
+        When the step carries expected ownership words, every block-table entry that fails the
         check is replaced by the scratch page BEFORE the gather, so a foreign page is never read, and
         the token of a row with any failing entry is replaced by -1. Tokens and violation flags thus
         come back to the host in one transfer.
         """
         self.write_newest(pool, step)
-        if step.expected_low is None or step.expected_high is None:
+        if step.expected_words is None:
             return self.attend(pool, step.block_tables, step.seq_lens, step.query_positions)
         # attend copies the table view to a contiguous one anyway: copying first speeds up the check.
         tables = step.block_tables.contiguous()
-        entry_ok = entries_owned(
-            pool, tables, step.expected_low, step.expected_high, shortcut=self.ownership_shortcut
-        )
+        entry_ok = entries_owned(pool, tables, step.expected_words, shortcut=self.ownership_shortcut)
         if entry_ok is None:
             return self.attend(pool, tables, step.seq_lens, step.query_positions)
         safe_tables = torch.where(entry_ok, tables, SCRATCH_PAGE)
@@ -162,30 +159,23 @@ class CopyModel:
 
 
 def entries_owned(
-    pool: PagePool,
-    block_tables: torch.Tensor,
-    expected_low: torch.Tensor,
-    expected_high: torch.Tensor,
-    *,
-    shortcut: bool,
+    pool: PagePool, block_tables: torch.Tensor, expected_words: torch.Tensor, *, shortcut: bool
 ) -> torch.Tensor | None:
-    """Return ``[B, P]`` bool: each block-table entry's ownership word lies inside its row's window.
+    """Return ``[B, P]`` bool: each block-table entry's ownership word is exactly the one its row expects.
 
-    Windows, with ``word(request, filled) = request * (page_size + 1) + filled``:
-
-    - a page the row reads in slots ``[0, n)``: ``[word(r, n), word(r, page_size)]``, i.e. the request
-      itself wrote at least the ``n`` leading slots;
-    - a page the row does not read yet (allocated ahead, or scratch padding): anything up to
-      ``word(r, page_size)``, i.e. no request admitted after ``r`` has written it. Admission is FIFO
-      and ids grow, so in a sound engine such a page holds an older request's tag or none.
+    With ``word(request, filled) = request * (page_size + 1) + filled``, a page row ``r`` reads in
+    slots ``[0, n)`` must hold ``word(r, n)``: the request itself wrote exactly those slots (a lost
+    write leaves ``filled`` short, another writer changes the request). A page allocated ahead must
+    still hold the word it had when the request joined, and scratch padding 0 (see
+    ``workers.batch``). Exactness makes the check one comparison, and it also catches a write into
+    a page the request has not reached yet, whoever made it.
 
     With ``shortcut`` (the CPU, where reading a result costs no device sync) return None when every
-    entry passes: one whole-batch comparison then replaces the per-entry masks in the common case.
+    entry passes: one whole-batch comparison then replaces the per-entry mask in the common case.
     Without it (CUDA) the check stays branch-free and its flags ride along with the sampled tokens.
     """
     # index_select over the flat (contiguous) table: the same gather as torch.take, cheaper per call.
     words = pool.ownership.index_select(0, block_tables.reshape(-1)).view(block_tables.shape)
-    clamped = words.clamp(expected_low, expected_high)
-    if shortcut and torch.equal(clamped, words):
+    if shortcut and torch.equal(words, expected_words):
         return None
-    return clamped == words
+    return words == expected_words

@@ -12,6 +12,8 @@ import torch
 
 from tests.workers.support import small_config
 from workers.engine import Engine
+from workers.kv_cache import PagePool
+from workers.model import DecodeStep
 from workers.request import OWNERSHIP_VIOLATION, Event, FinishEvent, TokenEvent
 
 SECRET = "tenant A's secret: the vault code is 0451-ALPHA. " * 4
@@ -48,21 +50,24 @@ def submit(engine: Engine, text: str, max_tokens: int, tenant: str) -> Collector
     return collector
 
 
+# The GPU's verification paths (branch-free check, expected words raised by put_) run on the CPU too.
+PATHS = pytest.mark.parametrize("fast", [True, False], ids=["cpu-paths", "gpu-paths"])
+
+
 @pytest.mark.parametrize(
     "flags",
     [
         {},
         {"verify_ownership": True},
-        {"verify_ownership": True, "shortcut": False},
+        {"verify_ownership": True, "fast": False},
         {"zero_freed_pages": True},
     ],
-    ids=["plain", "verified", "verified-branch-free", "zero-freed"],
+    ids=["plain", "verified", "verified-gpu-paths", "zero-freed"],
 )
 def test_it_decodes_many_tenants_in_one_batch_each_with_its_own_echo(flags: dict[str, bool]) -> None:
     flags = dict(flags)
-    shortcut = flags.pop("shortcut", True)
-    engine = Engine(small_config(max_batch=8, **flags))
-    engine.model.ownership_shortcut = shortcut
+    fast = flags.pop("fast", True)
+    engine = Engine(small_config(max_batch=8, **flags), cpu_fast_paths=fast)
     prompts = {f"tenant-{i}": f"tenant {i} says: " + chr(65 + i) * (20 + 7 * i) for i in range(6)}
     collectors = {tenant: submit(engine, prompt, 500, tenant) for tenant, prompt in prompts.items()}
     run_until_idle(engine)
@@ -103,10 +108,9 @@ def point_b_at_a_pages(engine: Engine) -> tuple[Collector, Collector]:
     return a, b
 
 
-@pytest.mark.parametrize("shortcut", [True, False], ids=["cpu-shortcut", "branch-free"])
-def test_it_refuses_a_block_table_pointing_at_another_request_pages(shortcut: bool) -> None:
-    engine = Engine(small_config(verify_ownership=True))
-    engine.model.ownership_shortcut = shortcut  # branch-free is the CUDA path, run here on the CPU
+@PATHS
+def test_it_refuses_a_block_table_pointing_at_another_request_pages(fast: bool) -> None:
+    engine = Engine(small_config(verify_ownership=True), cpu_fast_paths=fast)
     a, b = point_b_at_a_pages(engine)
     run_until_idle(engine)
     assert b.events == [OWNERSHIP_VIOLATION]
@@ -121,10 +125,9 @@ def test_it_leaks_through_the_same_corruption_without_verification() -> None:
     assert "0451-ALPHA" in b.text
 
 
-@pytest.mark.parametrize("shortcut", [True, False], ids=["cpu-shortcut", "branch-free"])
-def test_it_never_gathers_the_foreign_pages_it_refuses(shortcut: bool) -> None:
-    engine = Engine(small_config(verify_ownership=True))
-    engine.model.ownership_shortcut = shortcut
+@PATHS
+def test_it_never_gathers_the_foreign_pages_it_refuses(fast: bool) -> None:
+    engine = Engine(small_config(verify_ownership=True), cpu_fast_paths=fast)
     gathered: list[torch.Tensor] = []
     attend = engine.model.attend
 
@@ -139,10 +142,9 @@ def test_it_never_gathers_the_foreign_pages_it_refuses(shortcut: bool) -> None:
     assert gathered and not pages_a & set(gathered[0][1].tolist())
 
 
-@pytest.mark.parametrize("shortcut", [True, False], ids=["cpu-shortcut", "branch-free"])
-def test_it_refuses_to_read_a_page_after_a_late_foreign_write(shortcut: bool) -> None:
-    engine = Engine(small_config(verify_ownership=True))
-    engine.model.ownership_shortcut = shortcut
+@PATHS
+def test_it_refuses_to_read_a_page_after_a_late_foreign_write(fast: bool) -> None:
+    engine = Engine(small_config(verify_ownership=True), cpu_fast_paths=fast)
     a = submit(engine, SECRET, 200, "tenant-a")
     engine.admit_waiting()
     engine.decode_once()
@@ -155,16 +157,42 @@ def test_it_refuses_to_read_a_page_after_a_late_foreign_write(shortcut: bool) ->
     assert a.text == SECRET[:1]
 
 
-def test_it_refuses_pages_written_by_a_later_request_even_before_reading_them() -> None:
+@pytest.mark.parametrize("writer", ["earlier", "later"])
+def test_it_refuses_pages_written_by_another_request_even_before_reading_them(writer: str) -> None:
     engine = Engine(small_config(verify_ownership=True))
+    earlier = submit(engine, "first", 5, "tenant-x")
     a = submit(engine, "short", 5, "tenant-a")
     engine.admit_waiting()
-    unread = torch.tensor(engine.batch.requests[0].pages[-1:])
+    other_id = engine.batch.requests[0].request_id if writer == "earlier" else 99
+    unread = torch.tensor(engine.batch.requests[1].pages[-1:])
     engine.decode_pool.record_write(
-        unread, torch.tensor([0]), torch.tensor([1]), request_id=99, tenant_index=9
+        unread, torch.tensor([0]), torch.tensor([1]), request_id=other_id, tenant_index=9
     )
     run_until_idle(engine)
     assert a.events == [OWNERSHIP_VIOLATION]
+    assert earlier.text == "first"
+
+
+def lose_one_write(engine: Engine, step_index: int) -> None:
+    """Send the newest token's K/V (and its tag) of decode step ``step_index`` to the wrong page."""
+    write_newest, calls = engine.model.write_newest, iter(range(10**6))
+
+    def misdirected(pool: PagePool, step: DecodeStep) -> None:
+        if next(calls) == step_index:
+            step.write_pages = step.write_pages + 1  # an off-by-one page: this request's next page
+        write_newest(pool, step)
+
+    engine.model.write_newest = misdirected  # type: ignore[method-assign]
+
+
+@PATHS
+def test_it_refuses_to_read_a_slot_its_request_never_wrote(fast: bool) -> None:
+    engine = Engine(small_config(verify_ownership=True), cpu_fast_paths=fast)
+    lose_one_write(engine, step_index=3)
+    a = submit(engine, "x" * 20, 20, "tenant-a")  # step 3 writes position 22: page 1, slot 6
+    run_until_idle(engine)
+    assert a.events[-1] == OWNERSHIP_VIOLATION  # refused in step 3, before reading slot 6
+    assert a.text == "x" * 3
 
 
 def test_it_aborts_a_request_whose_submitter_is_gone_and_keeps_serving() -> None:
