@@ -13,10 +13,10 @@ The zero-freed config decodes exactly like the baseline (zeroing happens on free
 ratio is printed as an A/A control: how far from 1.0 it lands is the noise floor of the run.
 
 Prefill, admission and retirement are outside the timed region; the device is synchronised before
-and after every timed chunk, so the script runs unchanged on CUDA. The result is printed LAST, as
+and after every timed step, so the script runs unchanged on CUDA. The result is printed LAST, as
 exactly one line: ``ownership verification overhead: X.XX%``.
 
-Usage: ``python bench/ownership_overhead.py [--device cuda] [--rounds 7] [--batch 32] [--context 2048]``.
+Usage: ``python bench/ownership_overhead.py [--device cuda] [--rounds 15] [--batch 32] [--context 2048]``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="requests decoding together (default: %(default)s)")
     p.add_argument(
         "--context", type=int, default=2048, help="prompt tokens per request (default: %(default)s)"
@@ -56,7 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--steps", type=int, default=64, help="timed decode steps per round (default: %(default)s)"
     )
-    p.add_argument("--chunk", type=int, default=1, help="steps per timed chunk (default: %(default)s)")
     p.add_argument(
         "--threads",
         type=int,
@@ -74,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.clock is None:
         args.clock = "wall" if args.device.startswith("cuda") else "cpu"
-    if args.steps > args.context or args.steps < args.chunk:
-        p.error("--steps must be between --chunk and --context (the echo ends after --context tokens)")
+    if not 1 <= args.steps <= args.context:
+        p.error("--steps must be between 1 and --context (the echo ends after --context tokens)")
     return args
 
 
@@ -122,8 +121,9 @@ def share_memory(engines: dict[str, Engine]) -> None:
 
     Exact, because the engines run identical workloads in lockstep: same prompts, same request ids,
     same pages from identical allocators, same tokens, so each writes the very bytes the others
-    write (block-table rows included), and a step never attends the position another engine's step
-    wrote ahead of it. And necessary, because where a pool or the strided block table lands in
+    write (block-table rows included). Step ``i`` of every engine writes the same position, so no
+    engine meets a page word another engine has already advanced past its own step (verification
+    expects exact words). And necessary, because where a pool or the strided block table lands in
     memory moves a CPU's step time by a few tenths of a percent, which must not favour any config.
     The verify config's expected words stay its own: keeping them is part of the cost measured.
     """
@@ -144,23 +144,22 @@ def share_memory(engines: dict[str, Engine]) -> None:
 def run_round(
     args: argparse.Namespace, engines: dict[str, Engine], prompts: list[list[int]]
 ) -> dict[str, list[float]]:
-    """Return each config's chunk times for one round, chunk ``i`` of every config run back to back.
+    """Return each config's step times for one round, step ``i`` of every config run back to back.
 
-    The order of the configs rotates from chunk to chunk, so none always runs right after
-    another, and chunk ``i`` of each config sees the same load from other processes.
+    The order of the configs rotates from step to step, so none always runs right after another,
+    and step ``i`` of each config sees the same load from other processes.
     """
     failures: list[ErrorEvent] = []
     for engine in engines.values():
         fill(engine, prompts, args.steps, failures)
     names, clock = list(engines), CLOCKS[args.clock]
     times: dict[str, list[float]] = {name: [] for name in names}
-    for chunk in range(args.steps // args.chunk):
-        turn = chunk % len(names)
+    for step in range(args.steps):
+        turn = step % len(names)
         for name in names[turn:] + names[:turn]:
             synchronize(args.device)
             start = clock()
-            for _ in range(args.chunk):
-                engines[name].decode_once()
+            engines[name].decode_once()
             synchronize(args.device)
             times[name].append(clock() - start)
     for engine in engines.values():
@@ -171,7 +170,7 @@ def run_round(
 
 
 def round_ratio(times: dict[str, list[float]], name: str) -> float:
-    """Return the median over chunks of config ``name``'s throughput relative to the baseline's neighbour."""
+    """Return the median over steps of config ``name``'s throughput relative to the baseline's neighbour."""
     return statistics.median(b / t for b, t in zip(times["baseline"], times[name], strict=True))
 
 
@@ -190,13 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(32, 127) for _ in range(args.context)] for _ in range(args.batch)]
     print(
         f"device={args.device} batch={args.batch} context={args.context} steps={args.steps} "
-        f"chunk={args.chunk} rounds={args.rounds} threads={torch.get_num_threads()} clock={args.clock}"
+        f"rounds={args.rounds} threads={torch.get_num_threads()} clock={args.clock}"
     )
     engines = {name: build_engine(args, flags) for name, flags in CONFIGS.items()}
     share_memory(engines)
     run_round(args, engines, prompts)  # warm-up, not counted
     rounds = [run_round(args, engines, prompts) for _ in range(args.rounds)]
-    per_step = args.batch * args.chunk
+    per_step = args.batch
     for name in CONFIGS:
         tps = statistics.median(per_step / statistics.median(r[name]) for r in rounds)
         print(f"{name:>11}: median {tps:10.1f} decode tokens/s")

@@ -17,7 +17,8 @@ page must hold when the row reads it (``expected``; see ``workers.model.entries_
 - scratch padding: 0 (the scratch page is never written).
 
 Each step the newest token's page is written by its request, so its expected word is raised to
-``word(r, slot + 1)`` with one small device write; nothing else changes while a request runs.
+``word(r, slot + 1)``: a plain store on the CPU, one ``put_`` on a GPU (see ``_expected_words``).
+Nothing else changes while a request runs.
 """
 
 from __future__ import annotations

@@ -110,8 +110,8 @@ class Engine:
                 "placeholder substituted for a %d-token prompt (--admission placeholder)", plan.decode_len
             )
         with self._wakeup:
-            # Ids are drawn in queue order: admission is FIFO, so a later id is always admitted later,
-            # which ownership verification relies on (see workers.model.entries_owned).
+            # Ids are unique and never reused: ownership words name the request that wrote a page, and
+            # verification needs no two requests to share one (see workers.model.entries_owned).
             request = Request(
                 request_id=next(self._request_ids),
                 tenant=tenant,
@@ -174,12 +174,12 @@ class Engine:
                 continue
             try:
                 self._prefill(request)
+                self.batch.add(request)
             except Exception:
-                log.exception("prefill of request %d failed", request.request_id)
+                log.exception("request %d could not join the batch", request.request_id)
                 self.decode_pool.free(request.pages)
                 self._emit(request, INTERNAL_ERROR)
                 continue
-            self.batch.add(request)
             joined += 1
         return joined
 

@@ -157,20 +157,21 @@ def test_it_refuses_to_read_a_page_after_a_late_foreign_write(fast: bool) -> Non
     assert a.text == SECRET[:1]
 
 
+@PATHS
 @pytest.mark.parametrize("writer", ["earlier", "later"])
-def test_it_refuses_pages_written_by_another_request_even_before_reading_them(writer: str) -> None:
-    engine = Engine(small_config(verify_ownership=True))
-    earlier = submit(engine, "first", 5, "tenant-x")
-    a = submit(engine, "short", 5, "tenant-a")
+def test_it_refuses_a_page_allocated_ahead_that_another_request_wrote(writer: str, fast: bool) -> None:
+    engine = Engine(small_config(verify_ownership=True), cpu_fast_paths=fast)
+    longer = submit(engine, "L" * 60, 4, "tenant-x")  # spans 4 pages, so every row's step shows 4
+    a = submit(engine, "x" * 20, 20, "tenant-a")  # reserves 3 pages; page 2 is first written at 32
     engine.admit_waiting()
     other_id = engine.batch.requests[0].request_id if writer == "earlier" else 99
-    unread = torch.tensor(engine.batch.requests[1].pages[-1:])
+    ahead = torch.tensor(engine.batch.requests[1].pages[2:3])
     engine.decode_pool.record_write(
-        unread, torch.tensor([0]), torch.tensor([1]), request_id=other_id, tenant_index=9
+        ahead, torch.tensor([0]), torch.tensor([1]), request_id=other_id, tenant_index=9
     )
     run_until_idle(engine)
-    assert a.events == [OWNERSHIP_VIOLATION]
-    assert earlier.text == "first"
+    assert a.events == [OWNERSHIP_VIOLATION]  # in the first step, before anything was emitted
+    assert longer.text == "LLLL"
 
 
 def lose_one_write(engine: Engine, step_index: int) -> None:
