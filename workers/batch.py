@@ -34,6 +34,14 @@ from workers.request import Request
 StepViews = tuple[torch.Tensor, torch.Tensor]  # block tables, expected ownership words
 
 
+class SharedPages(Exception):
+    """Pages handed to a joining request are held by a running one: the allocator gave them out twice."""
+
+    def __init__(self, request_id: int, pages: list[int]) -> None:
+        super().__init__(f"request {request_id} was given {len(pages)} page(s) a running request holds")
+        self.pages = pages
+
+
 class RunningBatch:
     """At most ``max_batch`` requests and a ``[max_batch, max_pages]`` int64 block-table tensor.
 
@@ -64,6 +72,7 @@ class RunningBatch:
         self._cached_views: tuple[tuple[int, int], StepViews] | None = None
         self.requests: list[Request] = []
         self.entries_checked = 0
+        self._held: set[int] = set()  # pages of the running rows, kept with verification only
 
     def _expected_words(
         self, shape: tuple[int, int], host_stores: bool | None
@@ -94,6 +103,16 @@ class RunningBatch:
         """Return True when no request can join until one leaves."""
         return len(self.requests) >= self.max_batch
 
+    def refuse_shared(self, request_id: int, pages: list[int]) -> None:
+        """Raise ``SharedPages`` (with verification) when a running row already holds any of ``pages``.
+
+        The engine asks right after allocating, before anything is written into the pages. The
+        per-step check cannot settle this case on a GPU: two rows writing one page in one step
+        leave the data of one and, possibly, the tag of the other.
+        """
+        if self.verify_ownership and not self._held.isdisjoint(pages):
+            raise SharedPages(request_id, sorted(self._held.intersection(pages)))
+
     def add(self, request: Request) -> None:
         """Append ``request`` as the last row; its ``pages`` become that row of the table."""
         row, pages = len(self.requests), request.pages
@@ -108,6 +127,7 @@ class RunningBatch:
             # Pages allocated ahead still hold their previous writer's tag: that tag must stay put.
             ahead = self._tensor(pages[len(read) :])
             self.expected[row, len(read) : len(pages)] = self.pool.ownership[ahead]
+            self._held.update(pages)
         self.requests.append(request)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -126,6 +146,8 @@ class RunningBatch:
     def remove(self, rows: list[int]) -> None:
         """Drop the requests at ``rows``, moving the last rows into the gaps to keep the table compact."""
         for row in sorted(rows, reverse=True):
+            if self.verify_ownership:
+                self._held.difference_update(self.requests[row].pages)
             last = len(self.requests) - 1
             if row != last:
                 self.table[row] = self.table[last]

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from workers.admission import AdmissionPlan, AdmissionRejected, plan_admission
-from workers.batch import RunningBatch
+from workers.batch import RunningBatch, SharedPages
 from workers.config import WorkerConfig
 from workers.kv_cache import PagePool
 from workers.metrics import WorkerMetrics
@@ -175,6 +175,9 @@ class Engine:
             try:
                 self._prefill(request)
                 self.batch.add(request)
+            except SharedPages as shared:
+                self._refuse_shared(request, shared)
+                continue
             except Exception:
                 log.exception("request %d could not join the batch", request.request_id)
                 self.decode_pool.free(request.pages)
@@ -182,6 +185,14 @@ class Engine:
                 continue
             joined += 1
         return joined
+
+    def _refuse_shared(self, request: Request, shared: SharedPages) -> None:
+        """Fail a request that was given pages a running request holds, and free only its own."""
+        log.error("KV ownership violation: %s", shared)
+        self.metrics.ownership_violations.inc()
+        held = set(shared.pages)
+        self.decode_pool.free([page for page in request.pages if page not in held])
+        self._emit(request, OWNERSHIP_VIOLATION)
 
     def _fits(self, plan: AdmissionPlan) -> bool:
         decode_pages = self.decode_pool.pages_for(plan.reserve_tokens)
@@ -197,6 +208,7 @@ class Engine:
         decode_pages = self.decode_pool.pages_for(plan.reserve_tokens)
         if self.prefill_pool is None:
             request.pages = self.decode_pool.alloc(decode_pages, request_id=rid)
+            self.batch.refuse_shared(rid, request.pages)
             self.model.prefill(
                 self.decode_pool, request.pages, list(plan.input_ids), request_id=rid, tenant_index=tenant
             )
@@ -208,6 +220,7 @@ class Engine:
             )
             # Decode preallocates for the length it believes (decode_len), whatever prefill computed.
             request.pages = self.decode_pool.alloc(decode_pages, request_id=rid)
+            self.batch.refuse_shared(rid, request.pages)
             manifest = TransferManifest(
                 request_id=rid,
                 tenant=request.tenant,

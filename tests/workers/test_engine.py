@@ -174,6 +174,21 @@ def test_it_refuses_a_page_allocated_ahead_that_another_request_wrote(writer: st
     assert longer.text == "LLLL"
 
 
+@pytest.mark.parametrize("mode", ["single", "disaggregated"])
+def test_it_refuses_a_page_handed_out_twice_before_writing_into_it(mode: str) -> None:
+    engine = Engine(small_config(verify_ownership=True, mode=mode))
+    pool = engine.decode_pool
+    a = submit(engine, SECRET, 200, "tenant-a")
+    engine.admit_waiting()
+    pool._free_stack.append(engine.batch.requests[0].pages[-1])  # an allocator bug: a held page is free
+    b = submit(engine, "b" * 40, 40, "tenant-b")
+    run_until_idle(engine)
+    assert b.events == [OWNERSHIP_VIOLATION]
+    assert a.text == SECRET[:200]  # B never wrote into A's page
+    assert engine.metrics.ownership_violations._value.get() == 1
+    assert sorted(pool.free_list()) == list(range(1, pool.num_pages + 1))  # each page free exactly once
+
+
 def lose_one_write(engine: Engine, step_index: int) -> None:
     """Send the newest token's K/V (and its tag) of decode step ``step_index`` to the wrong page."""
     write_newest, calls = engine.model.write_newest, iter(range(10**6))
