@@ -35,11 +35,15 @@ StepViews = tuple[torch.Tensor, torch.Tensor]  # block tables, expected ownershi
 
 
 class SharedPages(Exception):
-    """Pages handed to a joining request are held by a running one: the allocator gave them out twice."""
+    """The allocator handed a page out twice: to a running row and a joining request, or twice to one.
 
-    def __init__(self, request_id: int, pages: list[int]) -> None:
-        super().__init__(f"request {request_id} was given {len(pages)} page(s) a running request holds")
-        self.pages = pages
+    ``held`` lists the pages running rows hold (empty when one request got the same page twice).
+    """
+
+    def __init__(self, request_id: int, held: list[int]) -> None:
+        where = f"pages {held} that running rows hold" if held else "one page twice"
+        super().__init__(f"request {request_id} was given {where}")
+        self.held = held
 
 
 class RunningBatch:
@@ -57,7 +61,7 @@ class RunningBatch:
         max_pages: int,
         pool: PagePool,
         verify_ownership: bool,
-        host_stores: bool | None = None,
+        host_stores: bool,
     ) -> None:
         self.max_batch = max_batch
         self.pool = pool
@@ -75,19 +79,17 @@ class RunningBatch:
         self._held: set[int] = set()  # pages of the running rows, kept with verification only
 
     def _expected_words(
-        self, shape: tuple[int, int], host_stores: bool | None
+        self, shape: tuple[int, int], host_stores: bool
     ) -> tuple[torch.Tensor, memoryview | None]:
         """Return the expected-words tensor and, where the interpreter can write it directly, its slots.
 
-        With ``host_stores`` (default: on the CPU) the tensor lives in a bytearray: raising a
+        With ``host_stores`` (the engine's choice on a CPU) the tensor lives in a bytearray: raising a
         row's frontier word is then a plain store, where a torch op costs about ten microseconds
         once a decode step's gathers have evicted the caches. On a GPU the words are raised with
         one ``put_`` per step instead, from columns of the step's single host-to-device copy.
         """
         if not self.verify_ownership:
             return torch.zeros((0, 0), dtype=torch.int64, device=self.device), None
-        if host_stores is None:
-            host_stores = self.device.type == "cpu"
         if not host_stores:
             return torch.zeros(shape, dtype=torch.int64, device=self.device), None
         if self.device.type != "cpu":
@@ -104,13 +106,16 @@ class RunningBatch:
         return len(self.requests) >= self.max_batch
 
     def refuse_shared(self, request_id: int, pages: list[int]) -> None:
-        """Raise ``SharedPages`` (with verification) when a running row already holds any of ``pages``.
+        """Raise ``SharedPages`` (with verification) when a running row holds any of ``pages``, or
+        ``pages`` name one page twice.
 
         The engine asks right after allocating, before anything is written into the pages. The
         per-step check cannot settle this case on a GPU: two rows writing one page in one step
         leave the data of one and, possibly, the tag of the other.
         """
-        if self.verify_ownership and not self._held.isdisjoint(pages):
+        if not self.verify_ownership:
+            return
+        if len(set(pages)) < len(pages) or not self._held.isdisjoint(pages):
             raise SharedPages(request_id, sorted(self._held.intersection(pages)))
 
     def add(self, request: Request) -> None:

@@ -187,11 +187,11 @@ class Engine:
         return joined
 
     def _refuse_shared(self, request: Request, shared: SharedPages) -> None:
-        """Fail a request that was given pages a running request holds, and free only its own."""
-        log.error("KV ownership violation: %s", shared)
+        """Fail a request that was given pages twice or held ones, and free each of its own once."""
+        log.warning("KV ownership violation: %s", shared)
         self.metrics.ownership_violations.inc()
-        held = set(shared.pages)
-        self.decode_pool.free([page for page in request.pages if page not in held])
+        held = set(shared.held)
+        self.decode_pool.free([page for page in dict.fromkeys(request.pages) if page not in held])
         self._emit(request, OWNERSHIP_VIOLATION)
 
     def _fits(self, plan: AdmissionPlan) -> bool:

@@ -8,13 +8,16 @@ and the known ones start at 0 so that ``increase()`` sees the first event.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from workers.batch import RunningBatch
 from workers.kv_cache import PagePool
+
+if TYPE_CHECKING:  # the collector only reads the batch's counter
+    from workers.batch import RunningBatch
 
 REJECTION_REASONS = ("context_window", "kv_capacity")
 KNOWN_STATUS_CODES = ("200", "400", "401", "404", "500")

@@ -168,7 +168,8 @@ def entries_owned(
     write leaves ``filled`` short, another writer changes the request). A page allocated ahead must
     still hold the word it had when the request joined, and scratch padding 0 (see
     ``workers.batch``). Exactness makes the check one comparison, and it also catches a write into
-    a page the request has not reached yet, whoever made it.
+    a page the request has not reached yet while that page is in the step's view (outside it, the
+    request overwrites each slot before reading it, so a foreign write there is never read).
 
     With ``shortcut`` (the CPU, where reading a result costs no device sync) return None when every
     entry passes: one whole-batch comparison then replaces the per-entry mask in the common case.

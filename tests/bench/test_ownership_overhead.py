@@ -26,7 +26,9 @@ def load_bench() -> ModuleType:
 
 def test_it_prints_the_overhead_last_after_decoding_every_request(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench()
-    assert bench.main(["--rounds", "2", "--steps", "20", "--batch", "3", "--context", "40"]) == 0
+    # --threads 0 keeps torch's thread count: the setting is process-wide and would outlive this test.
+    argv = ["--rounds", "2", "--steps", "20", "--batch", "3", "--context", "40", "--threads", "0"]
+    assert bench.main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(r"ownership verification overhead: -?\d+\.\d\d%", lines[-1])
     assert any(line.startswith("zero-freed/baseline median ratio (A/A control): ") for line in lines)
