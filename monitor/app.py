@@ -8,10 +8,13 @@ the scheduler with the app's lifespan, so SIGTERM to ``kvcanary serve`` drains c
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -21,8 +24,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from monitor.api.main import api_router, health_router
 from monitor.config import Settings, api_token, tenant_keys
 from monitor.metrics import MonitorMetrics
+from monitor.recorder import Recorder
 from monitor.runner import ProbeRunner, RunSummary
-from monitor.scheduler import build_scheduler
+from monitor.scheduler import PRUNE_INTERVAL_SECONDS, REPLAY_INTERVAL_SECONDS, build_scheduler
+from monitor.spool import Spool, SpoolBusy
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts
 from monitor.storage.results import prune_expired
@@ -59,10 +64,20 @@ class Monitor:
             t.name: OpenAIHttpTarget(t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants})
             for t in settings.targets
         }
+        self.spool = open_spool(settings)
+        self.metrics.watch_spool(self.spool)
+        self.recorder = Recorder(settings, self.session_factory, self.spool)
         self.runner = ProbeRunner(
-            settings, self.clients, self.markers, self.metrics, self.session_factory, on_summary
+            settings, self.clients, self.markers, self.metrics, self.recorder, on_summary
         )
-        self.scheduler = build_scheduler(settings, self.runner, prune=self.prune)
+        self.scheduler = build_scheduler(
+            settings,
+            self.runner,
+            housekeeping=[
+                ("prune", self.prune, PRUNE_INTERVAL_SECONDS),
+                ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
+            ],
+        )
 
     def _pairs(self) -> Iterable[tuple[str, str]]:
         return [(t.name, p) for t in self.settings.targets for p in t.probes]
@@ -79,6 +94,10 @@ class Monitor:
         removed = await asyncio.to_thread(work)
         if removed:
             log.info("pruned %d expired probe results", removed)
+
+    async def replay(self) -> None:
+        if len(self.spool):
+            await asyncio.to_thread(self.recorder.replay)
 
     def health(self) -> dict[str, Any]:
         return {"scheduler": "running" if self.scheduler.running else "stopped", "targets": len(self.clients)}
@@ -99,8 +118,39 @@ class Monitor:
             self.scheduler.shutdown(wait=False)
         for client in self.clients.values():
             await client.aclose()
+        if len(self.spool):
+            await asyncio.to_thread(self.recorder.replay)
+        if len(self.spool):
+            log.warning("%d result(s) still spooled in %s; replayed at the next start", len(self.spool),
+                        self.spool.where)
+        self.spool.close()
         self.engine.dispose()
         log.info("kvcanary stopped cleanly")
+
+
+def state_dir() -> Path:
+    """Return where kvcanary keeps local state: $KVCANARY_STATE_DIR, else the XDG state folder."""
+    if explicit := os.environ.get("KVCANARY_STATE_DIR"):
+        return Path(explicit)
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(xdg) / "kvcanary"
+
+
+def open_spool(settings: Settings) -> Spool:
+    """Return the spool the settings ask for; in memory when its folder is held by another process."""
+    config = settings.spool
+    if config.in_memory:
+        return Spool(None, config.max_entries)
+    # One folder per database: two configs on one machine must not replay into each other's database.
+    named = hashlib.sha256(settings.database_url.encode()).hexdigest()[:12]
+    path = config.path or state_dir() / f"spool-{named}"
+    try:
+        return Spool(path, config.max_entries)
+    except SpoolBusy as exc:
+        log.warning("%s: this process spools in memory", exc)
+    except OSError as exc:
+        log.warning("cannot use spool folder %s (%s): this process spools in memory", path, exc.strerror)
+    return Spool(None, config.max_entries)
 
 
 def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:

@@ -143,6 +143,7 @@ class TargetConfig(_Strict):
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError("tenants: names must be unique")
+        _no_shared_key_source(self.tenants)
         if "cross_tenant" in self.probes and len(self.tenants) < 2:
             raise ValueError("tenants: the cross_tenant probe needs two or more tenants")
         return self
@@ -197,6 +198,16 @@ class RetentionConfig(_Strict):
     failure_days: float = Field(90, gt=0, le=3650)
 
 
+class SpoolConfig(_Strict):
+    """Where results wait while the database is unreachable (``monitor/spool.py``)."""
+
+    # Default: a folder under $KVCANARY_STATE_DIR (or ~/.local/state/kvcanary) named for the database.
+    path: Path | None = None
+    # Keep the spool in memory only: bounded the same way, lost when the process exits.
+    in_memory: bool = False
+    max_entries: int = Field(10_000, ge=10, le=10_000_000)
+
+
 class Settings(_Strict):
     database_url: str = "sqlite:///kvcanary.db"
     api: ApiConfig = ApiConfig()
@@ -204,6 +215,7 @@ class Settings(_Strict):
     incidents: IncidentConfig = IncidentConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     retention: RetentionConfig = RetentionConfig()
+    spool: SpoolConfig = SpoolConfig()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
 
     @field_validator("database_url")
@@ -223,6 +235,22 @@ class Settings(_Strict):
 
     def target(self, name: str) -> TargetConfig | None:
         return next((t for t in self.targets if t.name == name), None)
+
+
+def _no_shared_key_source(tenants: list[TenantConfig]) -> None:
+    """Refuse two tenants whose key comes from one variable or one file: they would be one tenant."""
+    seen: dict[tuple[str, str], str] = {}
+    for tenant in tenants:
+        for source in (("api_key_env", tenant.api_key_env), ("api_key_file", tenant.api_key_file)):
+            if source[1] is None:
+                continue
+            key = (source[0], str(source[1]))
+            if key in seen:
+                raise ValueError(
+                    f"tenants: {seen[key]} and {tenant.name} take their key from the same {source[0]} "
+                    f"{source[1]}; one key is one tenant to the engine"
+                )
+            seen[key] = tenant.name
 
 
 def _known(kinds: dict[str, Any]) -> None:
@@ -309,9 +337,12 @@ def tenant_keys(settings: Settings) -> dict[tuple[str, str], str | None]:
     """Return every tenant's API key by (target, tenant). A named but unset variable is an error.
 
     A tenant with neither ``api_key_env`` nor ``api_key_file`` gets None (an engine without auth).
+    Two tenants of one target with the same key are an error naming both: the engine sees one
+    tenant, so each would read the other's markers as its own and every probe would cry leak.
     """
     keys: dict[tuple[str, str], str | None] = {}
     for i, target in enumerate(settings.targets):
+        owners: dict[str, str] = {}
         for j, tenant in enumerate(target.tenants):
             where = f"targets[{i}].tenants[{j}]"
             key = read_secret(env=tenant.api_key_env, file=tenant.api_key_file, key=where + ".api_key_file")
@@ -319,6 +350,13 @@ def tenant_keys(settings: Settings) -> dict[tuple[str, str], str | None]:
                 raise ConfigError(
                     f"{where}.api_key_env: environment variable {tenant.api_key_env} is not set"
                 )
+            if key is not None and key in owners:
+                raise ConfigError(
+                    f"targets[{i}].tenants: {owners[key]} and {tenant.name} have the same API key; "
+                    "give each tenant its own key"
+                )
+            if key is not None:
+                owners[key] = tenant.name
             keys[(target.name, tenant.name)] = key
     return keys
 

@@ -127,6 +127,7 @@ def demo_settings(workdir: Path, urls: dict[str, str], port: int) -> Settings:
                 for name, url in urls.items()
             ],
             "incidents": {"resolve_after_passes": 3},
+            "spool": {"path": str(workdir / "spool")},
         },
         source="demo",
     )

@@ -7,13 +7,18 @@ time, so it is right across restarts and across replicas that share one PostgreS
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from probes.base import ProbeResult, Verdict
+
+if TYPE_CHECKING:
+    from monitor.spool import Spool
 
 # ``*_created`` series double the exposition and no rule or dashboard of ours reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -26,27 +31,66 @@ OpenIncidentCounts = Callable[[], Iterable[tuple[str, str, str, int]]]
 
 
 class OpenIncidentsCollector(Collector):
-    """Export ``kvcanary_incidents_open`` from ``(target, probe, severity, count)`` rows."""
+    """Export ``kvcanary_incidents_open`` from ``(target, probe, severity, count)`` rows.
+
+    When the database does not answer, the last counts read are exported again, so alerts on
+    open incidents keep firing through an outage; ``kvcanary_database_up`` goes to 0 and
+    ``kvcanary_incidents_open_read_timestamp_seconds`` says how old the counts are.
+    """
 
     def __init__(self, counts: OpenIncidentCounts, pairs: Callable[[], Iterable[tuple[str, str]]]):
         self._counts = counts
         self._pairs = pairs
+        self._last: dict[tuple[str, str, str], int] = {}
+        self._read_at = 0.0
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
-            "kvcanary_incidents_open",
-            "Open incidents by target, probe and severity (from the database).",
-            labels=["target", "probe", "severity"],
-        )
-        values = {(t, p, s): 0 for t, p in self._pairs() for s in SEVERITIES}
+        up = 1
         try:
+            values = {(t, p, s): 0 for t, p in self._pairs() for s in SEVERITIES}
             for target, probe, severity, count in self._counts():
                 values[(target, probe, severity)] = count
-        except Exception:  # a database hiccup must not break the scrape; the series go stale instead
-            return
-        for (target, probe, severity), count in sorted(values.items()):
+            self._last, self._read_at = values, time.time()
+        except Exception:  # a database hiccup must not break the scrape: serve the last known counts
+            up = 0
+        family = GaugeMetricFamily(
+            "kvcanary_incidents_open",
+            "Open incidents by target, probe and severity (from the database; last known while it is down).",
+            labels=["target", "probe", "severity"],
+        )
+        for (target, probe, severity), count in sorted(self._last.items()):
             family.add_metric([target, probe, severity], count)
         yield family
+        yield GaugeMetricFamily(
+            "kvcanary_incidents_open_read_timestamp_seconds",
+            "Unix time the open incident counts were last read from the database.",
+            value=self._read_at,
+        )
+        yield GaugeMetricFamily(
+            "kvcanary_database_up", "1 when the database answered the last scrape, else 0.", value=up
+        )
+
+
+class SpoolCollector(Collector):
+    """Export the spool's backlog and what it had to drop (``monitor/spool.py``)."""
+
+    def __init__(self, spool: Spool):
+        self._spool = spool
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "kvcanary_spool_results",
+            "Probe results waiting in the local spool for the database to come back.",
+            value=len(self._spool),
+        )
+        dropped = CounterMetricFamily(
+            "kvcanary_results_dropped",
+            "Probe results lost: the spool was full of worse news, or the database refused them twice.",
+            labels=["verdict"],
+        )
+        for verdict in Verdict:
+            dropped.add_metric([verdict.value], self._spool.dropped[verdict.value])
+        yield dropped
 
 
 class MonitorMetrics:
@@ -98,6 +142,9 @@ class MonitorMetrics:
         self, counts: OpenIncidentCounts, pairs: Callable[[], Iterable[tuple[str, str]]]
     ) -> None:
         self.registry.register(OpenIncidentsCollector(counts, pairs))
+
+    def watch_spool(self, spool: Spool) -> None:
+        self.registry.register(SpoolCollector(spool))
 
     def observe(
         self, target: str, probe: str, result: ProbeResult, duration: float, finished_at: float

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy.orm import Session, sessionmaker
-
 from monitor.config import Settings, TargetConfig
-from monitor.incidents import RecordOutcome, record_result
+from monitor.incidents import RecordOutcome
 from monitor.metrics import MonitorMetrics
+from monitor.recorder import Recorder
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult, TargetClient, judge
 from probes.canaries import MarkerBook
@@ -79,14 +78,14 @@ class ProbeRunner:
         clients: Mapping[str, TargetClient],
         markers: MarkerBook,
         metrics: MonitorMetrics,
-        session_factory: sessionmaker[Session] | None,
+        recorder: Recorder | None,
         on_summary: Callable[[RunSummary], None] | None = None,
     ):
         self.settings = settings
         self.clients = clients
         self.markers = markers
         self.metrics = metrics
-        self.session_factory = session_factory
+        self.recorder = recorder
         self.on_summary = on_summary
         self._slots = asyncio.Semaphore(settings.scheduler.max_concurrency)
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -107,7 +106,7 @@ class ProbeRunner:
         async with lock, self._slots:
             started_at = datetime.now(UTC)
             result, duration = await execute_probe(kind, self.clients[target_name], self.markers, target)
-            outcome = await asyncio.to_thread(self._record, target, kind, result, started_at, duration)
+            outcome = await self._record(target, kind, result, started_at, duration)
         self.metrics.observe(target_name, kind, result, duration, time.time())
         summary = RunSummary(target_name, kind, result, started_at, duration, outcome)
         log.info("%s/%s: %s (%s) in %.2fs", target_name, kind, result.verdict.value, result.reason, duration)
@@ -134,33 +133,9 @@ class ProbeRunner:
             raise KeyError(target_name)
         return [(await self.run(target_name, kind)).as_dict() for kind in target.probes]
 
-    def _record(
+    async def _record(
         self, target: TargetConfig, kind: str, result: ProbeResult, started_at: datetime, duration: float
     ) -> RecordOutcome | None:
-        if self.session_factory is None:
+        if self.recorder is None:
             return None
-        try:
-            with self.session_factory() as session, session.begin():
-                return record_result(
-                    session,
-                    target_name=target.name,
-                    engine=target.engine,
-                    base_url=target.base_url,
-                    model=target.model,
-                    probe=kind,
-                    result=result,
-                    started_at=started_at,
-                    duration_seconds=duration,
-                    policy=self.settings.incidents,
-                    retention=self.settings.retention,
-                )
-        except Exception:
-            # The verdict still reaches the log and the metrics; the next run tries the database again.
-            log.exception(
-                "could not record %s/%s verdict=%s reason=%s",
-                target.name,
-                kind,
-                result.verdict,
-                result.reason,
-            )
-            return None
+        return await asyncio.to_thread(self.recorder.record, target, kind, result, started_at, duration)

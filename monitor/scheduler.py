@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -20,12 +21,19 @@ from monitor.runner import ProbeRunner
 log = logging.getLogger("kvcanary.scheduler")
 
 PRUNE_INTERVAL_SECONDS = 3600
+#: How often spooled results are offered to the database again.
+REPLAY_INTERVAL_SECONDS = 5
+
+Housekeeping = tuple[str, Callable[[], Awaitable[None]], float]
 
 
-def build_scheduler(settings: Settings, runner: ProbeRunner, prune: object | None = None) -> AsyncIOScheduler:
+def build_scheduler(
+    settings: Settings, runner: ProbeRunner, housekeeping: Sequence[Housekeeping] = ()
+) -> AsyncIOScheduler:
     """Return a scheduler (not started) with a job for every configured (target, probe).
 
     First runs are staggered over a couple of seconds so a restart does not fire every probe at once.
+    ``housekeeping`` adds ``(name, coroutine function, interval seconds)`` jobs (pruning, replay).
     """
     scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"misfire_grace_time": 30})
     now = datetime.now(UTC)
@@ -43,11 +51,11 @@ def build_scheduler(settings: Settings, runner: ProbeRunner, prune: object | Non
                 max_instances=1,
                 next_run_time=now + timedelta(seconds=random.uniform(0.2, 0.2 + min(2.0, interval / 4))),
             )
-    if prune is not None:
+    for name, func, interval in housekeeping:
         scheduler.add_job(
-            prune,
-            IntervalTrigger(seconds=PRUNE_INTERVAL_SECONDS),
-            id="housekeeping:prune",
+            func,
+            IntervalTrigger(seconds=interval),
+            id=f"housekeeping:{name}",
             coalesce=True,
             max_instances=1,
         )

@@ -9,7 +9,8 @@ Verdicts:
 
 - ``pass``: the output was judged and was right.
 - ``leak``: another tenant's live marker came back in a response. Sound by construction: a
-  marker carries 128 random bits, so no model, nondeterministic or not, produces one by chance.
+  marker is sealed with a 64-bit MAC under the monitor's key, so no model, nondeterministic or not,
+  produces one by chance (2**-64).
 - ``mismatch``: a wrong answer, or a success where a refusal was due.
 - ``error``: the probe could not judge (refused connection, timeout, 5xx, bad credentials).
   An error never counts as a leak or a mismatch.

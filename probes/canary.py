@@ -6,9 +6,10 @@ instead of what the request asked. The check asks each tenant's model to repeat 
 
 Why the check is sound (``docs/detection-research.md`` §5):
 
-- The nonce is a :class:`~probes.canaries.MarkerBook` marker (128 random bits), planted as the
-  asking tenant. Coming back to that tenant it proves the request's own KV was read; coming back to
-  anyone else it is a leak (:func:`~probes.base.judge`), which no model produces by chance.
+- The nonce is a :class:`~probes.canaries.MarkerBook` marker (128 bits sealed by the monitor's
+  key), planted as the asking tenant. Coming back to that tenant it proves the request's own KV
+  was read; coming back to anyone else it is a leak (:func:`~probes.base.judge`), which no model
+  produces by chance.
 - The task is self-referential, short (one 45-character code, well before the ~100th token where
   nondeterministic runs diverge) and greedy (temperature 0, seed 0): nondeterminism changes late
   tokens of long answers, not a short copy. A 200 without the nonce is therefore a wrong answer

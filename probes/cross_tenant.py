@@ -8,10 +8,10 @@ batch is where tenants share a scheduler step and a free list) and then one afte
 reader right behind the others' freshly freed pages), and looks for any other tenant's marker in
 any answer.
 
-Why the check is sound: every marker is 128 random bits planted in the shared
-:class:`~probes.canaries.MarkerBook`, and :class:`~probes.base.ProbeContext` scans every response
+Why the check is sound: every marker is sealed by the shared :class:`~probes.canaries.MarkerBook`
+with a 64-bit MAC under the monitor's key, and :class:`~probes.base.ProbeContext` scans every response
 (generated text and error bodies) against the live markers of the other tenants. A match cannot
-come from nondeterminism or a lucky guess (2**-128), so any match is a ``leak``; no match is a
+come from nondeterminism or a lucky guess (2**-64), so any match is a ``leak``; no match is a
 ``pass`` only when every planting request was answered, so that the markers were in the cache.
 
 A planting prompt spans many KV pages (16 pages' worth, from the node's ``page_size`` when known)

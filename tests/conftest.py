@@ -27,6 +27,18 @@ REPO = Path(__file__).resolve().parent.parent
 PG_HOST, PG_PORT = "127.0.0.1", int(os.environ.get("KVCANARY_TEST_PG_PORT", "5432"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Keep every monitor's local state (its spool) inside the test session, processes included."""
+    old = os.environ.get("KVCANARY_STATE_DIR")
+    os.environ["KVCANARY_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("KVCANARY_STATE_DIR", None)
+    else:
+        os.environ["KVCANARY_STATE_DIR"] = old
+
+
 def free_port() -> int:
     """Return a TCP port that is free on 127.0.0.1 right now."""
     with socket.socket() as s:

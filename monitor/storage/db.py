@@ -104,7 +104,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True, **kwargs)
+    # A server that is down refuses at once; one behind a dead network would hang a recording for
+    # minutes without a connect timeout, and the verdict would wait instead of going to the spool.
+    connect_args = {"connect_timeout": 5, **kwargs.pop("connect_args", {})}
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
 
 
 def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:

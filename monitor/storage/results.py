@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 REASON_CHARS = 64
 DETAIL_CHARS = 2000
 TITLE_CHARS = 200
+# Integers beyond JSON's safe range are kept as text: PostgreSQL and JavaScript readers lose them.
+_JSON_INT_LIMIT = 2**53
+_MAX_DEPTH = 32
+# probe_result's integer columns are 32-bit on PostgreSQL; a target's absurd count must not fail the row.
+_INT32 = 2**31
 
 
 def upsert_target(
@@ -78,8 +83,8 @@ def new_probe_result(
     return ProbeResult(
         probe=probe,
         verdict=verdict,
-        reason=_text(result.reason)[:REASON_CHARS],
-        detail=_text(result.detail)[:DETAIL_CHARS],
+        reason=storable_text(result.reason)[:REASON_CHARS],
+        detail=storable_text(result.detail)[:DETAIL_CHARS],
         started_at=started_at,
         duration_seconds=float(duration_seconds),
         evidence=_jsonable(result.evidence),
@@ -159,7 +164,7 @@ def _measurements(measurements: dict[str, float]) -> dict[str, Any]:
 
     def integer(key: str) -> int | None:
         value = number(key)
-        return None if value is None else int(value)
+        return int(value) if value is not None and abs(value) < _INT32 else None
 
     return {
         "latency_seconds": number("latency_seconds"),
@@ -170,29 +175,52 @@ def _measurements(measurements: dict[str, float]) -> dict[str, Any]:
     }
 
 
-def _text(value: str) -> str:
-    # PostgreSQL text cannot hold NUL; an engine's error message can carry one.
-    return value.replace("\x00", "")
+def storable_text(value: str) -> str:
+    """Return ``value`` as text every backend stores unchanged: NUL dropped, lone surrogates replaced.
 
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # NaN and inf are not JSON; PostgreSQL refuses them
-    if isinstance(value, dict):
-        return {str(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+    A target's answer can hold anything: PostgreSQL refuses NUL in text and ``\\u0000`` in JSON, and
+    a lone surrogate (``"\\ud800"`` in a JSON string decodes to one) cannot be encoded as UTF-8 at all.
+    """
+    value = value.replace("\x00", "")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        value = value.encode("utf-8", "replace").decode("utf-8")
     return value
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """Return ``value`` as plain JSON data: storable strings, finite numbers, nothing exotic.
+
+    Work on the values, never on JSON text: editing escaped text breaks it (an answer holding the
+    six characters ``\\u0000`` once made a leak unrecordable).
+    """
+    if isinstance(value, str):
+        return storable_text(value)
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < _JSON_INT_LIMIT else str(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)  # NaN and inf are not JSON
+    if depth >= _MAX_DEPTH:
+        return storable_text(str(value))
+    if isinstance(value, dict):
+        return {storable_text(str(k)): _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v, depth + 1) for v in value]
+    return storable_text(str(value))  # a set, bytes, an object: its str()
 
 
 def _jsonable(evidence: dict[str, Any]) -> dict[str, Any]:
     """Return ``evidence`` as plain JSON that both databases store the same way.
 
-    A value JSON cannot hold (a set, bytes, NaN) becomes its ``str()``, and NUL characters are
-    dropped: a probe's odd value must not cost the recording of a leak.
+    A value JSON cannot hold (a set, bytes, NaN) becomes its ``str()``; text is made storable
+    (:func:`storable_text`): a probe's odd value must not cost the recording of a leak.
     """
-    text = json.dumps(_finite(evidence or {}), default=str).replace("\\u0000", "")
-    return dict(json.loads(text))
+    plain = _plain(evidence or {})
+    # Round-trip once: what is stored is exactly what a reader will get back.
+    return dict(json.loads(json.dumps(plain)))
 
 
 def incident_title(row: ProbeResult, target: str, severity: str, lasted: float | None = None) -> str:

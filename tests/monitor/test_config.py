@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,29 @@ def test_an_unusable_database_exits_2_with_one_line(tmp_path: Path) -> None:
     proc = kvcanary("db", "upgrade", "--config", str(config))
     assert proc.returncode == 2
     assert "database error" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_one_key_under_two_tenant_names_exits_2_naming_both(tmp_path: Path) -> None:
+    """On main the same key under two names was accepted and cried leak on every run (3 of 3)."""
+    config = {
+        "api": {"local_only": True},
+        "targets": [
+            {
+                "name": "glm",
+                "base_url": "http://127.0.0.1:1",
+                "probes": ["canary"],
+                "tenants": [
+                    {"name": "alice", "api_key_env": "KVC_A"},
+                    {"name": "bob", "api_key_env": "KVC_B"},
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "kvcanary.yml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "KVC_A": "sk-same-key-0001", "KVC_B": "sk-same-key-0001"}
+    for command in ("check", "serve"):
+        proc = kvcanary(command, "--config", str(path), env=env)
+        assert proc.returncode == 2, proc.stderr
+        assert "alice and bob have the same API key" in proc.stderr
+        assert "sk-same-key-0001" not in proc.stderr + proc.stdout

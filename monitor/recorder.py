@@ -1,0 +1,157 @@
+"""Record every probe result: in the database when it answers, in the spool when it does not.
+
+:class:`Recorder` is the runner's only way to the database. Its promise: a verdict is either in the
+database, or in the :class:`~monitor.spool.Spool` waiting to be replayed in order, or counted as
+dropped (the spool was full of worse news). Two kinds of failure are told apart:
+
+- **unavailable** (the server is down, a connection broke, a lock timed out): the result is spooled
+  and replayed later, unchanged;
+- **unstorable** (the database refused this row's values): the result is recorded again without
+  its evidence, which is replaced by a note saying why, so the verdict and incident still land. A
+  result that cannot be stored even so is dropped and counted: it must not block the spool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime
+
+from sqlalchemy.exc import (
+    DBAPIError,
+    DisconnectionError,
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+)
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor.config import Settings, TargetConfig
+from monitor.incidents import RecordOutcome, record_result
+from monitor.spool import PendingResult, Spool
+from monitor.storage.db import utcnow
+from probes.base import ProbeResult
+
+log = logging.getLogger("kvcanary.recorder")
+
+# Errors that say nothing about the row: the database is not there (or not ready) right now.
+# ProgrammingError is among them: a database restored without its schema refuses every row alike.
+_UNAVAILABLE = (OperationalError, InterfaceError, DisconnectionError, PoolTimeout, ProgrammingError)
+
+
+class Recorder:
+    """Writes results through ``session_factory``; spools them while the database is away."""
+
+    def __init__(self, settings: Settings, session_factory: sessionmaker[Session], spool: Spool):
+        self.settings = settings
+        self.session_factory = session_factory
+        self.spool = spool
+        self.unstorable = 0
+        self._replaying = threading.Lock()
+
+    def record(
+        self, target: TargetConfig, probe: str, result: ProbeResult, started_at: datetime, duration: float
+    ) -> RecordOutcome | None:
+        """Record one result; return what it did to incidents, or None when it was spooled (or dropped)."""
+        item = PendingResult.of(target, probe, result, started_at, duration, utcnow())
+        if len(self.spool):
+            # Older results wait: this one queues behind them, so each pair stays in order.
+            self.spool.append(item)
+            self.replay()
+            return None
+        try:
+            return self._write(item)
+        except _UNAVAILABLE as exc:
+            self._spool(item, exc)
+            return None
+
+    def replay(self) -> int:
+        """Record spooled results oldest first until the spool is empty or the database fails again.
+
+        Return how many were recorded. A replay already running in another thread makes this a no-op.
+        """
+        if not self._replaying.acquire(blocking=False):
+            return 0
+        done = 0
+        try:
+            while (item := self.spool.head()) is not None:
+                try:
+                    self._write(item)
+                except _UNAVAILABLE:
+                    break
+                self.spool.remove(item)
+                done += 1
+        finally:
+            self._replaying.release()
+        if done:
+            log.warning("replayed %d spooled result(s); %d still waiting", done, len(self.spool))
+        return done
+
+    def _spool(self, item: PendingResult, exc: Exception) -> None:
+        kept = self.spool.append(item)
+        log.warning(
+            "database unavailable (%s): %s %s/%s %s",
+            type(exc).__name__,
+            item.verdict,
+            item.target,
+            item.probe,
+            f"spooled in {self.spool.where} ({len(self.spool)} waiting)" if kept else "DROPPED: spool full",
+        )
+
+    def _write(self, item: PendingResult) -> RecordOutcome | None:
+        """Record ``item``; on a refusal of its values, record it without evidence. Raise when unavailable."""
+        try:
+            return self._insert(item, item.result())
+        except _UNAVAILABLE:
+            raise
+        except Exception as exc:  # DataError, IntegrityError, an odd value: the row, not the server
+            refused = _describe(exc)
+        log.error(
+            "could not store %s/%s %s (%s); recording it without evidence",
+            item.target,
+            item.probe,
+            item.verdict,
+            refused,
+        )
+        bare = item.result()
+        bare.evidence = {"evidence_unstorable": refused}
+        bare.detail = bare.detail.encode("ascii", "replace").decode("ascii")
+        try:
+            return self._insert(item, bare)
+        except _UNAVAILABLE:
+            raise
+        except Exception as exc:
+            self.unstorable += 1
+            self.spool.dropped[item.verdict] += 1
+            log.critical(
+                "DROPPED %s result of %s/%s: the database refuses it (%s)",
+                item.verdict,
+                item.target,
+                item.probe,
+                _describe(exc),
+            )
+            return None
+
+    def _insert(self, item: PendingResult, result: ProbeResult) -> RecordOutcome:
+        with self.session_factory() as session, session.begin():
+            return record_result(
+                session,
+                target_name=item.target,
+                engine=item.engine,
+                base_url=item.base_url,
+                model=item.model,
+                probe=item.probe,
+                result=result,
+                started_at=datetime.fromisoformat(item.started_at),
+                duration_seconds=item.duration_seconds,
+                policy=self.settings.incidents,
+                retention=self.settings.retention,
+                now=datetime.fromisoformat(item.attempted_at),
+            )
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        return f"{type(exc).__name__}: {type(exc.orig).__name__}"
+    return type(exc).__name__

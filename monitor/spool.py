@@ -1,0 +1,212 @@
+"""A bounded local spool for probe results the database could not take, replayed in order.
+
+A verdict that is not recorded is the worst failure a monitor of leaks can have. When the database
+is down, :class:`Spool` keeps each result as one file in a private folder (``0700``, files
+``0600``), named by a sequence number so the folder itself is the queue; the recorder replays them
+oldest first once the database answers, and only then records new results directly, so that each
+(target, probe) keeps its order.
+
+The spool is bounded (``max_entries``). When it is full, a new result displaces the oldest entry of
+a lesser verdict (pass < error < mismatch < leak); with none lesser, the new one is dropped. So
+leaks and mismatches are never dropped while passes or errors hold room, and every drop is
+counted (:attr:`Spool.dropped`).
+
+Evidence in the spool is what the database would hold: already redacted by the probes.
+Without a folder (``path=None``) the spool lives in memory: bounded the same way, lost on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import threading
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from probes.base import ProbeResult, Verdict
+
+if TYPE_CHECKING:
+    from monitor.config import TargetConfig
+
+log = logging.getLogger("kvcanary.spool")
+
+#: Which entries yield their room to which: a higher rank displaces a lower one when full.
+RANK = {"pass": 0, "error": 1, "mismatch": 2, "leak": 3}
+
+
+@dataclass
+class PendingResult:
+    """One probe result waiting to be recorded: everything ``record_result`` needs."""
+
+    target: str
+    engine: str
+    base_url: str
+    model: str
+    probe: str
+    verdict: str
+    reason: str
+    detail: str
+    evidence: dict[str, Any]
+    measurements: dict[str, float]
+    started_at: str  # ISO 8601, UTC
+    duration_seconds: float
+    attempted_at: str  # when recording first failed: the time incident changes are stamped with
+    seq: int = field(default=0)
+
+    @classmethod
+    def of(
+        cls,
+        target: TargetConfig,
+        probe: str,
+        result: ProbeResult,
+        started_at: datetime,
+        duration: float,
+        now: datetime,
+    ) -> PendingResult:
+        return cls(
+            target=target.name,
+            engine=target.engine,
+            base_url=target.base_url,
+            model=target.model,
+            probe=probe,
+            verdict=result.verdict.value,
+            reason=result.reason,
+            detail=result.detail,
+            evidence=result.evidence,
+            measurements=result.measurements,
+            started_at=started_at.isoformat(),
+            duration_seconds=duration,
+            attempted_at=now.isoformat(),
+        )
+
+    def result(self) -> ProbeResult:
+        return ProbeResult(Verdict(self.verdict), self.reason, self.detail, self.evidence, self.measurements)
+
+
+class Spool:
+    """Pending results, oldest first, in a folder (or in memory). Thread-safe."""
+
+    def __init__(self, path: Path | None, max_entries: int = 10_000):
+        self.max_entries = max_entries
+        self.dropped: Counter[str] = Counter()
+        self._lock = threading.RLock()
+        self._entries: dict[int, PendingResult] = {}
+        self._next = 1
+        self._dir: Path | None = None
+        self._dir_lock_fd: int | None = None
+        if path is not None:
+            self._open_dir(Path(path))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def where(self) -> str:
+        return str(self._dir) if self._dir is not None else "memory"
+
+    def append(self, item: PendingResult) -> bool:
+        """Queue ``item``; return False when it was dropped because the spool is full of worse news."""
+        with self._lock:
+            if len(self._entries) >= self.max_entries and not self._make_room(item.verdict):
+                self.dropped[item.verdict] += 1
+                log.error("spool full: dropped a %s result of %s/%s", item.verdict, item.target, item.probe)
+                return False
+            item.seq = self._next
+            self._next += 1
+            self._entries[item.seq] = item
+            self._write(item)
+            return True
+
+    def head(self) -> PendingResult | None:
+        """Return the oldest entry without removing it."""
+        with self._lock:
+            return self._entries[min(self._entries)] if self._entries else None
+
+    def remove(self, item: PendingResult) -> None:
+        """Forget ``item`` (it was recorded)."""
+        with self._lock:
+            if self._entries.pop(item.seq, None) is not None and self._dir is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    (self._dir / _name(item.seq)).unlink()
+
+    def close(self) -> None:
+        if self._dir_lock_fd is not None:
+            os.close(self._dir_lock_fd)
+            self._dir_lock_fd = None
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _make_room(self, verdict: str) -> bool:
+        """Drop the oldest entry of the lowest rank below ``verdict``'s; False when there is none."""
+        for rank in range(RANK[verdict]):
+            victim = next((e for e in self._entries.values() if RANK[e.verdict] == rank), None)
+            if victim is not None:
+                self.dropped[victim.verdict] += 1
+                log.error(
+                    "spool full: dropped a queued %s of %s/%s to keep a %s",
+                    victim.verdict,
+                    victim.target,
+                    victim.probe,
+                    verdict,
+                )
+                self.remove(victim)
+                return True
+        return False
+
+    def _open_dir(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.chmod(0o700)
+        fd = os.open(path / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise SpoolBusy(f"spool folder {path} is in use by another kvcanary process") from None
+        self._dir, self._dir_lock_fd = path, fd
+        for file in sorted(path.glob("*.json")):
+            item = _load(file)
+            if item is None:
+                log.error("spool: unreadable entry %s kept aside as %s.bad", file.name, file.name)
+                file.rename(file.with_suffix(".json.bad"))
+                continue
+            self._entries[item.seq] = item
+            self._next = max(self._next, item.seq + 1)
+        if self._entries:
+            log.warning("spool: %d result(s) from an earlier run wait in %s", len(self._entries), path)
+
+    def _write(self, item: PendingResult) -> None:
+        if self._dir is None:
+            return
+        final = self._dir / _name(item.seq)
+        tmp = final.with_suffix(".tmp")
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump(asdict(item), out, default=str)
+                out.flush()
+                os.fsync(out.fileno())
+            tmp.replace(final)
+        except OSError as exc:  # a full disk must not cost the verdict: memory still holds it
+            log.error("spool: cannot write %s (%s); the entry is kept in memory only", final, exc.strerror)
+
+
+class SpoolBusy(Exception):
+    """Another process holds the spool folder."""
+
+
+def _name(seq: int) -> str:
+    return f"{seq:016d}.json"
+
+
+def _load(file: Path) -> PendingResult | None:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        return PendingResult(**data)
+    except (OSError, ValueError, TypeError):
+        return None

@@ -1,0 +1,173 @@
+"""Recording: any text a target returns is storable, and a verdict reaches the database or the spool.
+
+On SQLite and on real PostgreSQL. The answers come from a scripted engine at the network seam
+(``httpx.MockTransport``): no real engine can be made to answer with these bytes on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import timedelta
+
+import httpx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor.config import Settings, parse_settings
+from monitor.incidents import record_result
+from monitor.metrics import MonitorMetrics
+from monitor.recorder import Recorder
+from monitor.runner import ProbeRunner
+from monitor.spool import Spool
+from monitor.storage.models import Incident, ProbeResult
+from monitor.storage.results import storable_text
+from probes.base import ProbeResult as Outcome
+from probes.base import Verdict
+from probes.canaries import MarkerBook
+from tests.monitor.conftest import POLICY, RETENTION, T0
+from tests.probes.probe_harness import Call, FakeEngine
+
+Factory = sessionmaker[Session]
+
+# The shapes that broke or could break a recording: the six characters of an escaped NUL (as text
+# and as an escape the JSON parser turns into a real NUL), raw NUL, a lone surrogate, backslashes.
+NASTY = ["\\u0000", "\x00", "\ud800", "\\\\u0000", "\\", '"', "\udfff\ud83d", "\u2028", "\\ud800"]
+ANY_CHAR = st.characters(exclude_categories=())  # surrogates included
+TEXT = st.one_of(st.text(ANY_CHAR, max_size=60), st.lists(st.sampled_from(NASTY), max_size=6).map("".join))
+
+
+def settings_for(url: str = "http://engine.test") -> Settings:
+    return parse_settings(
+        {
+            "targets": [
+                {
+                    "name": "glm",
+                    "base_url": url,
+                    "engine": "reference",
+                    "model": "kvcanary-reference",
+                    "tenants": [{"name": "alice"}, {"name": "bob"}],
+                    "probes": ["canary"],
+                }
+            ]
+        }
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    reason=TEXT,
+    detail=TEXT,
+    evidence=st.recursive(
+        st.one_of(TEXT, st.integers(), st.floats(), st.none(), st.booleans()),
+        lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)),
+        max_leaves=12,
+    ),
+    verdict=st.sampled_from(list(Verdict)),
+)
+def test_any_text_a_probe_reports_is_stored_and_read_back(
+    session_factory: Factory, reason: str, detail: str, evidence: object, verdict: Verdict
+) -> None:
+    result = Outcome(verdict, reason, detail, {"excerpt": evidence, detail: reason}, {"status_code": 10**12})
+    with session_factory() as s, s.begin():
+        out = record_result(
+            s, target_name="glm", engine="vllm", base_url="http://x", model="m", probe="canary",
+            result=result, started_at=T0, duration_seconds=0.1, policy=POLICY, retention=RETENTION,
+        )  # fmt: skip
+    with session_factory() as s:
+        row = s.get(ProbeResult, out.result_id)
+        assert row is not None
+        assert row.detail == storable_text(detail)[:2000]
+        assert row.status_code is None  # a count no column can hold is dropped, not the row
+        assert json.dumps(row.evidence)  # plain JSON, whatever came in
+        assert "\x00" not in json.dumps(row.evidence, ensure_ascii=False)
+
+
+def test_a_leaking_answer_full_of_escaped_nuls_is_recorded_with_its_incident(
+    session_factory: Factory,
+) -> None:
+    """Main recorded 0 of 15 leaks when an answer held the text ``\\u0000``; every one must land."""
+    previous: dict[str, str] = {}
+
+    def leaky(call: Call) -> httpx.Response:
+        # Each answer replays the previous request's prompt (another tenant's marker) in a stale page,
+        # followed by JSON escapes that decode to the six characters \u0000, a real NUL and a lone
+        # surrogate.
+        stale, previous["prompt"] = previous.get("prompt", call.prompt), call.prompt
+        content = json.dumps(stale)[:-1] + r' \\u0000 \u0000 \ud800 done"'
+        chunk = '{"choices": [{"delta": {"content": ' + content + '}, "finish_reason": "stop"}]}'
+        usage = {"choices": [], "usage": {"prompt_tokens": len(call.prompt), "completion_tokens": 9}}
+        body = f"data: {chunk}\n\ndata: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+
+    engine = FakeEngine(reply=leaky)
+    config = settings_for()
+    spool = Spool(None)
+    runner = ProbeRunner(
+        config,
+        {"glm": engine.target(("alice", "bob"))},
+        MarkerBook(),
+        MonitorMetrics(CollectorRegistry()),
+        Recorder(config, session_factory, spool),
+    )
+
+    async def runs() -> list[Verdict]:
+        return [(await runner.run("glm", "canary")).result.verdict for _ in range(5)]
+
+    verdicts = asyncio.run(runs())
+    assert verdicts == [Verdict.LEAK] * 5
+    with session_factory() as s:
+        leaks = s.scalars(select(ProbeResult).where(ProbeResult.verdict == "leak")).all()
+        assert len(leaks) == 5 and len(spool) == 0
+        assert all(r.evidence["leak_count"] >= 1 for r in leaks)
+        incident = s.scalars(select(Incident)).one()
+        assert (incident.severity, incident.state, incident.failure_count) == ("critical", "open", 5)
+
+
+def test_a_result_that_cannot_be_stored_as_it_is_is_recorded_without_its_evidence(
+    session_factory: Factory,
+) -> None:
+    """An unstorable value costs the evidence, never the verdict or its incident."""
+
+    class Unstorable:
+        def __str__(self) -> str:
+            raise ValueError("no text for you")
+
+    config = settings_for()
+    recorder = Recorder(config, session_factory, Spool(None))
+    result = Outcome(Verdict.LEAK, "foreign_marker", "seen", {"odd": Unstorable()})
+    outcome = recorder.record(config.targets[0], "canary", result, T0, 0.2)
+    assert outcome is not None and outcome.change == "opened"
+    with session_factory() as s:
+        row = s.get(ProbeResult, outcome.result_id)
+        assert row is not None and row.verdict == "leak"
+        assert set(row.evidence) == {"evidence_unstorable"}
+
+
+def test_results_spooled_while_the_database_is_away_are_replayed_in_order(session_factory: Factory) -> None:
+    """Point the recorder at a dead database, then give it the real one back."""
+    from monitor.storage.db import make_engine, make_session_factory
+
+    dead = make_session_factory(make_engine("postgresql+psycopg://postgres@127.0.0.1:1/none"))
+    config = settings_for()
+    spool = Spool(None)
+    recorder = Recorder(config, dead, spool)
+    target = config.targets[0]
+    verdicts = ["leak", "pass", "mismatch", "pass", "pass", "pass"]
+    for i, verdict in enumerate(verdicts):
+        at = T0 + timedelta(seconds=i)
+        assert recorder.record(target, "canary", Outcome(Verdict(verdict), f"r{i}"), at, 0.1) is None
+    assert len(spool) == len(verdicts)
+    assert recorder.replay() == 0  # still dead: nothing lost, nothing done
+    recorder.session_factory = session_factory
+    assert recorder.replay() == len(verdicts)
+    with session_factory() as s:
+        reasons = s.scalars(select(ProbeResult.reason).order_by(ProbeResult.started_at)).all()
+        assert reasons == [f"r{i}" for i in range(len(verdicts))]
+        incident = s.scalars(select(Incident)).one()
+        # Replayed in order: opened by the leak, a mismatch attached, resolved by the last 3 passes.
+        assert (incident.severity, incident.state, incident.failure_count) == ("critical", "resolved", 2)
+        assert s.scalar(select(func.count()).select_from(ProbeResult)) == len(verdicts)

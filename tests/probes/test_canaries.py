@@ -1,0 +1,94 @@
+"""The marker book: sealed markers are recognised, attributed and aged without storing any of them."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import tracemalloc
+
+from probes.canaries import MARKER_RE, UNKNOWN_OWNER, MarkerBook, marker_hash, redact_markers
+
+
+class Clock:
+    def __init__(self, now: float = 1_800_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_marker_read_by_another_tenant_is_a_hit_naming_its_owner() -> None:
+    book = MarkerBook()
+    marker_id, marker = book.plant("glm", "alice")
+    hits = book.scan(f"stale page: {marker} ...", target="glm", reader="bob")
+    assert [(h.marker_id, h.owner_target, h.owner_tenant, h.reader_tenant) for h in hits] == [
+        (marker_id, "glm", "alice", "bob")
+    ]
+    assert hits[0].digest == marker_hash(marker)
+    assert marker.split("-")[2] not in hits[0].excerpt  # the secret never reaches evidence
+
+
+def test_a_tenant_reading_its_own_marker_is_no_hit() -> None:
+    book = MarkerBook()
+    _, marker = book.plant("glm", "alice")
+    assert book.scan(marker, target="glm", reader="alice") == []
+    assert len(book.scan(marker, target="other-target", reader="alice")) == 1
+
+
+def test_marker_shaped_text_the_book_did_not_seal_is_no_hit() -> None:
+    book = MarkerBook()
+    forged = f"KVC-{secrets.token_hex(4)}-{secrets.token_hex(16)}"
+    assert book.scan(forged, target="glm", reader="bob") == []
+    _, marker = book.plant("glm", "alice")
+    tampered = marker[:-1] + ("0" if marker[-1] != "0" else "1")
+    assert book.scan(tampered, target="glm", reader="bob") == []
+    assert MarkerBook().scan(marker, target="glm", reader="bob") == []  # another key
+
+
+def test_markers_expire_with_their_ttl_to_the_minute() -> None:
+    clock = Clock()
+    book = MarkerBook(ttl_seconds=3600, clock=clock)
+    _, marker = book.plant("glm", "alice")
+    clock.now += 3600
+    assert book.is_live(marker)
+    clock.now += 121
+    assert not book.is_live(marker)
+    assert book.scan(marker, target="glm", reader="bob") == []
+
+
+def test_no_live_marker_is_forgotten_however_many_are_planted_and_memory_stays_flat() -> None:
+    # The old book kept a hash per marker and, past 200,000, evicted live ones (a leak of an evicted
+    # marker went unseen). Sealed markers cost nothing to keep: plant far more than that and check
+    # the first one is still recognised, with the book's memory unchanged.
+    book = MarkerBook()
+    _, first = book.plant("t0", "alice")
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(250_000):
+        book.plant(f"t{i % 2500}", "alice" if i % 2 else "bob")
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert book.scan(first, target="t0", reader="bob")[0].owner_target == "t0"
+    # 5,000 owner names, nothing per marker: well under 10 MB (a hash per marker would be ~60 MB).
+    assert grown < 10 * 1024 * 1024, grown
+    assert sys.getsizeof(book.__dict__) < 4096
+
+
+def test_replicas_sharing_a_key_recognise_each_others_markers() -> None:
+    key = secrets.token_bytes(32)
+    planter, reader = MarkerBook(key=key), MarkerBook(key=key)
+    _, marker = planter.plant("glm", "alice")
+    (hit,) = reader.scan(marker, target="glm", reader="bob")
+    assert (hit.owner_target, hit.owner_tenant) == (UNKNOWN_OWNER, UNKNOWN_OWNER)
+    reader.register("glm", "alice")
+    (hit,) = reader.scan(marker, target="glm", reader="bob")
+    assert (hit.owner_target, hit.owner_tenant) == ("glm", "alice")
+    assert reader.scan(marker, target="glm", reader="alice") == []
+
+
+def test_markers_keep_their_published_shape_and_are_redacted_whole_or_cut() -> None:
+    book = MarkerBook()
+    marker_id, marker = book.plant("glm", "alice")
+    assert MARKER_RE.fullmatch(marker)
+    assert redact_markers(f"x {marker} y") == f"x KVC-{marker_id}-<redacted> y"
+    assert redact_markers(marker[:30]) == f"KVC-{marker_id}-<redacted>"
