@@ -25,7 +25,7 @@ from monitor.api.main import api_router, health_router
 from monitor.config import Settings, api_token, tenant_keys
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
-from monitor.runner import ProbeRunner, RunSummary
+from monitor.runner import ProbeRunner, RunSummary, runs_of
 from monitor.scheduler import PRUNE_INTERVAL_SECONDS, REPLAY_INTERVAL_SECONDS, build_scheduler
 from monitor.spool import Spool, SpoolBusy
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
@@ -79,10 +79,15 @@ class Monitor:
             ],
         )
 
-    def _pairs(self) -> Iterable[tuple[str, str]]:
-        return [(t.name, p) for t in self.settings.targets for p in t.probes]
+    def _pairs(self) -> Iterable[tuple[str, str, str]]:
+        return [
+            (t.name, kind, node.name if node else "")
+            for t in self.settings.targets
+            for kind in t.probes
+            for node in runs_of(t, kind)
+        ]
 
-    def _open_incident_counts(self) -> Iterable[tuple[str, str, str, int]]:
+    def _open_incident_counts(self) -> Iterable[tuple[str, str, str, str, int]]:
         with self.read_session_factory() as session:
             return list(open_incident_counts(session))
 

@@ -13,9 +13,9 @@ import json
 import typer
 
 from monitor.config import Settings, TargetConfig, tenant_keys
-from monitor.runner import execute_probe
+from monitor.runner import execute_probe, runs_of
 from monitor.targets.openai_http import OpenAIHttpTarget
-from probes.base import ProbeResult, Verdict
+from probes.base import Node, ProbeResult, Verdict
 from probes.canaries import MarkerBook
 
 EXIT_OK, EXIT_FAILED, EXIT_UNJUDGED = 0, 1, 3
@@ -28,11 +28,16 @@ async def _check_target(
     try:
         rows = []
         for kind in target.probes:
-            result, _ = await execute_probe(kind, client, markers, target)
-            rows.append((target.name, kind, result))
+            for node in runs_of(target, kind):
+                result, _ = await execute_probe(kind, client, markers, target, node=node)
+                rows.append((_where(target.name, node), kind, result))
         return rows
     finally:
         await client.aclose()
+
+
+def _where(target: str, node: Node | None) -> str:
+    return f"{target}@{node.name}" if node is not None and node.name else target
 
 
 async def _check_all(settings: Settings, only: list[str] | None) -> list[tuple[str, str, ProbeResult]]:

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from probes import REGISTRY
+from probes.base import Node
 
 Engine = Literal["sglang", "vllm", "llamacpp", "reference", "openai"]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -64,6 +65,48 @@ class TenantConfig(_Strict):
         return data
 
 
+def http_url(v: str) -> str:
+    """Accept ``http(s)://host[:port][/prefix]`` without credentials, query or fragment; raise ValueError."""
+    try:
+        url = httpx.URL(v)
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ValueError(f"not a valid URL: {exc}") from None
+    if url.port is not None and not 0 < url.port < 65536:
+        raise ValueError(f"not a valid URL: port {url.port} is out of range")
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    if url.userinfo:
+        # Credentials in a URL end up in logs, rows and error messages; keys belong to tenants.
+        raise ValueError("must not carry credentials; use the tenants' api_key_env or api_key_file")
+    if url.query or url.fragment:
+        raise ValueError("must not carry a query string or fragment")
+    return v.rstrip("/")
+
+
+class NodeConfig(_Strict):
+    """One serving node of a target: a disaggregated deployment has prefill and decode nodes, each
+    with its own pool, server info and metrics. Node-scoped probes (``counters``) judge each alone."""
+
+    name: str
+    role: Literal["single", "prefill", "decode"] = "single"
+    # The node's own API (server info, tokenizer); default: the target's base_url.
+    info_url: str | None = Field(None, max_length=2048)
+    # Its Prometheus endpoint; default: <info_url>/metrics.
+    metrics_url: str | None = Field(None, max_length=2048)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("info_url", "metrics_url")
+    @classmethod
+    def _urls(cls, v: str | None) -> str | None:
+        return None if v is None else http_url(v)
+
+
 class TargetConfig(_Strict):
     name: str
     base_url: str = Field(max_length=2048)
@@ -77,6 +120,8 @@ class TargetConfig(_Strict):
     probe_intervals: dict[str, float] = Field(default_factory=lambda: {"boundary": 300.0})
     # Per-kind options handed to the probe (e.g. boundary: {max_prompt_tokens: 2000000}).
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # The serving nodes behind base_url; none listed: one node at base_url.
+    nodes: list[NodeConfig] = Field(default_factory=list, max_length=1000)
 
     @field_validator("name")
     @classmethod
@@ -89,20 +134,7 @@ class TargetConfig(_Strict):
     @classmethod
     def _url(cls, v: str) -> str:
         """Accept ``http(s)://host[:port][/prefix]``; a trailing ``/v1`` is dropped (paths add it)."""
-        try:
-            url = httpx.URL(v)
-        except (httpx.InvalidURL, ValueError) as exc:
-            raise ValueError(f"not a valid URL: {exc}") from None
-        if url.port is not None and not 0 < url.port < 65536:
-            raise ValueError(f"not a valid URL: port {url.port} is out of range")
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        if url.userinfo:
-            # Credentials in a URL end up in logs, rows and error messages; keys belong to tenants.
-            raise ValueError("must not carry credentials; use the tenants' api_key_env or api_key_file")
-        if url.query or url.fragment:
-            raise ValueError("must not carry a query string or fragment")
-        return v.rstrip("/").removesuffix("/v1").rstrip("/")
+        return http_url(v).removesuffix("/v1").rstrip("/")
 
     @field_validator("probes")
     @classmethod
@@ -144,12 +176,25 @@ class TargetConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError("tenants: names must be unique")
         _no_shared_key_source(self.tenants)
+        nodes = [n.name for n in self.nodes]
+        if len(set(nodes)) != len(nodes):
+            raise ValueError("nodes: names must be unique")
         if "cross_tenant" in self.probes and len(self.tenants) < 2:
             raise ValueError("tenants: the cross_tenant probe needs two or more tenants")
         return self
 
     def interval_for(self, kind: str) -> float:
         return float(self.probe_intervals.get(kind, self.interval_seconds))
+
+    def node_list(self) -> list[Node]:
+        """Return the target's nodes with every URL filled in; one unnamed node at base_url by default."""
+        if not self.nodes:
+            return [Node("", "single", self.base_url, f"{self.base_url}/metrics")]
+        out = []
+        for node in self.nodes:
+            info = node.info_url or self.base_url
+            out.append(Node(node.name, node.role, info, node.metrics_url or f"{info}/metrics"))
+        return out
 
 
 class ApiConfig(_Strict):

@@ -1,10 +1,10 @@
 """Record probe results and drive the incident lifecycle from them.
 
 Probes compute, the runner records: :func:`record_result` is the recording. For one
-(target, probe) the rules are:
+(target, probe, node) — ``node`` is empty for probes that judge the whole target — the rules are:
 
 - ``leak`` opens (or escalates to) a ``critical`` incident, ``mismatch`` a ``high`` one. At most
-  one incident is open per (target, probe), across monitor replicas too (a partial unique index);
+  one incident is open per (target, probe, node), across replicas too (a partial unique index);
   further failures attach to it, and a worse verdict escalates it. Severity never goes down.
 - ``error`` (the probe could not judge) never counts as a leak or a mismatch and never as a pass.
   Errors with no judged result in between that last ``error_warning_after_seconds`` open a
@@ -19,7 +19,7 @@ caller owns the transaction: these functions flush, the caller commits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -67,6 +67,8 @@ class RecordOutcome:
     incident_id: int | None
     change: Change | None
     severity: str | None
+    # Which target row the result went to (for the state stored beside it); not part of "what changed".
+    target_id: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -78,6 +80,10 @@ class _Recording:
     target_name: str
     probe: str
     now: datetime
+
+    @property
+    def node(self) -> str:
+        return self.row.node
 
     @property
     def verdict(self) -> str:
@@ -93,7 +99,7 @@ class _Recording:
 
     def outcome(self, incident_id: int | None, change: Change | None, severity: str | None) -> RecordOutcome:
         self.row.incident_id = incident_id
-        return RecordOutcome(self.row.id, incident_id, change, severity)
+        return RecordOutcome(self.row.id, incident_id, change, severity, self.target_id)
 
 
 def record_result(
@@ -110,18 +116,21 @@ def record_result(
     policy: IncidentConfig,
     retention: RetentionConfig,
     now: datetime | None = None,
+    node: str = "",
 ) -> RecordOutcome:
     """Store ``result`` for (``target_name``, ``probe``) and apply the incident rules; flush, don't commit.
 
     Upsert the target row (its ``base_url`` stored without credentials), insert the probe_result
     with ``expires_at`` = ``started_at`` + ``retention.pass_days`` for a pass, else
     ``retention.failure_days``, then open, attach, escalate or resolve as the module docstring says.
-    ``now`` (default: the current time) stamps incident changes and events.
+    ``now`` (default: the current time) stamps incident changes and events. ``node`` scopes the
+    result and its incident to one node of the target (empty: the target as a whole).
     Raise ValueError for a verdict outside pass|leak|mismatch|error.
     """
     now = as_utc(now) if now is not None else utcnow()
     row = new_probe_result(
         probe=probe,
+        node=node,
         result=result,
         started_at=as_utc(started_at),
         duration_seconds=duration_seconds,
@@ -266,7 +275,9 @@ def _on_error(session: Session, rec: _Recording, policy: IncidentConfig) -> Reco
                 return linked
             continue
         if streak is None:
-            streak = error_streak(session, target_id=rec.target_id, probe=rec.probe, until=rec.started_at)
+            streak = error_streak(
+                session, target_id=rec.target_id, probe=rec.probe, node=rec.node, until=rec.started_at
+            )
         first_error_at, errors = streak
         lasted = (rec.started_at - first_error_at).total_seconds()
         if lasted < policy.error_warning_after_seconds:
@@ -278,6 +289,7 @@ def _on_error(session: Session, rec: _Recording, policy: IncidentConfig) -> Reco
                 session,
                 target_id=rec.target_id,
                 probe=rec.probe,
+                node=rec.node,
                 incident_id=opened,
                 since=first_error_at,
                 until=rec.started_at,
@@ -314,7 +326,12 @@ def _open_incident(session: Session, rec: _Recording) -> Row[Any] | None:
         Incident.consecutive_passes,
         Incident.last_verdict,
         Incident.last_reason,
-    ).where(Incident.target_id == rec.target_id, Incident.probe == rec.probe, Incident.state == "open")
+    ).where(
+        Incident.target_id == rec.target_id,
+        Incident.probe == rec.probe,
+        Incident.node == rec.node,
+        Incident.state == "open",
+    )
     return session.execute(query).one_or_none()
 
 
@@ -323,12 +340,13 @@ def _try_open(
 ) -> int | None:
     """Insert an open incident and its ``opened`` event; return its id, or None when one is open already.
 
-    The partial unique index ``uq_incident_open_target_probe`` decides races between replicas:
+    The partial unique index ``uq_incident_open_target_probe_node`` decides races between replicas:
     the loser's INSERT fails, and only its SAVEPOINT is rolled back (the result row stays).
     """
     incident = Incident(
         target_id=rec.target_id,
         probe=rec.probe,
+        node=rec.node,
         severity=severity,
         state="open",
         title=title,

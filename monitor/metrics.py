@@ -8,7 +8,7 @@ time, so it is right across restarts and across replicas that share one PostgreS
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -24,42 +24,45 @@ if TYPE_CHECKING:
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 SEVERITIES = ("critical", "high", "warning")
+TOKEN_KINDS = ("prompt", "completion")
 # Probe runs range from a 20 ms canary to a boundary probe that ships millions of tokens.
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-OpenIncidentCounts = Callable[[], Iterable[tuple[str, str, str, int]]]
+OpenIncidentCounts = Callable[[], Iterable[tuple[str, str, str, str, int]]]
+#: Every (target, probe, node) the config makes: their series are exported at 0.
+Pairs = Callable[[], Iterable[tuple[str, str, str]]]
 
 
 class OpenIncidentsCollector(Collector):
-    """Export ``kvcanary_incidents_open`` from ``(target, probe, severity, count)`` rows.
+    """Export ``kvcanary_incidents_open`` from ``(target, probe, node, severity, count)`` rows.
 
     When the database does not answer, the last counts read are exported again, so alerts on
     open incidents keep firing through an outage; ``kvcanary_database_up`` goes to 0 and
     ``kvcanary_incidents_open_read_timestamp_seconds`` says how old the counts are.
     """
 
-    def __init__(self, counts: OpenIncidentCounts, pairs: Callable[[], Iterable[tuple[str, str]]]):
+    def __init__(self, counts: OpenIncidentCounts, pairs: Pairs):
         self._counts = counts
         self._pairs = pairs
-        self._last: dict[tuple[str, str, str], int] = {}
+        self._last: dict[tuple[str, str, str, str], int] = {}
         self._read_at = 0.0
 
     def collect(self) -> Iterator[Metric]:
         up = 1
         try:
-            values = {(t, p, s): 0 for t, p in self._pairs() for s in SEVERITIES}
-            for target, probe, severity, count in self._counts():
-                values[(target, probe, severity)] = count
+            values = {(t, p, n, s): 0 for t, p, n in self._pairs() for s in SEVERITIES}
+            for target, probe, node, severity, count in self._counts():
+                values[(target, probe, node, severity)] = count
             self._last, self._read_at = values, time.time()
         except Exception:  # a database hiccup must not break the scrape: serve the last known counts
             up = 0
         family = GaugeMetricFamily(
             "kvcanary_incidents_open",
             "Open incidents by target, probe and severity (from the database; last known while it is down).",
-            labels=["target", "probe", "severity"],
+            labels=["target", "probe", "node", "severity"],
         )
-        for (target, probe, severity), count in sorted(self._last.items()):
-            family.add_metric([target, probe, severity], count)
+        for labels, count in sorted(self._last.items()):
+            family.add_metric(list(labels), count)
         yield family
         yield GaugeMetricFamily(
             "kvcanary_incidents_open_read_timestamp_seconds",
@@ -129,18 +132,31 @@ class MonitorMetrics:
             ["target", "probe"],
             registry=self.registry,
         )
+        self.interval = Gauge(
+            "kvcanary_probe_interval_seconds",
+            "Configured seconds between runs of each probe.",
+            ["target", "probe"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "kvcanary_probe_tokens_total",
+            "Tokens the probes spent, as the engines reported them in usage.",
+            ["target", "probe", "kind"],
+            registry=self.registry,
+        )
 
-    def declare(self, target: str, probes: Iterable[str]) -> None:
+    def declare(self, target: str, intervals: Mapping[str, float]) -> None:
         """Export zeros for every series known in advance, so rate() and absent() behave."""
         self.cross_tenant_leaks.labels(target)
-        for probe in probes:
+        for probe, interval in intervals.items():
             for verdict in Verdict:
                 self.probe_runs.labels(target, probe, verdict.value)
             self.probe_duration.labels(target, probe)
+            self.interval.labels(target, probe).set(interval)
+            for kind in TOKEN_KINDS:
+                self.tokens.labels(target, probe, kind)
 
-    def watch_incidents(
-        self, counts: OpenIncidentCounts, pairs: Callable[[], Iterable[tuple[str, str]]]
-    ) -> None:
+    def watch_incidents(self, counts: OpenIncidentCounts, pairs: Pairs) -> None:
         self.registry.register(OpenIncidentsCollector(counts, pairs))
 
     def watch_spool(self, spool: Spool) -> None:
@@ -151,6 +167,10 @@ class MonitorMetrics:
     ) -> None:
         self.probe_runs.labels(target, probe, result.verdict.value).inc()
         self.probe_duration.labels(target, probe).observe(duration)
+        for kind in TOKEN_KINDS:
+            spent = result.measurements.get(f"{kind}_tokens_spent", 0)
+            if spent > 0:
+                self.tokens.labels(target, probe, kind).inc(spent)
         self.last_run.labels(target, probe).set(finished_at)
         if result.verdict is Verdict.PASS:
             self.last_success.labels(target, probe).set(finished_at)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy.exc import (
     DBAPIError,
@@ -31,6 +32,7 @@ from monitor.config import Settings, TargetConfig
 from monitor.incidents import RecordOutcome, record_result
 from monitor.spool import PendingResult, Spool
 from monitor.storage.db import utcnow
+from monitor.storage.results import load_state, save_state
 from probes.base import ProbeResult
 
 log = logging.getLogger("kvcanary.recorder")
@@ -51,10 +53,16 @@ class Recorder:
         self._replaying = threading.Lock()
 
     def record(
-        self, target: TargetConfig, probe: str, result: ProbeResult, started_at: datetime, duration: float
+        self,
+        target: TargetConfig,
+        probe: str,
+        result: ProbeResult,
+        started_at: datetime,
+        duration: float,
+        node: str = "",
     ) -> RecordOutcome | None:
         """Record one result; return what it did to incidents, or None when it was spooled (or dropped)."""
-        item = PendingResult.of(target, probe, result, started_at, duration, utcnow())
+        item = PendingResult.of(target, probe, result, started_at, duration, utcnow(), node)
         if len(self.spool):
             # Older results wait: this one queues behind them, so each pair stays in order.
             self.spool.append(item)
@@ -133,9 +141,17 @@ class Recorder:
             )
             return None
 
+    def load_state(self, target: str, probe: str, node: str) -> dict[str, Any] | None:
+        """Return the state a probe stored for (target, node); None when none, or the database is away."""
+        try:
+            with self.session_factory() as session:
+                return load_state(session, target=target, probe=probe, node=node)
+        except _UNAVAILABLE:
+            return None
+
     def _insert(self, item: PendingResult, result: ProbeResult) -> RecordOutcome:
         with self.session_factory() as session, session.begin():
-            return record_result(
+            outcome = record_result(
                 session,
                 target_name=item.target,
                 engine=item.engine,
@@ -148,7 +164,18 @@ class Recorder:
                 policy=self.settings.incidents,
                 retention=self.settings.retention,
                 now=datetime.fromisoformat(item.attempted_at),
+                node=item.node,
             )
+            if item.state is not None:
+                save_state(
+                    session,
+                    target_id=outcome.target_id,
+                    probe=item.probe,
+                    node=item.node,
+                    state=item.state,
+                    now=datetime.fromisoformat(item.attempted_at),
+                )
+            return outcome
 
 
 def _describe(exc: BaseException) -> str:

@@ -21,7 +21,7 @@ from monitor.incidents import RecordOutcome
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
 from probes import REGISTRY
-from probes.base import ProbeContext, ProbeResult, TargetClient, judge
+from probes.base import Node, ProbeContext, ProbeResult, TargetClient, judge
 from probes.canaries import MarkerBook
 
 log = logging.getLogger("kvcanary.runner")
@@ -35,6 +35,7 @@ PROBE_TIMEOUT_FACTOR = 4
 class RunSummary:
     target: str
     probe: str
+    node: str
     result: ProbeResult
     started_at: datetime
     duration_seconds: float
@@ -44,6 +45,7 @@ class RunSummary:
         return {
             "target": self.target,
             "probe": self.probe,
+            "node": self.node,
             "verdict": self.result.verdict.value,
             "reason": self.result.reason,
             "detail": self.result.detail,
@@ -52,12 +54,24 @@ class RunSummary:
         }
 
 
+def runs_of(target: TargetConfig, kind: str) -> list[Node | None]:
+    """Return what one run of ``kind`` covers: each node for a node-scoped kind, else the target (None)."""
+    return list(target.node_list()) if REGISTRY[kind].scope == "node" else [None]
+
+
 async def execute_probe(
-    kind: str, client: TargetClient, markers: MarkerBook, target: TargetConfig
+    kind: str,
+    client: TargetClient,
+    markers: MarkerBook,
+    target: TargetConfig,
+    *,
+    node: Node | None = None,
+    state: dict[str, Any] | None = None,
 ) -> tuple[ProbeResult, float]:
-    """Run probe ``kind`` once; return its judged result and its duration. Never raise."""
+    """Run probe ``kind`` once (on ``node`` for node-scoped kinds); return its judged result and its
+    duration. Never raise. The tokens the run spent are added to the result's measurements."""
     probe = REGISTRY[kind]()
-    ctx = ProbeContext(client, markers, options=target.options.get(kind, {}))
+    ctx = ProbeContext(client, markers, options=target.options.get(kind, {}), node=node, state=state)
     started = time.monotonic()
     try:
         result = await asyncio.wait_for(probe.run(ctx), timeout=target.timeout_seconds * PROBE_TIMEOUT_FACTOR)
@@ -66,11 +80,15 @@ async def execute_probe(
     except Exception as exc:  # a probe bug is an error verdict, never a crash of the service
         log.exception("probe %s crashed on %s", kind, target.name)
         result = ProbeResult.error("probe_crashed", f"{type(exc).__name__} in the {kind} probe")
-    return judge(result, ctx), time.monotonic() - started
+    result = judge(result, ctx)
+    result.measurements.update(
+        prompt_tokens_spent=ctx.tokens["prompt"], completion_tokens_spent=ctx.tokens["completion"]
+    )
+    return result, time.monotonic() - started
 
 
 class ProbeRunner:
-    """Runs probes with bounded concurrency, never two runs of one (target, probe) at once."""
+    """Runs probes with bounded concurrency, never two runs of one (target, probe, node) at once."""
 
     def __init__(
         self,
@@ -88,28 +106,41 @@ class ProbeRunner:
         self.recorder = recorder
         self.on_summary = on_summary
         self._slots = asyncio.Semaphore(settings.scheduler.max_concurrency)
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+        self._states: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._in_flight: set[asyncio.Task[Any]] = set()
         for target in settings.targets:
-            metrics.declare(target.name, target.probes)
+            metrics.declare(target.name, {kind: target.interval_for(kind) for kind in target.probes})
+            for tenant in target.tenants:
+                markers.register(target.name, tenant.name)
 
-    async def run(self, target_name: str, kind: str) -> RunSummary:
-        """Run one probe and record it. Raise KeyError for an unknown target or kind."""
+    async def run(self, target_name: str, kind: str) -> list[RunSummary]:
+        """Run one probe kind on one target (on each of its nodes when node-scoped) and record each
+        result. Raise KeyError for an unknown target or kind."""
         target = self.settings.target(target_name)
         if target is None or kind not in target.probes:
             raise KeyError(f"{target_name}/{kind}")
-        lock = self._locks.setdefault((target_name, kind), asyncio.Lock())
         task = asyncio.current_task()
         if task is not None:
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
-        async with lock, self._slots:
+        return list(await asyncio.gather(*(self._run_one(target, kind, n) for n in runs_of(target, kind))))
+
+    async def _run_one(self, target: TargetConfig, kind: str, node: Node | None) -> RunSummary:
+        key = (target.name, kind, node.name if node else "")
+        async with self._locks.setdefault(key, asyncio.Lock()), self._slots:
+            state = await self._state(key)
             started_at = datetime.now(UTC)
-            result, duration = await execute_probe(kind, self.clients[target_name], self.markers, target)
-            outcome = await self._record(target, kind, result, started_at, duration)
-        self.metrics.observe(target_name, kind, result, duration, time.time())
-        summary = RunSummary(target_name, kind, result, started_at, duration, outcome)
-        log.info("%s/%s: %s (%s) in %.2fs", target_name, kind, result.verdict.value, result.reason, duration)
+            result, duration = await execute_probe(
+                kind, self.clients[target.name], self.markers, target, node=node, state=state
+            )
+            if result.state is not None:
+                self._states[key] = result.state
+            outcome = await self._record(target, kind, key[2], result, started_at, duration)
+        self.metrics.observe(target.name, kind, result, duration, time.time())
+        summary = RunSummary(target.name, kind, key[2], result, started_at, duration, outcome)
+        where = f"{target.name}/{kind}" + (f"@{key[2]}" if key[2] else "")
+        log.info("%s: %s (%s) in %.2fs", where, result.verdict.value, result.reason, duration)
         if self.on_summary:
             self.on_summary(summary)
         return summary
@@ -131,11 +162,29 @@ class ProbeRunner:
         target = self.settings.target(target_name)
         if target is None:
             raise KeyError(target_name)
-        return [(await self.run(target_name, kind)).as_dict() for kind in target.probes]
+        out = []
+        for kind in target.probes:
+            out += [summary.as_dict() for summary in await self.run(target_name, kind)]
+        return out
+
+    async def _state(self, key: tuple[str, str, str]) -> dict[str, Any]:
+        """Return what the probe left at its last run: kept in memory, read from the database once."""
+        if key not in self._states:
+            stored = None
+            if self.recorder is not None:
+                stored = await asyncio.to_thread(self.recorder.load_state, *key)
+            self._states[key] = stored or {}
+        return self._states[key]
 
     async def _record(
-        self, target: TargetConfig, kind: str, result: ProbeResult, started_at: datetime, duration: float
+        self,
+        target: TargetConfig,
+        kind: str,
+        node: str,
+        result: ProbeResult,
+        started_at: datetime,
+        duration: float,
     ) -> RecordOutcome | None:
         if self.recorder is None:
             return None
-        return await asyncio.to_thread(self.recorder.record, target, kind, result, started_at, duration)
+        return await asyncio.to_thread(self.recorder.record, target, kind, result, started_at, duration, node)

@@ -57,6 +57,8 @@ class PendingResult:
     started_at: str  # ISO 8601, UTC
     duration_seconds: float
     attempted_at: str  # when recording first failed: the time incident changes are stamped with
+    node: str = ""
+    state: dict[str, Any] | None = None  # what the probe carries to its next run, stored with the result
     seq: int = field(default=0)
 
     @classmethod
@@ -68,6 +70,7 @@ class PendingResult:
         started_at: datetime,
         duration: float,
         now: datetime,
+        node: str = "",
     ) -> PendingResult:
         return cls(
             target=target.name,
@@ -83,6 +86,8 @@ class PendingResult:
             started_at=started_at.isoformat(),
             duration_seconds=duration,
             attempted_at=now.isoformat(),
+            node=node,
+            state=result.state,
         )
 
     def result(self) -> ProbeResult:

@@ -8,10 +8,12 @@ from __future__ import annotations
 from probes.base import Probe
 from probes.boundary import BoundaryProbe
 from probes.canary import CanaryProbe
+from probes.counters import CountersProbe
 from probes.cross_tenant import CrossTenantProbe
 
 REGISTRY: dict[str, type[Probe]] = {
     "canary": CanaryProbe,
     "cross_tenant": CrossTenantProbe,
     "boundary": BoundaryProbe,
+    "counters": CountersProbe,
 }

@@ -63,6 +63,9 @@ class ProbeResult:
     detail: str = ""
     evidence: dict[str, Any] = field(default_factory=dict)
     measurements: dict[str, float] = field(default_factory=dict)
+    #: What the probe carries to its next run on this (target, node), e.g. counter readings; None
+    #: keeps the previous state. The runner stores it with the result; the probe never writes.
+    state: dict[str, Any] | None = None
 
     @classmethod
     def error(cls, reason: str, detail: str = "", **measurements: float) -> ProbeResult:
@@ -144,12 +147,50 @@ class ServerCapacity:
         return min(known) if known else None
 
 
+@dataclass(frozen=True)
+class Node:
+    """One serving node of a target. ``name`` is empty for a target that lists no nodes (one node
+    at its base URL). ``role`` is ``single``, ``prefill`` or ``decode``."""
+
+    name: str
+    role: str
+    info_url: str
+    metrics_url: str
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A GET's answer: ``text`` when a 2xx body arrived (within the byte limit), else ``error`` in words."""
+
+    text: str | None
+    error: str | None = None
+    status: int | None = None
+
+
+@dataclass(frozen=True)
+class Scraped:
+    """A node's Prometheus page, parsed: each sample's value summed over its labels, by sample name
+    (``_info`` samples keep their labels in the key: ``kvcanary_worker_info{mode="single",...}``).
+    ``samples`` is None when the page could not be read (``reason`` ``metrics_unreachable``) or
+    parsed (``metrics_unparseable``); ``error`` says why in words."""
+
+    samples: dict[str, float] | None
+    reason: str = ""
+    error: str = ""
+
+
 class TargetClient(Protocol):
     """A serving endpoint as probes see it. Implementations must not raise on network failure:
     they return a :class:`Completion` with ``status=None`` and ``error`` set, or None for lookups."""
 
     name: str
+    engine: str
     tenants: list[str]
+    nodes: list[Node]
+
+    async def fetch(self, url: str) -> Fetched: ...
+
+    async def scrape(self, url: str) -> Scraped: ...
 
     async def complete(self, tenant: str, request: CompletionRequest) -> Completion: ...
 
@@ -166,11 +207,25 @@ class ProbeContext:
     into a ``leak`` verdict whatever the probe itself concluded.
     """
 
-    def __init__(self, target: TargetClient, markers: MarkerBook, options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        target: TargetClient,
+        markers: MarkerBook,
+        options: dict[str, Any] | None = None,
+        *,
+        node: Node | None = None,
+        state: dict[str, Any] | None = None,
+    ):
         self.target = target
         self.markers = markers
         self.options = options or {}
+        #: The node a node-scoped probe judges (``Probe.scope == "node"``); None for the others.
+        self.node = node
+        #: What this probe left for itself at its previous run on this (target, node); {} at first.
+        self.state: dict[str, Any] = dict(state or {})
         self.leaks: list[LeakHit] = []
+        #: Tokens spent, as the engine reported them: the cost of monitoring.
+        self.tokens = {"prompt": 0, "completion": 0}
 
     @property
     def tenants(self) -> list[str]:
@@ -179,6 +234,8 @@ class ProbeContext:
     async def complete(self, tenant: str, request: CompletionRequest) -> Completion:
         completion = await self.target.complete(tenant, request)
         self.leaks.extend(self.markers.scan(completion.text, target=self.target.name, reader=tenant))
+        self.tokens["prompt"] += completion.prompt_tokens or 0
+        self.tokens["completion"] += completion.completion_tokens or 0
         return completion
 
 
@@ -197,6 +254,9 @@ class Probe(ABC):
     options_model: ClassVar[type[ProbeOptions]] = ProbeOptions
     #: Default seconds between runs when the target does not say; large probes run less often.
     default_interval_seconds: ClassVar[float] = 30.0
+    #: ``target``: one run judges the serving path; ``node``: the runner runs the probe once per
+    #: node (``ctx.node``), and each node's result and incident stand alone.
+    scope: ClassVar[str] = "target"
 
     async def run(self, ctx: ProbeContext) -> ProbeResult:
         """Run :meth:`probe` and return its judged result; never raise (a crash is an ``error``)."""
@@ -263,7 +323,7 @@ def judge(result: ProbeResult, ctx: ProbeContext) -> ProbeResult:
     )
     if result.verdict is not Verdict.PASS and result.detail:
         detail += f"; the probe also found: {result.detail}"
-    return ProbeResult(Verdict.LEAK, "foreign_marker", detail, evidence, result.measurements)
+    return ProbeResult(Verdict.LEAK, "foreign_marker", detail, evidence, result.measurements, result.state)
 
 
 def excerpt(text: str, around: int | None = None) -> str:

@@ -28,6 +28,7 @@ def list_incidents(
     when: TimeRangeDep,
     target: Annotated[str | None, Query(description="Target name.", pattern=NAME_PATTERN)] = None,
     probe: Annotated[str | None, Query(description="Probe kind.", pattern=NAME_PATTERN)] = None,
+    node: Annotated[str | None, Query(description="Node name.", pattern=NAME_PATTERN)] = None,
     severity: Annotated[Severity | None, Query()] = None,
     state: Annotated[State | None, Query()] = None,
 ) -> IncidentPage:
@@ -36,6 +37,7 @@ def list_incidents(
         session,
         target=target,
         probe=probe,
+        node=node,
         severity=severity,
         state=state,
         since=when.since,

@@ -21,6 +21,7 @@ def list_probe_results(
     when: TimeRangeDep,
     target: Annotated[str | None, Query(description="Target name.", pattern=NAME_PATTERN)] = None,
     probe: Annotated[str | None, Query(description="Probe kind.", pattern=NAME_PATTERN)] = None,
+    node: Annotated[str | None, Query(description="Node name.", pattern=NAME_PATTERN)] = None,
     verdict: Annotated[Verdict | None, Query()] = None,
 ) -> ProbeResultPage:
     """Return a page of results; ``since``/``until`` bound the time each run started."""
@@ -28,6 +29,7 @@ def list_probe_results(
         session,
         target=target,
         probe=probe,
+        node=node,
         verdict=verdict,
         since=when.since,
         until=when.until,

@@ -21,10 +21,14 @@ class Problem(_Out):
     detail: str
 
 
+NODE_HELP = "The node it is about; empty for probes that judge the whole target."
+
+
 class IncidentOut(_Out):
     id: int
     target: str
     probe: str
+    node: str = Field(description=NODE_HELP)
     severity: Severity
     state: State
     title: str
@@ -60,7 +64,8 @@ class IncidentEventOut(_Out):
     verdict: Verdict | None
     reason: str | None
     probe_result_id: int | None = Field(description="The result that caused it; null once pruned.")
-    processed_at: datetime | None = Field(description="When a notifier handled it; null: not yet.")
+    processed_at: datetime | None = Field(description="When an Alertmanager accepted it; null: not yet.")
+    attempts: int = Field(description="Delivery attempts so far.")
 
     @classmethod
     def of(cls, row: IncidentEvent) -> IncidentEventOut:
@@ -71,6 +76,7 @@ class ProbeResultOut(_Out):
     id: int
     target: str
     probe: str
+    node: str = Field(description=NODE_HELP)
     verdict: Verdict
     reason: str
     detail: str
@@ -126,6 +132,7 @@ class TargetList(_Out):
 
 class ProbeRunOut(_Out):
     probe: str
+    node: str = Field("", description=NODE_HELP)
     verdict: Verdict
     reason: str
     detail: str

@@ -62,6 +62,7 @@ def _run_summary(summary: dict[str, Any]) -> ProbeRunOut:
     return ProbeRunOut.model_validate(
         {
             "probe": summary["probe"],
+            "node": summary.get("node") or "",
             "verdict": str(summary["verdict"]),
             "reason": summary["reason"],
             "detail": summary.get("detail") or "",

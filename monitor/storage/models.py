@@ -1,6 +1,10 @@
 """The tables: what was probed (``target``), what each probe run concluded (``probe_result``), the
-incidents those results open and resolve (``incident``), and every state change of an incident as
-a row (``incident_event``).
+incidents those results open and resolve (``incident``), every state change of an incident as a
+row (``incident_event``, also the paging outbox), and what a probe carries from one run to the next
+(``probe_state``: counter readings, baselines, configuration fingerprints).
+
+``node`` names the serving node a result or incident is about (``prefill-0``); it is the empty
+string for probes that judge the target as a whole.
 
 The schema itself is created only by ``migrations/``; ``tests/monitor/test_migrations.py`` checks
 that the migrations and these models agree on SQLite and PostgreSQL. Relationships are
@@ -13,7 +17,18 @@ from datetime import datetime
 from typing import Any, Literal, get_args
 from urllib.parse import urlsplit, urlunsplit
 
-from sqlalchemy import JSON, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from monitor.storage.db import Base, UTCDateTime
@@ -84,6 +99,7 @@ class ProbeResult(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     target_id: Mapped[int] = mapped_column(ForeignKey("target.id"))
     probe: Mapped[str] = mapped_column(String(64))
+    node: Mapped[str] = mapped_column(String(63), server_default="")
     verdict: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(String(64))
     detail: Mapped[str] = mapped_column(Text)
@@ -112,13 +128,14 @@ class Incident(Base):
     __table_args__ = (
         CheckConstraint(_one_of("severity", SEVERITIES), name="severity"),
         CheckConstraint(_one_of("state", STATES), name="state"),
-        # At most one open incident per (target, probe), enforced by the database so that it also
-        # holds across monitor replicas. monitor.incidents._try_open relies on it: the replica whose
-        # INSERT fails with IntegrityError rolls back to its SAVEPOINT and attaches to the winner's.
+        # At most one open incident per (target, probe, node), enforced by the database so that it
+        # also holds across monitor replicas. monitor.incidents._try_open relies on it: the replica
+        # whose INSERT fails with IntegrityError rolls back to its SAVEPOINT and attaches instead.
         Index(
-            "uq_incident_open_target_probe",
+            "uq_incident_open_target_probe_node",
             "target_id",
             "probe",
+            "node",
             unique=True,
             sqlite_where=text("state = 'open'"),
             postgresql_where=text("state = 'open'"),
@@ -129,6 +146,7 @@ class Incident(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     target_id: Mapped[int] = mapped_column(ForeignKey("target.id"))
     probe: Mapped[str] = mapped_column(String(64))
+    node: Mapped[str] = mapped_column(String(63), server_default="")
     severity: Mapped[str] = mapped_column(String(16))
     state: Mapped[str] = mapped_column(String(16))
     title: Mapped[str] = mapped_column(String(200))
@@ -150,9 +168,11 @@ class Incident(Base):
 class IncidentEvent(Base):
     """One change in an incident's life: opened, escalated, resolved, or a notable failure.
 
-    The table doubles as an outbox: ``processed_at`` is NULL until a notifier (the Alertmanager
-    pager) has handled the event, which it claims with
-    ``UPDATE incident_event SET processed_at=:now WHERE id=:id AND processed_at IS NULL``.
+    The table doubles as the paging outbox (``monitor/alerting.py``): ``processed_at`` is NULL
+    until an Alertmanager accepted the event. A pager claims a batch by compare-and-set
+    (``UPDATE … SET claimed_by=:me, claimed_until=:lease WHERE id IN (…) AND processed_at IS NULL
+    AND (claimed_until IS NULL OR claimed_until < :now)``), so two replicas never deliver one event
+    twice, and a claim that its pager did not live to finish lapses after the lease.
     """
 
     __tablename__ = "incident_event"
@@ -167,6 +187,9 @@ class IncidentEvent(Base):
             sqlite_where=text("processed_at IS NULL"),
             postgresql_where=text("processed_at IS NULL"),
         ),
+        # Pruning a probe_result sets the events that point at it to NULL: without this index each
+        # deleted row scans the whole event table.
+        Index("ix_incident_event_probe_result_id", "probe_result_id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -182,5 +205,29 @@ class IncidentEvent(Base):
     # Pruning a result keeps the event: the link just goes NULL.
     probe_result_id: Mapped[int | None] = mapped_column(ForeignKey("probe_result.id", ondelete="SET NULL"))
     processed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Delivery bookkeeping of the pager: who holds the event, until when, how many tries, why the last failed.
+    claimed_by: Mapped[str | None] = mapped_column(String(64))
+    claimed_until: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    last_error: Mapped[str | None] = mapped_column(String(200))
 
     incident: Mapped[Incident] = relationship(lazy="raise", back_populates="events")
+
+
+class ProbeState(Base):
+    """What a probe of one (target, node) carries to its next run, as one JSON document.
+
+    The runner loads it before a run and stores the probe's new state in the same transaction as
+    the run's result: the counters probe keeps its last readings here, so an increase is judged
+    between reads across restarts and across replicas.
+    """
+
+    __tablename__ = "probe_state"
+    __table_args__ = (UniqueConstraint("target_id", "probe", "node"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    target_id: Mapped[int] = mapped_column(ForeignKey("target.id", ondelete="CASCADE"))
+    probe: Mapped[str] = mapped_column(String(64))
+    node: Mapped[str] = mapped_column(String(63))
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -34,6 +34,7 @@ def list_incidents(
     *,
     target: str | None = None,
     probe: str | None = None,
+    node: str | None = None,
     severity: str | None = None,
     state: str | None = None,
     since: datetime | None = None,
@@ -47,7 +48,13 @@ def list_incidents(
     """
     query = _matching(
         select(Incident).join(Incident.target),
-        {Target.name: target, Incident.probe: probe, Incident.severity: severity, Incident.state: state},
+        {
+            Target.name: target,
+            Incident.probe: probe,
+            Incident.node: node,
+            Incident.severity: severity,
+            Incident.state: state,
+        },
     )
     query = _between(query, Incident.opened_at, since, until)
     total = _count(session, query)
@@ -92,6 +99,7 @@ def list_probe_results(
     *,
     target: str | None = None,
     probe: str | None = None,
+    node: str | None = None,
     verdict: str | None = None,
     since: datetime | None = None,
     until: datetime | None = None,
@@ -104,7 +112,7 @@ def list_probe_results(
     """
     query = _matching(
         select(ProbeResult).join(ProbeResult.target),
-        {Target.name: target, ProbeResult.probe: probe, ProbeResult.verdict: verdict},
+        {Target.name: target, ProbeResult.probe: probe, ProbeResult.node: node, ProbeResult.verdict: verdict},
     )
     query = _between(query, ProbeResult.started_at, since, until)
     total = _count(session, query)
@@ -148,19 +156,19 @@ def last_verdicts(session: Session) -> dict[str, dict[str, tuple[str, datetime, 
     return out
 
 
-def open_incident_counts(session: Session) -> list[tuple[str, str, str, int]]:
-    """Return ``(target_name, probe, severity, count)`` for every open incident group.
+def open_incident_counts(session: Session) -> list[tuple[str, str, str, str, int]]:
+    """Return ``(target_name, probe, node, severity, count)`` for every open incident group.
 
-    Pairs with nothing open are absent; the metrics collector exports them as 0.
+    Groups with nothing open are absent; the metrics collector exports them as 0.
     """
     query = (
-        select(Target.name, Incident.probe, Incident.severity, func.count())
+        select(Target.name, Incident.probe, Incident.node, Incident.severity, func.count())
         .join(Target, Target.id == Incident.target_id)
         .where(Incident.state == "open")
-        .group_by(Target.name, Incident.probe, Incident.severity)
-        .order_by(Target.name, Incident.probe, Incident.severity)
+        .group_by(Target.name, Incident.probe, Incident.node, Incident.severity)
+        .order_by(Target.name, Incident.probe, Incident.node, Incident.severity)
     )
-    return [(name, probe, severity, int(count)) for name, probe, severity, count in session.execute(query)]
+    return [(name, probe, node, sev, int(count)) for name, probe, node, sev, count in session.execute(query)]
 
 
 def _matching(query: Select[Any], equal: dict[Any, str | None]) -> Select[Any]:

@@ -16,7 +16,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from monitor.storage.db import as_utc
-from monitor.storage.models import VERDICTS, Incident, ProbeResult, Target, public_url
+from monitor.storage.models import VERDICTS, Incident, ProbeResult, ProbeState, Target, public_url
 
 if TYPE_CHECKING:
     from monitor.config import RetentionConfig
@@ -62,9 +62,36 @@ def upsert_target(
     return int(row.id)
 
 
+def save_state(
+    session: Session, *, target_id: int, probe: str, node: str, state: dict[str, Any], now: datetime
+) -> None:
+    """Store what a probe carries to its next run on (target, node), replacing what was there."""
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    values = dict(target_id=target_id, probe=probe, node=node, state=_jsonable(state), updated_at=now)
+    stmt = dialect.insert(ProbeState).values(**values)
+    session.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["target_id", "probe", "node"],
+            set_={"state": stmt.excluded.state, "updated_at": stmt.excluded.updated_at},
+        )
+    )
+
+
+def load_state(session: Session, *, target: str, probe: str, node: str) -> dict[str, Any] | None:
+    """Return the state a probe stored for (target, node), or None when it never stored one."""
+    query = (
+        select(ProbeState.state)
+        .join(Target, Target.id == ProbeState.target_id)
+        .where(Target.name == target, ProbeState.probe == probe, ProbeState.node == node)
+    )
+    state = session.execute(query).scalar_one_or_none()
+    return dict(state) if isinstance(state, dict) else None
+
+
 def new_probe_result(
     *,
     probe: str,
+    node: str = "",
     result: ProbeOutcome,
     started_at: datetime,
     duration_seconds: float,
@@ -82,6 +109,7 @@ def new_probe_result(
     days = retention.pass_days if verdict == "pass" else retention.failure_days
     return ProbeResult(
         probe=probe,
+        node=node,
         verdict=verdict,
         reason=storable_text(result.reason)[:REASON_CHARS],
         detail=storable_text(result.detail)[:DETAIL_CHARS],
@@ -111,13 +139,20 @@ def prune_expired(session: Session, *, now: datetime) -> int:
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-def error_streak(session: Session, *, target_id: int, probe: str, until: datetime) -> tuple[datetime, int]:
-    """Return when the current run of errors of (target, probe) began and how many errors it holds.
+def error_streak(
+    session: Session, *, target_id: int, probe: str, node: str = "", until: datetime
+) -> tuple[datetime, int]:
+    """Return when the current run of errors of (target, probe, node) began and how many it holds.
 
     The run is every ``error`` result after the last judged (non-error) result, up to ``until``
     inclusive. With no error in that range, return (``until``, 1): the result being recorded.
     """
-    mine = (ProbeResult.target_id == target_id, ProbeResult.probe == probe, ProbeResult.started_at <= until)
+    mine = (
+        ProbeResult.target_id == target_id,
+        ProbeResult.probe == probe,
+        ProbeResult.node == node,
+        ProbeResult.started_at <= until,
+    )
     last_judged = session.execute(
         select(func.max(ProbeResult.started_at)).where(*mine, ProbeResult.verdict != "error")
     ).scalar_one_or_none()
@@ -131,14 +166,22 @@ def error_streak(session: Session, *, target_id: int, probe: str, until: datetim
 
 
 def link_errors(
-    session: Session, *, target_id: int, probe: str, incident_id: int, since: datetime, until: datetime
+    session: Session,
+    *,
+    target_id: int,
+    probe: str,
+    node: str = "",
+    incident_id: int,
+    since: datetime,
+    until: datetime,
 ) -> None:
-    """Link the unlinked error results of (target, probe) started in [since, until] to an incident."""
+    """Link the unlinked error results of (target, probe, node) started in [since, until] to an incident."""
     session.execute(
         update(ProbeResult)
         .where(
             ProbeResult.target_id == target_id,
             ProbeResult.probe == probe,
+            ProbeResult.node == node,
             ProbeResult.verdict == "error",
             ProbeResult.started_at >= since,
             ProbeResult.started_at <= until,
@@ -227,10 +270,11 @@ def incident_title(row: ProbeResult, target: str, severity: str, lasted: float |
     """Return a one-line title for an incident opened or escalated by ``row``, at most TITLE_CHARS:
     ``leak on glm-prod/cross_tenant: <detail>``; a ``warning`` says how long errors ``lasted``."""
     what = row.detail or row.reason
+    where = f"{target}/{row.probe}" + (f" ({row.node})" if row.node else "")
     if severity == "warning":
-        head = f"errors on {target}/{row.probe}" + (f" for {int(lasted)}s" if lasted is not None else "")
+        head = f"errors on {where}" + (f" for {int(lasted)}s" if lasted is not None else "")
         what = f"{row.reason}: {row.detail}" if row.detail else row.reason
     else:
-        head = f"{row.verdict} on {target}/{row.probe}"
+        head = f"{row.verdict} on {where}"
     title = " ".join(f"{head}: {what}".split())
     return title if len(title) <= TITLE_CHARS else title[: TITLE_CHARS - 1] + "…"

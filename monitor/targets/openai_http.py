@@ -25,15 +25,18 @@ import httpx
 
 from monitor.config import TargetConfig
 from monitor.targets.capacity import apply_overrides, read_capacity
+from monitor.targets.scrape import parse_samples
 from monitor.targets.wire import (
     ERROR_BODY_BYTES,
+    LOOKUP_BODY_BYTES,
     StreamState,
     error_message,
     parse_body,
     read_bounded,
+    read_limited,
     request_body,
 )
-from probes.base import Completion, CompletionRequest, ServerCapacity
+from probes.base import Completion, CompletionRequest, Fetched, Scraped, ServerCapacity
 
 __all__ = ["ERROR_BODY_BYTES", "OpenAIHttpTarget"]
 
@@ -56,7 +59,8 @@ class OpenAIHttpTarget:
     ):
         self.name = config.name
         self.tenants = [t.name for t in config.tenants]
-        self.engine = config.engine
+        self.engine: str = config.engine
+        self.nodes = config.node_list()
         self._config = config
         self._keys = dict(api_keys)
         secrets = {k for k in self._keys.values() if k and len(k) >= _MIN_SCRUB_LEN}
@@ -171,6 +175,37 @@ class OpenAIHttpTarget:
             return None
         return response.text if response.is_success else None
 
+    async def fetch(self, url: str) -> Fetched:
+        """GET an absolute ``url`` (a node's metrics or info) and return its body, bounded; never raise.
+
+        The tenants' credentials go only to the target's own origin: a node URL on another host gets
+        no Authorization header.
+        """
+        headers = self._any_auth() if _origin(httpx.URL(url)) == _origin(self._client.base_url) else {}
+        try:
+            async with asyncio.timeout(self._timeout):
+                async with self._client.stream("GET", url, headers=headers) as response:
+                    if not response.is_success:
+                        return Fetched(None, f"HTTP {response.status_code} from {url}", response.status_code)
+                    body, complete = await read_limited(response, LOOKUP_BODY_BYTES)
+        except TimeoutError:
+            return Fetched(None, f"no answer from {url} within {self._timeout:g}s")
+        except httpx.HTTPError as exc:
+            return Fetched(None, self._scrub(f"cannot read {url}: {type(exc).__name__}: {exc}"))
+        if not complete:
+            return Fetched(None, f"{url} sent more than {LOOKUP_BODY_BYTES} bytes", response.status_code)
+        return Fetched(body, None, response.status_code)
+
+    async def scrape(self, url: str) -> Scraped:
+        """GET a node's Prometheus page and parse it (:func:`parse_samples`); never raise."""
+        fetched = await self.fetch(url)
+        if fetched.text is None:
+            return Scraped(None, "metrics_unreachable", fetched.error or f"nothing read from {url}")
+        try:
+            return Scraped(parse_samples(fetched.text))
+        except ValueError as exc:
+            return Scraped(None, "metrics_unparseable", f"{url} is not Prometheus text: {exc}")
+
     async def capacity(self) -> ServerCapacity:
         """Return what the node says about its KV pool and context window; unknown fields are None.
 
@@ -214,3 +249,7 @@ class OpenAIHttpTarget:
             return count
         tokens = data.get("tokens")
         return len(tokens) if isinstance(tokens, list) else None
+
+
+def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
+    return url.scheme, url.host, url.port

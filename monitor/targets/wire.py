@@ -17,6 +17,8 @@ from probes.base import Completion, CompletionRequest
 
 #: How much of an error body is kept: enough for any engine's message, not a second copy of a prompt.
 ERROR_BODY_BYTES = 4096
+#: The most a lookup (server info, a /metrics page) may send: vLLM's /metrics is ~100 KB.
+LOOKUP_BODY_BYTES = 8 * 1024 * 1024
 _MESSAGE_CHARS = 500
 
 
@@ -84,6 +86,16 @@ async def read_bounded(response: httpx.Response, limit: int) -> str:
         if len(buf) >= limit:
             break
     return bytes(buf[:limit]).decode("utf-8", "replace")
+
+
+async def read_limited(response: httpx.Response, limit: int) -> tuple[str, bool]:
+    """Return the body decoded leniently and whether it was complete; stop reading past ``limit`` bytes."""
+    buf = bytearray()
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        if len(buf) > limit:
+            return "", False
+    return bytes(buf).decode("utf-8", "replace"), True
 
 
 def _int(value: Any) -> int | None:

@@ -26,7 +26,7 @@ from monitor.storage.db import (
 from tests.conftest import REPO
 
 PARTIAL_INDEXES = {
-    "uq_incident_open_target_probe": "state = 'open'",
+    "uq_incident_open_target_probe_node": "state = 'open'",
     "ix_incident_event_unprocessed": "processed_at IS NULL",
 }
 

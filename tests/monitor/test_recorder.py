@@ -115,7 +115,7 @@ def test_a_leaking_answer_full_of_escaped_nuls_is_recorded_with_its_incident(
     )
 
     async def runs() -> list[Verdict]:
-        return [(await runner.run("glm", "canary")).result.verdict for _ in range(5)]
+        return [(await runner.run("glm", "canary"))[0].result.verdict for _ in range(5)]
 
     verdicts = asyncio.run(runs())
     assert verdicts == [Verdict.LEAK] * 5

@@ -1,0 +1,183 @@
+"""The counters probe: worker counters judged between reads, on real reference workers.
+
+Each scene provokes what the counter counts through the worker's real HTTP API (an over-capacity
+request on the defective worker, a foreign page caught by verified ownership, dirty reuse) and
+checks the verdict, the reason and the before/after evidence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from monitor.config import TargetConfig
+from monitor.runner import execute_probe
+from monitor.targets.openai_http import OpenAIHttpTarget
+from probes.base import Node, ProbeResult, Verdict
+from probes.canaries import MarkerBook
+from probes.counters import judge_counters
+from tests.probes.probe_harness import DISAGG, KEYS, MODEL, PLACEHOLDER, SINGLE, Reference
+
+NODE = Node("", "single", "http://w", "http://w/metrics")
+PROMPT_A = "ALICE-PAGE-CONTENT " * 30  # 570 bytes: several pages of tenant A
+OVER_CAPACITY = "B" * 1500  # over the 1024-token prefill pool, inside the 8192 context window
+
+
+def counters_config(url: str, **options: Any) -> TargetConfig:
+    return TargetConfig(
+        name="ref",
+        base_url=url,
+        engine="reference",
+        model=MODEL,
+        tenants=[{"name": "alice"}, {"name": "bob"}],
+        probes=["counters"],
+        options={"counters": options} if options else {},
+    )
+
+
+def read(url: str, state: dict[str, Any] | None = None, **options: Any) -> ProbeResult:
+    """Run the counters probe once on the worker at ``url`` with the previous ``state``."""
+    config = counters_config(url, **options)
+
+    async def go() -> ProbeResult:
+        async with OpenAIHttpTarget(config, {"alice": KEYS["alice"], "bob": KEYS["bob"]}) as target:
+            result, _ = await execute_probe("counters", target, MarkerBook(), config, state=state)
+            return result
+
+    return asyncio.run(go())
+
+
+def send(url: str, prompt: str, tenant: str, max_tokens: int = 16) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+        timeout=30,
+    )
+
+
+def series(result: ProbeResult, counter: str) -> dict[str, Any]:
+    return next(s for s in result.evidence["series"] if s["counter"] == counter)
+
+
+def test_a_clean_worker_passes_and_says_what_its_engine_does_not_expose(
+    reference: Callable[..., Reference],
+) -> None:
+    worker = reference(*SINGLE)
+    first = read(worker.url)
+    assert (first.verdict, first.reason) == (Verdict.PASS, "counters_clean")
+    assert first.evidence["first_read"] is True
+    assert set(first.evidence["not_exposed"]) == {"corrupted_requests", "kv_transfer_failures", "preemptions"}
+    send(worker.url, PROMPT_A, "alice")
+    second = read(worker.url, first.state)
+    assert second.verdict is Verdict.PASS and second.evidence["first_read"] is False
+    checks = series(second, "ownership_violations")
+    assert (checks["before"], checks["after"], checks["increase"]) == (0, 0, 0)
+
+
+def test_a_placeholder_substitution_between_reads_is_a_mismatch_with_before_and_after(
+    reference: Callable[..., Reference],
+) -> None:
+    worker = reference(*PLACEHOLDER)
+    baseline = read(worker.url)
+    assert baseline.verdict is Verdict.PASS
+    assert send(worker.url, OVER_CAPACITY, "bob").status_code == 200  # the defect: 200, not 400
+    after = read(worker.url, baseline.state)
+    assert (after.verdict, after.reason) == (Verdict.MISMATCH, "placeholder_substitutions_increased")
+    found = series(after, "placeholder_substitutions")
+    assert (found["before"], found["after"], found["increase"]) == (0, 1, 1)
+    assert found["series"] == ["kvcanary_placeholder_substitutions_total"]
+    # Read again with nothing new: the finding does not repeat.
+    assert read(worker.url, after.state).verdict is Verdict.PASS
+
+
+def test_an_ownership_violation_caught_by_the_worker_is_a_leak(reference: Callable[..., Reference]) -> None:
+    worker = reference(*PLACEHOLDER, "--verify-ownership")
+    baseline = read(worker.url)
+    send(worker.url, PROMPT_A, "alice")
+    refused = send(worker.url, OVER_CAPACITY, "bob", max_tokens=64)
+    assert refused.status_code == 500 and refused.json()["error"]["type"] == "kv_ownership_violation"
+    after = read(worker.url, baseline.state)
+    assert (after.verdict, after.reason) == (Verdict.LEAK, "ownership_violations_increased")
+    assert series(after, "ownership_violations")["increase"] == 1
+    assert "placeholder_substitutions +1" in after.detail  # the cause is named beside it
+
+
+def test_dirty_reuse_is_judged_only_where_freed_pages_must_be_zeroed(
+    reference: Callable[..., Reference],
+) -> None:
+    worker = reference(*DISAGG)
+    baseline = read(worker.url)
+    for tenant in ("alice", "bob", "alice"):
+        send(worker.url, PROMPT_A, tenant)
+    lenient = read(worker.url, baseline.state)
+    assert lenient.verdict is Verdict.PASS and series(lenient, "pages_reused_dirty")["increase"] > 0
+    strict = read(worker.url, baseline.state, require_zeroed_pages=True)
+    assert (strict.verdict, strict.reason) == (Verdict.MISMATCH, "pages_reused_dirty_increased")
+
+
+def test_a_zeroing_worker_says_so_itself_and_reuses_no_dirty_page(
+    reference: Callable[..., Reference],
+) -> None:
+    worker = reference(*DISAGG, "--zero-freed-pages")
+    baseline = read(worker.url)
+    assert baseline.evidence["zeroing_required"] is True  # from its kvcanary_worker_info
+    for tenant in ("alice", "bob", "alice"):
+        send(worker.url, PROMPT_A, tenant)
+    after = read(worker.url, baseline.state)
+    assert after.verdict is Verdict.PASS and series(after, "pages_reused_dirty")["increase"] == 0
+
+
+# --- the arithmetic, on recorded values --------------------------------------------------------
+
+
+def judged(samples: dict[str, float], previous: dict[str, Any], engine: str = "reference") -> ProbeResult:
+    return judge_counters(engine, NODE, samples, previous, zeroing=False)
+
+
+REFERENCE_ZERO = {
+    "kvcanary_kv_ownership_violations_total": 0.0,
+    "kvcanary_placeholder_substitutions_total": 0.0,
+    "kvcanary_kv_pages_reused_dirty_total": 0.0,
+}
+
+
+def test_a_restarted_worker_counts_from_zero_again() -> None:
+    before = {"counters": {"placeholder_substitutions": 7.0, "ownership_violations": 0.0}}
+    restarted = {**REFERENCE_ZERO, "kvcanary_placeholder_substitutions_total": 2.0}
+    result = judged(restarted, before)
+    assert result.verdict is Verdict.MISMATCH
+    assert series(result, "placeholder_substitutions")["increase"] == 2  # not -5
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp", "openai"])
+def test_an_engine_without_isolation_counters_cannot_be_judged(engine: str) -> None:
+    result = judged({"vllm:prefix_cache_queries_total": 10.0}, {}, engine)
+    assert (result.verdict, result.reason) == (Verdict.ERROR, "not_exposed")
+    assert "ownership_violations" in result.evidence["not_exposed"]
+
+
+def test_a_counter_the_engine_should_export_but_did_not_is_reported_missing() -> None:
+    samples = dict(REFERENCE_ZERO)
+    del samples["kvcanary_kv_pages_reused_dirty_total"]
+    result = judged(samples, {})
+    assert result.verdict is Verdict.PASS and "pages_reused_dirty" in result.evidence["missing"]
+
+
+def test_metrics_that_are_not_prometheus_text_or_not_there_are_errors() -> None:
+    async def go(body: str | None) -> ProbeResult:
+        def answer(request: httpx.Request) -> httpx.Response:
+            if body is None:
+                return httpx.Response(503, text="down")
+            return httpx.Response(200, text=body)
+
+        config = counters_config("http://engine.test")
+        async with OpenAIHttpTarget(config, {}, transport=httpx.MockTransport(answer)) as target:
+            return (await execute_probe("counters", target, MarkerBook(), config))[0]
+
+    assert asyncio.run(go(None)).reason == "metrics_unreachable"
+    assert asyncio.run(go("<html>this is no metrics page {{{")).reason == "metrics_unparseable"
