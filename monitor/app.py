@@ -22,11 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.api.main import api_router, health_router
-from monitor.config import Settings, api_token, tenant_keys
+from monitor.config import Settings
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
 from monitor.runner import ProbeRunner, RunSummary, runs_of
 from monitor.scheduler import PRUNE_INTERVAL_SECONDS, REPLAY_INTERVAL_SECONDS, build_scheduler
+from monitor.secrets import api_token, tenant_keys
 from monitor.spool import Spool, SpoolBusy
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts

@@ -12,8 +12,10 @@ import json
 
 import typer
 
-from monitor.config import Settings, TargetConfig, tenant_keys
+from monitor.config import Settings
 from monitor.runner import execute_probe, runs_of
+from monitor.secrets import tenant_keys
+from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import Node, ProbeResult, Verdict
 from probes.canaries import MarkerBook

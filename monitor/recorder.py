@@ -28,11 +28,12 @@ from sqlalchemy.exc import (
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config import Settings, TargetConfig
+from monitor.config import Settings
 from monitor.incidents import RecordOutcome, record_result
 from monitor.spool import PendingResult, Spool
 from monitor.storage.db import utcnow
 from monitor.storage.results import load_state, save_state
+from monitor.target_config import TargetConfig
 from probes.base import ProbeResult
 
 log = logging.getLogger("kvcanary.recorder")

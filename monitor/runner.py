@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from monitor.config import Settings, TargetConfig
+from monitor.config import Settings
 from monitor.incidents import RecordOutcome
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
+from monitor.target_config import TargetConfig
 from probes import REGISTRY
 from probes.base import Node, ProbeContext, ProbeResult, TargetClient, judge
 from probes.canaries import MarkerBook

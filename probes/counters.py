@@ -10,8 +10,8 @@ Why the check is sound:
 
 - The page is parsed with prometheus-client's parser (by the target client), never regexes, and
   each canonical counter is read under the names its engine really uses
-  (:mod:`probes.engine_counters`, one table). A counter the engine does not expose is reported as such; a node exposing none of the judged ones is an
-  ``error`` ("cannot judge"), never a pass.
+  (:mod:`probes.engine_counters`, one table). A counter the engine does not expose is reported as
+  such; a node exposing none of the judged ones is an ``error`` ("cannot judge"), never a pass.
 - Increases are taken between this read and the previous one, kept in the probe's state (stored by
   the runner with each result, so restarts and replicas continue the series). A value below the
   previous one is a restart: the increase is the new value, as Prometheus's ``increase()`` takes it.

@@ -129,7 +129,7 @@ class Incident(Base):
         CheckConstraint(_one_of("severity", SEVERITIES), name="severity"),
         CheckConstraint(_one_of("state", STATES), name="state"),
         # At most one open incident per (target, probe, node), enforced by the database so that it
-        # also holds across monitor replicas. monitor.incidents._try_open relies on it: the replica
+        # also holds across monitor replicas. monitor.storage.incident_rows.try_open relies on it: the replica
         # whose INSERT fails with IntegrityError rolls back to its SAVEPOINT and attaches instead.
         Index(
             "uq_incident_open_target_probe_node",

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from monitor.config import ConfigError, api_token, load_settings, parse_settings, tenant_keys
+from monitor.config import ConfigError, load_settings, parse_settings
+from monitor.secrets import api_token, tenant_keys
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "config"

@@ -93,13 +93,13 @@ def test_two_replicas_opening_the_same_incident_yield_exactly_one(
     pg_factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     inserts: list[int | None] = []
-    real_try_open = incidents._try_open
+    real_try_open = incidents.try_open
 
     def spy(*args: Any, **kwargs: Any) -> int | None:
         inserts.append(real_try_open(*args, **kwargs))
         return inserts[-1]
 
-    monkeypatch.setattr(incidents, "_try_open", spy)
+    monkeypatch.setattr(incidents, "try_open", spy)
     record(pg_factory, "pass", at=T0)  # the target row exists and is unchanged: nobody waits on it
     first, second = replica(pg_factory), replica(pg_factory)
     won = record_in(first, "leak", minutes(1))  # inserted the open incident, not committed yet

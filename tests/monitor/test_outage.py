@@ -25,7 +25,9 @@ from tests.services import OwnPostgres
 
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]
 
-VERDICT_LINE = re.compile(r" INFO kvcanary\.runner: ([\w.-]+)/(\w+)(?:@[\w.-]+)?: (pass|leak|mismatch|error) ")
+VERDICT_LINE = re.compile(
+    r" INFO kvcanary\.runner: ([\w.-]+)/(\w+)(?:@[\w.-]+)?: (pass|leak|mismatch|error) "
+)
 
 
 @pytest.fixture

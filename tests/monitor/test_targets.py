@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.config import TargetConfig
+from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import ERROR_BODY_BYTES, OpenAIHttpTarget
 from probes.base import CompletionRequest
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from monitor.config import TargetConfig
+from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult

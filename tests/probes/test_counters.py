@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.config import TargetConfig
 from monitor.runner import execute_probe
+from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import Node, ProbeResult, Verdict
 from probes.canaries import MarkerBook

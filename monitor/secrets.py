@@ -1,0 +1,80 @@
+"""Secrets: tenant API keys and the REST token, read from environment variables or files.
+
+Never from the config file itself, never logged, stored or returned. Each function raises
+:class:`~monitor.config.ConfigError` naming the key when a named secret is missing or unusable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from monitor.config import ConfigError, Settings
+
+# The REST token must not be a placeholder someone forgot to change.
+WEAK_TOKENS = {"", "changeme", "change-me", "secret", "token", "password", "kvcanary"}
+
+
+def read_secret(*, env: str | None, file: Path | None, key: str) -> str | None:
+    """Return the secret from ``file`` or the environment variable ``env``; None when neither is set.
+
+    Raise ConfigError naming ``key`` when a file is named but unreadable or empty.
+    """
+    if file is not None:
+        try:
+            value = Path(file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"{key}: cannot read {file}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{key}: {file} is not UTF-8 text") from None
+        if not value:
+            raise ConfigError(f"{key}: {file} is empty")
+        return value
+    if env:
+        value = os.environ.get(env, "").strip()
+        return value or None
+    return None
+
+
+def tenant_keys(settings: Settings) -> dict[tuple[str, str], str | None]:
+    """Return every tenant's API key by (target, tenant). A named but unset variable is an error.
+
+    A tenant with neither ``api_key_env`` nor ``api_key_file`` gets None (an engine without auth).
+    Two tenants of one target with the same key are an error naming both: the engine sees one
+    tenant, so each would read the other's markers as its own and every probe would cry leak.
+    """
+    keys: dict[tuple[str, str], str | None] = {}
+    for i, target in enumerate(settings.targets):
+        owners: dict[str, str] = {}
+        for j, tenant in enumerate(target.tenants):
+            where = f"targets[{i}].tenants[{j}]"
+            key = read_secret(env=tenant.api_key_env, file=tenant.api_key_file, key=where + ".api_key_file")
+            if key is None and tenant.api_key_env:
+                raise ConfigError(
+                    f"{where}.api_key_env: environment variable {tenant.api_key_env} is not set"
+                )
+            if key is not None and key in owners:
+                raise ConfigError(
+                    f"targets[{i}].tenants: {owners[key]} and {tenant.name} have the same API key; "
+                    "give each tenant its own key"
+                )
+            if key is not None:
+                owners[key] = tenant.name
+            keys[(target.name, tenant.name)] = key
+    return keys
+
+
+def api_token(settings: Settings) -> str | None:
+    """Return the REST bearer token, None when the API runs local-only, or raise ConfigError."""
+    api = settings.api
+    token = read_secret(env=api.token_env, file=api.token_file, key="api.token_file")
+    if token is None:
+        if api.local_only:
+            return None
+        raise ConfigError(
+            f"api.token_env: set {api.token_env} (or api.token_file) to a bearer token, "
+            "or set api.local_only: true to serve the API without one on loopback"
+        )
+    if token.lower() in WEAK_TOKENS or len(token) < 16:
+        raise ConfigError("api.token_env: the bearer token is a placeholder or shorter than 16 characters")
+    return token

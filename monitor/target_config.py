@@ -1,0 +1,210 @@
+"""The part of the settings that describes what is probed: targets, their tenants and nodes.
+
+Also the base every settings model shares (:class:`Strict`: unknown keys refused, no inf/nan) and
+the name rules used across the config. :mod:`monitor.config` assembles the whole ``Settings``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from probes import REGISTRY
+from probes.base import Node
+
+Engine = Literal["sglang", "vllm", "llamacpp", "reference", "openai"]
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DAY = 86400.0
+
+
+class Strict(BaseModel):
+    # No inf/nan: an infinite interval or retention passes "> 0" and then overflows a timer.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class TenantConfig(Strict):
+    name: str
+    api_key_env: str | None = None
+    api_key_file: Path | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env(cls, v: str | None) -> str | None:
+        if v is not None and not ENV_RE.match(v):
+            raise ValueError("must be an environment variable name")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_literal_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError("api_key: literal keys are refused; use api_key_env or api_key_file")
+        return data
+
+
+def http_url(v: str) -> str:
+    """Accept ``http(s)://host[:port][/prefix]`` without credentials, query or fragment; raise ValueError."""
+    try:
+        url = httpx.URL(v)
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ValueError(f"not a valid URL: {exc}") from None
+    if url.port is not None and not 0 < url.port < 65536:
+        raise ValueError(f"not a valid URL: port {url.port} is out of range")
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    if url.userinfo:
+        # Credentials in a URL end up in logs, rows and error messages; keys belong to tenants.
+        raise ValueError("must not carry credentials; use the tenants' api_key_env or api_key_file")
+    if url.query or url.fragment:
+        raise ValueError("must not carry a query string or fragment")
+    return v.rstrip("/")
+
+
+class NodeConfig(Strict):
+    """One serving node of a target: a disaggregated deployment has prefill and decode nodes, each
+    with its own pool, server info and metrics. Node-scoped probes (``counters``) judge each alone."""
+
+    name: str
+    role: Literal["single", "prefill", "decode"] = "single"
+    # The node's own API (server info, tokenizer); default: the target's base_url.
+    info_url: str | None = Field(None, max_length=2048)
+    # Its Prometheus endpoint; default: <info_url>/metrics.
+    metrics_url: str | None = Field(None, max_length=2048)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("info_url", "metrics_url")
+    @classmethod
+    def _urls(cls, v: str | None) -> str | None:
+        return None if v is None else http_url(v)
+
+
+class TargetConfig(Strict):
+    name: str
+    base_url: str = Field(max_length=2048)
+    engine: Engine = "reference"
+    model: str = Field("default", min_length=1, max_length=255)
+    tenants: list[TenantConfig] = Field(min_length=1)
+    interval_seconds: float = Field(30.0, gt=0, le=7 * DAY)
+    timeout_seconds: float = Field(30.0, gt=0, le=3600)
+    probes: list[str] = Field(default_factory=lambda: ["canary", "cross_tenant", "boundary"], min_length=1)
+    # Per-kind interval override; the boundary probe is large and runs on its own, longer clock.
+    probe_intervals: dict[str, float] = Field(default_factory=lambda: {"boundary": 300.0})
+    # Per-kind options handed to the probe (e.g. boundary: {max_prompt_tokens: 2000000}).
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # The serving nodes behind base_url; none listed: one node at base_url.
+    nodes: list[NodeConfig] = Field(default_factory=list, max_length=1000)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        """Accept ``http(s)://host[:port][/prefix]``; a trailing ``/v1`` is dropped (paths add it)."""
+        return http_url(v).removesuffix("/v1").rstrip("/")
+
+    @field_validator("probes")
+    @classmethod
+    def _known_probes(cls, v: list[str]) -> list[str]:
+        unknown = [p for p in v if p not in REGISTRY]
+        if unknown:
+            raise ValueError(f"unknown probe kind(s) {unknown}; known: {sorted(REGISTRY)}")
+        if len(set(v)) != len(v):
+            raise ValueError("lists a probe kind twice")
+        return v
+
+    @field_validator("probe_intervals")
+    @classmethod
+    def _intervals(cls, v: dict[str, float]) -> dict[str, float]:
+        _known(v)
+        if any(not 0 < x <= 7 * DAY for x in v.values()):
+            raise ValueError("intervals must be greater than 0 and at most 7 days")
+        return v
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Check each kind's options against that kind's own model; keep only what was stated."""
+        _known(v)
+        checked = {}
+        for kind, given in v.items():
+            try:
+                model = REGISTRY[kind].options_model.model_validate(given)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in (kind, *err["loc"]))
+                raise ValueError(f"{where}: {err['msg']}") from None
+            checked[kind] = model.model_dump(exclude_unset=True)
+        return checked
+
+    @model_validator(mode="after")
+    def _tenants(self) -> TargetConfig:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenants: names must be unique")
+        _no_shared_key_source(self.tenants)
+        nodes = [n.name for n in self.nodes]
+        if len(set(nodes)) != len(nodes):
+            raise ValueError("nodes: names must be unique")
+        if "cross_tenant" in self.probes and len(self.tenants) < 2:
+            raise ValueError("tenants: the cross_tenant probe needs two or more tenants")
+        return self
+
+    def interval_for(self, kind: str) -> float:
+        return float(self.probe_intervals.get(kind, self.interval_seconds))
+
+    def node_list(self) -> list[Node]:
+        """Return the target's nodes with every URL filled in; one unnamed node at base_url by default."""
+        if not self.nodes:
+            return [Node("", "single", self.base_url, f"{self.base_url}/metrics")]
+        out = []
+        for node in self.nodes:
+            info = node.info_url or self.base_url
+            out.append(Node(node.name, node.role, info, node.metrics_url or f"{info}/metrics"))
+        return out
+
+
+def _no_shared_key_source(tenants: list[TenantConfig]) -> None:
+    """Refuse two tenants whose key comes from one variable or one file: they would be one tenant."""
+    seen: dict[tuple[str, str], str] = {}
+    for tenant in tenants:
+        for source in (("api_key_env", tenant.api_key_env), ("api_key_file", tenant.api_key_file)):
+            if source[1] is None:
+                continue
+            key = (source[0], str(source[1]))
+            if key in seen:
+                raise ValueError(
+                    f"tenants: {seen[key]} and {tenant.name} take their key from the same {source[0]} "
+                    f"{source[1]}; one key is one tenant to the engine"
+                )
+            seen[key] = tenant.name
+
+
+def _known(kinds: dict[str, Any]) -> None:
+    unknown = [p for p in kinds if p not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown probe kind(s) {unknown}; known: {sorted(REGISTRY)}")
+
+
