@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from monitor.config import TargetConfig
+from monitor.target_config import TargetConfig
 from monitor.targets.capacity import apply_overrides, read_capacity
 from monitor.targets.scrape import parse_samples
 from monitor.targets.wire import (
