@@ -11,7 +11,9 @@ reservation, not as the pool: a step's view is then nearly contiguous.
 With ownership verification the batch also keeps, per row and page, the EXACT ownership word the
 page must hold when the row reads it (``expected``; see ``workers.model.entries_owned``):
 
-- pages the row reads: the request itself with every slot it reads written, ``word(r, n)``;
+- pages the row reads: the request itself with every slot it reads written, ``word(r, n)``; or,
+  for a page the prefix cache owns (single mode), the word the cache gave it when it published it
+  (see ``workers.prefix_cache``), which any number of rows may expect at once;
 - pages allocated ahead and not written yet: the word they held when the request joined (nobody may
   write them but the request);
 - scratch padding: 0 (the scratch page is never written).
@@ -19,11 +21,17 @@ page must hold when the row reads it (``expected``; see ``workers.model.entries_
 Each step the newest token's page is written by its request, so its expected word is raised to
 ``word(r, slot + 1)``: a plain store on the CPU, one ``put_`` on a GPU (see ``_expected_words``).
 Nothing else changes while a request runs.
+
+Pages a row holds are kept apart by how it holds them: its own pages (``_held``), which nobody else
+may hold, and cached pages (``_shared``, counted per row), which rows may share but none may be
+given as its own.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import Counter
+from collections.abc import Collection
 
 import torch
 
@@ -34,7 +42,18 @@ from workers.request import Request
 StepViews = tuple[torch.Tensor, torch.Tensor]  # block tables, expected ownership words
 
 
-class SharedPages(Exception):
+class PagesRefused(Exception):
+    """A request is refused for the pages it was given, before it reads them (HTTP 500).
+
+    ``held`` lists the pages among them that running rows hold: the request must not free those.
+    """
+
+    def __init__(self, message: str, held: list[int]) -> None:
+        super().__init__(message)
+        self.held = held
+
+
+class SharedPages(PagesRefused):
     """The allocator handed a page out twice: to a running row and a joining request, or twice to one.
 
     ``held`` lists the pages running rows hold (empty when one request got the same page twice).
@@ -42,8 +61,14 @@ class SharedPages(Exception):
 
     def __init__(self, request_id: int, held: list[int]) -> None:
         where = f"pages {held} that running rows hold" if held else "one page twice"
-        super().__init__(f"request {request_id} was given {where}")
-        self.held = held
+        super().__init__(f"request {request_id} was given {where}", held)
+
+
+class ForeignPages(PagesRefused):
+    """Prefill pages a transfer was about to read do not hold the words the request expects."""
+
+    def __init__(self, request_id: int) -> None:
+        super().__init__(f"request {request_id}: prefill pages not owned as expected before transfer", [])
 
 
 class RunningBatch:
@@ -76,7 +101,9 @@ class RunningBatch:
         self._cached_views: tuple[tuple[int, int], StepViews] | None = None
         self.requests: list[Request] = []
         self.entries_checked = 0
-        self._held: set[int] = set()  # pages of the running rows, kept with verification only
+        # Pages of the running rows, kept with verification only: their own, and cached (shared) ones.
+        self._held: set[int] = set()
+        self._shared: Counter[int] = Counter()
 
     def _expected_words(
         self, shape: tuple[int, int], host_stores: bool
@@ -105,18 +132,22 @@ class RunningBatch:
         """Return True when no request can join until one leaves."""
         return len(self.requests) >= self.max_batch
 
-    def refuse_shared(self, request_id: int, pages: list[int]) -> None:
-        """Raise ``SharedPages`` (with verification) when a running row holds any of ``pages``, or
-        ``pages`` name one page twice.
+    def refuse_shared(self, request_id: int, pages: list[int], shared: Collection[int] = ()) -> None:
+        """Raise ``SharedPages`` (with verification) when ``pages`` name one page twice, or a running
+        row holds one of them in a way that forbids it.
 
-        The engine asks right after allocating, before anything is written into the pages. The
-        per-step check cannot settle this case on a GPU: two rows writing one page in one step
-        leave the data of one and, possibly, the tag of the other.
+        ``shared`` are the indices of the pages the request got from the prefix cache: those may be
+        cached pages other rows read too, but never a row's own page. Its other pages are its own and
+        no running row may hold them at all. The engine asks right after allocating, before anything
+        is written into the pages. The per-step check cannot settle this case on a GPU: two rows
+        writing one page in one step leave the data of one and, possibly, the tag of the other.
         """
         if not self.verify_ownership:
             return
-        if len(set(pages)) < len(pages) or not self._held.isdisjoint(pages):
-            raise SharedPages(request_id, sorted(self._held.intersection(pages)))
+        own = {page for index, page in enumerate(pages) if index not in shared}
+        clash = self._held.intersection(pages) | own.intersection(self._shared)
+        if len(set(pages)) < len(pages) or clash:
+            raise SharedPages(request_id, sorted(clash))
 
     def add(self, request: Request) -> None:
         """Append ``request`` as the last row; its ``pages`` become that row of the table."""
@@ -132,17 +163,31 @@ class RunningBatch:
             # Pages allocated ahead still hold their previous writer's tag: that tag must stay put.
             ahead = self._tensor(pages[len(read) :])
             self.expected[row, len(read) : len(pages)] = self.pool.ownership[ahead]
-            self._held.update(pages)
+            self._hold(request, 1)
         self.requests.append(request)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+    def _hold(self, request: Request, change: int) -> None:
+        """Count ``request``'s pages as held by its row (``change`` 1) or no longer (-1)."""
+        for index, page in enumerate(request.pages):
+            if index in request.shared_words:
+                self._shared[page] += change
+                if self._shared[page] <= 0:
+                    del self._shared[page]
+            elif change > 0:
+                self._held.add(page)
+            else:
+                self._held.discard(page)
+
     def _read_words(self, request: Request) -> list[int]:
-        """Return the words of the pages a joining row reads: its ``decode_len`` prompt tokens, its own."""
-        length, size = request.plan.decode_len, self.page_size
+        """Return the words of the pages a joining row reads: its ``decode_len`` prompt tokens, its own
+        or, where the prefix cache owns the page, the cache's."""
+        length, size, shared = request.plan.decode_len, self.page_size, request.shared_words
         return [
-            self._word(request.request_id, min(size, length - j * size)) for j in range(-(-length // size))
+            shared.get(j, self._word(request.request_id, min(size, length - j * size)))
+            for j in range(-(-length // size))
         ]
 
     def _word(self, request_id: int, filled: int) -> int:
@@ -152,7 +197,7 @@ class RunningBatch:
         """Drop the requests at ``rows``, moving the last rows into the gaps to keep the table compact."""
         for row in sorted(rows, reverse=True):
             if self.verify_ownership:
-                self._held.difference_update(self.requests[row].pages)
+                self._hold(self.requests[row], -1)
             last = len(self.requests) - 1
             if row != last:
                 self.table[row] = self.table[last]

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 
 from workers.auth import load_keys_file, parse_key_spec
-from workers.config import ADMISSIONS, MODES, WorkerConfig
+from workers.config import ADMISSIONS, MODES, PREFIX_CACHE_MODES, WorkerConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -120,6 +120,14 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="zero K/V and clear owner tags of pages when they are freed",
     )
+    add(
+        "--prefix-cache",
+        choices=PREFIX_CACHE_MODES,
+        default="off",
+        help="reuse full KV pages of earlier prompts: 'shared' lets every tenant hit every tenant's "
+        "pages (the finding a cross-tenant audit must detect), 'per-tenant' salts every page with the "
+        "tenant of the API key (the fix); a request's cache_salt applies in both (default: %(default)s)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -148,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         api_keys=keys,
         verify_ownership=args.verify_ownership,
         zero_freed_pages=args.zero_freed_pages,
+        prefix_cache=args.prefix_cache,
         log_level=args.log_level,
     )
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 MODES = ("single", "disaggregated")
 ADMISSIONS = ("reject", "placeholder")
 DEVICES = ("cpu", "cuda")
+PREFIX_CACHE_MODES = ("off", "shared", "per-tenant")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class WorkerConfig:
     api_keys: dict[str, str] = field(default_factory=dict)
     verify_ownership: bool = False
     zero_freed_pages: bool = False
+    prefix_cache: str = "off"
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -41,6 +43,10 @@ class WorkerConfig:
         _require(
             self.admission in ADMISSIONS,
             f"--admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}",
+        )
+        _require(
+            self.prefix_cache in PREFIX_CACHE_MODES,
+            f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_MODES)}, got {self.prefix_cache!r}",
         )
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
@@ -101,6 +107,17 @@ class WorkerConfig:
     def decode_pool_name(self) -> str:
         """Return the name of the pool that decode reads from."""
         return "single" if self.mode == "single" else "decode"
+
+    @property
+    def prefix_cache_pool_name(self) -> str | None:
+        """Return the pool whose full prompt pages the prefix cache reuses (None with the cache off).
+
+        Single mode caches in its one pool; disaggregated mode in the prefill pool, whose pages only
+        live until their transfer, so the decode pool keeps every page exclusive to its request.
+        """
+        if self.prefix_cache == "off":
+            return None
+        return "single" if self.mode == "single" else "prefill"
 
     @property
     def max_req_input_len(self) -> int:

@@ -10,6 +10,13 @@ HTTP handlers call ``submit`` (which plans admission synchronously, so a rejecti
 3. run one batched decode step for every running request, with one device-to-host sync;
 4. retire finished, failed and aborted requests, freeing their decode pages (LIFO, see kv_cache).
 
+With ``--prefix-cache`` on, step 2 takes the prompt's cached leading pages instead of computing them
+and publishes the full pages it computed (see ``workers.prefix_cache``). The cache serves the pool
+prefill writes into: the single pool, or the prefill pool in disaggregated mode, where the transfer
+copies cached and computed positions alike into the request's own decode pages (decode pages are
+never shared). Before that copy, with ``--verify-ownership``, the prefill pages must hold exactly
+the words the request expects, as decode pages must before each decode read.
+
 ``admit_waiting`` and ``decode_once`` are public so that the benchmark can drive the engine without
 the thread.
 """
@@ -26,11 +33,12 @@ from collections.abc import Callable
 import torch
 
 from workers.admission import AdmissionPlan, AdmissionRejected, plan_admission
-from workers.batch import RunningBatch, SharedPages
+from workers.batch import ForeignPages, PagesRefused, RunningBatch
 from workers.config import WorkerConfig
 from workers.kv_cache import PagePool
 from workers.metrics import WorkerMetrics
 from workers.model import HEAD_DIM, CopyModel
+from workers.prefix_cache import PageLease, PrefixCache
 from workers.request import OWNERSHIP_VIOLATION, ErrorEvent, Event, FinishEvent, Request, TokenEvent
 from workers.transfer import TransferManifest, transfer_kv
 
@@ -74,6 +82,14 @@ class Engine:
         self.pools = build_pools(config, self.device)
         self.decode_pool = self.pools[config.decode_pool_name]
         self.prefill_pool = self.pools.get("prefill")
+        # Pages are taken and given back through PrefixCache objects; an "off" one only passes through.
+        cached_pool = config.prefix_cache_pool_name
+        self.page_caches = {
+            name: PrefixCache(pool, config.prefix_cache if name == cached_pool else "off")
+            for name, pool in self.pools.items()
+        }
+        self.decode_pages = self.page_caches[config.decode_pool_name]
+        self.prompt_pages = self.page_caches["prefill" if self.prefill_pool is not None else "single"]
         self.batch = RunningBatch(
             max_batch=config.max_batch,
             # A reservation never exceeds the context window nor the pool (see workers.admission).
@@ -96,9 +112,19 @@ class Engine:
     # --- thread-safe entry points -----------------------------------------------------------------
 
     def submit(
-        self, prompt_ids: list[int], max_tokens: int, *, tenant: str, emit: Callable[[Event], None]
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        *,
+        tenant: str,
+        emit: Callable[[Event], None],
+        cache_salt: str | None = None,
     ) -> Request:
-        """Plan admission and queue the request; raise ``AdmissionRejected`` (HTTP 400) without queueing."""
+        """Plan admission and queue the request; raise ``AdmissionRejected`` (HTTP 400) without queueing.
+
+        ``cache_salt`` (validated by the caller: None or a non-empty string) limits prefix cache hits
+        to requests with the same salt.
+        """
         try:
             plan = plan_admission(self.config, prompt_ids, max_tokens)
         except AdmissionRejected as rejected:
@@ -118,6 +144,7 @@ class Engine:
                 tenant_index=self._tenants.setdefault(tenant, len(self._tenants) + 1),
                 plan=plan,
                 emit=emit,
+                cache_salt=cache_salt,
             )
             self._waiting.append(request)
             self._wakeup.notify()
@@ -175,62 +202,108 @@ class Engine:
             try:
                 self._prefill(request)
                 self.batch.add(request)
-            except SharedPages as shared:
-                self._refuse_shared(request, shared)
+            except PagesRefused as refused:
+                self._refuse_pages(request, refused)
                 continue
             except Exception:
                 log.exception("request %d could not join the batch", request.request_id)
-                self.decode_pool.free(request.pages)
+                self.decode_pages.release(request.pages)
                 self._emit(request, INTERNAL_ERROR)
                 continue
             joined += 1
         return joined
 
-    def _refuse_shared(self, request: Request, shared: SharedPages) -> None:
-        """Fail a request that was given pages twice or held ones, and free each of its own once."""
-        log.warning("KV ownership violation: %s", shared)
+    def _refuse_pages(self, request: Request, refused: PagesRefused) -> None:
+        """Fail a request refused for its pages; give back each of its pages once, except held ones."""
+        log.warning("KV ownership violation: %s", refused)
         self.metrics.ownership_violations.inc()
-        held = set(shared.held)
-        self.decode_pool.free([page for page in dict.fromkeys(request.pages) if page not in held])
+        held = set(refused.held)
+        self.decode_pages.release([page for page in dict.fromkeys(request.pages) if page not in held])
         self._emit(request, OWNERSHIP_VIOLATION)
 
     def _fits(self, plan: AdmissionPlan) -> bool:
+        """Return True when the request's pages can be had now, counting none of its hits (a hit
+        needs no fresh page, so a plan that fits without hits fits with them)."""
         decode_pages = self.decode_pool.pages_for(plan.reserve_tokens)
-        if self.prefill_pool is not None and not self.prefill_pool.can_alloc(
+        if self.prefill_pool is not None and not self.prompt_pages.can_alloc(
             self.prefill_pool.pages_for(len(plan.input_ids))
         ):
             return False
-        return self.decode_pool.can_alloc(decode_pages)
+        return self.decode_pages.can_alloc(decode_pages)
 
     def _prefill(self, request: Request) -> None:
         """Compute the request's input K/V into decode pages (through a transfer when disaggregated)."""
-        plan, rid, tenant = request.plan, request.request_id, request.tenant_index
-        decode_pages = self.decode_pool.pages_for(plan.reserve_tokens)
         if self.prefill_pool is None:
-            request.pages = self.decode_pool.alloc(decode_pages, request_id=rid)
-            self.batch.refuse_shared(rid, request.pages)
-            self.model.prefill(
-                self.decode_pool, request.pages, list(plan.input_ids), request_id=rid, tenant_index=tenant
-            )
+            lease = self._lease(request, self.decode_pool.pages_for(request.plan.reserve_tokens))
+            request.pages, request.shared_words = lease.pages, lease.shared
+            self.batch.refuse_shared(request.request_id, request.pages, lease.shared)
+            self._compute(self.decode_pool, lease, request)
             return
-        src = self.prefill_pool.alloc(self.prefill_pool.pages_for(len(plan.input_ids)), request_id=rid)
+        prefill_pool = self.prefill_pool
+        lease = self._lease(request, prefill_pool.pages_for(len(request.plan.input_ids)))
         try:
-            self.model.prefill(
-                self.prefill_pool, src, list(plan.input_ids), request_id=rid, tenant_index=tenant
-            )
-            # Decode preallocates for the length it believes (decode_len), whatever prefill computed.
-            request.pages = self.decode_pool.alloc(decode_pages, request_id=rid)
-            self.batch.refuse_shared(rid, request.pages)
-            manifest = TransferManifest(
-                request_id=rid,
-                tenant=request.tenant,
-                num_tokens=len(plan.input_ids),
-                src_pages=tuple(src),
-                dst_pages=tuple(request.pages[: len(src)]),
-            )
-            transfer_kv(manifest, self.prefill_pool, self.decode_pool, tenant_index=tenant)
+            self._compute(prefill_pool, lease, request)
+            self._transfer(request, lease, prefill_pool)
         finally:
-            self.prefill_pool.free(src)
+            self.prompt_pages.release(lease.pages)
+
+    def _lease(self, request: Request, num_pages: int) -> PageLease:
+        """Take the prompt's pages from the prefix cache (hits, then fresh pages) and count the lookup."""
+        cache, input_ids = self.prompt_pages, request.plan.input_ids
+        lease = cache.lease(
+            input_ids,
+            num_pages,
+            request_id=request.request_id,
+            tenant=request.tenant,
+            cache_salt=request.cache_salt,
+        )
+        request.cached_tokens = lease.cached_tokens
+        if cache.enabled:
+            self.metrics.prefix_cache_queries.inc(len(input_ids))
+            self.metrics.prefix_cache_hits.inc(lease.cached_tokens)
+        return lease
+
+    def _compute(self, pool: PagePool, lease: PageLease, request: Request) -> None:
+        """Prefill the positions the cache did not serve, then publish the full pages computed."""
+        self.model.prefill(
+            pool,
+            lease.pages,
+            list(request.plan.input_ids),
+            request_id=request.request_id,
+            tenant_index=request.tenant_index,
+            start=lease.cached_tokens,
+        )
+        self.prompt_pages.publish(lease)
+
+    def _transfer(self, request: Request, lease: PageLease, prefill_pool: PagePool) -> None:
+        """Copy the prompt's K/V from its prefill pages into newly allocated decode pages."""
+        plan, rid = request.plan, request.request_id
+        if self.config.verify_ownership and self.prompt_pages.enabled:
+            self._verify_prefill_pages(request, lease, prefill_pool)
+        # Decode preallocates for the length it believes (decode_len), whatever prefill computed.
+        decode_pages = self.decode_pool.pages_for(plan.reserve_tokens)
+        request.pages = self.decode_pool.alloc(decode_pages, request_id=rid)
+        self.batch.refuse_shared(rid, request.pages)
+        manifest = TransferManifest(
+            request_id=rid,
+            tenant=request.tenant,
+            num_tokens=len(plan.input_ids),
+            src_pages=tuple(lease.pages),
+            dst_pages=tuple(request.pages[: len(lease.pages)]),
+        )
+        transfer_kv(manifest, prefill_pool, self.decode_pool, tenant_index=request.tenant_index)
+
+    def _verify_prefill_pages(self, request: Request, lease: PageLease, pool: PagePool) -> None:
+        """Raise ``ForeignPages`` unless every prefill page holds the word the request expects: the
+        cache's for the pages it owns, the request's own with the slots it wrote for the others."""
+        length, size = len(request.plan.input_ids), pool.page_size
+        expected = [
+            lease.shared.get(j, int(pool.ownership_word(request.request_id, min(size, length - j * size))))
+            for j in range(len(lease.pages))
+        ]
+        self.batch.entries_checked += len(expected)
+        if not pool.holds_words(lease.pages, expected):
+            raise ForeignPages(request.request_id)
 
     def decode_once(self) -> None:
         """Run one decode step for the whole batch, emit its tokens and retire whoever is done."""
@@ -264,7 +337,8 @@ class Engine:
         reason = request.finish_reason(self.config.page_size)
         if reason is None:
             return False
-        self._emit(request, FinishEvent(reason, request.plan.prompt_tokens, len(request.generated)))
+        cached = request.cached_tokens if self.prompt_pages.enabled else None
+        self._emit(request, FinishEvent(reason, request.plan.prompt_tokens, len(request.generated), cached))
         return True
 
     def _emit(self, request: Request, event: Event) -> None:
@@ -278,7 +352,7 @@ class Engine:
 
     def _retire(self, rows: list[int]) -> None:
         for row in rows:
-            self.decode_pool.free(self.batch.requests[row].pages)
+            self.decode_pages.release(self.batch.requests[row].pages)
         self.batch.remove(rows)
 
     def _fail_running(self, error: ErrorEvent) -> None:

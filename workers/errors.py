@@ -3,6 +3,7 @@
 | situation                                   | status | type                   | code              |
 |---------------------------------------------|--------|------------------------|-------------------|
 | malformed JSON, missing or mistyped field   | 400    | invalid_request_error  | 400               |
+| empty or non-string ``cache_salt``          | 400    | invalid_request_error  | 400               |
 | prompt over the context window or KV pool   | 400    | BadRequestError        | 400               |
 | wrong or missing API key                    | 401    | authentication_error   | invalid_api_key   |
 | unknown model                               | 404    | invalid_request_error  | model_not_found   |
@@ -69,6 +70,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return "Request body is missing: send a JSON object.", None
         return "Request body must be a JSON object.", None
     field = ".".join(location)
+    if kind == "parameter":  # a validator's own sentence, naming the field itself (vLLM's wording)
+        return f"{first.get('msg', 'invalid')}.", field
     if kind == "missing":
         return f"Missing required field '{field}'.", field
     return f"Invalid value for '{field}': {first.get('msg', 'invalid')}.", field

@@ -41,6 +41,10 @@ class EventChannel:
         return await self._queue.get()
 
 
+def _usage(event: FinishEvent) -> Usage:
+    return Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+
+
 def _error_of(event: ErrorEvent) -> WorkerError:
     return WorkerError(event.status, event.message, type=event.type, code=event.code)
 
@@ -51,7 +55,9 @@ async def generate(
     """Return the response for ``prompt_ids``; raise ``WorkerError`` for a rejection or an early failure."""
     channel = EventChannel()
     try:
-        request = engine.submit(prompt_ids, body.token_budget(), tenant=tenant, emit=channel.emit)
+        request = engine.submit(
+            prompt_ids, body.token_budget(), tenant=tenant, emit=channel.emit, cache_salt=body.cache_salt
+        )
     except AdmissionRejected as rejected:
         raise WorkerError(400, rejected.message, type="BadRequestError", code=400) from None
     try:
@@ -73,7 +79,7 @@ async def _collect(shape: ResponseShape, channel: EventChannel, event: Event) ->
         if isinstance(event, TokenEvent):
             tokens.append(event.token_id)
         elif isinstance(event, FinishEvent):
-            usage = Usage(event.prompt_tokens, event.completion_tokens)
+            usage = _usage(event)
             return shape.complete(decode(tokens), event.reason, usage)
         else:
             raise _error_of(event)
@@ -109,7 +115,7 @@ async def _sse(
                 tail = decoder.flush()
                 yield _data(shape.chunk(tail or None, event.reason, with_usage=include_usage))
                 if include_usage:
-                    yield _data(shape.usage_chunk(Usage(event.prompt_tokens, event.completion_tokens)))
+                    yield _data(shape.usage_chunk(_usage(event)))
                 break
             else:
                 yield _data(_error_of(event).body())

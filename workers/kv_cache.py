@@ -21,7 +21,10 @@ gathered word per page with the exact word the reader expects; the two tags are 
 properties.
 
 Tags change on write (prefill, transfer, decode), never on allocation: an allocated page that still
-carries another request's tag is exactly a dirty reuse, which ``alloc`` counts.
+carries another request's tag is exactly a dirty reuse, which ``alloc`` counts. The one other change
+is publication to the prefix cache (``workers.prefix_cache``), which gives a page a negative owner,
+the cache entry's number, so that a page many requests read names none of them; an evicted cached
+page therefore counts as dirty too.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ class PagePool:
 
     @property
     def owner_request(self) -> torch.Tensor:
-        """Return ``[num_pages + 1]`` int64: the request that last wrote each page (0 = none)."""
+        """Return ``[num_pages + 1]`` int64: the request that last wrote each page (0 = none; a negative
+        value ``-e`` = prefix cache entry ``e``)."""
         return torch.div(self.ownership, self.page_size + 1, rounding_mode="floor")
 
     @property
@@ -162,6 +166,12 @@ class PagePool:
         self.owner_tenant[pages] = (
             tenant_index if isinstance(tenant_index, int) else tenant_index.to(torch.int32)
         )
+
+    def holds_words(self, pages: list[int], words: list[int]) -> bool:
+        """Return True when each of ``pages`` holds exactly the ownership word at its index in ``words``."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        expected = torch.tensor(words, dtype=torch.int64, device=self.device)
+        return bool(torch.equal(self.ownership.index_select(0, index), expected))
 
     def slot_index(self, pages: list[int], num_tokens: int) -> torch.Tensor:
         """Return the flat slot index (``page * page_size + slot``) of positions ``[0, num_tokens)``."""

@@ -2,7 +2,8 @@
 
 The names, types and labels are a stable contract documented in ``docs/worker-metrics.md``. No label
 carries a request id, tenant or key: ``reason``, ``code`` and ``pool`` take a handful of values each,
-and the known ones start at 0 so that ``increase()`` sees the first event.
+and the known ones start at 0 so that ``increase()`` sees the first event. ``kvcanary_worker_info``
+carries the process's fixed settings, for alert rules and dashboards to join on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from workers import __version__
+from workers.config import WorkerConfig
 from workers.kv_cache import PagePool
 
 if TYPE_CHECKING:  # the collector only reads the batch's counter
@@ -22,6 +25,7 @@ if TYPE_CHECKING:  # the collector only reads the batch's counter
 REJECTION_REASONS = ("context_window", "kv_capacity")
 KNOWN_STATUS_CODES = ("200", "400", "401", "404", "500")
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+INFO_LABELS = ("version", "mode", "admission", "verify_ownership", "zero_freed_pages", "prefix_cache")
 
 
 class WorkerMetrics:
@@ -68,10 +72,40 @@ class WorkerMetrics:
         self.context_window = Gauge(
             "kvcanary_context_window_tokens", "Advertised context window in tokens.", registry=r
         )
+        self.prefix_cache_queries = Counter(
+            "kvcanary_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (0 with --prefix-cache off).",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "kvcanary_prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.worker_info = Gauge(
+            "kvcanary_worker_info",
+            "Always 1; the labels are the worker's version and the isolation settings in force.",
+            INFO_LABELS,
+            registry=r,
+        )
+        self._start_known_labels()
+
+    def _start_known_labels(self) -> None:
+        """Export the known label values at 0, so that ``increase()`` sees their first event."""
         for reason in REJECTION_REASONS:
             self.admission_rejections.labels(reason=reason)
         for code in KNOWN_STATUS_CODES:
             self.requests.labels(code=code)
+
+    def describe(self, config: WorkerConfig) -> None:
+        """Export the constants of ``config``: the context window and ``kvcanary_worker_info``."""
+        self.context_window.set(config.context_window)
+        self.worker_info.labels(
+            version=__version__,
+            mode=config.mode,
+            admission=config.effective_admission,
+            verify_ownership=str(config.verify_ownership).lower(),
+            zero_freed_pages=str(config.zero_freed_pages).lower(),
+            prefix_cache=config.prefix_cache,
+        ).set(1)
 
     def watch_engine(self, pools: Mapping[str, PagePool], batch: RunningBatch) -> None:
         """Export the page counters, pool gauges and ownership checks of an engine (read at scrape time)."""
@@ -97,7 +131,8 @@ class EngineCollector(Collector):
         pools: Iterable[PagePool] = self._pools.values()
         yield CounterMetricFamily(
             "kvcanary_kv_ownership_checks",
-            "Block-table entries verified before a decode read (--verify-ownership).",
+            "Block-table entries verified before a decode read, and prefill pages before a transfer "
+            "that the prefix cache may share (--verify-ownership).",
             value=self._batch.entries_checked,
         )
         yield CounterMetricFamily(

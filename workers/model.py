@@ -86,13 +86,27 @@ class CopyModel:
         return code.to(torch.float32)
 
     def prefill(
-        self, pool: PagePool, pages: list[int], token_ids: list[int], *, request_id: int, tenant_index: int
+        self,
+        pool: PagePool,
+        pages: list[int],
+        token_ids: list[int],
+        *,
+        request_id: int,
+        tenant_index: int,
+        start: int = 0,
     ) -> None:
-        """Compute K/V of every prompt token at once and write them through ``pages`` from position 0."""
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        positions = torch.arange(len(token_ids), device=self.device)
+        """Compute K/V of prompt positions ``[start, len(token_ids))`` at once and write them through
+        ``pages`` (the whole prompt's block table).
+
+        ``start`` is a page boundary: the pages before it hold cached K/V and are neither computed nor
+        touched. Raises ``ValueError`` otherwise.
+        """
+        if start % pool.page_size:
+            raise ValueError(f"prefill must start on a page boundary, got position {start}")
+        ids = torch.tensor(token_ids[start:], dtype=torch.int64, device=self.device)
+        positions = torch.arange(start, len(token_ids), device=self.device)
         pool.write_prefix(
-            pages,
+            pages[start // pool.page_size :],
             self.positional_code(positions),
             self.embedding[ids],
             request_id=request_id,

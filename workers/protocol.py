@@ -3,6 +3,10 @@
 Accepted and ignored: ``temperature``, ``seed``, ``stop``, ``top_p``, ``user`` and any other extra
 field; the CopyModel is greedy and deterministic, so sampling settings cannot change its output.
 ``max_tokens`` defaults to 16; chat also accepts ``max_completion_tokens``, which wins.
+
+``cache_salt`` (vLLM's field) limits prefix cache hits to requests sending the same salt; like vLLM
+the worker refuses one that is empty or not a string (HTTP 400), and accepts it with the cache off.
+``usage.prompt_tokens_details.cached_tokens`` is present exactly when the prefix cache is on.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -31,6 +36,17 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _cache_salt_is_a_non_empty_string(cls, value: Any) -> Any:
+        if value is not None and (not isinstance(value, str) or not value):
+            # vLLM's wording; the "parameter" error type makes the handler send the message as it is.
+            raise PydanticCustomError(
+                "parameter", "Parameter 'cache_salt' must be a non-empty string if provided"
+            )
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -91,15 +107,21 @@ class TokenizeRequest(BaseModel):
 
 @dataclass(frozen=True)
 class Usage:
+    """OpenAI's usage; ``cached_tokens`` None (prefix cache off) leaves out ``prompt_tokens_details``."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
 
-    def body(self) -> dict[str, int]:
-        return {
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cached_tokens is not None:
+            body["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return body
 
 
 class ResponseShape:

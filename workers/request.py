@@ -22,11 +22,15 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FinishEvent:
-    """Generation ended normally; ``reason`` is OpenAI's ``finish_reason`` (``stop`` or ``length``)."""
+    """Generation ended normally; ``reason`` is OpenAI's ``finish_reason`` (``stop`` or ``length``).
+
+    ``cached_tokens`` is None when the prefix cache is off, else the prompt tokens it served.
+    """
 
     reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -46,15 +50,23 @@ OWNERSHIP_VIOLATION = ErrorEvent(500, "KV page ownership check failed", "kv_owne
 
 @dataclass(eq=False)
 class Request:
-    """A submitted request: its plan, its decode pages and what it generated so far."""
+    """A submitted request: its plan, its decode pages and what it generated so far.
+
+    ``shared_words`` maps the index of each decode page the prefix cache owns (single mode only) to
+    the ownership word the page must hold while the request reads it; every other page is the
+    request's own. ``cached_tokens`` are the prompt tokens that prefill took from the cache.
+    """
 
     request_id: int
     tenant: str
     tenant_index: int
     plan: AdmissionPlan
     emit: Callable[[Event], None]
+    cache_salt: str | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     pages: list[int] = field(default_factory=list)
+    shared_words: dict[int, int] = field(default_factory=dict)
+    cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     aborted: bool = False
 

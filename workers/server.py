@@ -50,6 +50,7 @@ def server_info(config: WorkerConfig) -> dict[str, Any]:
         "admission": config.effective_admission,
         "verify_ownership": config.verify_ownership,
         "zero_freed_pages": config.zero_freed_pages,
+        "prefix_cache": config.prefix_cache,
         "status": "ready",
     }
 
@@ -77,7 +78,7 @@ class RequestCounter:
 def create_app(config: WorkerConfig) -> FastAPI:
     """Return the worker app; its lifespan starts and stops the engine thread."""
     metrics = WorkerMetrics()
-    metrics.context_window.set(config.context_window)
+    metrics.describe(config)
     engine = Engine(config, metrics)
 
     @asynccontextmanager

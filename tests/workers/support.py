@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from workers.config import WorkerConfig
+from workers.engine import Engine
+from workers.request import Event, TokenEvent
 
 MODEL = "kvcanary-reference"
 CANARY = "ALICE-CANARY-7f3a9c"
@@ -46,3 +48,36 @@ def complete(client: Any, prompt: str, *, key: str | None = None, **fields: Any)
 def four_grams(text: str) -> set[str]:
     """Return every 4-character substring of ``text``."""
     return {text[i : i + 4] for i in range(len(text) - 3)}
+
+
+class Collector:
+    """Collect one request's events (an engine's ``emit``)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+    @property
+    def text(self) -> str:
+        return bytes(e.token_id for e in self.events if isinstance(e, TokenEvent)).decode(errors="replace")
+
+    @property
+    def last(self) -> Event:
+        return self.events[-1]
+
+
+def run_until_idle(engine: Engine) -> None:
+    """Drive ``engine`` without its thread until nothing waits or runs."""
+    while engine.batch or engine._waiting:
+        engine.admit_waiting()
+        if engine.batch:
+            engine.decode_once()
+
+
+def submit(engine: Engine, text: str, max_tokens: int, tenant: str, **options: Any) -> Collector:
+    """Submit ``text`` as ``tenant`` (``options``: e.g. ``cache_salt``); return its collector."""
+    collector = Collector()
+    engine.submit(list(text.encode()), max_tokens, tenant=tenant, emit=collector, **options)
+    return collector

@@ -44,6 +44,7 @@ def test_it_documents_every_flag_in_help() -> None:
         (["--api-keys-file", "/nonexistent/keys"], "--api-keys-file"),
         (["--port", "70000"], "--port"),
         (["--device", "tpu"], "--device"),
+        (["--prefix-cache", "global"], "--prefix-cache"),
     ],
 )
 def test_it_exits_2_naming_the_flag_of_a_bad_value(
@@ -69,3 +70,10 @@ def test_it_sizes_both_disaggregated_pools_from_kv_pool_tokens_by_default() -> N
     assert config.pool_tokens == {"prefill": 1024, "decode": 2000}
     assert config.max_req_input_len == 1023
     assert config.context_exceeds_pool
+
+
+def test_it_turns_the_prefix_cache_on_by_flag_and_leaves_it_off_by_default() -> None:
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["--device", "cpu"])).prefix_cache == "off"
+    args = parser.parse_args(["--device", "cpu", "--prefix-cache", "per-tenant"])
+    assert config_from_args(args).prefix_cache == "per-tenant"

@@ -12,48 +12,17 @@ import itertools
 import pytest
 import torch
 
-from tests.workers.support import small_config
+from tests.workers.support import Collector, run_until_idle, small_config, submit
 from workers.engine import Engine
 from workers.kv_cache import PagePool
 from workers.model import DecodeStep
-from workers.request import OWNERSHIP_VIOLATION, Event, FinishEvent, TokenEvent
+from workers.request import OWNERSHIP_VIOLATION, Event, FinishEvent
 
 SECRET = "tenant A's secret: the vault code is 0451-ALPHA. " * 4
 
 
-class Collector:
-    """Collect one request's events."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def __call__(self, event: Event) -> None:
-        self.events.append(event)
-
-    @property
-    def text(self) -> str:
-        return bytes(e.token_id for e in self.events if isinstance(e, TokenEvent)).decode(errors="replace")
-
-    @property
-    def last(self) -> Event:
-        return self.events[-1]
-
-
 def violations(engine: Engine) -> float | None:
     return engine.metrics.registry.get_sample_value("kvcanary_kv_ownership_violations_total")
-
-
-def run_until_idle(engine: Engine) -> None:
-    while engine.batch or engine._waiting:
-        engine.admit_waiting()
-        if engine.batch:
-            engine.decode_once()
-
-
-def submit(engine: Engine, text: str, max_tokens: int, tenant: str) -> Collector:
-    collector = Collector()
-    engine.submit(list(text.encode()), max_tokens, tenant=tenant, emit=collector)
-    return collector
 
 
 # The GPU's verification paths (branch-free check, expected words raised by put_) run on the CPU too.

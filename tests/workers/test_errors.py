@@ -42,6 +42,14 @@ GOOD = {"model": MODEL, "prompt": "ok"}
             400,
             "empty",
         ),
+        ("/v1/completions", {**GOOD, "cache_salt": ""}, 400, "'cache_salt' must be a non-empty string"),
+        ("/v1/completions", {**GOOD, "cache_salt": 7}, 400, "'cache_salt' must be a non-empty string"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "cache_salt": ["s"]},
+            400,
+            "'cache_salt' must be a non-empty string",
+        ),
         ("/tokenize", {}, 400, "exactly one of"),
         ("/v1/nowhere", {}, 404, "Not Found"),
     ],
@@ -98,3 +106,13 @@ def test_it_accepts_anyone_when_no_keys_are_configured(serve: Callable[..., Test
     client = serve()
     assert complete(client, "hi", key="whoever").status_code == 200
     assert complete(client, "hi").status_code == 200
+
+
+def test_it_refuses_an_empty_cache_salt_with_vllm_wording(serve: Callable[..., TestClient]) -> None:
+    error = complete(serve(prefix_cache="shared"), "hi", cache_salt="").json()["error"]
+    assert error == {
+        "message": "Parameter 'cache_salt' must be a non-empty string if provided.",
+        "type": "invalid_request_error",
+        "code": 400,
+        "param": "cache_salt",
+    }

@@ -134,3 +134,40 @@ def test_it_describes_a_disaggregated_node_by_its_prefill_pool(serve: Callable[.
 
 def test_it_answers_health(serve: Callable[..., TestClient]) -> None:
     assert serve().get("/health").status_code == 200
+
+
+def test_it_reports_cached_tokens_only_with_the_prefix_cache_on(serve: Callable[..., TestClient]) -> None:
+    prompt = "p" * 50  # three whole pages and two tokens
+    plain = complete(serve(), prompt).json()["usage"]
+    assert "prompt_tokens_details" not in plain
+    client = serve(prefix_cache="per-tenant")
+    first = complete(client, prompt, key="alice").json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = complete(client, prompt, key="alice").json()["usage"]
+    assert again["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert again["prompt_tokens"] == 50
+    assert complete(client, prompt, key="bob").json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_it_streams_cached_tokens_in_the_usage_chunk(serve: Callable[..., TestClient]) -> None:
+    client = serve(prefix_cache="shared")
+    messages = [{"role": "user", "content": "c" * 40}]
+    payload = {"model": MODEL, "messages": messages, "cache_salt": "team-1"}
+    client.post("/v1/chat/completions", json=payload)
+    streamed = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    events = sse_events(client.post("/v1/chat/completions", json=streamed).text)
+    assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    other_salt = {**streamed, "cache_salt": "team-2"}
+    events = sse_events(client.post("/v1/chat/completions", json=other_salt).text)
+    assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_it_accepts_cache_salt_with_the_prefix_cache_off(serve: Callable[..., TestClient]) -> None:
+    body = complete(serve(), "salted", cache_salt="s", max_tokens=10).json()
+    assert body["choices"][0]["text"] == "salted"
+
+
+def test_it_names_its_prefix_cache_mode_in_server_info(serve: Callable[..., TestClient]) -> None:
+    assert serve().get("/get_server_info").json()["prefix_cache"] == "off"
+    info = serve(mode="disaggregated", prefix_cache="per-tenant").get("/get_server_info").json()
+    assert info["prefix_cache"] == "per-tenant"

@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.workers.support import complete
+from workers import __version__
 from workers.metrics import WorkerMetrics
 
 CONTRACT = {
@@ -22,6 +23,12 @@ CONTRACT = {
     "kvcanary_kv_pool_tokens": ("gauge", {"pool"}),
     "kvcanary_kv_pages_free": ("gauge", {"pool"}),
     "kvcanary_context_window_tokens": ("gauge", set()),
+    "kvcanary_prefix_cache_queries": ("counter", set()),
+    "kvcanary_prefix_cache_hits": ("counter", set()),
+    "kvcanary_worker_info": (
+        "gauge",
+        {"version", "mode", "admission", "verify_ownership", "zero_freed_pages", "prefix_cache"},
+    ),
 }
 
 
@@ -58,6 +65,8 @@ def test_it_starts_known_label_values_at_zero(serve: Callable[..., TestClient]) 
     assert value(client, "kvcanary_kv_pool_tokens", pool="decode") == 4096
     assert value(client, "kvcanary_kv_pages_free", pool="decode") == 256
     assert value(client, "kvcanary_context_window_tokens") == 8192
+    assert value(client, "kvcanary_prefix_cache_queries_total") == 0
+    assert value(client, "kvcanary_prefix_cache_hits_total") == 0
 
 
 def test_it_counts_requests_pages_and_first_tokens(serve: Callable[..., TestClient]) -> None:
@@ -78,3 +87,44 @@ def test_it_uses_its_own_registry() -> None:
     first, second = WorkerMetrics(), WorkerMetrics()
     first.placeholder_substitutions.inc()
     assert b"kvcanary_placeholder_substitutions_total 0.0" in second.render()
+
+
+def test_it_describes_the_settings_in_force_in_worker_info(serve: Callable[..., TestClient]) -> None:
+    client = serve(mode="single", admission="placeholder", verify_ownership=True, prefix_cache="shared")
+    info = {
+        "version": __version__,
+        "mode": "single",
+        "admission": "reject",  # single mode rejects whatever --admission says
+        "verify_ownership": "true",
+        "zero_freed_pages": "false",
+        "prefix_cache": "shared",
+    }
+    assert value(client, "kvcanary_worker_info", **info) == 1
+    client = serve(mode="disaggregated", admission="placeholder", zero_freed_pages=True)
+    info.update(mode="disaggregated", admission="placeholder", verify_ownership="false")
+    info.update(zero_freed_pages="true", prefix_cache="off")
+    assert value(client, "kvcanary_worker_info", **info) == 1
+
+
+def test_it_counts_prefix_cache_lookups_and_hits_in_prompt_tokens(serve: Callable[..., TestClient]) -> None:
+    client = serve(prefix_cache="per-tenant")
+    for key in ("alice", "alice", "bob"):
+        complete(client, "q" * 100, key=key, max_tokens=4)
+    assert value(client, "kvcanary_prefix_cache_queries_total") == 300
+    assert value(client, "kvcanary_prefix_cache_hits_total") == 96  # alice's second: six whole pages
+    off = serve()
+    complete(off, "q" * 100, max_tokens=4)
+    complete(off, "q" * 100, max_tokens=4)
+    assert value(off, "kvcanary_prefix_cache_queries_total") == 0
+    assert value(off, "kvcanary_prefix_cache_hits_total") == 0
+
+
+def test_it_counts_no_cache_hit_as_an_allocation_or_a_dirty_reuse(serve: Callable[..., TestClient]) -> None:
+    client = serve(prefix_cache="shared")
+    complete(client, "d" * 100, max_tokens=16, key="alice")  # 116 tokens: 8 pages, six published
+    assert value(client, "kvcanary_kv_pages_allocated_total") == 8
+    assert value(client, "kvcanary_kv_pages_reused_dirty_total") == 0
+    complete(client, "d" * 100, max_tokens=16, key="bob")  # six pages hit, two taken fresh
+    assert value(client, "kvcanary_kv_pages_allocated_total") == 8 + 2
+    # The two fresh pages are the two alice freed (LIFO), still holding her K/V: dirty. The hits not.
+    assert value(client, "kvcanary_kv_pages_reused_dirty_total") == 2

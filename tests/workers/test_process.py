@@ -1,9 +1,10 @@
 """The worker as a real process on loopback: the official openai SDK as client, tenants in flight
-together, and the disclosed leak end to end with API keys."""
+together, the disclosed leak end to end with API keys, and a prefix cache shared across tenants."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -82,3 +83,24 @@ def test_it_reproduces_the_disclosed_leak_end_to_end(worker_pair: dict[str, Work
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(worker.url + "/metrics").text)}
     assert families["kvcanary_placeholder_substitutions"].samples[0].value == 1
     assert "sk-a" not in worker.output() and "sk-b" not in worker.output()
+
+
+def test_it_shares_a_tenant_prompt_with_another_tenant_in_shared_prefix_cache_mode(
+    start_worker: Callable[..., WorkerProcess],
+) -> None:
+    keys = ("--api-key", "sk-a=tenant-a", "--api-key", "sk-b=tenant-b")
+    worker = start_worker("--prefix-cache", "shared", *keys)
+    prompt = "Tenant A's long system prompt. " * 4  # 124 bytes: seven whole pages
+
+    def cached_tokens(key: str, **extra: str) -> int:
+        usage = sdk(worker, key).completions.create(model=MODEL, prompt=prompt, extra_body=extra).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached_tokens("sk-a") == 0
+    assert cached_tokens("sk-b") == 112  # the finding: B learns that someone sent A's prompt
+    assert cached_tokens("sk-b", cache_salt="b-only") == 0
+    scrape = httpx.get(worker.url + "/metrics").text
+    info = {f.name: f for f in text_string_to_metric_families(scrape)}["kvcanary_worker_info"].samples[0]
+    assert (info.labels["prefix_cache"], info.value) == ("shared", 1)
+    assert httpx.get(worker.url + "/get_server_info").json()["prefix_cache"] == "shared"

@@ -1,0 +1,278 @@
+"""PrefixCache: full KV pages reused across requests, keyed by a chained and salted hash of their tokens.
+
+Why the worker has one: a prefix cache is both the biggest prefill saving of a serving engine and an
+isolation boundary. A hit makes the first token come sooner, and ``usage.prompt_tokens_details
+.cached_tokens`` says so, which lets one tenant learn what another tenant sent (``--prefix-cache
+shared``, the finding a cross-tenant audit must detect). ``per-tenant`` salts every page with the
+tenant of the API key, so tenants never share a page (the fix).
+
+Keys (in the style of vLLM's and nano-vllm's block managers, not their code). Full page ``i`` of a
+prompt is keyed by ``digest_i = sha256(digest_{i-1}, tokens_i, extra_i)``, ``digest_{-1}`` being 32
+zero bytes, so a digest covers the whole prefix. ``extra_i`` holds the tenant on every page in
+``per-tenant`` mode and, on page 0 only, the request's ``cache_salt`` (as vLLM does). Every field is
+tagged and length-prefixed: a tenant name can never pose as a salt, nor the salt as tokens. A hit
+needs the digest AND the stored parent digest, tokens and extra to be equal (nano-vllm compares the
+tokens too), so a digest collision alone never shares a page. Only full pages are cached, and a hit
+leaves at least one prompt token to compute (vLLM's rule): the last page is always recomputed.
+
+Life of a page: free (the pool's LIFO free list) → allocated to one request → published, once its
+request's prefill wrote it whole (cached, ``refs`` users) → evictable when its last user releases it
+(cached, ``refs == 0``, least recently released first) → evicted by an allocation that finds the
+free list short, which hands it to ``PagePool.free`` (LIFO, zeroed with ``--zero-freed-pages``, as
+any freed page) and takes it straight back. A page with users is never on the free list, and a page
+on the free list is never cached.
+
+Ownership. A published page belongs to the cache, not to a request: its word becomes
+``ownership_word(-entry, page_size)``, ``entry`` numbering publications (never reused). Requests
+own words ``>= page_size + 1`` and cache entries words ``<= -1``, so the exact-word check of
+``workers.model.entries_owned`` accepts a reader of a cached page only when the page still holds the
+word the cache recorded when it published it: a foreign write, an eviction behind a reader's back
+or a stale entry pointing at a reused page all change the word. ``PagePool.alloc`` counts an evicted
+page as a dirty reuse (its owner is not 0 nor the allocating request); a hit is a share, not an
+allocation, and counts in neither.
+
+Off (``--prefix-cache off``), the same object only passes allocations and frees through to the pool.
+Only the engine thread uses a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from workers.kv_cache import PagePool
+
+ROOT_DIGEST = bytes(32)
+
+
+def _field(tag: bytes, value: bytes) -> bytes:
+    return tag + len(value).to_bytes(8, "little") + value
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Return token ids as the bytes keys hold and hash: native int64 (keys never leave the process)."""
+    return array("q", tokens).tobytes()
+
+
+def page_digest(parent: bytes, tokens: bytes, extra: bytes) -> bytes:
+    """Return the sha256 digest of a page: its parent's digest, its token ids (``token_bytes``) and its
+    extra keys, each tagged and length-prefixed."""
+    return hashlib.sha256(b"".join((parent, _field(b"tokens", tokens), _field(b"extra", extra)))).digest()
+
+
+class PageKey(NamedTuple):
+    """Everything a cached page must match: equality of all four fields is a hit.
+
+    ``tokens`` are the page's token ids as ``token_bytes``: comparing them compares the ids. (A named
+    tuple: a prompt of thousands of pages builds one per page, and a frozen dataclass is slower.)
+    """
+
+    digest: bytes
+    parent: bytes
+    tokens: bytes
+    extra: bytes
+
+
+@dataclass(eq=False)
+class CachedPage:
+    """A published page: its key, its physical page, the ownership word it was given, its users."""
+
+    key: PageKey
+    page: int
+    word: int
+    refs: int = 0
+
+
+@dataclass
+class PageLease:
+    """The pages one request got for a prompt: cache hits first, then fresh pages.
+
+    ``shared`` maps the index of every page the cache owns (hits, then the pages ``publish`` added)
+    to the ownership word the page must hold; ``keys`` are the prompt's full-page keys.
+    """
+
+    pages: list[int]
+    keys: list[PageKey]
+    hit_pages: int
+    page_size: int
+    shared: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Return the prompt tokens served from the cache: whole pages only."""
+        return self.hit_pages * self.page_size
+
+
+class PrefixCache:
+    """The pages of one ``PagePool`` that the cache shares; ``mode`` is ``off``, ``shared`` or ``per-tenant``.
+
+    ``evictions`` counts pages evicted so far (for tests and debugging).
+    """
+
+    def __init__(self, pool: PagePool, mode: str = "off") -> None:
+        if mode not in ("off", "shared", "per-tenant"):
+            raise ValueError(f"unknown prefix cache mode {mode!r}")
+        self.pool = pool
+        self.mode = mode
+        self._by_digest: dict[bytes, CachedPage] = {}
+        self._by_page: dict[int, CachedPage] = {}
+        self._evictable: OrderedDict[int, CachedPage] = OrderedDict()  # front = evicted first
+        self._entries = itertools.count(1)
+        self.evictions = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Return True unless the cache is off."""
+        return self.mode != "off"
+
+    @property
+    def cached_pages(self) -> int:
+        """Return how many pages the cache holds, in use or evictable."""
+        return len(self._by_page)
+
+    @property
+    def evictable_pages(self) -> int:
+        """Return how many cached pages no request uses."""
+        return len(self._evictable)
+
+    def entry(self, page: int) -> CachedPage | None:
+        """Return the cache entry of physical ``page``, or None when the page is not cached."""
+        return self._by_page.get(page)
+
+    def can_alloc(self, num_pages: int) -> bool:
+        """Return True when ``num_pages`` fresh pages can be had now, evicting unused cached pages."""
+        return num_pages <= self.pool.free_pages + len(self._evictable)
+
+    def page_keys(self, tokens: Sequence[int], *, tenant: str, cache_salt: str | None) -> list[PageKey]:
+        """Return the keys of the full pages of ``tokens`` (empty with the cache off)."""
+        if not self.enabled:
+            return []
+        size = self.pool.page_size
+        tenant_key = _field(b"tenant", tenant.encode()) if self.mode == "per-tenant" else b""
+        salt_key = _field(b"cache_salt", cache_salt.encode()) if cache_salt else b""
+        data, width = token_bytes(tokens[: len(tokens) // size * size]), 8 * size
+        # page_digest inlined, its constant fields built once: hashing is most of what a hit costs.
+        tokens_tag = b"tokens" + width.to_bytes(8, "little")
+        extras = (tenant_key + salt_key, tenant_key)
+        tails = tuple(_field(b"extra", extra) for extra in extras)
+        keys: list[PageKey] = []
+        parent, sha256 = ROOT_DIGEST, hashlib.sha256
+        for start in range(0, len(data), width):
+            chunk, rest = data[start : start + width], start > 0
+            digest = sha256(b"".join((parent, tokens_tag, chunk, tails[rest]))).digest()
+            keys.append(PageKey(digest, parent, chunk, extras[rest]))
+            parent = digest
+        return keys
+
+    def match(self, keys: Sequence[PageKey], limit: int) -> list[CachedPage]:
+        """Return the cached pages of the longest run of ``keys[:limit]`` that hit, from the first."""
+        hits: list[CachedPage] = []
+        for key in keys[:limit]:
+            entry = self._by_digest.get(key.digest)
+            if entry is None or entry.key != key:
+                break
+            hits.append(entry)
+        return hits
+
+    def lease(
+        self,
+        tokens: Sequence[int],
+        num_pages: int,
+        *,
+        request_id: int,
+        tenant: str,
+        cache_salt: str | None,
+    ) -> PageLease:
+        """Return ``num_pages`` pages for a prompt: its cached leading pages, then fresh ones.
+
+        At most ``(len(tokens) - 1) // page_size`` pages hit, so at least one token is computed.
+        Raises ``RuntimeError`` (holding nothing) when the fresh pages cannot be had.
+        """
+        keys = self.page_keys(tokens, tenant=tenant, cache_salt=cache_salt)
+        hits = self.match(keys, (len(tokens) - 1) // self.pool.page_size)
+        for entry in hits:
+            entry.refs += 1
+            self._evictable.pop(entry.page, None)
+        try:
+            fresh = self.alloc(num_pages - len(hits), request_id=request_id)
+        except Exception:
+            self.release([entry.page for entry in hits])
+            raise
+        return PageLease(
+            pages=[entry.page for entry in hits] + fresh,
+            keys=keys,
+            hit_pages=len(hits),
+            page_size=self.pool.page_size,
+            shared={index: entry.word for index, entry in enumerate(hits)},
+        )
+
+    def alloc(self, num_pages: int, *, request_id: int) -> list[int]:
+        """Take ``num_pages`` fresh pages, evicting least recently released cached pages if the free
+        list is short; raise ``RuntimeError`` (evicting nothing) when even that is not enough.
+        """
+        if not self.can_alloc(num_pages):
+            raise RuntimeError(
+                f"pool {self.pool.name!r}: {num_pages} pages asked, {self.pool.free_pages} free and "
+                f"{len(self._evictable)} evictable"
+            )
+        short = num_pages - self.pool.free_pages
+        if short > 0:
+            self._evict(short)
+        return self.pool.alloc(num_pages, request_id=request_id)
+
+    def _evict(self, num_pages: int) -> None:
+        victims = []
+        for _ in range(num_pages):
+            page, entry = self._evictable.popitem(last=False)
+            del self._by_digest[entry.key.digest]
+            del self._by_page[page]
+            victims.append(page)
+        self.evictions += len(victims)
+        self.pool.free(victims)  # really freed now: LIFO, zeroed with --zero-freed-pages
+
+    def publish(self, lease: PageLease) -> None:
+        """Hand the lease's freshly computed full prompt pages to the cache, the lease keeping a use.
+
+        Call once the prompt's K/V is written. A page whose key is cached already (the copy a hit
+        could not take, since one token must be computed) stays the request's own.
+        """
+        published: list[CachedPage] = []
+        for index in range(lease.hit_pages, len(lease.keys)):
+            key = lease.keys[index]
+            if key.digest in self._by_digest:
+                continue
+            entry_id = next(self._entries)
+            word = int(self.pool.ownership_word(-entry_id, self.pool.page_size))
+            entry = CachedPage(key=key, page=lease.pages[index], word=word, refs=1)
+            self._by_digest[key.digest] = self._by_page[entry.page] = entry
+            lease.shared[index] = word
+            published.append(entry)
+        if published:
+            device = self.pool.device
+            pages = torch.tensor([entry.page for entry in published], device=device)
+            self.pool.ownership[pages] = torch.tensor([entry.word for entry in published], device=device)
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Give back one use of each of ``pages``: cached pages stay cached, the others are freed (LIFO).
+
+        A cached page whose last user leaves becomes evictable; the pages of one release are queued
+        last page first, so a prompt's tail is evicted before its head (the head serves more prompts).
+        Raises ``RuntimeError`` when a cached page is released more often than it was used.
+        """
+        for page in reversed(pages):
+            entry = self._by_page.get(page)
+            if entry is None:
+                continue
+            if entry.refs <= 0:
+                raise RuntimeError(f"cached page {page} released more often than it was used")
+            entry.refs -= 1
+            if entry.refs == 0:
+                self._evictable[page] = entry
+        self.pool.free([page for page in pages if page not in self._by_page])
