@@ -180,6 +180,49 @@ def db_downgrade(
     typer.echo(f"database downgraded to {revision}")
 
 
+dashboards_app = typer.Typer(help="Grafana dashboards (the JSON in dashboards/).", no_args_is_help=True)
+app.add_typer(dashboards_app, name="dashboards")
+
+
+@dashboards_app.command("push")
+def dashboards_push(
+    grafana_url: Annotated[
+        str,
+        typer.Option(
+            "--grafana-url", envvar="GRAFANA_URL", help="Grafana's base URL, e.g. http://grafana:3000."
+        ),
+    ],
+    token_env: Annotated[
+        str, typer.Option("--token-env", help="Environment variable holding a Grafana service account token.")
+    ] = "GRAFANA_TOKEN",
+    token_file: Annotated[
+        Path | None,
+        typer.Option("--token-file", help="Read the token from this file instead of --token-env."),
+    ] = None,
+    folder: Annotated[
+        str, typer.Option(help="Uid and title of the Grafana folder; created if missing.")
+    ] = "kvcanary",
+    files: Annotated[
+        list[Path] | None, typer.Argument(help="Dashboard JSON files (default: every dashboards/*.json).")
+    ] = None,
+) -> None:
+    """Save the dashboards into a Grafana folder over its HTTP API, replacing those with the same uid.
+
+    Exit 0 when Grafana saved every dashboard, 1 when it refused one or did not answer, 2 when the
+    token, the URL or a dashboard file is missing or unusable. The token is never printed.
+    """
+    from monitor.dashboards import DashboardPushError, dashboard_files, push_dashboards, read_token
+
+    _logging("warning")
+    try:
+        token = read_token(token_env=token_env, token_file=token_file)
+        results = push_dashboards(grafana_url, token, files or dashboard_files(), folder=folder)
+    except DashboardPushError as exc:
+        raise _fail(str(exc), exc.exit_code) from None
+    for result in results:
+        typer.echo(f"{result.uid}: version {result.version}, {result.url}")
+
+
 def main() -> None:
     app()
 
