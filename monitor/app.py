@@ -8,6 +8,7 @@ the scheduler with the app's lifespan, so SIGTERM to ``kvcanary serve`` drains c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -21,14 +22,17 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy.orm import Session, sessionmaker
 
+from monitor.alerting import Delivery, Pager
+from monitor.api import runbooks
 from monitor.api.main import api_router, health_router
 from monitor.config import Settings
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
 from monitor.runner import ProbeRunner, RunSummary, runs_of
 from monitor.scheduler import PRUNE_INTERVAL_SECONDS, REPLAY_INTERVAL_SECONDS, build_scheduler
-from monitor.secrets import api_token, tenant_keys
+from monitor.secrets import alertmanager_headers, api_token, tenant_keys
 from monitor.spool import Spool, SpoolBusy
+from monitor.storage import outbox
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts
 from monitor.storage.results import prune_expired
@@ -54,6 +58,7 @@ class Monitor:
         self.settings = settings
         self.token = api_token(settings)
         keys = tenant_keys(settings)
+        am_headers = alertmanager_headers(settings)
         self.engine = make_engine(settings.database_url)
         check_migrated(self.engine)
         self.session_factory: sessionmaker[Session] = make_session_factory(self.engine)
@@ -68,9 +73,17 @@ class Monitor:
         self.spool = open_spool(settings)
         self.metrics.watch_spool(self.spool)
         self.recorder = Recorder(settings, self.session_factory, self.spool)
+        self.on_summary = on_summary
         self.runner = ProbeRunner(
-            settings, self.clients, self.markers, self.metrics, self.recorder, on_summary
+            settings, self.clients, self.markers, self.metrics, self.recorder, self._summarised
         )
+        self.pager: Pager | None = None
+        self._pager_task: asyncio.Task[None] | None = None
+        if settings.alertmanagers:
+            self.metrics.declare_alertmanagers(am_headers)
+            self.metrics.watch_outbox(self._outbox_backlog)
+            delivery = Delivery(am_headers, self.metrics, settings.alerting.timeout_seconds)
+            self.pager = Pager(settings, self.session_factory, delivery)
         self.scheduler = build_scheduler(
             settings,
             self.runner,
@@ -87,6 +100,16 @@ class Monitor:
             for kind in t.probes
             for node in runs_of(t, kind)
         ]
+
+    def _summarised(self, summary: RunSummary) -> None:
+        if self.pager is not None and summary.outcome is not None and summary.outcome.change is not None:
+            self.pager.nudge()  # an incident changed: page now, not at the next poll
+        if self.on_summary is not None:
+            self.on_summary(summary)
+
+    def _outbox_backlog(self) -> tuple[int, float]:
+        with self.read_session_factory() as session:
+            return outbox.backlog(session, now=datetime.now(UTC))
 
     def _open_incident_counts(self) -> Iterable[tuple[str, str, str, str, int]]:
         with self.read_session_factory() as session:
@@ -106,11 +129,29 @@ class Monitor:
             await asyncio.to_thread(self.recorder.replay)
 
     def health(self) -> dict[str, Any]:
-        return {"scheduler": "running" if self.scheduler.running else "stopped", "targets": len(self.clients)}
+        report: dict[str, Any] = {
+            "scheduler": "running" if self.scheduler.running else "stopped",
+            "targets": len(self.clients),
+            "spooled_results": len(self.spool),
+        }
+        if self.pager is not None:
+            report["alerting"] = self._alerting_health()
+        return report
+
+    def _alerting_health(self) -> dict[str, Any]:
+        """Say whether paging keeps up: a backlog older than three resend intervals is stalled."""
+        try:
+            events, oldest = self._outbox_backlog()
+        except Exception:
+            return {"status": "unknown"}
+        status = "stalled" if oldest > 3 * self.settings.alerting.resend_interval_seconds else "ok"
+        return {"status": status, "outbox_events": events, "oldest_age_seconds": round(oldest, 1)}
 
     def start(self) -> None:
         if not self.scheduler.running:
             self.scheduler.start()
+        if self.pager is not None and self._pager_task is None:
+            self._pager_task = asyncio.get_running_loop().create_task(self.pager.run_forever())
 
     async def stop(self, drain_seconds: float = 10.0) -> None:
         """Stop scheduling, let runs in flight finish (cancelling stragglers), close clients."""
@@ -122,6 +163,7 @@ class Monitor:
             log.warning("cancelled %d probe run(s) still in flight at shutdown", cancelled)
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)
+        await self._stop_pager()
         for client in self.clients.values():
             await client.aclose()
         if len(self.spool):
@@ -132,6 +174,18 @@ class Monitor:
         self.spool.close()
         self.engine.dispose()
         log.info("kvcanary stopped cleanly")
+
+
+    async def _stop_pager(self) -> None:
+        """Deliver what is pending if the Alertmanagers answer quickly, then stop paging."""
+        if self._pager_task is None or self.pager is None:
+            return
+        self._pager_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._pager_task
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.pager.drain(), timeout=self.settings.alerting.timeout_seconds)
+        await self.pager.delivery.aclose()
 
 
 def state_dir() -> Path:
@@ -185,6 +239,7 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
     app.state.health = monitor.health
     app.include_router(health_router)
     app.include_router(api_router)
+    app.include_router(runbooks.router)
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:

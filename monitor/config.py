@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from monitor.target_config import DAY, Strict, TargetConfig
+from monitor.target_config import DAY, ENV_RE, Strict, TargetConfig, http_url
 
 
 class ConfigError(Exception):
@@ -31,6 +31,17 @@ class ApiConfig(Strict):
     token_file: Path | None = None
     # Serve /api/v1 without a token. Only allowed on a loopback address.
     local_only: bool = False
+    # How people reach this monitor: links in alerts (incidents, runbooks). Default: http://<listen>.
+    public_url: str | None = Field(None, max_length=2048)
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, v: str | None) -> str | None:
+        return None if v is None else http_url(v)
+
+    @property
+    def base_url(self) -> str:
+        return self.public_url or f"http://{self.listen}"
 
     @field_validator("listen")
     @classmethod
@@ -81,6 +92,61 @@ class SpoolConfig(Strict):
     max_entries: int = Field(10_000, ge=10, le=10_000_000)
 
 
+class AlertmanagerConfig(Strict):
+    """One Alertmanager (API v2). Written as a plain URL, or with auth whose secret is in env or a file."""
+
+    url: str = Field(max_length=2048)
+    bearer_token_env: str | None = None
+    bearer_token_file: Path | None = None
+    basic_auth_user: str | None = Field(None, max_length=255)
+    basic_auth_password_env: str | None = None
+    basic_auth_password_file: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_url(cls, data: Any) -> Any:
+        return {"url": data} if isinstance(data, str) else data
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return http_url(v)
+
+    @field_validator("bearer_token_env", "basic_auth_password_env")
+    @classmethod
+    def _env(cls, v: str | None) -> str | None:
+        if v is not None and not ENV_RE.match(v):
+            raise ValueError("must be an environment variable name")
+        return v
+
+    @model_validator(mode="after")
+    def _one_auth(self) -> AlertmanagerConfig:
+        bearer = self.bearer_token_env or self.bearer_token_file
+        basic = self.basic_auth_password_env or self.basic_auth_password_file
+        if bearer and (basic or self.basic_auth_user):
+            raise ValueError("choose bearer or basic auth, not both")
+        if basic and not self.basic_auth_user:
+            raise ValueError("basic_auth_user: required with a basic auth password")
+        return self
+
+
+class AlertingConfig(Strict):
+    """How incidents reach the Alertmanagers (``monitor/alerting.py``)."""
+
+    # Open incidents are re-sent this often, with endsAt four intervals ahead (Prometheus's rule).
+    resend_interval_seconds: float = Field(60, ge=1, le=3600)
+    # How often the outbox is checked when no incident change nudged it.
+    poll_interval_seconds: float = Field(2, gt=0, le=60)
+    timeout_seconds: float = Field(10, gt=0, le=120)
+    # Where runbook links point; default: <api.public_url>/runbooks (the monitor serves alerts/runbooks).
+    runbook_base_url: str | None = Field(None, max_length=2048)
+
+    @field_validator("runbook_base_url")
+    @classmethod
+    def _runbooks(cls, v: str | None) -> str | None:
+        return None if v is None else http_url(v)
+
+
 class Settings(Strict):
     database_url: str = "sqlite:///kvcanary.db"
     api: ApiConfig = ApiConfig()
@@ -89,6 +155,8 @@ class Settings(Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     retention: RetentionConfig = RetentionConfig()
     spool: SpoolConfig = SpoolConfig()
+    alertmanagers: list[AlertmanagerConfig] = Field(default_factory=list, max_length=16)
+    alerting: AlertingConfig = AlertingConfig()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
 
     @field_validator("database_url")
@@ -104,6 +172,9 @@ class Settings(Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"targets: duplicate name(s) {dupes}")
+        urls = [am.url for am in self.alertmanagers]
+        if len(set(urls)) != len(urls):
+            raise ValueError("alertmanagers: an Alertmanager is listed twice")
         return self
 
     def target(self, name: str) -> TargetConfig | None:

@@ -25,6 +25,7 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 SEVERITIES = ("critical", "high", "warning")
 TOKEN_KINDS = ("prompt", "completion")
+DELIVERY_OUTCOMES = ("accepted", "rejected", "failed")
 # Probe runs range from a 20 ms canary to a boundary probe that ships millions of tokens.
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -96,6 +97,29 @@ class SpoolCollector(Collector):
         yield dropped
 
 
+class OutboxCollector(Collector):
+    """Export the paging backlog, read from the database at scrape time (nothing while it is down)."""
+
+    def __init__(self, backlog: Callable[[], tuple[int, float]]):
+        self._backlog = backlog
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            events, oldest = self._backlog()
+        except Exception:  # the database is away: kvcanary_database_up says so; no made-up backlog
+            return
+        yield GaugeMetricFamily(
+            "kvcanary_alert_outbox_events",
+            "Incident events not yet delivered to any Alertmanager.",
+            value=events,
+        )
+        yield GaugeMetricFamily(
+            "kvcanary_alert_outbox_oldest_age_seconds",
+            "Age of the oldest undelivered incident event; 0 when none waits.",
+            value=oldest,
+        )
+
+
 class MonitorMetrics:
     """The monitor's own metrics. One instance per process (tests make their own)."""
 
@@ -138,6 +162,12 @@ class MonitorMetrics:
             ["target", "probe"],
             registry=self.registry,
         )
+        self.alert_deliveries = Counter(
+            "kvcanary_alert_deliveries_total",
+            "Posts of alerts to each Alertmanager, by outcome (accepted, rejected, failed).",
+            ["alertmanager", "outcome"],
+            registry=self.registry,
+        )
         self.tokens = Counter(
             "kvcanary_probe_tokens_total",
             "Tokens the probes spent, as the engines reported them in usage.",
@@ -161,6 +191,14 @@ class MonitorMetrics:
 
     def watch_spool(self, spool: Spool) -> None:
         self.registry.register(SpoolCollector(spool))
+
+    def watch_outbox(self, backlog: Callable[[], tuple[int, float]]) -> None:
+        self.registry.register(OutboxCollector(backlog))
+
+    def declare_alertmanagers(self, urls: Iterable[str]) -> None:
+        for url in urls:
+            for outcome in DELIVERY_OUTCOMES:
+                self.alert_deliveries.labels(url, outcome)
 
     def observe(
         self, target: str, probe: str, result: ProbeResult, duration: float, finished_at: float

@@ -6,6 +6,7 @@ Never from the config file itself, never logged, stored or returned. Each functi
 
 from __future__ import annotations
 
+import base64
 import os
 from pathlib import Path
 
@@ -78,3 +79,36 @@ def api_token(settings: Settings) -> str | None:
     if token.lower() in WEAK_TOKENS or len(token) < 16:
         raise ConfigError("api.token_env: the bearer token is a placeholder or shorter than 16 characters")
     return token
+
+
+def alertmanager_headers(settings: Settings) -> dict[str, dict[str, str]]:
+    """Return the request headers for each configured Alertmanager, by URL (auth, when configured).
+
+    Raise ConfigError naming the key when a named secret is missing.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for i, am in enumerate(settings.alertmanagers):
+        where = f"alertmanagers[{i}]"
+        headers: dict[str, str] = {}
+        if am.bearer_token_env or am.bearer_token_file:
+            token = read_secret(
+                env=am.bearer_token_env, file=am.bearer_token_file, key=where + ".bearer_token_file"
+            )
+            if token is None:
+                raise ConfigError(
+                    f"{where}.bearer_token_env: environment variable {am.bearer_token_env} is not set"
+                )
+            headers["Authorization"] = f"Bearer {token}"
+        elif am.basic_auth_user:
+            password = read_secret(
+                env=am.basic_auth_password_env,
+                file=am.basic_auth_password_file,
+                key=where + ".basic_auth_password_file",
+            )
+            if password is None:
+                env = am.basic_auth_password_env
+                raise ConfigError(f"{where}.basic_auth_password_env: environment variable {env} is not set")
+            pair = base64.b64encode(f"{am.basic_auth_user}:{password}".encode()).decode()
+            headers["Authorization"] = f"Basic {pair}"
+        out[am.url] = headers
+    return out

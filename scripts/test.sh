@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Set up everything the test suite needs on a fresh Debian machine, then run every test.
-# Real services only: PostgreSQL (127.0.0.1:5432, started when down) and a vLLM CPU server.
+# Real services only: PostgreSQL (127.0.0.1:5432, started when down), Prometheus and Alertmanager
+# (Debian packages; the tests start their own on free ports), a vLLM CPU server and a llama.cpp server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 need=()
 command -v pg_ctlcluster >/dev/null || need+=(postgresql)
+command -v promtool >/dev/null || need+=(prometheus)
+command -v amtool >/dev/null || need+=(prometheus-alertmanager)
 if [ ${#need[@]} -gt 0 ]; then
   as_root apt-get update -q
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}"
@@ -21,6 +24,7 @@ export KVCANARY_VLLM_VENV="${KVCANARY_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}
 mkdir -p "$(dirname "$KVCANARY_VLLM_VENV")"
 bash scripts/setup-vllm.sh
 export KVCANARY_REQUIRE_VLLM=1
+export KVCANARY_REQUIRE_PROMETHEUS=1
 
 set +e
 .venv/bin/python -m pytest -q "$@"

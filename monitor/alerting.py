@@ -1,0 +1,272 @@
+"""Page a person: incident changes go to every configured Alertmanager (API v2), exactly once each.
+
+The ``incident_event`` rows are the outbox (``monitor/storage/outbox.py``). The :class:`Pager`
+claims the oldest undelivered events by compare-and-set, turns each into alerts, posts them to
+**every** Alertmanager (HA peers deduplicate; never load-balance), and marks them delivered only
+when at least one accepted. A failure gives the events back untouched and stops the batch, so an
+Alertmanager outage loses nothing and delays everything equally: once one answers, the backlog is
+delivered in order.
+
+Alerts follow Alertmanager's client contract (``monitoring.md`` §3): an open incident is re-sent
+every ``resend_interval_seconds`` with ``endsAt`` four intervals ahead (Prometheus's own rule),
+so a monitor that dies lets its alerts expire instead of firing forever; a resolved incident is
+sent with ``endsAt`` = when it resolved, and re-sent for a few minutes. An escalation resolves the
+alert of the old severity and fires the new one (their names differ). Labels are bounded and
+stable: ``alertname``, ``target``, ``probe``, ``severity`` and, for node-scoped probes, ``node``.
+Descriptions carry figures (tokens sent and reported, pool and window, marker ids), never text a
+target returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor.config import Settings
+from monitor.metrics import MonitorMetrics
+from monitor.storage import outbox
+from monitor.storage.outbox import IncidentView, PendingEvent
+
+log = logging.getLogger("kvcanary.alerting")
+
+#: The alert each incident severity raises. Prometheus's rules use other names (alerts/README.md).
+ALERTNAMES = {"critical": "KVCanaryLeak", "high": "KVCanaryMismatch", "warning": "KVCanaryProbeErrors"}
+#: Resolved alerts are re-sent this long after the incident resolved.
+RESOLVED_RESEND_SECONDS = 300
+#: A claim lapses after this long: a pager that died mid-delivery hands its events on.
+LEASE_SECONDS = 60
+
+
+class Delivery:
+    """Posts alert batches to every Alertmanager; says whether any accepted, and counts outcomes."""
+
+    def __init__(
+        self,
+        headers: dict[str, dict[str, str]],
+        metrics: MonitorMetrics,
+        timeout: float,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.headers = headers
+        self.metrics = metrics
+        self._client = httpx.AsyncClient(timeout=timeout, transport=transport, follow_redirects=False)
+
+    async def post(self, alerts: list[dict[str, Any]]) -> tuple[bool, bool, str]:
+        """Return (accepted by one, refused by all for good, why not) after posting to every Alertmanager."""
+        outcomes = await asyncio.gather(*(self._post_one(url, alerts) for url in self.headers))
+        accepted = any(ok for ok, _, _ in outcomes)
+        permanent = bool(outcomes) and all(perm for _, perm, _ in outcomes)
+        return accepted, permanent and not accepted, "; ".join(why for ok, _, why in outcomes if not ok)
+
+    async def _post_one(self, url: str, alerts: list[dict[str, Any]]) -> tuple[bool, bool, str]:
+        try:
+            response = await self._client.post(f"{url}/api/v2/alerts", json=alerts, headers=self.headers[url])
+        except httpx.HTTPError as exc:
+            self.metrics.alert_deliveries.labels(url, "failed").inc()
+            return False, False, f"{url}: {type(exc).__name__}"
+        if response.is_success:
+            self.metrics.alert_deliveries.labels(url, "accepted").inc()
+            return True, False, ""
+        outcome = "rejected" if 400 <= response.status_code < 500 else "failed"
+        self.metrics.alert_deliveries.labels(url, outcome).inc()
+        # A payload an Alertmanager refuses as malformed will be refused forever; auth and rate
+        # limits are fixed by someone, so those are retried.
+        permanent = response.status_code in (400, 404, 405, 422)
+        return False, permanent, f"{url}: HTTP {response.status_code} {response.text[:120]}"
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class Pager:
+    """Drains the outbox and keeps open incidents' alerts alive. Safe to run in several replicas."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        delivery: Delivery,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ):
+        self.settings = settings
+        self.session_factory = session_factory
+        self.delivery = delivery
+        self.clock = clock
+        self.claimer = f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._wake = asyncio.Event()
+        self._last_resend: datetime | None = None
+
+    def nudge(self) -> None:
+        """Ask for a drain now (an incident changed) instead of at the next poll."""
+        self._wake.set()
+
+    async def run_forever(self) -> None:
+        """Drain and resend until cancelled; a failure is logged and retried at the next poll."""
+        poll = self.settings.alerting.poll_interval_seconds
+        while True:
+            try:
+                await self.drain()
+                await self.resend_if_due()
+            except Exception:  # a database or network hiccup must not end paging
+                log.exception("alert delivery round failed; retrying in %.0fs", poll)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=poll)
+
+    async def drain(self) -> int:
+        """Deliver claimed events in order; return how many were delivered."""
+        done = 0
+        while batch := await asyncio.to_thread(self._claim):
+            delivered, stopped = await self._deliver(batch)
+            done += delivered
+            if stopped:
+                break
+        return done
+
+    async def resend_if_due(self) -> bool:
+        """Re-send every open (and recently resolved) incident's alert once per resend interval."""
+        now = self.clock()
+        interval = timedelta(seconds=self.settings.alerting.resend_interval_seconds)
+        if self._last_resend is not None and now - self._last_resend < interval:
+            return False
+        incidents = await asyncio.to_thread(self._alerting_incidents, now)
+        alerts = [self.alert(i, i.severity, firing=i.state == "open", now=now) for i in incidents]
+        if alerts:
+            accepted, _, why = await self.delivery.post(alerts)
+            if not accepted:
+                log.warning("could not re-send %d alert(s): %s", len(alerts), why)
+                return False
+        self._last_resend = now
+        return True
+
+    # --- one event at a time -------------------------------------------------------------------
+
+    async def _deliver(self, batch: list[PendingEvent]) -> tuple[int, bool]:
+        for i, event in enumerate(batch):
+            accepted, permanent, why = await self.delivery.post(self.alerts_for(event))
+            if accepted or permanent:
+                if permanent:
+                    log.error(
+                        "alert for incident %d refused by every Alertmanager: %s", event.incident.id, why
+                    )
+                await asyncio.to_thread(self._mark, [event.id], None if accepted else why)
+                continue
+            log.warning("alert delivery failed (%s); %d event(s) wait", why, len(batch) - i)
+            await asyncio.to_thread(self._give_back, [e.id for e in batch[i:]], why)
+            return i, True
+        return len(batch), False
+
+    def alerts_for(self, event: PendingEvent) -> list[dict[str, Any]]:
+        """Return the alerts one incident event sends (two for an escalation)."""
+        now = self.clock()
+        incident = event.incident
+        if event.kind == "resolved":
+            return [self.alert(incident, event.new_severity, firing=False, now=now, ended=event.created_at)]
+        alerts = [self.alert(incident, event.new_severity, firing=True, now=now)]
+        if event.kind == "escalated" and event.old_severity and event.old_severity != event.new_severity:
+            alerts.append(
+                self.alert(incident, event.old_severity, firing=False, now=now, ended=event.created_at)
+            )
+        return alerts
+
+    def alert(
+        self,
+        incident: IncidentView,
+        severity: str,
+        *,
+        firing: bool,
+        now: datetime,
+        ended: datetime | None = None,
+    ) -> dict[str, Any]:
+        """Return one Alertmanager alert for ``incident`` at ``severity``."""
+        base = self.settings.api.base_url
+        runbooks = self.settings.alerting.runbook_base_url or f"{base}/runbooks"
+        name = ALERTNAMES[severity]
+        labels = {"alertname": name, "target": incident.target, "probe": incident.probe, "severity": severity}
+        if incident.node:
+            labels["node"] = incident.node
+        link = incident_url(base, incident.id)
+        if firing:
+            ends = now + timedelta(seconds=4 * self.settings.alerting.resend_interval_seconds)
+        else:
+            ends = ended or incident.resolved_at or now
+        return {
+            "labels": labels,
+            "annotations": {
+                "summary": incident.title,
+                "description": describe(incident),
+                "runbook_url": f"{runbooks}/{name}",
+                "incident_url": link,
+            },
+            "startsAt": _rfc3339(incident.opened_at),
+            "endsAt": _rfc3339(ends),
+            "generatorURL": link,
+        }
+
+    # --- database, in threads ------------------------------------------------------------------
+
+    def _claim(self) -> list[PendingEvent]:
+        with self.session_factory() as session, session.begin():
+            return outbox.claim(session, claimer=self.claimer, now=self.clock(), lease_seconds=LEASE_SECONDS)
+
+    def _mark(self, ids: list[int], refused: str | None) -> None:
+        error = f"refused: {refused}" if refused else None
+        with self.session_factory() as session, session.begin():
+            outbox.delivered(session, event_ids=ids, claimer=self.claimer, now=self.clock(), error=error)
+
+    def _give_back(self, ids: list[int], why: str) -> None:
+        with self.session_factory() as session, session.begin():
+            outbox.failed(session, event_ids=ids, claimer=self.claimer, error=why)
+
+    def _alerting_incidents(self, now: datetime) -> list[IncidentView]:
+        with self.session_factory() as session:
+            return outbox.alerting_incidents(
+                session, now=now, resolved_within_seconds=RESOLVED_RESEND_SECONDS
+            )
+
+
+def incident_url(base: str, incident_id: int) -> str:
+    """Return the link every alert carries to its incident (the REST API's view of it)."""
+    return f"{base}/api/v1/incidents/{incident_id}"
+
+
+def describe(incident: IncidentView) -> str:
+    """Return the alert's description: what was found, with figures, and never a target's own text."""
+    result = incident.result
+    where = f"{incident.target}/{incident.probe}" + (f" on node {incident.node}" if incident.node else "")
+    verdict, reason = result.get("verdict", incident.severity), result.get("reason", incident.last_reason)
+    lines = [f"{verdict} on {where} ({reason})."]
+    if result.get("detail"):
+        lines.append(str(result["detail"])[:400])
+    sent, reported = result.get("prompt_tokens_sent"), result.get("prompt_tokens_reported")
+    if sent is not None or reported is not None:
+        lines.append(f"Prompt tokens sent {sent}, reported by the engine {reported}.")
+    evidence = result.get("evidence") or {}
+    capacity = evidence.get("capacity") if isinstance(evidence, dict) else None
+    if isinstance(capacity, dict) and (capacity.get("context_window") or capacity.get("kv_pool_tokens")):
+        window, pool = capacity.get("context_window"), capacity.get("kv_pool_tokens")
+        lines.append(f"Context window {window} tokens, KV pool {pool} tokens.")
+    leaks = evidence.get("leaks") if isinstance(evidence, dict) else None
+    if isinstance(leaks, list) and leaks:
+        ids = ", ".join(
+            f"{h.get('marker_id')} (of {h.get('owner_tenant')}, read by {h.get('reader_tenant')})"
+            for h in leaks[:4]
+            if isinstance(h, dict)
+        )
+        lines.append(f"Foreign markers: {ids}.")
+    lines.append(f"Failures counted: {incident.failure_count}.")
+    return " ".join(lines)
+
+
+def _rfc3339(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")

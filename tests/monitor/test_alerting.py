@@ -1,0 +1,221 @@
+"""Paging through a real Alertmanager (the Debian package, started on a free loopback port).
+
+Incidents are opened and resolved through the recording path the runner uses (``record``), on
+SQLite and PostgreSQL; the :class:`Pager` drains the outbox into Alertmanager, and the tests read
+back what Alertmanager holds (``GET /api/v2/alerts``) and what the outbox rows say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor.alerting import ALERTNAMES, Delivery, Pager
+from monitor.api.runbooks import RUNBOOKS_DIR
+from monitor.config import Settings, parse_settings
+from monitor.metrics import MonitorMetrics
+from monitor.storage.models import IncidentEvent
+from tests.monitor.conftest import minutes, record
+from tests.services import Alertmanager, start_alertmanager
+
+Factory = sessionmaker[Session]
+PUBLIC = "http://kvcanary.test:8600"
+pytestmark = pytest.mark.external_service
+
+
+@pytest.fixture
+def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
+    am = start_alertmanager(tmp_path / "am")
+    yield am
+    am.stop()
+
+
+def settings_for(*urls: str) -> Settings:
+    return parse_settings(
+        {"alertmanagers": list(urls), "api": {"public_url": PUBLIC}, "alerting": {"resend_interval_seconds": 30}}
+    )
+
+
+def pager_for(factory: Factory, *urls: str) -> tuple[Pager, MonitorMetrics]:
+    settings = settings_for(*urls)
+    metrics = MonitorMetrics(CollectorRegistry())
+    headers = {url: {} for url in urls}
+    return Pager(settings, factory, Delivery(headers, metrics, timeout=5)), metrics
+
+
+def drain(pager: Pager) -> int:
+    async def go() -> int:
+        try:
+            return await pager.drain()
+        finally:
+            await pager.delivery.aclose()
+            pager.delivery = Delivery(pager.delivery.headers, pager.delivery.metrics, timeout=5)
+
+    return asyncio.run(go())
+
+
+def deliveries(metrics: MonitorMetrics, url: str, outcome: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "kvcanary_alert_deliveries_total", {"alertmanager": url, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def events(factory: Factory) -> list[IncidentEvent]:
+    with factory() as s:
+        return list(s.scalars(select(IncidentEvent).order_by(IncidentEvent.id)))
+
+
+def test_a_leak_becomes_an_alert_with_its_figures_and_links(
+    session_factory: Factory, alertmanager: Alertmanager
+) -> None:
+    opened = record(session_factory, "leak", at=minutes(0), detail="1 live marker(s) came back")
+    pager, metrics = pager_for(session_factory, alertmanager.url)
+    assert drain(pager) == 1
+    (alert,) = alertmanager.alerts(alertname="KVCanaryLeak")
+    assert alert["labels"] == {
+        "alertname": "KVCanaryLeak", "target": "glm-prod", "probe": "cross_tenant", "severity": "critical"
+    }  # fmt: skip
+    notes = alert["annotations"]
+    assert notes["incident_url"] == f"{PUBLIC}/api/v1/incidents/{opened.incident_id}"
+    assert notes["runbook_url"] == f"{PUBLIC}/runbooks/KVCanaryLeak"
+    assert "1 live marker(s) came back" in notes["description"]
+    assert alert["generatorURL"] == notes["incident_url"]
+    assert alert["status"]["state"] == "active"
+    (event,) = events(session_factory)
+    assert event.processed_at is not None and event.attempts == 1
+    assert deliveries(metrics, alertmanager.url, "accepted") == 1
+
+
+def test_a_resolved_incident_ends_its_alert(session_factory: Factory, alertmanager: Alertmanager) -> None:
+    record(session_factory, "mismatch", at=minutes(0), probe="boundary")
+    pager, _ = pager_for(session_factory, alertmanager.url)
+    drain(pager)
+    assert alertmanager.alerts(alertname="KVCanaryMismatch")
+    for i in range(1, 4):
+        record(session_factory, "pass", at=minutes(i), probe="boundary")
+    assert drain(pager) == 1  # the resolved event
+    assert alertmanager.alerts(alertname="KVCanaryMismatch") == []  # endsAt passed: dropped
+
+
+def test_an_escalation_fires_the_new_alert_and_ends_the_old(
+    session_factory: Factory, alertmanager: Alertmanager
+) -> None:
+    record(session_factory, "mismatch", at=minutes(0))
+    record(session_factory, "leak", at=minutes(1))
+    pager, _ = pager_for(session_factory, alertmanager.url)
+    assert drain(pager) == 2
+    assert alertmanager.alerts(alertname="KVCanaryLeak")
+    assert alertmanager.alerts(alertname="KVCanaryMismatch") == []
+
+
+def test_an_alertmanager_outage_loses_nothing_and_doubles_nothing(
+    session_factory: Factory, tmp_path: Path
+) -> None:
+    am = start_alertmanager(tmp_path / "am")
+    port = am.port
+    am.stop()
+    record(session_factory, "leak", at=minutes(0), target="a")
+    record(session_factory, "mismatch", at=minutes(0), target="b")
+    pager, metrics = pager_for(session_factory, am.url)
+    assert drain(pager) == 0
+    waiting = events(session_factory)
+    assert all(e.processed_at is None and e.attempts == 1 and e.last_error for e in waiting)
+    assert deliveries(metrics, am.url, "failed") == 1  # stopped at the first: order is kept
+    am = start_alertmanager(tmp_path / "am2", port=port)
+    try:
+        assert drain(pager) == 2
+        assert [a["labels"]["target"] for a in am.alerts(alertname="KVCanaryLeak")] == ["a"]
+        assert [a["labels"]["target"] for a in am.alerts(alertname="KVCanaryMismatch")] == ["b"]
+        assert drain(pager) == 0  # nothing is delivered twice
+        assert deliveries(metrics, am.url, "accepted") == 2
+    finally:
+        am.stop()
+
+
+def test_every_alertmanager_is_told_and_one_is_enough(
+    session_factory: Factory, alertmanager: Alertmanager, tmp_path: Path
+) -> None:
+    second = start_alertmanager(tmp_path / "am2")
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens
+    try:
+        record(session_factory, "leak", at=minutes(0))
+        pager, metrics = pager_for(session_factory, alertmanager.url, second.url, dead)
+        assert drain(pager) == 1
+        assert alertmanager.alerts(alertname="KVCanaryLeak") and second.alerts(alertname="KVCanaryLeak")
+        assert deliveries(metrics, dead, "failed") == 1
+    finally:
+        second.stop()
+
+
+def test_two_pagers_draining_one_outbox_deliver_each_event_once(
+    db_url: str, session_factory: Factory, alertmanager: Alertmanager
+) -> None:
+    if not db_url.startswith("postgresql"):
+        pytest.skip("two writers racing need PostgreSQL (SQLite has one writer at a time)")
+    for i in range(40):
+        record(session_factory, "leak" if i % 2 else "mismatch", at=minutes(i), target=f"t{i}")
+    pagers = [pager_for(session_factory, alertmanager.url) for _ in range(2)]
+    counts: list[int] = []
+    threads = [threading.Thread(target=lambda p=p: counts.append(drain(p[0]))) for p in pagers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sum(counts) == 40
+    assert sum(deliveries(m, alertmanager.url, "accepted") for _, m in pagers) == 40
+    assert all(e.processed_at is not None and e.attempts == 1 for e in events(session_factory))
+
+
+def test_open_incidents_are_resent_with_their_end_ahead(
+    session_factory: Factory, alertmanager: Alertmanager
+) -> None:
+    record(session_factory, "leak", at=minutes(0))
+    pager, metrics = pager_for(session_factory, alertmanager.url)
+
+    async def go() -> tuple[bool, bool]:
+        try:
+            return await pager.resend_if_due(), await pager.resend_if_due()
+        finally:
+            await pager.delivery.aclose()
+
+    assert asyncio.run(go()) == (True, False)  # the second waits for the interval
+    (alert,) = alertmanager.alerts(alertname="KVCanaryLeak")
+    assert alert["endsAt"] > alert["startsAt"]
+    assert deliveries(metrics, alertmanager.url, "accepted") == 1
+
+
+def test_an_alert_every_alertmanager_refuses_for_good_does_not_block_the_outbox(
+    session_factory: Factory,
+) -> None:
+    """A malformed alert (400 from all) is set aside with its reason; the next event goes on."""
+    posted: list[Any] = []
+
+    def refuse_first(request: httpx.Request) -> httpx.Response:
+        posted.append(request)
+        return httpx.Response(400 if len(posted) == 1 else 200, text="bad alert")
+
+    record(session_factory, "leak", at=minutes(0), target="a")
+    record(session_factory, "leak", at=minutes(0), target="b")
+    settings = settings_for("http://am.test")
+    metrics = MonitorMetrics(CollectorRegistry())
+    delivery = Delivery({"http://am.test": {}}, metrics, 5, transport=httpx.MockTransport(refuse_first))
+    pager = Pager(settings, session_factory, delivery)
+    assert asyncio.run(pager.drain()) == 2
+    first, second = events(session_factory)
+    assert first.processed_at is not None and first.last_error and "refused" in first.last_error
+    assert second.processed_at is not None and second.last_error is None
+
+
+def test_every_pushed_alert_has_a_runbook_the_monitor_serves() -> None:
+    for name in ALERTNAMES.values():
+        assert (RUNBOOKS_DIR / f"{name}.md").is_file(), name
