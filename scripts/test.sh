@@ -24,6 +24,11 @@ export KVCANARY_VLLM_VENV="${KVCANARY_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}
 mkdir -p "$(dirname "$KVCANARY_VLLM_VENV")"
 bash scripts/setup-vllm.sh
 export KVCANARY_REQUIRE_VLLM=1
+# llama-cpp-python is built once (~4 min on 2 cores) into a wheel cached outside the clone; its venv lives there too.
+export KVCANARY_LLAMACPP_WHEELS="${KVCANARY_LLAMACPP_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/wheels}"
+export KVCANARY_LLAMACPP_VENV="${KVCANARY_LLAMACPP_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-llamacpp}"
+bash scripts/setup-llamacpp.sh
+export KVCANARY_REQUIRE_LLAMACPP=1
 export KVCANARY_REQUIRE_PROMETHEUS=1
 
 set +e
