@@ -168,6 +168,18 @@ class MonitorMetrics:
             ["alertmanager", "outcome"],
             registry=self.registry,
         )
+        self.node_pool = Gauge(
+            "kvcanary_node_kv_pool_tokens",
+            "KV pool capacity a node reported at its last capacity audit.",
+            ["target", "node", "pool"],
+            registry=self.registry,
+        )
+        self.node_window = Gauge(
+            "kvcanary_node_context_window_tokens",
+            "Context window a node advertised at its last capacity audit.",
+            ["target", "node"],
+            registry=self.registry,
+        )
         self.tokens = Counter(
             "kvcanary_probe_tokens_total",
             "Tokens the probes spent, as the engines reported them in usage.",
@@ -201,7 +213,13 @@ class MonitorMetrics:
                 self.alert_deliveries.labels(url, outcome)
 
     def observe(
-        self, target: str, probe: str, result: ProbeResult, duration: float, finished_at: float
+        self,
+        target: str,
+        probe: str,
+        result: ProbeResult,
+        duration: float,
+        finished_at: float,
+        node: str = "",
     ) -> None:
         self.probe_runs.labels(target, probe, result.verdict.value).inc()
         self.probe_duration.labels(target, probe).observe(duration)
@@ -214,3 +232,12 @@ class MonitorMetrics:
             self.last_success.labels(target, probe).set(finished_at)
         if result.verdict is Verdict.LEAK:
             self.cross_tenant_leaks.labels(target).inc()
+        self._node_capacity(target, node, result.measurements)
+
+    def _node_capacity(self, target: str, node: str, measurements: Mapping[str, float]) -> None:
+        """Keep the figures of a capacity audit (``context_window_tokens``, ``pool_tokens.<pool>``)."""
+        if "context_window_tokens" in measurements:
+            self.node_window.labels(target, node).set(measurements["context_window_tokens"])
+        for key, value in measurements.items():
+            if key.startswith("pool_tokens."):
+                self.node_pool.labels(target, node, key.removeprefix("pool_tokens.")).set(value)

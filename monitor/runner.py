@@ -138,7 +138,7 @@ class ProbeRunner:
             if result.state is not None:
                 self._states[key] = result.state
             outcome = await self._record(target, kind, key[2], result, started_at, duration)
-        self.metrics.observe(target.name, kind, result, duration, time.time())
+        self.metrics.observe(target.name, kind, result, duration, time.time(), key[2])
         summary = RunSummary(target.name, kind, key[2], result, started_at, duration, outcome)
         where = f"{target.name}/{kind}" + (f"@{key[2]}" if key[2] else "")
         log.info("%s: %s (%s) in %.2fs", where, result.verdict.value, result.reason, duration)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from probes.base import Probe
 from probes.boundary import BoundaryProbe
 from probes.canary import CanaryProbe
+from probes.capacity import CapacityProbe
 from probes.counters import CountersProbe
 from probes.cross_tenant import CrossTenantProbe
 
@@ -16,4 +17,5 @@ REGISTRY: dict[str, type[Probe]] = {
     "cross_tenant": CrossTenantProbe,
     "boundary": BoundaryProbe,
     "counters": CountersProbe,
+    "capacity": CapacityProbe,
 }

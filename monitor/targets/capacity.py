@@ -51,6 +51,11 @@ def _int(value: Any) -> int | None:
     return None
 
 
+def _version(value: Any) -> str | None:
+    """Return a version only when the engine sent a non-empty string: a number or null is no version."""
+    return value.strip() if isinstance(value, str) and value.strip() else None
+
+
 def _min(*values: int | None) -> int | None:
     known = [v for v in values if v]
     return min(known) if known else None
@@ -82,18 +87,20 @@ def apply_overrides(found: ServerCapacity, options: dict[str, Any]) -> ServerCap
 
 
 async def _sglang(lookups: Lookups) -> ServerCapacity:
-    source = "/get_server_info"
+    # /server_info first: since late 2025 SGLang logs a deprecation warning on every /get_server_info.
+    source = "/server_info"
     info = await lookups.get_json(source)
     if not isinstance(info, dict):
-        source = "/server_info"
+        source = "/get_server_info"
         info = await lookups.get_json(source)
     if not isinstance(info, dict):
         return ServerCapacity(context_window=await _max_model_len(lookups), source="/v1/models")
     if isinstance(info.get("prefill"), list) and isinstance(info.get("decode"), list):
         return _sglang_router(info, source)
     cap = _sglang_node(info, source)
-    if cap.context_window is None:
+    if cap.context_window is None:  # SGLang reports null unless --context-length was given
         cap.context_window = await _max_model_len(lookups)
+        cap.source += ",/v1/models"
     return cap
 
 
@@ -117,7 +124,7 @@ def _sglang_node(info: dict[str, Any], source: str) -> ServerCapacity:
         max_req_input_len=_int(pick("max_req_input_len")),
         page_size=_int(pick("page_size")),
         disaggregation_mode=str(mode) if mode is not None else None,
-        version=str(info["version"]) if info.get("version") is not None else None,
+        version=_version(info.get("version")),
         pools=pools,
         source=source,
     )
@@ -180,7 +187,7 @@ async def _vllm(lookups: Lookups) -> ServerCapacity:
         context_window=await _max_model_len(lookups),
         kv_pool_tokens=pool,
         page_size=block_size,
-        version=str(version["version"]) if isinstance(version, dict) and "version" in version else None,
+        version=_version(version.get("version")) if isinstance(version, dict) else None,
         pools={"gpu": pool} if pool else {},
         source="/v1/models,/metrics",
     )
@@ -217,7 +224,7 @@ async def _llamacpp(lookups: Lookups) -> ServerCapacity:
     return ServerCapacity(
         context_window=n_ctx,
         kv_pool_tokens=n_ctx,
-        version=str(build) if build is not None else None,
+        version=_version(build),
         pools={"slot": n_ctx} if n_ctx else {},
         source="/props",
     )

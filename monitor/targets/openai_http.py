@@ -36,7 +36,7 @@ from monitor.targets.wire import (
     read_limited,
     request_body,
 )
-from probes.base import Completion, CompletionRequest, Fetched, Scraped, ServerCapacity
+from probes.base import Completion, CompletionRequest, Fetched, Node, Scraped, ServerCapacity
 
 __all__ = ["ERROR_BODY_BYTES", "OpenAIHttpTarget"]
 
@@ -206,6 +206,18 @@ class OpenAIHttpTarget:
         except ValueError as exc:
             return Scraped(None, "metrics_unparseable", f"{url} is not Prometheus text: {exc}")
 
+    async def node_capacity(self, node: Node) -> ServerCapacity:
+        """Return what one node publishes about its KV pools and context window (at its ``info_url``),
+        without overrides; unknown fields are None and ``source`` says where each lookup went."""
+        lookups = NodeLookups(self, node.info_url)
+        try:
+            found = await read_capacity(lookups, self.engine)
+        except Exception:  # A lookup never breaks a probe: unknown is an answer.
+            found = ServerCapacity(source="lookup failed")
+        if lookups.failures and not (found.context_window or found.kv_pool_tokens):
+            found.source = f"{found.source} ({'; '.join(lookups.failures[:3])})"
+        return found
+
     async def capacity(self) -> ServerCapacity:
         """Return what the node says about its KV pool and context window; unknown fields are None.
 
@@ -249,6 +261,31 @@ class OpenAIHttpTarget:
             return count
         tokens = data.get("tokens")
         return len(tokens) if isinstance(tokens, list) else None
+
+
+class NodeLookups:
+    """The lookups :func:`read_capacity` makes, against one node's own address; failures kept in words."""
+
+    def __init__(self, target: OpenAIHttpTarget, base: str):
+        self._target = target
+        self._base = base.rstrip("/")
+        self.failures: list[str] = []
+
+    async def get_text(self, path: str) -> str | None:
+        fetched = await self._target.fetch(self._base + path)
+        if fetched.text is None:
+            self.failures.append(fetched.error or path)
+        return fetched.text
+
+    async def get_json(self, path: str) -> Any | None:
+        text = await self.get_text(path)
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            self.failures.append(f"{self._base + path} is not JSON")
+            return None
 
 
 def _origin(url: httpx.URL) -> tuple[str, str, int | None]:

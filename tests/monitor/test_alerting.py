@@ -40,9 +40,8 @@ def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
 
 
 def settings_for(*urls: str) -> Settings:
-    return parse_settings(
-        {"alertmanagers": list(urls), "api": {"public_url": PUBLIC}, "alerting": {"resend_interval_seconds": 30}}
-    )
+    alerting = {"resend_interval_seconds": 30}
+    return parse_settings({"alertmanagers": list(urls), "api": {"public_url": PUBLIC}, "alerting": alerting})
 
 
 def pager_for(factory: Factory, *urls: str) -> tuple[Pager, MonitorMetrics]:

@@ -63,7 +63,7 @@ def test_sglang_capacity_comes_from_get_server_info() -> None:
     assert cap.admission_limit == 681274
 
 
-def test_newer_sglang_falls_back_to_server_info_with_scheduler_fields_in_internal_states() -> None:
+def test_newer_sglang_is_read_at_server_info_with_scheduler_fields_in_internal_states() -> None:
     info = {
         "context_length": None,
         "page_size": 1,
@@ -76,7 +76,7 @@ def test_newer_sglang_falls_back_to_server_info_with_scheduler_fields_in_interna
         8192,
         5000,
         4994,
-        "/server_info",
+        "/server_info,/v1/models",
     )
 
 

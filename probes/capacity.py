@@ -1,0 +1,103 @@
+"""Capacity: does each node's KV pool hold what its context window promises? Zero requests sent.
+
+Targets the incident's configuration: an advertised context window of 1,048,576 tokens on a node
+whose prefill pool held 681,280. A prompt could fit the window and still not fit the pool, and the
+defective engine served it from stale pages. The disclosure's advice is to measure each node's
+pool (prefill and decode separately) against the window after every change of weights,
+quantization, parallelism or memory fraction: this probe does it on every node, on a clock, and at
+every configuration change, from what the engine itself publishes (``/server_info``,
+``/v1/models``, ``vllm:cache_config_info``, ``/props``; see ``monitor/targets/capacity.py``).
+
+Why the verdict is sound: it compares two numbers the node states about itself, no inference.
+
+- Any pool below the window (ratio < 1) is a ``mismatch``: some request inside the window cannot
+  be held, and whether it is refused or served from stale pages is then down to the engine's
+  admission code (the boundary probe tests that).
+- A pool below ``headroom`` times the window (default 2.0, what the fixed deployment used) passes
+  with the reason ``headroom_below_target``: a finding to see on the dashboard, not a page.
+- A window or a pool the node does not publish is an ``error`` naming what was missing and where
+  it was looked for, never a pass. An operator can state either (``context_window``,
+  ``kv_pool_tokens``) when the engine does not publish it.
+
+The result's measurements carry the figures (window, each pool, the lowest ratio); the runner
+exports them as ``kvcanary_node_kv_pool_tokens`` and ``kvcanary_node_context_window_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, ServerCapacity, Verdict
+
+#: The pool size the fixed deployment chose: about twice the context window.
+DEFAULT_HEADROOM = 2.0
+
+
+class CapacityOptions(ProbeOptions):
+    headroom: float = Field(DEFAULT_HEADROOM, ge=1.0, le=1000.0)
+    # What the node does not publish, or publishes wrongly, as the operator knows it.
+    context_window: int | None = Field(None, ge=1)
+    kv_pool_tokens: int | None = Field(None, ge=1)
+
+
+class CapacityProbe(Probe):
+    """Compare every KV pool of a node with the context window it advertises."""
+
+    kind = "capacity"
+    scope = "node"
+    options_model = CapacityOptions
+    default_interval_seconds = 300.0
+
+    async def probe(self, ctx: ProbeContext) -> ProbeResult:
+        node = ctx.node or ctx.target.nodes[0]
+        found = await ctx.target.node_capacity(node)
+        window = ctx.options.get("context_window") or found.context_window
+        stated_pool = ctx.options.get("kv_pool_tokens")
+        pools = {"stated": int(stated_pool)} if stated_pool else dict(found.pools)
+        if not pools and found.kv_pool_tokens:
+            pools = {node.role: found.kv_pool_tokens}
+        evidence = _evidence(node.name, node.role, found, window, pools)
+        missing = [name for name, value in (("context window", window), ("KV pool", pools)) if not value]
+        if missing or window is None:
+            detail = f"{' and '.join(missing)} not published by {node.info_url} (looked at {found.source})"
+            return ProbeResult(Verdict.ERROR, "capacity_unknown", detail, evidence)
+        return judge_capacity(window, pools, float(ctx.options.get("headroom", DEFAULT_HEADROOM)), evidence)
+
+
+def judge_capacity(
+    window: int, pools: dict[str, int], headroom: float, evidence: dict[str, Any]
+) -> ProbeResult:
+    """Return the verdict on ``pools`` against ``window``; figures go into measurements and evidence."""
+    ratios = {name: tokens / window for name, tokens in pools.items()}
+    tightest = min(ratios, key=lambda name: ratios[name])
+    ratio = ratios[tightest]
+    measurements: dict[str, float] = {"context_window_tokens": window, "headroom_ratio": round(ratio, 4)}
+    measurements.update({f"pool_tokens.{name}": tokens for name, tokens in pools.items()})
+    evidence.update(ratios={k: round(v, 4) for k, v in ratios.items()}, headroom_target=headroom)
+    figures = (
+        f"{tightest} pool {pools[tightest]:,} tokens against a context window of {window:,} ({ratio:.2f}x)"
+    )
+    if ratio < 1:
+        detail = f"{figures}: a request inside the window does not fit the pool"
+        return ProbeResult(Verdict.MISMATCH, "pool_below_context_window", detail, evidence, measurements)
+    if ratio < headroom:
+        detail = f"{figures}: below the {headroom:g}x headroom target"
+        return ProbeResult(Verdict.PASS, "headroom_below_target", detail, evidence, measurements)
+    return ProbeResult(Verdict.PASS, "headroom_ok", f"{figures}", evidence, measurements)
+
+
+def _evidence(
+    node: str, role: str, found: ServerCapacity, window: int | None, pools: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "node": node,
+        "role": role,
+        "context_window": window,
+        "pools": pools,
+        "max_req_input_len": found.max_req_input_len,
+        "disaggregation_mode": found.disaggregation_mode,
+        "version": found.version,
+        "source": found.source,
+    }

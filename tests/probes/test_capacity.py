@@ -1,0 +1,202 @@
+"""The capacity probe: each node's KV pools against its context window, without one completion.
+
+Reference workers as real processes for pools above, equal to and below the window; the engines
+nobody here wrote through the response shapes their sources produce (tests/fixtures/engines), served
+at the network seam.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from monitor.runner import execute_probe
+from monitor.target_config import TargetConfig
+from monitor.targets.openai_http import OpenAIHttpTarget
+from probes.base import Node, ProbeResult, Verdict
+from probes.canaries import MarkerBook
+from tests.probes.probe_harness import KEYS, MODEL, Reference
+
+ENGINES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
+
+
+def config(
+    url: str, engine: str = "reference", nodes: list[dict[str, str]] | None = None, **options: Any
+) -> TargetConfig:
+    return TargetConfig(
+        name="t",
+        base_url=url,
+        engine=engine,
+        model=MODEL,
+        tenants=[{"name": "alice"}],
+        probes=["capacity"],
+        options={"capacity": options} if options else {},
+        nodes=nodes or [],
+    )
+
+
+def audit(
+    cfg: TargetConfig, node: Node | None = None, transport: httpx.AsyncBaseTransport | None = None
+) -> tuple[ProbeResult, int]:
+    """Run the capacity probe on ``node`` (default: the target's first); return it and completions sent."""
+    sent = 0
+
+    async def go() -> ProbeResult:
+        nonlocal sent
+        async with OpenAIHttpTarget(cfg, {"alice": KEYS["alice"]}, transport=transport) as target:
+            result, _ = await execute_probe(
+                "capacity", target, MarkerBook(), cfg, node=node or target.nodes[0]
+            )
+            sent = int(result.measurements.get("prompt_tokens_spent", 0))
+            return result
+
+    return asyncio.run(go()), sent
+
+
+@pytest.mark.parametrize(
+    ("flags", "verdict", "reason"),
+    [
+        (("--kv-pool-tokens", "16384", "--context-window", "8192"), Verdict.PASS, "headroom_ok"),
+        (("--kv-pool-tokens", "8192", "--context-window", "8192"), Verdict.PASS, "headroom_below_target"),
+        (
+            ("--kv-pool-tokens", "4096", "--context-window", "8192"),
+            Verdict.MISMATCH,
+            "pool_below_context_window",
+        ),
+    ],
+    ids=["above", "equal", "below"],
+)
+def test_a_single_pool_above_equal_to_and_below_its_window(
+    reference: Callable[..., Reference], flags: tuple[str, ...], verdict: Verdict, reason: str
+) -> None:
+    worker = reference("--mode", "single", *flags)
+    result, sent = audit(config(worker.url))
+    assert (result.verdict, result.reason) == (verdict, reason)
+    assert result.measurements["context_window_tokens"] == 8192
+    assert sent == 0  # an audit sends no completion
+
+
+def test_a_disaggregated_node_is_judged_by_its_tightest_pool(reference: Callable[..., Reference]) -> None:
+    worker = reference(
+        "--mode", "disaggregated", "--prefill-pool-tokens", "2048", "--decode-pool-tokens", "16384",
+        "--context-window", "8192",
+    )  # fmt: skip
+    result, _ = audit(config(worker.url))
+    assert (result.verdict, result.reason) == (Verdict.MISMATCH, "pool_below_context_window")
+    assert "prefill pool 2,048 tokens against a context window of 8,192 (0.25x)" in result.detail
+    assert result.evidence["pools"] == {"prefill": 2048, "decode": 16384}
+    assert result.measurements["pool_tokens.decode"] == 16384
+
+
+def test_each_listed_node_is_audited_at_its_own_address(reference: Callable[..., Reference]) -> None:
+    prefill = reference("--mode", "single", "--kv-pool-tokens", "4096", "--context-window", "8192")
+    decode = reference("--mode", "single", "--kv-pool-tokens", "32768", "--context-window", "8192")
+    cfg = config(
+        prefill.url,
+        nodes=[
+            {"name": "prefill-0", "role": "prefill", "info_url": prefill.url},
+            {"name": "decode-0", "role": "decode", "info_url": decode.url},
+        ],
+    )
+    first, second = cfg.node_list()
+    assert audit(cfg, first)[0].verdict is Verdict.MISMATCH
+    assert audit(cfg, second)[0].reason == "headroom_ok"
+
+
+# --- engines nobody here wrote, in the shapes their sources produce --------------------------------
+
+
+def serve_fixture(files: dict[str, str]) -> httpx.MockTransport:
+    """Serve ``{path: fixture file}``; anything else is a 404 in SGLang's error shape."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        name = files.get(request.url.path)
+        if name is None:
+            return httpx.Response(404, json={"object": "error", "message": "Not Found", "code": 404})
+        return httpx.Response(200, text=(ENGINES / name).read_text())
+
+    return httpx.MockTransport(answer)
+
+
+def test_the_incidents_prefill_node_is_a_mismatch_with_its_figures() -> None:
+    transport = serve_fixture({"/server_info": "sglang-0.5.11-prefill-incident.json"})
+    result, _ = audit(config("http://sglang.test", "sglang"), transport=transport)
+    assert (result.verdict, result.reason) == (Verdict.MISMATCH, "pool_below_context_window")
+    assert "681,280 tokens against a context window of 1,048,576 (0.65x)" in result.detail
+    assert result.evidence["version"] == "0.5.11" and result.evidence["disaggregation_mode"] == "prefill"
+
+
+def test_the_fixed_prefill_node_passes_with_twice_the_window() -> None:
+    transport = serve_fixture({"/server_info": "sglang-0.5.22-prefill-fixed.json"})
+    result, _ = audit(config("http://sglang.test", "sglang"), transport=transport)
+    assert (result.verdict, result.reason) == (Verdict.PASS, "headroom_ok")
+
+
+def test_an_older_sglang_is_read_at_get_server_info() -> None:
+    alone = serve_fixture({"/get_server_info": "sglang-0.5.9-prefill-recorded.json"})
+    result, _ = audit(config("http://sglang.test", "sglang"), transport=alone)
+    # This recorded node states no context_length and nothing serves /v1/models: unknown, not a pass.
+    assert (result.verdict, result.reason) == (Verdict.ERROR, "capacity_unknown")
+    assert result.detail.startswith("context window not published")
+    recorded, models = "sglang-0.5.9-prefill-recorded.json", "sglang-0.5.11-v1-models.json"
+    both = serve_fixture({"/get_server_info": recorded, "/v1/models": models})
+    result, _ = audit(config("http://sglang.test", "sglang"), transport=both)
+    assert result.verdict is not Verdict.ERROR, result.detail
+    assert result.evidence["source"] == "/get_server_info,/v1/models"
+
+
+def test_a_null_context_length_falls_back_to_v1_models() -> None:
+    transport = serve_fixture(
+        {
+            "/server_info": "sglang-0.5.11-single-context-null.json",
+            "/v1/models": "sglang-0.5.11-v1-models.json",
+        }
+    )
+    result, _ = audit(config("http://sglang.test", "sglang"), transport=transport)
+    models = json.loads((ENGINES / "sglang-0.5.11-v1-models.json").read_text())
+    assert result.evidence["context_window"] == models["data"][0]["max_model_len"]
+
+
+@pytest.mark.parametrize("broken", ["sglang-broken-missing-fields.json", "sglang-broken-nulls.json"])
+def test_what_a_node_does_not_publish_is_an_error_naming_it(broken: str) -> None:
+    result, _ = audit(
+        config("http://sglang.test", "sglang"), transport=serve_fixture({"/server_info": broken})
+    )
+    assert (result.verdict, result.reason) == (Verdict.ERROR, "capacity_unknown")
+    assert "KV pool" in result.detail and "/server_info" in result.detail
+
+
+def test_an_unreachable_info_url_is_an_error_that_says_where_it_looked(unreachable: Reference) -> None:
+    result, _ = audit(config(unreachable.url))
+    assert (result.verdict, result.reason) == (Verdict.ERROR, "capacity_unknown")
+    assert "cannot read" in result.detail and unreachable.url in result.detail
+
+
+def test_an_operator_can_state_what_the_engine_does_not() -> None:
+    transport = serve_fixture({"/server_info": "sglang-broken-nulls.json"})
+    cfg = config("http://sglang.test", "sglang", context_window=1048576, kv_pool_tokens=681280)
+    result, _ = audit(cfg, transport=transport)
+    assert (result.verdict, result.evidence["pools"]) == (Verdict.MISMATCH, {"stated": 681280})
+
+
+def test_vllm_capacity_comes_from_cache_config_info_and_v1_models() -> None:
+    transport = serve_fixture(
+        {
+            "/metrics": "../metrics/vllm.txt",
+            "/v1/models": "../vllm/models.json",
+            "/version": "vllm-0.32.0-version.json",
+        }
+    )
+    result, _ = audit(config("http://vllm.test", "vllm"), transport=transport)
+    assert result.evidence["pools"] == {"gpu": 1048576} and result.evidence["context_window"] == 1024
+    assert (result.verdict, result.reason, result.evidence["version"]) == (
+        Verdict.PASS,
+        "headroom_ok",
+        "0.32.0",
+    )
