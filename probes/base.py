@@ -83,6 +83,8 @@ class CompletionRequest:
     temperature: float = 0.0
     seed: int | None = 0
     system: str | None = None
+    #: vLLM's per-request prefix-cache salt (sent only when set): same salt shares, different does not.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -139,6 +141,9 @@ class ServerCapacity:
     version: str | None = None
     pools: dict[str, int] = field(default_factory=dict)
     source: str = ""
+    #: Other configuration the node states, as strings (``enable_prefix_caching``, ``verify_ownership``,
+    #: ``model``, ``tp_size``...): what a known defect may require, and what a change of it fingerprints.
+    facts: dict[str, str] = field(default_factory=dict)
 
     @property
     def admission_limit(self) -> int | None:

@@ -51,6 +51,21 @@ def _int(value: Any) -> int | None:
     return None
 
 
+#: SGLang server arguments (and the reference worker's settings) kept as node facts: what a known
+#: defect may require, and what fingerprints a node's configuration.
+SGLANG_FACTS = (
+    "model_path", "served_model_name", "quantization", "kv_cache_dtype", "dtype", "tp_size", "dp_size",
+    "pp_size", "ep_size", "mem_fraction_static", "max_total_tokens", "context_length", "page_size",
+    "chunked_prefill_size", "disaggregation_mode", "disaggregation_transfer_backend", "disable_radix_cache",
+    "enable_cache_report", "allow_auto_truncate", "admission", "verify_ownership", "zero_freed_pages",
+    "prefix_cache",
+)  # fmt: skip
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool)
+
+
 def _version(value: Any) -> str | None:
     """Return a version only when the engine sent a non-empty string: a number or null is no version."""
     return value.strip() if isinstance(value, str) and value.strip() else None
@@ -118,6 +133,7 @@ def _sglang_node(info: dict[str, Any], source: str) -> ServerCapacity:
 
     pools = _pools(info.get("kv_pools"))
     mode = pick("disaggregation_mode")
+    facts = {key: str(value) for key in SGLANG_FACTS if (value := pick(key)) is not None and _scalar(value)}
     return ServerCapacity(
         context_window=_int(pick("context_length", "context_len", "max_model_len")),
         kv_pool_tokens=_min(_int(pick("max_total_num_tokens")), *pools.values()),
@@ -127,6 +143,7 @@ def _sglang_node(info: dict[str, Any], source: str) -> ServerCapacity:
         version=_version(info.get("version")),
         pools=pools,
         source=source,
+        facts=facts,
     )
 
 
@@ -181,7 +198,7 @@ async def _max_model_len(lookups: Lookups) -> int | None:
 
 
 async def _vllm(lookups: Lookups) -> ServerCapacity:
-    pool, block_size = _vllm_pool(await lookups.get_text("/metrics") or "")
+    pool, block_size, labels = _vllm_cache_config(await lookups.get_text("/metrics") or "")
     version = await lookups.get_json("/version")
     return ServerCapacity(
         context_window=await _max_model_len(lookups),
@@ -190,17 +207,22 @@ async def _vllm(lookups: Lookups) -> ServerCapacity:
         version=_version(version.get("version")) if isinstance(version, dict) else None,
         pools={"gpu": pool} if pool else {},
         source="/v1/models,/metrics",
+        facts=labels,
     )
 
 
-def _vllm_pool(metrics_text: str) -> tuple[int | None, int | None]:
-    """Return (pool tokens, block size) from ``vllm:cache_config_info``; the smallest engine's pool."""
+def _vllm_cache_config(metrics_text: str) -> tuple[int | None, int | None, dict[str, str]]:
+    """Return (pool tokens, block size, labels) from ``vllm:cache_config_info``; the smallest engine's pool.
+
+    The labels are vLLM's CacheConfig as strings (``enable_prefix_caching="True"``): node facts.
+    """
     pools: list[int] = []
     block_size: int | None = None
+    labels: dict[str, str] = {}
     try:
         families = list(text_string_to_metric_families(metrics_text))
     except Exception:  # A scrape that does not parse says nothing about the pool.
-        return None, None
+        return None, None, {}
     for family in families:
         if family.name not in ("vllm:cache_config_info", "vllm:cache_config"):
             continue
@@ -209,7 +231,8 @@ def _vllm_pool(metrics_text: str) -> tuple[int | None, int | None]:
             if blocks and size:
                 pools.append(blocks * size)
                 block_size = size
-    return (min(pools) if pools else None), block_size
+                labels = dict(sample.labels)
+    return (min(pools) if pools else None), block_size, labels
 
 
 async def _llamacpp(lookups: Lookups) -> ServerCapacity:
@@ -220,6 +243,7 @@ async def _llamacpp(lookups: Lookups) -> ServerCapacity:
     n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, dict) else None
     n_ctx = n_ctx or _int(props.get("n_ctx"))
     build = props.get("build_info")
+    facts = {k: str(props[k]) for k in ("model_path", "total_slots") if _scalar(props.get(k))}
     # A llama.cpp slot holds one sequence's KV: the per-slot n_ctx is both window and pool.
     return ServerCapacity(
         context_window=n_ctx,
@@ -227,4 +251,5 @@ async def _llamacpp(lookups: Lookups) -> ServerCapacity:
         version=_version(build),
         pools={"slot": n_ctx} if n_ctx else {},
         source="/props",
+        facts=facts,
     )

@@ -234,14 +234,18 @@ class OpenAIHttpTarget:
     async def count_tokens(self, text: str) -> int | None:
         """Return how many tokens the engine's own tokenizer makes of ``text``; None when it cannot say.
 
-        llama.cpp takes ``{"content"}`` and answers ``{"tokens": [...]}``; vLLM, SGLang and the
+        llama.cpp's server takes ``{"content"}`` and answers ``{"tokens": [...]}``; llama-cpp-python's
+        server has ``/extras/tokenize/count`` (``{"input"}`` → ``{"count"}``); vLLM, SGLang and the
         reference worker take ``{"prompt"}`` and answer ``{"count", "tokens", ...}``. No ``model`` is
         sent: vLLM refuses a name it does not serve, and every engine defaults to its one model.
         """
         if self.engine == "openai":
             return None
         if self.engine == "llamacpp":
-            return await self._tokenize("/tokenize", {"content": text})
+            count = await self._tokenize("/tokenize", {"content": text})
+            if count is None:
+                count = await self._tokenize("/extras/tokenize/count", {"input": text})
+            return count
         count = await self._tokenize("/tokenize", {"prompt": text})
         if count is None and self.engine == "sglang":
             count = await self._tokenize("/v1/tokenize", {"prompt": text})

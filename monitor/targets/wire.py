@@ -35,6 +35,8 @@ def request_body(request: CompletionRequest, model: str) -> tuple[str, dict[str,
     body.update(max_tokens=request.max_tokens, temperature=request.temperature, stream=request.stream)
     if request.seed is not None:
         body["seed"] = request.seed
+    if request.cache_salt is not None:
+        body["cache_salt"] = request.cache_salt
     if request.stream:
         # Without this no engine sends usage in a stream, and prompt_tokens is the incident's tell.
         body["stream_options"] = {"include_usage": True}
