@@ -11,6 +11,7 @@ from probes.canary import CanaryProbe
 from probes.capacity import CapacityProbe
 from probes.counters import CountersProbe
 from probes.cross_tenant import CrossTenantProbe
+from probes.version import VersionProbe
 
 REGISTRY: dict[str, type[Probe]] = {
     "canary": CanaryProbe,
@@ -18,4 +19,5 @@ REGISTRY: dict[str, type[Probe]] = {
     "boundary": BoundaryProbe,
     "counters": CountersProbe,
     "capacity": CapacityProbe,
+    "version": VersionProbe,
 }
