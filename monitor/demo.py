@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,13 @@ import uvicorn
 
 from monitor.app import Monitor, create_app
 from monitor.config import Settings, parse_settings
+from monitor.demo_observability import (
+    Observability,
+    free_port,
+    missing_binaries,
+    start_observability,
+    stop_process,
+)
 from monitor.runner import RunSummary
 from monitor.storage.db import upgrade
 from probes.base import Verdict
@@ -49,13 +54,7 @@ WORKERS = {
         "8192",
     ],
 }
-INTERVALS = {"canary": 5.0, "cross_tenant": 5.0, "boundary": 8.0}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+INTERVALS = {"canary": 5.0, "cross_tenant": 5.0, "boundary": 8.0, "counters": 5.0, "capacity": 10.0}
 
 
 def _private_file(path: Path, text: str) -> Path:
@@ -67,7 +66,7 @@ def _private_file(path: Path, text: str) -> Path:
 def _start_worker(
     name: str, flags: list[str], keys_file: Path, workdir: Path
 ) -> tuple[str, subprocess.Popen[bytes]]:
-    port = _free_port()
+    port = free_port()
     log = (workdir / f"worker-{name}.log").open("wb")
     argv = [
         sys.executable,
@@ -97,21 +96,20 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 90.0) 
     raise TimeoutError(f"worker at {url} not ready after {timeout:.0f}s")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def demo_settings(workdir: Path, urls: dict[str, str], port: int) -> Settings:
+def demo_settings(
+    workdir: Path, urls: dict[str, str], port: int, alertmanager: str | None = None
+) -> Settings:
+    base = f"http://127.0.0.1:{port}"
     return parse_settings(
         {
             "database_url": f"sqlite:///{workdir / 'kvcanary.db'}",
-            "api": {"listen": f"127.0.0.1:{port}", "token_file": str(workdir / "api-token")},
+            "api": {
+                "listen": f"127.0.0.1:{port}",
+                "token_file": str(workdir / "api-token"),
+                "public_url": base,
+            },
+            "alertmanagers": [alertmanager] if alertmanager else [],
+            "alerting": {"resend_interval_seconds": 30, "poll_interval_seconds": 1},
             "targets": [
                 {
                     "name": name,
@@ -139,6 +137,31 @@ class DemoPrinter:
     def __init__(self) -> None:
         self.last: dict[tuple[str, str], str] = {}
         self.caught: RunSummary | None = None
+        self.paged: float | None = None  # seconds from the first leaking response to the page
+        self.ruled: float | None = None  # ...and to Prometheus's own rule firing on the monitor's metrics
+
+    def page_seen(self, alert: dict[str, Any]) -> None:
+        """Print the page once, with how long it took from the leaking run's start."""
+        if self.paged is not None or self.caught is None:
+            return
+        self.paged = time.time() - self.caught.started_at.timestamp()
+        labels = alert.get("labels", {})
+        print(f"=== PAGED: {labels.get('alertname')} ({labels.get('severity')}) on {labels.get('target')}/"
+              f"{labels.get('probe')} is in Alertmanager, {self.paged:.1f}s after the leaking run began ===",
+              flush=True)  # fmt: skip
+        print(f"  summary   : {alert.get('annotations', {}).get('summary', '')}")
+        print(f"  incident  : {alert.get('annotations', {}).get('incident_url', '')}\n", flush=True)
+
+    def rule_seen(self, alert: dict[str, Any]) -> None:
+        if self.caught is None:
+            return
+        self.ruled = time.time() - self.caught.started_at.timestamp()
+        labels = alert.get("labels", {})
+        print(
+            f"=== Prometheus's rule {labels.get('alertname')} fired on the same leak "
+            f"({labels.get('target')}/{labels.get('probe')}), {self.ruled:.1f}s after it ===\n",
+            flush=True,
+        )
 
     def __call__(self, summary: RunSummary) -> None:
         key = (summary.target, summary.probe)
@@ -176,7 +199,12 @@ class DemoPrinter:
 
 
 async def _serve(
-    monitor: Monitor, settings: Settings, printer: DemoPrinter, duration: float | None, until_caught: bool
+    monitor: Monitor,
+    settings: Settings,
+    printer: DemoPrinter,
+    obs: Observability | None,
+    duration: float | None,
+    until_caught: bool,
 ) -> None:
     server = uvicorn.Server(
         uvicorn.Config(
@@ -184,15 +212,24 @@ async def _serve(
         )
     )
 
+    def done() -> bool:
+        if obs is not None and printer.caught is not None:
+            if printer.paged is None and (alerts := obs.alerts("KVCanaryLeak")):
+                printer.page_seen(alerts[0])
+            if printer.ruled is None and (alerts := obs.alerts("KVCanaryLeakDetected")):
+                printer.rule_seen(alerts[0])
+        paged = obs is None or (printer.paged is not None and printer.ruled is not None)
+        return bool(printer.caught) and printer.healthy_green() and paged
+
     async def narrate() -> None:
         started = time.monotonic()
         while not server.should_exit:
             await asyncio.sleep(0.5)
-            if printer.caught and printer.healthy_green():
-                _where_to_look(settings)
+            if await asyncio.to_thread(done):
+                _where_to_look(settings, obs)
                 server.should_exit = until_caught
                 break
-            if time.monotonic() - started > 90:
+            if time.monotonic() - started > 120:
                 print(
                     "  ... still waiting for a verdict on every probe; see the logs in the workdir",
                     flush=True,
@@ -210,15 +247,20 @@ async def _serve(
         task.cancel()
 
 
-def _where_to_look(settings: Settings) -> None:
+def _where_to_look(settings: Settings, obs: Observability | None) -> None:
     base = f"http://{settings.api.listen}"
     token_file = settings.api.token_file
     print("=== healthy target is green; the monitor keeps running. Where to look: ===")
+    if obs is not None:
+        print(f"  Alertmanager (the page) : {obs.alertmanager_url}/#/alerts")
+        print(f"  Prometheus (the rules)  : {obs.prometheus_url}/alerts")
+        graph = "graph?g0.expr=kvcanary_probe_runs_total&g0.tab=0"
+        print(f"  Prometheus (a graph)    : {obs.prometheus_url}/{graph}")
     print(f'  export KVCANARY_TOKEN="$(cat {token_file})"')
     print(f'  curl -s -H "Authorization: Bearer $KVCANARY_TOKEN" {base}/api/v1/incidents')
     print(f'  curl -s -H "Authorization: Bearer $KVCANARY_TOKEN" {base}/api/v1/targets')
     print(f"  curl -s {base}/metrics | grep ^kvcanary_")
-    print(f"  OpenAPI: {base}/docs     database: {settings.database_url}")
+    print(f"  OpenAPI: {base}/docs     runbooks: {base}/runbooks     database: {settings.database_url}")
     print("  Ctrl-C to stop.\n", flush=True)
 
 
@@ -237,6 +279,7 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
     _private_file(workdir / "api-token", secrets.token_urlsafe(32))
     print(f"kvcanary demo — workdir {workdir}", flush=True)
     procs: list[subprocess.Popen[bytes]] = []
+    obs: Observability | None = None
     # uvicorn re-raises SIGTERM after its graceful shutdown; make that an exception so that the
     # `finally` below still stops the workers instead of the process dying around them.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -249,13 +292,35 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         for (name, url), proc in zip(urls.items(), procs, strict=True):
             _wait_ready(url, proc)
             print(f"  worker {name:<9} {url}  {' '.join(WORKERS[name])}", flush=True)
-        settings = demo_settings(workdir, urls, port)
+        obs = _observability(workdir, port, urls)
+        settings = demo_settings(workdir, urls, port, obs.alertmanager_url if obs else None)
         upgrade(settings.database_url)
         printer = DemoPrinter()
         monitor = Monitor(settings, on_summary=printer)
         print(f"  monitor   http://127.0.0.1:{port}  probes {', '.join(INTERVALS)}\n", flush=True)
-        asyncio.run(_serve(monitor, settings, printer, duration, until_caught))
-        return 0 if printer.caught and printer.healthy_green() else 1
+        asyncio.run(_serve(monitor, settings, printer, obs, duration, until_caught))
+        paged = obs is None or printer.paged is not None
+        return 0 if printer.caught and printer.healthy_green() and paged else 1
     finally:
+        if obs is not None:
+            obs.stop()
         for proc in procs:
-            _stop(proc)
+            stop_process(proc)
+
+
+def _observability(workdir: Path, port: int, urls: dict[str, str]) -> Observability | None:
+    """Start Prometheus and Alertmanager when installed; otherwise say what the demo skips."""
+    if missing := missing_binaries():
+        print(f"  (skipped: {' and '.join(missing)} not installed — no page, no rules; scripts/demo.sh "
+              "installs them on Debian)", flush=True)  # fmt: skip
+        return None
+    try:
+        obs = start_observability(workdir, port, urls)
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"  (skipped Prometheus and Alertmanager: {exc})", flush=True)
+        return None
+    print(
+        f"  alertmanager {obs.alertmanager_url}   prometheus {obs.prometheus_url}",
+        flush=True,
+    )
+    return obs

@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
-# Set up the project and run the demo: the disclosed KV-cache leak, reproduced and caught.
+# Set up the project and run the demo: the disclosed KV-cache leak, reproduced, caught and paged.
+# On Debian it installs Prometheus and Alertmanager when missing (the demo starts its own on free
+# loopback ports); elsewhere, or without root, the demo runs without them and says what it skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo -n "$@"; else return 1; fi; }
+
+need=()
+command -v prometheus >/dev/null || need+=(prometheus)
+command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
+if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null; then
+  { as_root apt-get update -q && as_root env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends "${need[@]}"; } >/dev/null 2>&1 \
+    || echo "demo.sh: could not install ${need[*]}; the demo runs without them" >&2
+fi
 bash scripts/setup.sh
 exec .venv/bin/kvcanary demo "$@"

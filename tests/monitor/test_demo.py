@@ -23,7 +23,7 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
             "demo",
             "--until-caught",
             "--duration",
-            "90",
+            "120",
             "--port",
             str(free_port()),
             "--workdir",
@@ -40,6 +40,10 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
     assert "incident  : #" in out and "critical" in out
     assert "<redacted>" in out, "the excerpt must show the marker redacted"
     assert "healthy target is green" in out
+    # The page: the monitor's own push, and Prometheus's rule on the same leak, in a real Alertmanager.
+    assert "=== PAGED: KVCanaryLeak (critical) on defective/" in out
+    assert "Prometheus's rule KVCanaryLeakDetected fired on the same leak" in out
+    assert "/#/alerts" in out
     keys = [(tmp_path / f"key-{t}").read_text() for t in ("tenant-a", "tenant-b")]
     assert all(k not in out + proc.stderr for k in keys)
 
