@@ -45,3 +45,29 @@ def test_the_monitor_cli_loads_without_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+
+
+def documented_metrics(doc: str) -> set[str]:
+    """Return the metric names in the first column of a metrics contract's table."""
+    import re
+
+    text = (REPO / "docs" / doc).read_text()
+    return set(re.findall(r"^\| `(kvcanary_[a-z_]+)` \|", text, flags=re.M))
+
+
+def test_every_monitor_metric_is_documented_and_every_documented_one_exported() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from monitor.metrics import MonitorMetrics
+    from monitor.spool import Spool
+
+    metrics = MonitorMetrics(CollectorRegistry())
+    metrics.declare("t", {"canary": 30.0})
+    metrics.watch_incidents(lambda: [], lambda: [("t", "canary", "")])
+    metrics.watch_spool(Spool(None))
+    metrics.watch_outbox(lambda: (0, 0.0))
+    metrics.declare_alertmanagers(["http://127.0.0.1:9093"])
+    exported = set()
+    for family in metrics.registry.collect():
+        exported.add(family.name + ("_total" if family.type == "counter" else ""))
+    assert exported == documented_metrics("monitor-metrics.md")
