@@ -45,6 +45,25 @@ REFUSAL_STATUSES = frozenset({400, 413, 422})
 
 #: Longest excerpt of model output a result may carry: evidence, not a second copy of the data.
 EXCERPT_CHARS = 160
+#: An engine that reports fewer prompt tokens than this share of what it was sent dropped the prompt.
+MIN_REPORTED_SHARE = 0.5
+#: No tokenizer packs more UTF-8 bytes than this into one token of the probes' plain text (English
+#: BPE tokens run 3-5 bytes, the longest a few dozen): a floor when the engine cannot count for us.
+MAX_BYTES_PER_TOKEN = 32
+
+
+def prompt_tokens_dropped(sent: int | None, reported: int | None, prompt_bytes: int = 0) -> bool:
+    """Return True when ``reported`` prompt tokens are implausibly few (None reported: cannot say).
+
+    With ``sent`` (the engine's own count of the prompt) a report under half of it is dropped: a chat
+    template only adds tokens. Without it, the floor is ``prompt_bytes / MAX_BYTES_PER_TOKEN``, and
+    at least the incident's own signature: one token reported for a whole prompt.
+    """
+    if reported is None:
+        return False
+    if sent:
+        return reported < MIN_REPORTED_SHARE * sent
+    return reported < max(2, prompt_bytes // MAX_BYTES_PER_TOKEN)
 
 
 @dataclass
@@ -231,6 +250,8 @@ class ProbeContext:
         #: What this probe left for itself at its previous run on this (target, node); {} at first.
         self.state: dict[str, Any] = dict(state or {})
         self.leaks: list[LeakHit] = []
+        #: Answers whose usage reported far fewer prompt tokens than were sent (the incident's tell).
+        self.dropped_prompts: list[dict[str, Any]] = []
         #: Tokens spent, as the engine reported them: the cost of monitoring.
         self.tokens = {"prompt": 0, "completion": 0}
 
@@ -238,11 +259,24 @@ class ProbeContext:
     def tenants(self) -> list[str]:
         return self.target.tenants
 
-    async def complete(self, tenant: str, request: CompletionRequest) -> Completion:
+    async def complete(
+        self, tenant: str, request: CompletionRequest, *, sent_tokens: int | None = None
+    ) -> Completion:
+        """Send ``request`` as ``tenant``; scan the answer for foreign markers and check its usage.
+
+        ``sent_tokens`` is the engine's own count of the prompt when the probe has it; without it the
+        token-count invariant uses a floor from the prompt's length (:func:`prompt_tokens_dropped`).
+        """
         completion = await self.target.complete(tenant, request)
         self.leaks.extend(self.markers.scan(completion.text, target=self.target.name, reader=tenant))
         self.tokens["prompt"] += completion.prompt_tokens or 0
         self.tokens["completion"] += completion.completion_tokens or 0
+        size = len(request.prompt.encode()) + len((request.system or "").encode())
+        if prompt_tokens_dropped(sent_tokens, completion.prompt_tokens, size):
+            self.dropped_prompts.append(
+                {"tenant": tenant, "prompt_bytes": size, "prompt_tokens_sent": sent_tokens,
+                 "prompt_tokens_reported": completion.prompt_tokens, "status_code": completion.status}
+            )  # fmt: skip
         return completion
 
 
@@ -307,12 +341,15 @@ def unjudgeable(completion: Completion) -> str | None:
 
 
 def judge(result: ProbeResult, ctx: ProbeContext) -> ProbeResult:
-    """Return the final result: any foreign marker seen in any response makes it a ``leak``.
+    """Return the final result: any foreign marker seen in any response makes it a ``leak``; else an
+    answer whose usage dropped the prompt makes a pass or an error a ``mismatch``.
 
     The evidence keeps marker ids, hashes and redacted excerpts only. Idempotent: a probe may judge
     its own result and the runner judge it again.
     """
-    if not ctx.leaks or (result.verdict is Verdict.LEAK and "leak_count" in result.evidence):
+    if not ctx.leaks:
+        return _token_invariant(result, ctx)
+    if result.verdict is Verdict.LEAK and "leak_count" in result.evidence:
         return result
     hits = ctx.leaks
     # A stale page is read whole, so one marker usually comes back several times: count markers.
@@ -331,6 +368,30 @@ def judge(result: ProbeResult, ctx: ProbeContext) -> ProbeResult:
     if result.verdict is not Verdict.PASS and result.detail:
         detail += f"; the probe also found: {result.detail}"
     return ProbeResult(Verdict.LEAK, "foreign_marker", detail, evidence, result.measurements, result.state)
+
+
+def _token_invariant(result: ProbeResult, ctx: ProbeContext) -> ProbeResult:
+    """Turn a pass or an error into a ``mismatch`` when an engine reported a dropped prompt.
+
+    Whatever the status code: the incident answered 200 with ``prompt_tokens = 1`` for a prompt of a
+    million tokens. A probe's own mismatch or leak already says more and is kept.
+    """
+    if not ctx.dropped_prompts or result.verdict not in (Verdict.PASS, Verdict.ERROR):
+        return result
+    first = ctx.dropped_prompts[0]
+    sent = first["prompt_tokens_sent"] or f"at least {max(2, first['prompt_bytes'] // MAX_BYTES_PER_TOKEN)}"
+    detail = (
+        f"the engine reported {first['prompt_tokens_reported']} prompt tokens for a prompt of {sent} tokens "
+        f"({first['prompt_bytes']} bytes, HTTP {first['status_code']})"
+    )
+    evidence = {
+        **result.evidence,
+        "dropped_prompts": ctx.dropped_prompts[:8],
+        "probe_verdict": result.verdict.value,
+    }
+    return ProbeResult(
+        Verdict.MISMATCH, "prompt_tokens_mismatch", detail, evidence, result.measurements, result.state
+    )
 
 
 def excerpt(text: str, around: int | None = None) -> str:

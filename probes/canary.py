@@ -43,32 +43,21 @@ from probes.base import (
     excerpt,
     unjudgeable,
 )
+from probes.base import (
+    prompt_tokens_dropped as prompt_tokens_dropped,
+)
 from probes.canaries import marker_hash, redact_markers
 
 #: Short on purpose: the reference worker echoes its prompt from position 0, real models copy it.
 REPEAT_PROMPT = "Repeat this code exactly, with nothing else: {marker}"
 #: Enough for an echoing model to reach past the nonce (the prompt is 90 characters).
 MAX_TOKENS = 96
-#: An engine that reports fewer prompt tokens than this share of what it was sent dropped the prompt.
-MIN_REPORTED_SHARE = 0.5
-# Without a tokenizer count, only the incident's own signature is certain: one token for a prompt.
-_TINY_REPORT = 1
-
 _SEVERITY = {Verdict.MISMATCH: 2, Verdict.ERROR: 1, Verdict.PASS: 0}
 
 
 def repeat_prompt(marker: str) -> str:
     """Return the prompt that asks a model to repeat ``marker``."""
     return REPEAT_PROMPT.format(marker=marker)
-
-
-def prompt_tokens_dropped(sent: int | None, reported: int | None) -> bool:
-    """Return True when ``reported`` prompt tokens are implausibly few for ``sent`` (None: unknown)."""
-    if reported is None:
-        return False
-    if sent:
-        return reported < MIN_REPORTED_SHARE * sent
-    return reported <= _TINY_REPORT
 
 
 @dataclass
@@ -131,7 +120,7 @@ class CanaryProbe(Probe):
             temperature=0.0,
             seed=0,
         )
-        c = await ctx.complete(tenant, request)
+        c = await ctx.complete(tenant, request, sent_tokens=sent)
         verdict, reason, detail = _judge_answer(c, prompt, marker, sent)
         return TenantCheck(tenant, marker_id, marker_hash(marker), sent, c, verdict, reason, detail)
 
