@@ -36,10 +36,14 @@ from monitor.storage import outbox
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts
 from monitor.storage.results import prune_expired
+from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.canaries import MarkerBook
 
 log = logging.getLogger("kvcanary")
+
+#: What a node's configuration change re-runs at once (the capacity audit that saw it has just run).
+REAUDIT_KINDS = ("version", "boundary")
 
 
 class Monitor:
@@ -77,6 +81,7 @@ class Monitor:
         self.runner = ProbeRunner(
             settings, self.clients, self.markers, self.metrics, self.recorder, self._summarised
         )
+        self.runner.on_config_change = self._reaudit
         self.pager: Pager | None = None
         self._pager_task: asyncio.Task[None] | None = None
         if settings.alertmanagers:
@@ -106,6 +111,17 @@ class Monitor:
             self.pager.nudge()  # an incident changed: page now, not at the next poll
         if self.on_summary is not None:
             self.on_summary(summary)
+
+    def _reaudit(self, target: TargetConfig, node: str) -> None:
+        """A node's configuration changed: run the deployment audits now, not at their next interval."""
+        now = datetime.now(UTC)
+        due = [k for k in REAUDIT_KINDS if k in target.probes]
+        for kind in due:
+            job = self.scheduler.get_job(f"probe:{target.name}:{kind}")
+            if job is not None:
+                job.modify(next_run_time=now)
+        where = f"{target.name}@{node}" if node else target.name
+        log.warning("configuration of %s changed: re-auditing %s now", where, ", ".join(due) or "nothing")
 
     def _outbox_backlog(self) -> tuple[int, float]:
         with self.read_session_factory() as session:

@@ -117,9 +117,10 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 def _ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
+    name = proc.args[0] if isinstance(proc.args, list) else proc.args
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} (see its log in the workdir)")
+            raise RuntimeError(f"{name!s} exited with {proc.returncode} (see its log in the workdir)")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
                 return

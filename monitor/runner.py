@@ -106,6 +106,8 @@ class ProbeRunner:
         self.metrics = metrics
         self.recorder = recorder
         self.on_summary = on_summary
+        #: Called with (target, node) when a capacity audit saw the node's configuration change.
+        self.on_config_change: Callable[[TargetConfig, str], None] | None = None
         self._slots = asyncio.Semaphore(settings.scheduler.max_concurrency)
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
         self._states: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -144,6 +146,8 @@ class ProbeRunner:
         log.info("%s: %s (%s) in %.2fs", where, result.verdict.value, result.reason, duration)
         if self.on_summary:
             self.on_summary(summary)
+        if result.measurements.get("config_changed") and self.on_config_change is not None:
+            self.on_config_change(target, key[2])
         return summary
 
     async def drain(self, timeout: float) -> int:

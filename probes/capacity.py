@@ -21,10 +21,17 @@ Why the verdict is sound: it compares two numbers the node states about itself, 
 
 The result's measurements carry the figures (window, each pool, the lowest ratio); the runner
 exports them as ``kvcanary_node_kv_pool_tokens`` and ``kvcanary_node_context_window_tokens``.
+
+Every run also fingerprints the node's configuration — window, pools, version, mode and every fact
+the engine states (model, quantization, parallelism, memory fraction...) — and keeps it in its
+state. A fingerprint that differs from the previous run's is a configuration change: the evidence
+says what changed (``config_change``) and the runner re-runs the deployment audits at once.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from pydantic import Field
@@ -48,7 +55,8 @@ class CapacityProbe(Probe):
     kind = "capacity"
     scope = "node"
     options_model = CapacityOptions
-    default_interval_seconds = 300.0
+    # Cheap (one lookup, no completion) and the first to see a changed node: run it often.
+    default_interval_seconds = 60.0
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         node = ctx.node or ctx.target.nodes[0]
@@ -63,7 +71,8 @@ class CapacityProbe(Probe):
         if missing or window is None:
             detail = f"{' and '.join(missing)} not published by {node.info_url} (looked at {found.source})"
             return ProbeResult(Verdict.ERROR, "capacity_unknown", detail, evidence)
-        return judge_capacity(window, pools, float(ctx.options.get("headroom", DEFAULT_HEADROOM)), evidence)
+        result = judge_capacity(window, pools, float(ctx.options.get("headroom", DEFAULT_HEADROOM)), evidence)
+        return _with_fingerprint(result, configuration(found), ctx.state)
 
 
 def judge_capacity(
@@ -86,6 +95,47 @@ def judge_capacity(
         detail = f"{figures}: below the {headroom:g}x headroom target"
         return ProbeResult(Verdict.PASS, "headroom_below_target", detail, evidence, measurements)
     return ProbeResult(Verdict.PASS, "headroom_ok", f"{figures}", evidence, measurements)
+
+
+def configuration(found: ServerCapacity) -> dict[str, str]:
+    """Return what the node states about its configuration, flat and as strings: what a change is of."""
+    config = {f"fact.{k}": v for k, v in found.facts.items()}
+    config.update({f"pool.{k}": str(v) for k, v in found.pools.items()})
+    for name in (
+        "context_window",
+        "kv_pool_tokens",
+        "max_req_input_len",
+        "page_size",
+        "disaggregation_mode",
+        "version",
+    ):
+        value = getattr(found, name)
+        if value is not None:
+            config[name] = str(value)
+    return config
+
+
+def fingerprint(config: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _with_fingerprint(result: ProbeResult, config: dict[str, str], previous: dict[str, Any]) -> ProbeResult:
+    """Keep the node's configuration in state; say what changed since the previous run, if anything."""
+    now = fingerprint(config)
+    result.state = {"fingerprint": now, "config": config}
+    before = previous.get("config")
+    if isinstance(before, dict) and previous.get("fingerprint") not in (None, now):
+        changed = {k: [before.get(k), config.get(k)] for k in sorted(set(before) | set(config))
+                   if before.get(k) != config.get(k)}  # fmt: skip
+        result.evidence["config_change"] = {
+            "before": previous["fingerprint"],
+            "after": now,
+            "changed": changed,
+        }
+        result.measurements["config_changed"] = 1
+        result.detail += f"; configuration changed ({', '.join(list(changed)[:6])})"
+    result.evidence["fingerprint"] = now
+    return result
 
 
 def _evidence(

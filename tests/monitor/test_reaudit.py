@@ -1,0 +1,104 @@
+"""Re-audit on change: a node restarted with a new configuration is audited again within seconds.
+
+`kvcanary serve` runs against a reference worker in the incident's configuration (prefill pool far
+below the context window, placeholder admission); `version` and `boundary` are scheduled an hour
+apart, `capacity` every second. The worker is restarted on the same port with a fixed configuration:
+the capacity audit sees the fingerprint change, records what changed (as an event on the open
+incident too), and the monitor runs `version` and `boundary` at once instead of an hour later.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import REPO, WorkerProcess, free_port, stop_process, wait_http
+from tests.services import wait_for
+
+POOL = ["--mode", "disaggregated", "--context-window", "8192", "--decode-pool-tokens", "16384"]
+BEFORE = [*POOL, "--prefill-pool-tokens", "1024", "--admission", "placeholder"]
+AFTER = [*POOL, "--prefill-pool-tokens", "16384", "--admission", "reject"]
+INTERVALS = {"capacity": 1.0, "version": 3600.0, "boundary": 3600.0}
+TOKEN = "reaudit-test-token-0123456789"
+
+
+@pytest.fixture
+def monitor(tmp_path: Path, start_worker: Callable[..., WorkerProcess]) -> Iterator[dict[str, Any]]:
+    worker = start_worker(*BEFORE)
+    port = free_port()
+    config = {
+        "database_url": f"sqlite:///{tmp_path / 'kvcanary.db'}",
+        "api": {"listen": f"127.0.0.1:{port}"},
+        "scheduler": {"jitter_seconds": 0.1},
+        "targets": [
+            {
+                "name": "glm",
+                "base_url": worker.url,
+                "engine": "reference",
+                "model": "kvcanary-reference",
+                "tenants": [{"name": "a"}, {"name": "b"}],
+                "probes": list(INTERVALS),
+                "probe_intervals": INTERVALS,
+                "timeout_seconds": 15,
+            }
+        ],
+    }
+    path = tmp_path / "kvcanary.yml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "KVCANARY_API_TOKEN": TOKEN}
+    run = [sys.executable, "-m", "monitor"]
+    subprocess.run([*run, "db", "upgrade", "--config", str(path)], check=True, cwd=REPO, env=env, timeout=60)
+    log = tmp_path / "monitor.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*run, "serve", "--config", str(path)], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=REPO, env=env, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/healthz", timeout=60, proc=proc)
+    yield {"url": url, "worker": worker, "log": log, "start_worker": start_worker}
+    stop_process(proc, timeout=30)
+
+
+def results(url: str, probe: str) -> list[dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    response = httpx.get(
+        f"{url}/api/v1/probe-results", params={"probe": probe, "limit": 500}, headers=headers
+    )
+    assert response.status_code == 200, response.text
+    return list(response.json()["items"])
+
+
+def test_a_node_restarted_with_a_new_configuration_is_audited_again_at_once(monitor: dict[str, Any]) -> None:
+    url, worker = monitor["url"], monitor["worker"]
+    wait_for(lambda: results(url, "boundary") and results(url, "version"), 60, "the first audits")
+    before = {p: len(results(url, p)) for p in ("version", "boundary")}
+    mismatch = results(url, "capacity")[0]
+    assert mismatch["verdict"] == "mismatch" and mismatch["reason"] == "pool_below_context_window"
+
+    worker.stop()
+    monitor["start_worker"](*AFTER, port=worker.port)
+    restarted = time.monotonic()
+
+    changed = wait_for(
+        lambda: [r for r in results(url, "capacity") if "config_change" in r["evidence"]], 30, "the change"
+    )
+    change = changed[0]["evidence"]["config_change"]["changed"]
+    assert change["pool.prefill"] == ["1024", "16384"] and change["fact.admission"] == [
+        "placeholder",
+        "reject",
+    ]
+    wait_for(
+        lambda: all(len(results(url, p)) > before[p] for p in before), 30, "version and boundary to run again"
+    )
+    elapsed = time.monotonic() - restarted
+    assert elapsed < 30  # not the hour their interval says
+    assert results(url, "boundary")[0]["verdict"] == "pass"  # the fixed node refuses over-capacity prompts
+    assert "configuration of glm changed: re-auditing version, boundary now" in monitor["log"].read_text()
