@@ -80,12 +80,13 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "corrupted_requests": ("vllm:corrupted_requests_total",),
         "ownership_checks": (),
         "admission_rejections": ("vllm:admission_rejections_total",),
-        "kv_transfer_failures": (),
+        "kv_transfer_failures": ("vllm:nixl_num_failed_transfers_total",),  # NixlConnector only
         "prefix_cache_queries": ("vllm:prefix_cache_queries_total",),
         "prefix_cache_hits": ("vllm:prefix_cache_hits_total",),
         "preemptions": ("vllm:num_preemptions_total",),
     },
-    # SGLang's srt/metrics/collector.py: PD transfer and bootstrap failures; nothing on page owners.
+    # SGLang's srt/metrics/collector.py (2026, commit 00ae9c15): PD transfer and bootstrap failures,
+    # retractions; nothing on page owners (tests/fixtures/engines/README.md).
     "sglang": {
         "ownership_violations": (),
         "placeholder_substitutions": (),
@@ -99,7 +100,7 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         ),
         "prefix_cache_queries": ("sglang:prompt_tokens_total",),
         "prefix_cache_hits": ("sglang:cached_tokens_total",),
-        "preemptions": (),
+        "preemptions": ("sglang:num_retracted_requests_total",),
     },
     # llama.cpp server (--metrics): prompt caching counters only.
     "llamacpp": {
