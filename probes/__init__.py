@@ -11,6 +11,8 @@ from probes.canary import CanaryProbe
 from probes.capacity import CapacityProbe
 from probes.counters import CountersProbe
 from probes.cross_tenant import CrossTenantProbe
+from probes.needle import NeedleProbe
+from probes.replay import ReplayProbe
 from probes.version import VersionProbe
 
 REGISTRY: dict[str, type[Probe]] = {
@@ -20,4 +22,6 @@ REGISTRY: dict[str, type[Probe]] = {
     "counters": CountersProbe,
     "capacity": CapacityProbe,
     "version": VersionProbe,
+    "needle": NeedleProbe,
+    "replay": ReplayProbe,
 }

@@ -96,6 +96,9 @@ class CanaryOptions(ProbeOptions):
     # Reasoning models may need more room before they repeat the nonce.
     max_tokens: int = Field(MAX_TOKENS, ge=1, le=8192)
     chat: bool = True
+    # Streams measure time to first token, but some servers (llama-cpp-python) send no usage in a
+    # stream, and without usage the prompt-token check cannot run: set false for those.
+    stream: bool = True
 
 
 class CanaryProbe(Probe):
@@ -116,7 +119,7 @@ class CanaryProbe(Probe):
             prompt=prompt,
             max_tokens=int(ctx.options.get("max_tokens", MAX_TOKENS)),
             chat=bool(ctx.options.get("chat", True)),
-            stream=True,
+            stream=bool(ctx.options.get("stream", True)),
             temperature=0.0,
             seed=0,
         )
