@@ -38,6 +38,7 @@ from monitor.storage.queries import open_incident_counts
 from monitor.storage.results import prune_expired
 from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
+from monitor.targets.wire import Limits
 from probes.canaries import MarkerBook
 
 log = logging.getLogger("kvcanary")
@@ -70,8 +71,9 @@ class Monitor:
         self.metrics = metrics or MonitorMetrics()
         self.metrics.watch_incidents(self._open_incident_counts, self._pairs)
         self.markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
+        limits = Limits(**settings.limits.model_dump())
         self.clients = {
-            t.name: OpenAIHttpTarget(t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants})
+            t.name: OpenAIHttpTarget(t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants}, limits=limits)
             for t in settings.targets
         }
         self.spool = open_spool(settings)

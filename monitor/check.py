@@ -17,6 +17,7 @@ from monitor.runner import execute_probe, runs_of
 from monitor.secrets import tenant_keys
 from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
+from monitor.targets.wire import Limits
 from probes.base import Node, ProbeResult, Verdict
 from probes.canaries import MarkerBook
 
@@ -24,9 +25,9 @@ EXIT_OK, EXIT_FAILED, EXIT_UNJUDGED = 0, 1, 3
 
 
 async def _check_target(
-    target: TargetConfig, keys: dict[str, str | None], markers: MarkerBook
+    target: TargetConfig, keys: dict[str, str | None], markers: MarkerBook, limits: Limits
 ) -> list[tuple[str, str, ProbeResult]]:
-    client = OpenAIHttpTarget(target, keys)
+    client = OpenAIHttpTarget(target, keys, limits=limits)
     try:
         rows = []
         for kind in target.probes:
@@ -46,8 +47,12 @@ async def _check_all(settings: Settings, only: list[str] | None) -> list[tuple[s
     keys = tenant_keys(settings)
     markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
     targets = [t for t in settings.targets if only is None or t.name in only]
+    limits = Limits(**settings.limits.model_dump())
     per_target = await asyncio.gather(
-        *(_check_target(t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants}, markers) for t in targets)
+        *(
+            _check_target(t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants}, markers, limits)
+            for t in targets
+        )
     )
     return [row for rows in per_target for row in rows]
 

@@ -92,6 +92,14 @@ class SpoolConfig(Strict):
     max_entries: int = Field(10_000, ge=10, le=10_000_000)
 
 
+class LimitsConfig(Strict):
+    """The most the monitor reads of anything a target sends (``monitor/targets/wire.py``)."""
+
+    response_bytes: int = Field(4 * 1024 * 1024, ge=4096, le=1024**3)
+    sse_line_bytes: int = Field(256 * 1024, ge=1024, le=1024**3)
+    lookup_bytes: int = Field(8 * 1024 * 1024, ge=4096, le=1024**3)
+
+
 class AlertmanagerConfig(Strict):
     """One Alertmanager (API v2). Written as a plain URL, or with auth whose secret is in env or a file."""
 
@@ -155,6 +163,7 @@ class Settings(Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     retention: RetentionConfig = RetentionConfig()
     spool: SpoolConfig = SpoolConfig()
+    limits: LimitsConfig = LimitsConfig()
     alertmanagers: list[AlertmanagerConfig] = Field(default_factory=list, max_length=16)
     alerting: AlertingConfig = AlertingConfig()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)

@@ -331,6 +331,8 @@ def unjudgeable(completion: Completion) -> str | None:
         return "rate_limited"
     if completion.status >= 500:
         return "server_error"
+    if kind == "too_large":
+        return "response_too_large"
     if completion.ok and kind is not None:
         return {"stream": "stream_error", "timeout": "timeout"}.get(kind, "protocol")
     if not completion.ok and not completion.refused:

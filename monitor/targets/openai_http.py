@@ -27,14 +27,17 @@ from monitor.target_config import TargetConfig
 from monitor.targets.capacity import apply_overrides, read_capacity
 from monitor.targets.scrape import parse_samples
 from monitor.targets.wire import (
+    DEFAULT_LIMITS,
     ERROR_BODY_BYTES,
-    LOOKUP_BODY_BYTES,
+    Limits,
+    ResponseTooLarge,
     StreamState,
     error_message,
     parse_body,
     read_bounded,
     read_limited,
     request_body,
+    sse_lines,
 )
 from probes.base import Completion, CompletionRequest, Fetched, Node, Scraped, ServerCapacity
 
@@ -56,6 +59,7 @@ class OpenAIHttpTarget:
         config: TargetConfig,
         api_keys: dict[str, str | None],
         transport: httpx.AsyncBaseTransport | None = None,
+        limits: Limits = DEFAULT_LIMITS,
     ):
         self.name = config.name
         self.tenants = [t.name for t in config.tenants]
@@ -67,6 +71,7 @@ class OpenAIHttpTarget:
         # Longest first, so a key that contains another is replaced whole.
         self._secrets = sorted(secrets, key=len, reverse=True)
         self._timeout = config.timeout_seconds
+        self._limits = limits
         self._client = httpx.AsyncClient(
             # Paths below start at /v1; a base URL written with its /v1 would double it.
             base_url=config.base_url.removesuffix("/v1"),
@@ -100,6 +105,8 @@ class OpenAIHttpTarget:
             state.fail("timeout", f"{type(exc).__name__} after {self._timeout:g}s")
         except httpx.ConnectError as exc:
             state.fail("connect", f"cannot connect to {self._config.base_url}: {exc}")
+        except ResponseTooLarge as exc:
+            state.fail("too_large", f"{exc}: read no further")
         except httpx.HTTPError as exc:
             state.fail("protocol", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # A monitor must survive any odd answer; say what it was.
@@ -129,13 +136,16 @@ class OpenAIHttpTarget:
                 return
             content_type = response.headers.get("content-type", "")
             if stream and "text/event-stream" in content_type:
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response, self._limits):
                     if not state.feed_sse_line(line, time.monotonic()):
                         break
                 state.finish_stream()
-            else:
-                # Some servers ignore ``stream``; a JSON body is as good an answer.
-                parse_body(await response.aread(), state, time.monotonic())
+                return
+            # Some servers ignore ``stream``; a JSON body is as good an answer.
+            raw, complete = await read_limited(response, self._limits.response_bytes)
+            if not complete:
+                raise ResponseTooLarge(f"the answer is over {self._limits.response_bytes} bytes")
+            parse_body(raw.encode(), state, time.monotonic())
 
     def _auth(self, tenant: str) -> dict[str, str]:
         key = self._keys.get(tenant)
@@ -156,25 +166,6 @@ class OpenAIHttpTarget:
 
     # --- lookups --------------------------------------------------------------------------------------
 
-    async def get_json(self, path: str) -> Any | None:
-        """GET ``path`` and return its JSON, or None on any failure."""
-        text = await self.get_text(path)
-        if text is None:
-            return None
-        try:
-            return json.loads(text)
-        except ValueError:
-            return None
-
-    async def get_text(self, path: str) -> str | None:
-        """GET ``path`` and return its body when the answer is 2xx, else None."""
-        try:
-            async with asyncio.timeout(self._timeout):
-                response = await self._client.get(path, headers=self._any_auth())
-        except (TimeoutError, httpx.HTTPError):
-            return None
-        return response.text if response.is_success else None
-
     async def fetch(self, url: str) -> Fetched:
         """GET an absolute ``url`` (a node's metrics or info) and return its body, bounded; never raise.
 
@@ -187,13 +178,14 @@ class OpenAIHttpTarget:
                 async with self._client.stream("GET", url, headers=headers) as response:
                     if not response.is_success:
                         return Fetched(None, f"HTTP {response.status_code} from {url}", response.status_code)
-                    body, complete = await read_limited(response, LOOKUP_BODY_BYTES)
+                    body, complete = await read_limited(response, self._limits.lookup_bytes)
         except TimeoutError:
             return Fetched(None, f"no answer from {url} within {self._timeout:g}s")
         except httpx.HTTPError as exc:
             return Fetched(None, self._scrub(f"cannot read {url}: {type(exc).__name__}: {exc}"))
         if not complete:
-            return Fetched(None, f"{url} sent more than {LOOKUP_BODY_BYTES} bytes", response.status_code)
+            too_much = f"{url} sent more than {self._limits.lookup_bytes} bytes"
+            return Fetched(None, too_much, response.status_code)
         return Fetched(body, None, response.status_code)
 
     async def scrape(self, url: str) -> Scraped:
@@ -226,7 +218,7 @@ class OpenAIHttpTarget:
         engine does not publish.
         """
         try:
-            found = await read_capacity(self, self.engine)
+            found = await read_capacity(NodeLookups(self, self._config.base_url), self.engine)
         except Exception:  # A lookup never breaks a probe: unknown is an answer.
             found = ServerCapacity(source="lookup failed")
         return apply_overrides(found, self._config.options.get("boundary", {}))
@@ -254,8 +246,9 @@ class OpenAIHttpTarget:
     async def _tokenize(self, path: str, body: dict[str, Any]) -> int | None:
         try:
             async with asyncio.timeout(self._timeout):
-                response = await self._client.post(path, json=body, headers=self._any_auth())
-            data = response.json() if response.is_success else None
+                async with self._client.stream("POST", path, json=body, headers=self._any_auth()) as response:
+                    raw, complete = await read_limited(response, self._limits.lookup_bytes)
+            data = json.loads(raw) if response.is_success and complete else None
         except (TimeoutError, httpx.HTTPError, ValueError):
             return None
         if not isinstance(data, dict):

@@ -8,6 +8,7 @@ bad answer: :class:`StreamState` records ``protocol`` or ``stream`` failures ins
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +18,45 @@ from probes.base import Completion, CompletionRequest
 
 #: How much of an error body is kept: enough for any engine's message, not a second copy of a prompt.
 ERROR_BODY_BYTES = 4096
-#: The most a lookup (server info, a /metrics page) may send: vLLM's /metrics is ~100 KB.
-LOOKUP_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The most the monitor reads of anything a target sends: exceeding one is an ``error`` verdict.
+
+    A probe's answer is at most a few thousand tokens; streamed, each token costs one SSE event of a
+    few hundred bytes: 8,192 tokens make about 2.5 MB. A lookup (server info, a /metrics page) is
+    ~100 KB on vLLM.
+    """
+
+    response_bytes: int = 4 * 1024 * 1024
+    sse_line_bytes: int = 256 * 1024
+    lookup_bytes: int = 8 * 1024 * 1024
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class ResponseTooLarge(Exception):
+    """A target sent more than a limit allows; ``str()`` says which."""
+
+
+async def sse_lines(response: httpx.Response, limits: Limits) -> AsyncIterator[str]:
+    """Yield the lines of an event stream, enforcing the line and the total byte limits while reading."""
+    pending = b""
+    total = 0
+    async for chunk in response.aiter_bytes():
+        total += len(chunk)
+        if total > limits.response_bytes:
+            raise ResponseTooLarge(f"the stream is over {limits.response_bytes} bytes")
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+        if len(pending) > limits.sse_line_bytes:
+            raise ResponseTooLarge(f"a stream line is over {limits.sse_line_bytes} bytes")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")
 _MESSAGE_CHARS = 500
 
 
@@ -91,7 +129,13 @@ async def read_bounded(response: httpx.Response, limit: int) -> str:
 
 
 async def read_limited(response: httpx.Response, limit: int) -> tuple[str, bool]:
-    """Return the body decoded leniently and whether it was complete; stop reading past ``limit`` bytes."""
+    """Return the body decoded leniently and whether it was complete; stop reading past ``limit`` bytes.
+
+    A ``Content-Length`` over the limit is refused before a byte is read.
+    """
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return "", False
     buf = bytearray()
     async for chunk in response.aiter_bytes():
         buf += chunk
