@@ -21,6 +21,8 @@ from monitor.runner import ProbeRunner
 log = logging.getLogger("kvcanary.scheduler")
 
 PRUNE_INTERVAL_SECONDS = 3600
+#: Housekeeping first runs this soon after start (or at its interval, when shorter).
+FIRST_HOUSEKEEPING_SECONDS = 30
 #: How often spooled results are offered to the database again.
 REPLAY_INTERVAL_SECONDS = 5
 
@@ -58,5 +60,8 @@ def build_scheduler(
             id=f"housekeeping:{name}",
             coalesce=True,
             max_instances=1,
+            # Soon after start, not an interval later: a restarted monitor prunes expired evidence
+            # and replays its spool within the first minute.
+            next_run_time=now + timedelta(seconds=min(interval, FIRST_HOUSEKEEPING_SECONDS)),
         )
     return scheduler

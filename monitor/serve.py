@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import FrameType
 
 import uvicorn
 
@@ -26,5 +27,27 @@ def serve_forever(settings: Settings) -> None:
         api.listen,
         "required" if monitor.token else "none, local-only",
     )
-    # uvicorn turns SIGTERM into a graceful shutdown; the app's lifespan then stops the scheduler.
-    uvicorn.run(app, host=api.host, port=api.port, log_level="warning", lifespan="on")
+    grace = api.shutdown_grace_seconds
+    config = uvicorn.Config(
+        app,
+        host=api.host,
+        port=api.port,
+        log_level="warning",
+        lifespan="on",
+        # Requests still open after the grace (a run-now waiting on a hung target) are cut, not awaited.
+        timeout_graceful_shutdown=max(1, round(grace)),
+    )
+    _Server(config, monitor).run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the monitor the moment a signal asks it to stop."""
+
+    def __init__(self, config: uvicorn.Config, monitor: Monitor):
+        super().__init__(config)
+        self._monitor = monitor
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Stop scheduling at once: uvicorn first waits for open requests, and probes must not go on.
+        self._monitor.begin_shutdown()
+        super().handle_exit(sig, frame)

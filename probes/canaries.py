@@ -24,9 +24,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MARKER_RE = re.compile(r"KVC-([0-9a-f]{8})-([0-9a-f]{32})")
+# Case-insensitive: a model (or a gateway) that upper-cases what it copies still hands the marker on.
+MARKER_RE = re.compile(r"KVC-([0-9a-f]{8})-([0-9a-f]{32})", re.IGNORECASE)
 # Partial markers (a page boundary can cut one) are redacted too: keep the id, hide the rest.
-_PARTIAL_RE = re.compile(r"(KVC-[0-9a-f]{8})-[0-9a-f]+|(?<![0-9a-f])[0-9a-f]{24,}")
+_PARTIAL_RE = re.compile(r"(KVC-[0-9a-f]{8})-[0-9a-f]+|(?<![0-9a-f])[0-9a-f]{24,}", re.IGNORECASE)
+# Key-like strings another tenant's text may carry: API keys, bearer tokens, long opaque secrets.
+_KEY_RE = re.compile(
+    r"\b(?:sk|pk|rk|api|key|token|secret)[-_][A-Za-z0-9_\-]{8,}|\bbearer\s+[A-Za-z0-9_.~+/=\-]{8,}"
+    r"|(?<![A-Za-z0-9_\-])[A-Za-z0-9_\-]{32,}(?![A-Za-z0-9_\-])",
+    re.IGNORECASE,
+)
 REDACTED = "-<redacted>"
 
 # Minutes are counted from 2026-01-01 UTC in 24 bits: the count wraps after 31 years, and ages are
@@ -42,8 +49,10 @@ def marker_hash(marker: str) -> str:
 
 
 def redact_markers(text: str) -> str:
-    """Return ``text`` with every marker secret (whole or cut) replaced, ids kept."""
-    return _PARTIAL_RE.sub(lambda m: (m.group(1) + REDACTED) if m.group(1) else "<redacted>", text)
+    """Return ``text`` with every marker secret (whole or cut, any case) and every key-like string
+    replaced; marker ids are kept, since evidence names markers by them."""
+    text = _PARTIAL_RE.sub(lambda m: (m.group(1) + REDACTED) if m.group(1) else "<redacted>", text)
+    return _KEY_RE.sub("<redacted>", text)
 
 
 @dataclass(frozen=True)
@@ -111,13 +120,13 @@ class MarkerBook:
 
     def scan(self, text: str, *, target: str, reader: str) -> list[LeakHit]:
         """Return the live markers in ``text`` that belong to anyone but (target, reader)."""
-        if not text or "KVC-" not in text:
+        if not text or ("KVC-" not in text and "kvc-" not in text.lower()):
             return []
         reader_tag = self._owner_tag(target, reader)
         now_minute = self._minute(self._clock())
         hits: list[LeakHit] = []
         for match in MARKER_RE.finditer(text):
-            tag = self._open(match.group(1), match.group(2), now_minute)
+            tag = self._open(match.group(1).lower(), match.group(2).lower(), now_minute)
             if tag is None or tag == reader_tag:
                 continue
             owner_target, owner_tenant = self._owners.get(tag, (UNKNOWN_OWNER, UNKNOWN_OWNER))
@@ -125,8 +134,8 @@ class MarkerBook:
             excerpt = redact_markers(text[start : match.end() + 48])
             hits.append(
                 LeakHit(
-                    match.group(1),
-                    marker_hash(match.group(0)),
+                    match.group(1).lower(),
+                    marker_hash(match.group(0)[:4] + match.group(0)[4:].lower()),
                     owner_target,
                     owner_tenant,
                     target,

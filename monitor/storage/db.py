@@ -11,6 +11,8 @@ datetime handed in is taken to be UTC.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import DateTime, Engine, MetaData, create_engine, event
+from sqlalchemy import DateTime, Engine, MetaData, create_engine, event, make_url
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
@@ -99,6 +101,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     # Parameters can hold probe evidence; keep them out of error messages and logs.
     kwargs.setdefault("hide_parameters", True)
     if url.startswith("sqlite"):
+        _create_private(url)
         connect_args = {"check_same_thread": False, "timeout": 15.0, **kwargs.pop("connect_args", {})}
         engine = create_engine(url, connect_args=connect_args, **kwargs)
         event.listen(engine, "connect", _sqlite_on_connect)
@@ -108,6 +111,15 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     # minutes without a connect timeout, and the verdict would wait instead of going to the spool.
     connect_args = {"connect_timeout": 5, **kwargs.pop("connect_args", {})}
     return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+
+
+def _create_private(url: str) -> None:
+    """Create a new SQLite file readable by its owner only (0600): it holds failure evidence."""
+    path = make_url(url).database
+    if not path or path == ":memory:" or path.startswith("file:") or os.path.exists(path):
+        return
+    with contextlib.suppress(OSError):  # a missing folder: SQLite says so itself, naming the path
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
 
 
 def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:

@@ -92,3 +92,19 @@ def test_markers_keep_their_published_shape_and_are_redacted_whole_or_cut() -> N
     assert MARKER_RE.fullmatch(marker)
     assert redact_markers(f"x {marker} y") == f"x KVC-{marker_id}-<redacted> y"
     assert redact_markers(marker[:30]) == f"KVC-{marker_id}-<redacted>"
+
+
+def test_a_marker_copied_in_upper_case_is_still_recognised_and_redacted() -> None:
+    book = MarkerBook()
+    marker_id, marker = book.plant("glm", "alice")
+    (hit,) = book.scan(f"echo: {marker.upper()}", target="glm", reader="bob")
+    assert (hit.marker_id, hit.digest) == (marker_id, marker_hash(marker))
+    assert marker.upper()[13:] not in redact_markers(marker.upper())
+
+
+def test_key_like_strings_are_redacted_from_evidence() -> None:
+    text = "use sk-Live_4f9a8b7c6d5e and Bearer abcDEF123456789 or TOKEN_ABCDEFGH1234 then " + "Zq9" * 12
+    cleaned = redact_markers(text)
+    for secret in ("sk-Live_4f9a8b7c6d5e", "abcDEF123456789", "TOKEN_ABCDEFGH1234", "Zq9" * 12):
+        assert secret not in cleaned
+    assert redact_markers("the quick brown fox, 1,048,576 tokens") == "the quick brown fox, 1,048,576 tokens"
