@@ -80,6 +80,7 @@ class Monitor:
         self.metrics.watch_spool(self.spool)
         self.recorder = Recorder(settings, self.session_factory, self.spool)
         self.on_summary = on_summary
+        self._stopping = False
         self.runner = ProbeRunner(
             settings, self.clients, self.markers, self.metrics, self.recorder, self._summarised
         )
@@ -171,12 +172,20 @@ class Monitor:
         if self.pager is not None and self._pager_task is None:
             self._pager_task = asyncio.get_running_loop().create_task(self.pager.run_forever())
 
-    async def stop(self, drain_seconds: float = 10.0) -> None:
-        """Stop scheduling, let runs in flight finish (cancelling stragglers), close clients."""
-        # Pause first: shutting APScheduler's asyncio executor down cancels the jobs it is running.
-        if self.scheduler.running:
+    def begin_shutdown(self) -> None:
+        """Stop scheduling now (a signal arrived); :meth:`stop` follows once uvicorn lets go."""
+        if self.scheduler.running and not self._stopping:
+            # Pause, not shut down: shutting APScheduler's asyncio executor down cancels its jobs.
             self.scheduler.pause()
-        cancelled = await self.runner.drain(drain_seconds)
+            grace = self.settings.api.shutdown_grace_seconds
+            log.info("stopping: no new probe runs; runs in flight get %.0fs", grace)
+        self._stopping = True
+
+    async def stop(self, drain_seconds: float | None = None) -> None:
+        """Stop scheduling, let runs in flight finish (cancelling stragglers), close clients."""
+        self.begin_shutdown()
+        grace = self.settings.api.shutdown_grace_seconds if drain_seconds is None else drain_seconds
+        cancelled = await self.runner.drain(grace)
         if cancelled:
             log.warning("cancelled %d probe run(s) still in flight at shutdown", cancelled)
         if self.scheduler.running:

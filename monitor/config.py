@@ -33,6 +33,10 @@ class ApiConfig(Strict):
     local_only: bool = False
     # How people reach this monitor: links in alerts (incidents, runbooks). Default: http://<listen>.
     public_url: str | None = Field(None, max_length=2048)
+    # SIGTERM: probing stops at once; runs and requests still going after this long are cancelled.
+    shutdown_grace_seconds: float = Field(5.0, ge=0, le=600)
+    # A target run on request (POST .../run) is not run again on request sooner than this.
+    run_now_min_interval_seconds: float = Field(10.0, ge=0, le=86400)
 
     @field_validator("public_url")
     @classmethod
