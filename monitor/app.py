@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from apscheduler.events import EVENT_JOB_SUBMITTED, JobSubmissionEvent
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy.orm import Session, sessionmaker
@@ -37,7 +38,7 @@ from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts
 from monitor.storage.results import prune_expired
 from monitor.target_config import TargetConfig
-from monitor.targets.openai_http import OpenAIHttpTarget
+from monitor.targets.openai_http import OpenAIHttpTarget, shared_client
 from monitor.targets.wire import Limits
 from probes.canaries import MarkerBook
 
@@ -72,8 +73,12 @@ class Monitor:
         self.metrics.watch_incidents(self._open_incident_counts, self._pairs)
         self.markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
         limits = Limits(**settings.limits.model_dump())
+        # One connection pool and TLS context for every target (not one per target).
+        self.http = shared_client(max(64, settings.scheduler.max_concurrency * 4))
         self.clients = {
-            t.name: OpenAIHttpTarget(t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants}, limits=limits)
+            t.name: OpenAIHttpTarget(
+                t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants}, limits=limits, client=self.http
+            )
             for t in settings.targets
         }
         self.spool = open_spool(settings)
@@ -100,6 +105,7 @@ class Monitor:
                 ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
             ],
         )
+        self.scheduler.add_listener(self._submitted, EVENT_JOB_SUBMITTED)
 
     def _pairs(self) -> Iterable[tuple[str, str, str]]:
         return [
@@ -114,6 +120,12 @@ class Monitor:
             self.pager.nudge()  # an incident changed: page now, not at the next poll
         if self.on_summary is not None:
             self.on_summary(summary)
+
+    def _submitted(self, event: JobSubmissionEvent) -> None:
+        prefix, _, rest = event.job_id.partition(":")
+        if prefix == "probe" and event.scheduled_run_times:
+            target, _, kind = rest.rpartition(":")
+            self.runner.note_due(target, kind, event.scheduled_run_times[-1])
 
     def _reaudit(self, target: TargetConfig, node: str) -> None:
         """A node's configuration changed: run the deployment audits now, not at their next interval."""
@@ -193,6 +205,7 @@ class Monitor:
         await self._stop_pager()
         for client in self.clients.values():
             await client.aclose()
+        await self.http.aclose()
         if len(self.spool):
             await asyncio.to_thread(self.recorder.replay)
         if len(self.spool):

@@ -76,6 +76,7 @@ def record_result(
     retention: RetentionConfig,
     now: datetime | None = None,
     node: str = "",
+    target_id: int | None = None,
 ) -> RecordOutcome:
     """Store ``result`` for (``target_name``, ``probe``) and apply the incident rules; flush, don't commit.
 
@@ -83,7 +84,8 @@ def record_result(
     with ``expires_at`` = ``started_at`` + ``retention.pass_days`` for a pass, else
     ``retention.failure_days``, then open, attach, escalate or resolve as the module docstring says.
     ``now`` (default: the current time) stamps incident changes and events. ``node`` scopes the
-    result and its incident to one node of the target (empty: the target as a whole).
+    result and its incident to one node of the target (empty: the target as a whole). A known
+    ``target_id`` (of a target row with these very values) skips the upsert.
     Raise ValueError for a verdict outside pass|leak|mismatch|error.
     """
     now = as_utc(now) if now is not None else utcnow()
@@ -95,9 +97,10 @@ def record_result(
         duration_seconds=duration_seconds,
         retention=retention,
     )
-    target_id = upsert_target(
-        session, name=target_name, engine=engine, base_url=base_url, model=model, now=now
-    )
+    if target_id is None:
+        target_id = upsert_target(
+            session, name=target_name, engine=engine, base_url=base_url, model=model, now=now
+        )
     row.target_id = target_id
     session.add(row)
     session.flush()
@@ -232,5 +235,3 @@ def _error_against(session: Session, rec: Recording, current: Row[Any]) -> Recor
     if session.execute(stmt).rowcount != 1:  # type: ignore[attr-defined]
         return None
     return rec.outcome(current.id, None, current.severity)
-
-

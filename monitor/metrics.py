@@ -26,6 +26,7 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 SEVERITIES = ("critical", "high", "warning")
 TOKEN_KINDS = ("prompt", "completion")
 DELIVERY_OUTCOMES = ("accepted", "rejected", "failed")
+LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 # Probe runs range from a 20 ms canary to a boundary probe that ships millions of tokens.
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -178,6 +179,12 @@ class MonitorMetrics:
             "kvcanary_node_context_window_tokens",
             "Context window a node advertised at its last capacity audit.",
             ["target", "node"],
+            registry=self.registry,
+        )
+        self.schedule_lag = Histogram(
+            "kvcanary_schedule_lag_seconds",
+            "Seconds from when a scheduled run was due to when it started (after waiting for a slot).",
+            buckets=LAG_BUCKETS,
             registry=self.registry,
         )
         self.tokens = Counter(

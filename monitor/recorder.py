@@ -52,6 +52,8 @@ class Recorder:
         self.spool = spool
         self.unstorable = 0
         self._replaying = threading.Lock()
+        # Target rows by (name, engine, base_url, model): the upsert's SELECT is not paid on every run.
+        self._target_ids: dict[tuple[str, str, str, str], int] = {}
 
     def record(
         self,
@@ -151,6 +153,19 @@ class Recorder:
             return None
 
     def _insert(self, item: PendingResult, result: ProbeResult) -> RecordOutcome:
+        key = (item.target, item.engine, item.base_url, item.model)
+        try:
+            outcome = self._insert_once(item, result, self._target_ids.get(key))
+        except _UNAVAILABLE:
+            raise
+        except Exception:
+            if self._target_ids.pop(key, None) is None:
+                raise
+            outcome = self._insert_once(item, result, None)  # the row may be gone: upsert it again
+        self._target_ids[key] = outcome.target_id
+        return outcome
+
+    def _insert_once(self, item: PendingResult, result: ProbeResult, target_id: int | None) -> RecordOutcome:
         with self.session_factory() as session, session.begin():
             outcome = record_result(
                 session,
@@ -166,6 +181,7 @@ class Recorder:
                 retention=self.settings.retention,
                 now=datetime.fromisoformat(item.attempted_at),
                 node=item.node,
+                target_id=target_id,
             )
             if item.state is not None:
                 save_state(

@@ -27,10 +27,6 @@ from probes.canaries import MarkerBook
 
 log = logging.getLogger("kvcanary.runner")
 
-# A probe may make several requests (the boundary probe tokenizes, then sends a huge prompt),
-# so its budget is a few request timeouts.
-PROBE_TIMEOUT_FACTOR = 4
-
 
 @dataclass(frozen=True)
 class RunSummary:
@@ -75,7 +71,8 @@ async def execute_probe(
     ctx = ProbeContext(client, markers, options=target.options.get(kind, {}), node=node, state=state)
     started = time.monotonic()
     try:
-        result = await asyncio.wait_for(probe.run(ctx), timeout=target.timeout_seconds * PROBE_TIMEOUT_FACTOR)
+        budget = target.timeout_seconds * probe.budget_timeouts
+        result = await asyncio.wait_for(probe.run(ctx), timeout=budget)
     except TimeoutError:
         result = ProbeResult.error("probe_timeout", f"the probe took longer than its budget on {target.name}")
     except Exception as exc:  # a probe bug is an error verdict, never a crash of the service
@@ -112,10 +109,16 @@ class ProbeRunner:
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
         self._states: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._in_flight: set[asyncio.Task[Any]] = set()
+        # When each scheduled run was due, noted by the scheduler as it submits the run.
+        self._due: dict[tuple[str, str], datetime] = {}
         for target in settings.targets:
             metrics.declare(target.name, {kind: target.interval_for(kind) for kind in target.probes})
             for tenant in target.tenants:
                 markers.register(target.name, tenant.name)
+
+    def note_due(self, target: str, kind: str, due: datetime) -> None:
+        """Remember when the scheduled run of (target, kind) about to start was due (for its lag)."""
+        self._due[(target, kind)] = due
 
     async def run(self, target_name: str, kind: str) -> list[RunSummary]:
         """Run one probe kind on one target (on each of its nodes when node-scoped) and record each
@@ -127,11 +130,18 @@ class ProbeRunner:
         if task is not None:
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
-        return list(await asyncio.gather(*(self._run_one(target, kind, n) for n in runs_of(target, kind))))
+        due = self._due.pop((target_name, kind), None)
+        return list(
+            await asyncio.gather(*(self._run_one(target, kind, n, due) for n in runs_of(target, kind)))
+        )
 
-    async def _run_one(self, target: TargetConfig, kind: str, node: Node | None) -> RunSummary:
+    async def _run_one(
+        self, target: TargetConfig, kind: str, node: Node | None, due: datetime | None = None
+    ) -> RunSummary:
         key = (target.name, kind, node.name if node else "")
         async with self._locks.setdefault(key, asyncio.Lock()), self._slots:
+            if due is not None:
+                self.metrics.schedule_lag.observe(max(0.0, (datetime.now(UTC) - due).total_seconds()))
             state = await self._state(key)
             started_at = datetime.now(UTC)
             result, duration = await execute_probe(

@@ -7,8 +7,8 @@ into one run. Concurrency across jobs is bounded by the runner's semaphore.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import random
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -29,12 +29,19 @@ REPLAY_INTERVAL_SECONDS = 5
 Housekeeping = tuple[str, Callable[[], Awaitable[None]], float]
 
 
+def spread(target: str, kind: str) -> float:
+    """Return a stable fraction in [0, 1) for (target, kind): where in its interval its runs fall."""
+    digest = hashlib.blake2b(f"{target}\0{kind}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
 def build_scheduler(
     settings: Settings, runner: ProbeRunner, housekeeping: Sequence[Housekeeping] = ()
 ) -> AsyncIOScheduler:
     """Return a scheduler (not started) with a job for every configured (target, probe).
 
-    First runs are staggered over a couple of seconds so a restart does not fire every probe at once.
+    First runs are spread evenly over each interval, by a hash of (target, probe): a restart (or
+    5,000 targets) does not fire every probe in one burst, and replicas agree on the offsets.
     ``housekeeping`` adds ``(name, coroutine function, interval seconds)`` jobs (pruning, replay).
     """
     scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"misfire_grace_time": 30})
@@ -51,7 +58,7 @@ def build_scheduler(
                 name=f"{kind} on {target.name}",
                 coalesce=True,
                 max_instances=1,
-                next_run_time=now + timedelta(seconds=random.uniform(0.2, 0.2 + min(2.0, interval / 4))),
+                next_run_time=now + timedelta(seconds=0.2 + spread(target.name, kind) * interval),
             )
     for name, func, interval in housekeeping:
         scheduler.add_job(

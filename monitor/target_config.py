@@ -106,7 +106,9 @@ class TargetConfig(Strict):
     timeout_seconds: float = Field(30.0, gt=0, le=3600)
     probes: list[str] = Field(default_factory=lambda: ["canary", "cross_tenant", "boundary"], min_length=1)
     # Per-kind interval override; the boundary probe is large and runs on its own, longer clock.
-    probe_intervals: dict[str, float] = Field(default_factory=lambda: {"boundary": 300.0})
+    # Per-kind interval override. Without one a kind runs at interval_seconds, or at its own default
+    # when that is longer: large or costly kinds (boundary, version, needle, prefix_cache) run less often.
+    probe_intervals: dict[str, float] = Field(default_factory=dict)
     # Per-kind options handed to the probe (e.g. boundary: {max_prompt_tokens: 2000000}).
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # The serving nodes behind base_url; none listed: one node at base_url.
@@ -173,7 +175,11 @@ class TargetConfig(Strict):
         return self
 
     def interval_for(self, kind: str) -> float:
-        return float(self.probe_intervals.get(kind, self.interval_seconds))
+        """Return the seconds between runs of ``kind``: stated, else the longer of both defaults."""
+        if kind in self.probe_intervals:
+            return float(self.probe_intervals[kind])
+        own = REGISTRY[kind].default_interval_seconds
+        return max(float(self.interval_seconds), own) if own is not None else float(self.interval_seconds)
 
     def node_list(self) -> list[Node]:
         """Return the target's nodes with every URL filled in; one unnamed node at base_url by default."""

@@ -12,6 +12,7 @@ from probes.capacity import CapacityProbe
 from probes.counters import CountersProbe
 from probes.cross_tenant import CrossTenantProbe
 from probes.needle import NeedleProbe
+from probes.prefix_cache import PrefixCacheProbe
 from probes.replay import ReplayProbe
 from probes.version import VersionProbe
 
@@ -24,4 +25,5 @@ REGISTRY: dict[str, type[Probe]] = {
     "version": VersionProbe,
     "needle": NeedleProbe,
     "replay": ReplayProbe,
+    "prefix_cache": PrefixCacheProbe,
 }

@@ -293,8 +293,12 @@ class Probe(ABC):
 
     kind: ClassVar[str]
     options_model: ClassVar[type[ProbeOptions]] = ProbeOptions
-    #: Default seconds between runs when the target does not say; large probes run less often.
-    default_interval_seconds: ClassVar[float] = 30.0
+    #: Seconds between runs when the target states none for this kind: None follows the target's
+    #: interval; costly kinds set their own (never shorter than the target's).
+    default_interval_seconds: ClassVar[float | None] = None
+    #: A run's budget, in request timeouts of its target: most kinds send a few requests one after
+    #: another; a timing audit sends hundreds.
+    budget_timeouts: ClassVar[float] = 4.0
     #: ``target``: one run judges the serving path; ``node``: the runner runs the probe once per
     #: node (``ctx.node``), and each node's result and incident stand alone.
     scope: ClassVar[str] = "target"

@@ -27,6 +27,7 @@ model name or parameter, not a KV fault); long-lasting errors raise their own wa
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,23 @@ REPEAT_PROMPT = "Repeat this code exactly, with nothing else: {marker}"
 #: Enough for an echoing model to reach past the nonce (the prompt is 90 characters).
 MAX_TOKENS = 96
 _SEVERITY = {Verdict.MISMATCH: 2, Verdict.ERROR: 1, Verdict.PASS: 0}
+
+
+#: How long one count of the canary prompt's tokens is trusted: a tokenizer changes only with the model.
+COUNT_TTL_SECONDS = 600.0
+PROMPT_CHARS = len(REPEAT_PROMPT.format(marker="KVC-00000000-" + "0" * 32))
+
+
+def _counted(state: dict[str, Any], now: float) -> int | None:
+    """Return the prompt's token count kept in state, while it is fresh and for this prompt's shape."""
+    count, at = state.get("prompt_tokens"), state.get("counted_at")
+    if (
+        not isinstance(count, int)
+        or not isinstance(at, int | float)
+        or state.get("prompt_chars") != PROMPT_CHARS
+    ):
+        return None
+    return count if 0 <= now - at < COUNT_TTL_SECONDS else None
 
 
 def repeat_prompt(marker: str) -> str:
@@ -108,13 +126,26 @@ class CanaryProbe(Probe):
     options_model = CanaryOptions
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
-        return combine([await self.check(ctx, tenant) for tenant in ctx.tenants])
+        counted = _counted(ctx.state, time.time())
+        checks = []
+        for tenant in ctx.tenants:
+            check = await self.check(ctx, tenant, counted)
+            counted = check.sent_tokens if counted is None else counted
+            checks.append(check)
+        result = combine(checks)
+        if counted is not None and _counted(ctx.state, time.time()) is None:
+            result.state = {"prompt_tokens": counted, "counted_at": time.time(), "prompt_chars": PROMPT_CHARS}
+        return result
 
-    async def check(self, ctx: ProbeContext, tenant: str) -> TenantCheck:
-        """Plant a nonce as ``tenant``, ask for it back, and judge the answer."""
+    async def check(self, ctx: ProbeContext, tenant: str, counted: int | None = None) -> TenantCheck:
+        """Plant a nonce as ``tenant``, ask for it back, and judge the answer.
+
+        ``counted`` is the engine's token count of a canary prompt when one is known: every canary
+        prompt has the same shape and length, so one count serves every tenant for a while.
+        """
         marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
         prompt = repeat_prompt(marker)
-        sent = await ctx.target.count_tokens(prompt)
+        sent = counted if counted is not None else await ctx.target.count_tokens(prompt)
         request = CompletionRequest(
             prompt=prompt,
             max_tokens=int(ctx.options.get("max_tokens", MAX_TOKENS)),

@@ -1,0 +1,228 @@
+"""Prefix cache: does one tenant's prompt warm another tenant's KV cache?
+
+Targets: a prefix cache shared across tenants. Engines reuse the KV pages of a prompt's prefix
+for any later request that starts the same way, which makes the later request's first token come
+sooner and its ``cached_tokens`` non-zero. Across tenants that is a side channel: a tenant can
+test whether anyone sent a given text (Gu et al. found global sharing at 7 of 17 API providers;
+PromptPeek, InputSnatch and "The Early Bird" rebuild prompts token by token from it). vLLM's fix is
+a per-tenant ``cache_salt`` set by the gateway; salts get lost in connectors and routers (LMCache
+#4825, llm-d #1389), so isolation must be re-verified, not assumed (docs/detection-research.md §1-2).
+
+Three checks, all on fresh random prompts (:mod:`probes.prefix_prompts`): no real tenant's data is
+ever read or sent, and no marker either.
+
+- **Counter test** (:mod:`probes.prefix_counter`), where the engine reports ``cached_tokens``: the
+  victim sends a fresh prefix, repeats it (the control: its own repeat must hit, else ``error``
+  "cannot judge: caching off or not reported", never ``pass``), then every other tenant sends it.
+  Cached tokens for another tenant can only come from the victim's request: with ``policy:
+  isolated`` that is a ``leak`` (``prefix_cache_shared_across_tenants``); with ``policy: shared``
+  (operators who share on purpose) a ``pass`` with reason ``shared_by_policy``, recorded, not paged.
+  Deterministic: one request per tenant decides, certain either way once the control hit.
+- **Paired salt check** (same module), where the engine takes ``cache_salt`` (``salt_check``, on by
+  default for vLLM and the reference worker): same salt must hit, a different salt must not;
+  either failing is a ``mismatch``. Deterministic as well.
+- **Timing test** (:mod:`probes.prefix_timing`), where no counter is reported (hosted APIs,
+  llama.cpp builds behind proxies, vLLM without ``--enable-prompt-tokens-details``): shuffled hit
+  and miss trials of time to first token, a one-sided two-sample KS test (:mod:`probes.stats`) at
+  ``alpha`` (1e-8) on ``ceil(ln(1/alpha)/min_effect^2)`` trials per arm (74 at D = 0.5), with the
+  attacker's own repeats as the control (no visible hits: ``error``, never ``pass``). A false
+  alarm needs p < alpha on exchangeable arms: at most 1e-8 per run by the exact test. Measured
+  against an isolated (per-tenant) reference worker: 0 leaks in 130 runs (100 at 19 trials per arm,
+  30 at the default 74); the cross arm's p was below 0.05 in 3 of 100 runs and never below 0.01,
+  as a valid test's should be (smallest 0.034).
+
+``method: auto`` starts the counter test and falls back to timing when no response reported the
+counter. Cost, ``L`` the tokens of one request (~1,033 at the default 1,024-token prefix), ``v`` the
+victim's sends (2), ``T`` the tenants: counter ``(v + T - 1) L`` and salt check ``3 L`` (6,192
+tokens spent for two tenants on the reference worker, 5,839 on vLLM with a 959-token prefix);
+timing ``n (v + 3) L`` (381,840 spent at n = 74), plus the counter attempt (``v L``) under ``auto``.
+A plan over ``max_tokens_per_run`` is an ``error`` before the first request, not a silent skip;
+every result states the tokens it planned and spent. It runs daily by default.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
+from probes.prefix_counter import UNOBSERVABLE, UNOBSERVABLE_DETAIL, run_counter, run_salt_check
+from probes.prefix_prompts import PromptSize, size_prefix
+from probes.prefix_timing import judge_timing, plan_timing, run_timing
+
+#: Engines that take vLLM's ``cache_salt`` request field: the salt check runs there by default.
+SALT_ENGINES = ("vllm", "reference")
+_SEVERITY = {Verdict.PASS: 0, Verdict.ERROR: 1, Verdict.MISMATCH: 2, Verdict.LEAK: 3}
+
+
+class PrefixCacheOptions(ProbeOptions):
+    #: ``isolated``: a cross-tenant hit is a leak; ``shared``: it is recorded as a pass (on purpose).
+    policy: Literal["isolated", "shared"] = "isolated"
+    method: Literal["auto", "counter", "timing"] = "auto"
+    #: Tokens of the shared prefix; raised to 4 pages and capped under the admission limit.
+    prefix_tokens: int = Field(1024, ge=64, le=1_000_000)
+    #: Times the victim sends each prefix before another tenant does (Gu et al.'s v; the counter
+    #: test sends it at least twice). Load-balanced replicas need more (v = 5 to 25 in the audit).
+    victim_requests: int = Field(2, ge=1, le=25)
+    alpha: float = Field(1e-8, gt=0, lt=0.5)
+    #: The KS D+ the timing test must detect; it sets the trials per arm.
+    min_effect: float = Field(0.5, gt=0, le=1)
+    max_samples: int = Field(256, ge=5, le=2000)
+    #: None: on for the engines in SALT_ENGINES.
+    salt_check: bool | None = None
+    max_tokens_per_run: int = Field(500_000, ge=1)
+    #: Raw completions by default: their first page is the prompt's own noise, never a template.
+    chat: bool = False
+
+
+class PrefixCacheProbe(Probe):
+    """Check that no tenant's prompt warms another tenant's prefix cache (see the module docstring)."""
+
+    kind = "prefix_cache"
+    options_model = PrefixCacheOptions
+    default_interval_seconds = 86400.0
+    # The timing test sends hundreds of requests one after another (370 at the defaults).
+    budget_timeouts = 40.0
+
+    async def probe(self, ctx: ProbeContext) -> ProbeResult:
+        try:
+            opts = PrefixCacheOptions.model_validate(ctx.options)
+        except ValidationError as exc:
+            return ProbeResult.error("bad_options", str(exc.errors()[0]["msg"]))
+        if len(ctx.tenants) < 2:
+            return ProbeResult.error("too_few_tenants", "a cross-tenant audit needs at least two tenants")
+        size = await size_prefix(ctx, opts.prefix_tokens)
+        if isinstance(size, str):
+            return ProbeResult.error("prefix_cannot_fit", size)
+        victim = secrets.choice(ctx.tenants)
+        others = [t for t in ctx.tenants if t != victim]
+        base: dict[str, Any] = {
+            "policy": opts.policy,
+            "method_asked": opts.method,
+            "prefix": size.evidence(),
+            "tokens_planned": 0,
+        }
+        if opts.method == "timing":
+            result = await _timing(ctx, opts, size, victim, others, base)
+        else:
+            result = await _counter(ctx, opts, size, victim, others, base)
+        return _finish(ctx, opts, base, result)
+
+
+async def _counter(
+    ctx: ProbeContext,
+    opts: PrefixCacheOptions,
+    size: PromptSize,
+    victim: str,
+    others: list[str],
+    base: dict[str, Any],
+) -> ProbeResult:
+    """Run the counter test and the salt check; fall back to timing under ``auto`` when the engine
+    reports no counter. ``base`` (the run's evidence) is filled as the checks go."""
+    salt = opts.salt_check if opts.salt_check is not None else ctx.target.engine in SALT_ENGINES
+    requests = max(2, opts.victim_requests) + len(others) * (2 if opts.chat else 1) + (3 if salt else 0)
+    base["tokens_planned"] = requests * size.request_tokens
+    if base["tokens_planned"] > opts.max_tokens_per_run:
+        return _over_budget("the counter test", base["tokens_planned"], opts)
+    run = await run_counter(
+        ctx, victim, others, size, victim_requests=opts.victim_requests, chat=opts.chat, policy=opts.policy
+    )
+    if not run.reported or run.result is None:
+        base["counter"] = {"reported": False, "requests": run.rows}
+        if opts.method == "counter":
+            detail = f"{UNOBSERVABLE_DETAIL} (no response carried cached_tokens)"
+            return ProbeResult(Verdict.ERROR, UNOBSERVABLE, detail)
+        return await _timing(ctx, opts, size, victim, others, base)
+    base["method"] = "counter"
+    base["counter"] = {**_summary(run.result), **run.result.evidence}
+    if not salt:
+        base["salt_check"] = {"verdict": "skipped", "reason": "engine takes no cache_salt"}
+        return _bare(run.result)
+    if run.result.verdict is Verdict.ERROR:
+        base["salt_check"] = {"verdict": "skipped", "reason": "the counter test could not judge"}
+        return _bare(run.result)
+    checked = await run_salt_check(ctx, victim, size, chat=opts.chat)
+    base["salt_check"] = {**_summary(checked), **checked.evidence}
+    return _worst(run.result, checked)
+
+
+async def _timing(
+    ctx: ProbeContext,
+    opts: PrefixCacheOptions,
+    size: PromptSize,
+    victim: str,
+    others: list[str],
+    base: dict[str, Any],
+) -> ProbeResult:
+    """Plan and run the timing test within what the budget has left; return its verdict."""
+    plan = plan_timing(
+        size,
+        alpha=opts.alpha,
+        min_effect=opts.min_effect,
+        max_samples=opts.max_samples,
+        victim_requests=opts.victim_requests,
+    )
+    base["method"] = "timing"
+    base["timing"] = {"plan": plan.evidence()}
+    base["tokens_planned"] += plan.tokens
+    spent = ctx.tokens["prompt"] + ctx.tokens["completion"]
+    if plan.detectable_effect is None:
+        detail = f"{plan.samples_per_arm} trials per arm cannot reach alpha = {opts.alpha:g} with any effect"
+        return ProbeResult.error("alpha_unreachable", detail)
+    if spent + plan.tokens > opts.max_tokens_per_run:
+        return _over_budget("the timing test", spent + plan.tokens, opts)
+    attacker = secrets.choice(others)
+    result = judge_timing(
+        await run_timing(ctx, plan, victim, attacker, size, chat=opts.chat),
+        plan,
+        victim,
+        attacker,
+        opts.policy,
+    )
+    base["timing"] = {**_summary(result), **result.evidence}
+    return _bare(result)
+
+
+def _over_budget(what: str, tokens: int, opts: PrefixCacheOptions) -> ProbeResult:
+    detail = f"{what} would spend about {tokens} tokens, over max_tokens_per_run = {opts.max_tokens_per_run}"
+    return ProbeResult.error("over_budget", detail)
+
+
+def _summary(result: ProbeResult) -> dict[str, Any]:
+    return {"verdict": result.verdict.value, "reason": result.reason, "detail": result.detail}
+
+
+def _bare(result: ProbeResult) -> ProbeResult:
+    """Return ``result`` without its evidence (already filed under its check in the run's evidence)."""
+    return ProbeResult(result.verdict, result.reason, result.detail, {}, result.measurements)
+
+
+def _worst(main: ProbeResult, salt: ProbeResult) -> ProbeResult:
+    """Return the worse of the counter test and the salt check, with the measurements of both."""
+    worst = salt if _SEVERITY[salt.verdict] > _SEVERITY[main.verdict] else main
+    detail = worst.detail
+    if worst is main and salt.verdict is not Verdict.PASS:
+        detail += f"; the salt check also found: {salt.detail}"
+    return ProbeResult(worst.verdict, worst.reason, detail, {}, {**main.measurements, **salt.measurements})
+
+
+def _finish(
+    ctx: ProbeContext, opts: PrefixCacheOptions, base: dict[str, Any], result: ProbeResult
+) -> ProbeResult:
+    """Return ``result`` with the run's evidence and its cost: the tokens planned and spent."""
+    spent = ctx.tokens["prompt"] + ctx.tokens["completion"]
+    evidence = {
+        **base,
+        **result.evidence,
+        "tokens_spent": spent,
+        "max_tokens_per_run": opts.max_tokens_per_run,
+    }
+    measurements = {
+        **result.measurements,
+        "tokens_planned": float(base["tokens_planned"]),
+        "tokens_spent": float(spent),
+        "prefix_tokens": float(base["prefix"]["prefix_tokens"]),
+    }
+    return ProbeResult(result.verdict, result.reason, result.detail, evidence, measurements)
