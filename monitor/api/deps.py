@@ -1,4 +1,5 @@
-"""Dependencies of the REST routers: a database session, the bearer token, pagination, time ranges.
+"""Dependencies of the REST routers: a database session, the bearer token, paging and cursors,
+time ranges.
 
 Routers read what the composition root (``monitor/app.py``) put on ``app.state``:
 ``session_factory`` (a sessionmaker), ``api_token`` (``str``, or None for a local-only API
@@ -7,10 +8,14 @@ without auth), ``settings``, ``run_target`` and ``health``.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import hmac
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Query, Request, Security, status
@@ -19,6 +24,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.storage.db import as_utc
+from monitor.storage.queries import Key
 
 MAX_LIMIT = 500
 
@@ -59,26 +65,136 @@ def require_token(
         )
 
 
-#: Ids and offsets fit PostgreSQL's integer column; larger values are refused with 422, not a 500.
+#: Ids fit PostgreSQL's integer column; larger values are refused with 422, not a 500.
 MAX_ID = 2**31 - 1
 #: Target names and probe kinds as the config allows them (no NUL, which PostgreSQL refuses).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 
+#: Offsets above this are refused: skipped rows are still read (their index entries, or the rows
+#: themselves for filters no index leads with), so an offset costs more the deeper it goes. A
+#: cursor pages to any depth at the cost of the first page.
+MAX_OFFSET = 10_000
+
+PAGING_HELP = (
+    "Newest first, `id` breaking ties. To page, pass a page's `next_cursor` as `cursor`; "
+    "`next_cursor` null means nothing more matches. A page may hold fewer than `limit` items, even "
+    "none, when the filters combine in a way no index leads with: follow `next_cursor` until it is "
+    "null. A cursor belongs to this list and these filters (`limit` may change between pages). "
+    "Items recorded while you page are newer than your cursor: they do not shift or repeat later "
+    "pages; start again without a cursor to see them. Results replayed late from the spool keep "
+    "their start time and land behind a cursor already past it. There is no total count: the "
+    "`kvcanary_*` metrics count runs, verdicts and open incidents. `offset` is kept for old clients, "
+    f"up to {MAX_OFFSET:,}; cursors reach any depth at the cost of the first page."
+)
+
+
 @dataclass(frozen=True)
-class Page:
+class Paging:
+    """The paging parameters of a list request: ``limit``, and where the page starts."""
+
     limit: int
     offset: int
+    cursor: str | None
+
+    def after(self, scope: str) -> Key | None:
+        """Return the key the cursor holds (None without one); raise 422 naming ``cursor`` if bad."""
+        return None if self.cursor is None else decode_cursor(self.cursor, scope)
 
 
 def pagination(
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Items per page, 1 to 500.")] = 50,
-    offset: Annotated[int, Query(ge=0, le=MAX_ID, description="Items to skip.")] = 0,
-) -> Page:
-    return Page(limit, offset)
+    cursor: Annotated[
+        str | None,
+        Query(
+            max_length=64,
+            pattern=r"^[A-Za-z0-9_-]+$",
+            description="The `next_cursor` of the previous page, as given (opaque).",
+        ),
+    ] = None,
+    offset: Annotated[
+        int,
+        Query(
+            ge=0,
+            le=MAX_OFFSET,
+            deprecated=True,
+            description=(
+                f"Items to skip, at most {MAX_OFFSET:,}; not with `cursor`. Kept for old clients: "
+                "with filters no index leads with (`node`, `probe` alone) every skipped row is read. "
+                "Cursors cost the same at any depth."
+            ),
+        ),
+    ] = 0,
+) -> Paging:
+    """Return the paging parameters; raise 422 naming ``offset`` when it comes with a cursor."""
+    if cursor is not None and offset:
+        raise _invalid("offset", offset, "offset cannot come with a cursor: the cursor says where to start")
+    return Paging(limit, offset, cursor)
 
 
-PageDep = Annotated[Page, Depends(pagination)]
+PageDep = Annotated[Paging, Depends(pagination)]
+
+
+# --- cursors -----------------------------------------------------------------------------------------
+
+# A cursor is base64url (no padding) of: version (1 byte), the row's time in microseconds since the
+# epoch (8 bytes, signed), its id (4 bytes), then 8 bytes of SHA-256 over the list, its filters and
+# those 13 bytes. The digest catches a cursor that was edited, truncated or brought from another
+# list or other filters. It is no secret and needs none: a cursor only says where a page starts,
+# and anyone who can page can start anywhere by choosing `since`/`until`.
+_CURSOR = struct.Struct(">BqI")
+_CURSOR_VERSION = 1
+_DIGEST_BYTES = 8
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def cursor_scope(resource: str, when: TimeRange, **filters: str | None) -> str:
+    """Return the text that binds a cursor to one list and its filters (the given ones only)."""
+    given = {name: value for name, value in filters.items() if value is not None}
+    given.update({name: at.isoformat() for name, at in vars(when).items() if at is not None})
+    return resource + "?" + "&".join(f"{name}={given[name]}" for name in sorted(given))
+
+
+def encode_cursor(key: Key | None, scope: str) -> str | None:
+    """Return the opaque, URL-safe cursor of ``key`` for ``scope``; None for no key (the end)."""
+    if key is None:
+        return None
+    micros = (as_utc(key.at) - _EPOCH) // timedelta(microseconds=1)
+    body = _CURSOR.pack(_CURSOR_VERSION, micros, key.id)
+    return base64.urlsafe_b64encode(body + _digest(body, scope)).rstrip(b"=").decode("ascii")
+
+
+def decode_cursor(token: str, scope: str) -> Key:
+    """Return the key in ``token``; raise 422 naming ``cursor`` unless :func:`encode_cursor` made it
+    for ``scope`` (the same list with the same filters)."""
+    try:
+        raw = base64.b64decode(token + "=" * (-len(token) % 4), altchars=b"-_", validate=True)
+    except (binascii.Error, ValueError):
+        raise _invalid("cursor", token, "malformed cursor: pass next_cursor as given") from None
+    body, digest = raw[: _CURSOR.size], raw[_CURSOR.size :]
+    if len(digest) != _DIGEST_BYTES or not hmac.compare_digest(digest, _digest(body, scope)):
+        raise _invalid(
+            "cursor", token, "invalid cursor: altered, truncated, or from another list or other filters"
+        )
+    version, micros, row_id = _CURSOR.unpack(body)
+    try:
+        at = _EPOCH + timedelta(microseconds=micros)
+    except OverflowError:
+        at = None
+    if version != _CURSOR_VERSION or at is None or not 1 <= row_id <= MAX_ID:
+        raise _invalid("cursor", token, "invalid cursor: not one this version of kvcanary made")
+    return Key(at, row_id)
+
+
+def _digest(body: bytes, scope: str) -> bytes:
+    return hashlib.sha256(b"kvcanary cursor\0" + scope.encode() + b"\0" + body).digest()[:_DIGEST_BYTES]
+
+
+def _invalid(name: str, value: object, message: str) -> RequestValidationError:
+    """Return the 422 FastAPI gives a bad query parameter, naming ``name``."""
+    return RequestValidationError(
+        [{"type": "value_error", "loc": ("query", name), "msg": message, "input": str(value)}]
+    )
 
 
 @dataclass(frozen=True)
@@ -98,16 +214,7 @@ def time_range(
     since = _utc_or_422("since", since)
     until = _utc_or_422("until", until)
     if since is not None and until is not None and since > until:
-        raise RequestValidationError(
-            [
-                {
-                    "type": "value_error",
-                    "loc": ("query", "since"),
-                    "msg": "since must not be later than until",
-                    "input": since.isoformat(),
-                }
-            ]
-        )
+        raise _invalid("since", since.isoformat(), "since must not be later than until")
     return TimeRange(since, until)
 
 
@@ -120,13 +227,4 @@ def _utc_or_422(name: str, value: datetime | None) -> datetime | None:
     try:
         return as_utc(value)
     except OverflowError:  # year 1 at +14:00 or year 9999 at -14:00 has no UTC value
-        raise RequestValidationError(
-            [
-                {
-                    "type": "value_error",
-                    "loc": ("query", name),
-                    "msg": "out of range in UTC",
-                    "input": str(value),
-                }
-            ]
-        ) from None
+        raise _invalid(name, value, "out of range in UTC") from None

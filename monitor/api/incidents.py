@@ -6,7 +6,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query
 
-from monitor.api.deps import MAX_ID, NAME_PATTERN, PageDep, SessionDep, TimeRangeDep
+from monitor.api.deps import (
+    MAX_ID,
+    NAME_PATTERN,
+    PAGING_HELP,
+    PageDep,
+    SessionDep,
+    TimeRangeDep,
+    cursor_scope,
+    encode_cursor,
+)
 from monitor.api.schemas import (
     IncidentDetailOut,
     IncidentEventOut,
@@ -21,7 +30,7 @@ from monitor.storage.models import Severity, State
 router = APIRouter(prefix="/incidents", tags=["incidents"])
 
 
-@router.get("", summary="List incidents, newest opened first")
+@router.get("", summary="List incidents, newest opened first", description=PAGING_HELP)
 def list_incidents(
     session: SessionDep,
     page: PageDep,
@@ -33,7 +42,10 @@ def list_incidents(
     state: Annotated[State | None, Query()] = None,
 ) -> IncidentPage:
     """Return a page of incidents; ``since``/``until`` bound the time each incident opened."""
-    rows, total = queries.list_incidents(
+    scope = cursor_scope(
+        "incidents", when, target=target, probe=probe, node=node, severity=severity, state=state
+    )
+    found = queries.list_incidents(
         session,
         target=target,
         probe=probe,
@@ -42,11 +54,15 @@ def list_incidents(
         state=state,
         since=when.since,
         until=when.until,
+        after=page.after(scope),
         limit=page.limit,
         offset=page.offset,
     )
-    items = [IncidentOut.of(row) for row in rows]
-    return IncidentPage(items=items, total=total, limit=page.limit, offset=page.offset)
+    return IncidentPage(
+        items=[IncidentOut.of(row) for row in found.rows],
+        next_cursor=encode_cursor(found.next_key, scope),
+        limit=page.limit,
+    )
 
 
 @router.get(

@@ -6,7 +6,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from monitor.api.deps import NAME_PATTERN, PageDep, SessionDep, TimeRangeDep
+from monitor.api.deps import (
+    NAME_PATTERN,
+    PAGING_HELP,
+    PageDep,
+    SessionDep,
+    TimeRangeDep,
+    cursor_scope,
+    encode_cursor,
+)
 from monitor.api.schemas import ProbeResultOut, ProbeResultPage
 from monitor.storage import queries
 from monitor.storage.models import Verdict
@@ -14,7 +22,7 @@ from monitor.storage.models import Verdict
 router = APIRouter(prefix="/probe-results", tags=["probe results"])
 
 
-@router.get("", summary="List probe results, newest first")
+@router.get("", summary="List probe results, newest first", description=PAGING_HELP)
 def list_probe_results(
     session: SessionDep,
     page: PageDep,
@@ -25,7 +33,8 @@ def list_probe_results(
     verdict: Annotated[Verdict | None, Query()] = None,
 ) -> ProbeResultPage:
     """Return a page of results; ``since``/``until`` bound the time each run started."""
-    rows, total = queries.list_probe_results(
+    scope = cursor_scope("probe-results", when, target=target, probe=probe, node=node, verdict=verdict)
+    found = queries.list_probe_results(
         session,
         target=target,
         probe=probe,
@@ -33,8 +42,12 @@ def list_probe_results(
         verdict=verdict,
         since=when.since,
         until=when.until,
+        after=page.after(scope),
         limit=page.limit,
         offset=page.offset,
     )
-    items = [ProbeResultOut.of(row) for row in rows]
-    return ProbeResultPage(items=items, total=total, limit=page.limit, offset=page.offset)
+    return ProbeResultPage(
+        items=[ProbeResultOut.of(row) for row in found.rows],
+        next_cursor=encode_cursor(found.next_key, scope),
+        limit=page.limit,
+    )

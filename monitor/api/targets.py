@@ -21,9 +21,11 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {
 @router.get("", summary="Configured targets and each probe's latest verdict")
 def list_targets(request: Request, session: SessionDep) -> TargetList:
     """Return every configured target, in order, with the latest verdict of each probe judged so far."""
-    last = queries.last_verdicts(session)
+    targets = request.app.state.settings.targets
+    # Only the configured pairs: one index descent each, however many results the table holds.
+    last = queries.last_verdicts(session, pairs=[(t.name, probe) for t in targets for probe in t.probes])
     items = []
-    for target in request.app.state.settings.targets:
+    for target in targets:
         seen = last.get(target.name, {})
         verdicts = {
             probe: LastVerdictOut.model_validate(

@@ -90,10 +90,20 @@ class ProbeResult(Base):
     __tablename__ = "probe_result"
     __table_args__ = (
         CheckConstraint(_one_of("verdict", VERDICTS), name="verdict"),
-        # Last verdicts, error streaks and the results list all read one (target, probe) by time.
-        Index("ix_probe_result_target_probe_started", "target_id", "probe", "started_at"),
+        # The results list is newest first with id breaking ties, paged by keyset on (started_at, id).
+        # Each index below leads with the equality filters of one kind of page and ends in
+        # (started_at, id), so such a page is an ordered index range that stops after `limit` rows
+        # instead of a sort of everything matching. monitor.storage.queries.PROBE_RESULT_SCANS
+        # lists them in the order it prefers them; other filters are applied to what they yield.
+        Index("ix_probe_result_started_id", "started_at", "id"),
+        Index("ix_probe_result_verdict_started_id", "verdict", "started_at", "id"),
+        Index("ix_probe_result_target_started_id", "target_id", "started_at", "id"),
+        Index("ix_probe_result_target_verdict_started_id", "target_id", "verdict", "started_at", "id"),
+        # Also the last verdict of each (target, probe) (one index probe per pair) and error streaks.
+        Index("ix_probe_result_target_probe_started_id", "target_id", "probe", "started_at", "id"),
+        # An incident's most recent linked results; also what pruning and ON DELETE SET NULL look up.
+        Index("ix_probe_result_incident_started_id", "incident_id", "started_at", "id"),
         Index("ix_probe_result_expires_at", "expires_at"),
-        Index("ix_probe_result_incident_id", "incident_id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -140,7 +150,12 @@ class Incident(Base):
             sqlite_where=text("state = 'open'"),
             postgresql_where=text("state = 'open'"),
         ),
-        Index("ix_incident_opened_at", "opened_at"),
+        # The incidents list, as for probe_result: equality filters first, then the keyset
+        # (opened_at, id); monitor.storage.queries.INCIDENT_SCANS names them.
+        Index("ix_incident_opened_id", "opened_at", "id"),
+        Index("ix_incident_state_opened_id", "state", "opened_at", "id"),
+        Index("ix_incident_target_opened_id", "target_id", "opened_at", "id"),
+        Index("ix_incident_target_state_opened_id", "target_id", "state", "opened_at", "id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

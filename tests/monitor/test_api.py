@@ -100,11 +100,14 @@ def test_incidents_are_listed_with_filters_and_pagination(client: TestClient, se
     by_probe = client.get("/api/v1/incidents", params={"target": "glm-prod", "probe": "boundary"}).json()
 
     assert [i["id"] for i in everything["items"]] == [seeded["high"], seeded["critical"]]
-    assert (everything["total"], everything["limit"], everything["offset"]) == (2, 50, 0)
+    assert (everything["next_cursor"], everything["limit"]) == (None, 50) and "total" not in everything
     assert [(i["severity"], i["state"], i["target"]) for i in open_only["items"]] == [
         ("critical", "open", "glm-prod")
     ]
-    assert ([i["id"] for i in second_page["items"]], second_page["total"]) == ([seeded["critical"]], 2)
+    assert ([i["id"] for i in second_page["items"]], second_page["next_cursor"]) == (
+        [seeded["critical"]],
+        None,
+    )
     assert [i["id"] for i in window["items"]] == [seeded["high"]]
     assert [i["id"] for i in by_probe["items"]] == [seeded["high"]]
     assert everything["items"][1]["opened_at"] == "2026-11-29T12:00:01Z"
@@ -141,12 +144,19 @@ def test_an_absent_incident_is_404(client: TestClient) -> None:
     assert response.json() == {"detail": "incident 999999 not found"}
 
 
-def test_probe_results_are_listed_with_filters(client: TestClient, seeded: dict[str, Any]) -> None:
+def test_probe_results_are_listed_with_filters_a_page_at_a_time(
+    client: TestClient, seeded: dict[str, Any]
+) -> None:
     passes = client.get("/api/v1/probe-results", params={"verdict": "pass", "limit": 2}).json()
+    more = client.get(
+        "/api/v1/probe-results", params={"verdict": "pass", "limit": 3, "cursor": passes["next_cursor"]}
+    ).json()
     leaks = client.get("/api/v1/probe-results", params={"verdict": "leak", "target": "glm-prod"}).json()
 
-    assert (passes["total"], len(passes["items"]), passes["limit"]) == (4, 2, 2)
+    assert (len(passes["items"]), passes["limit"]) == (2, 2) and passes["next_cursor"]
     assert [r["started_at"] for r in passes["items"]] == ["2026-11-29T12:13:00Z", "2026-11-29T12:12:00Z"]
+    assert [r["started_at"] for r in more["items"]] == ["2026-11-29T12:11:00Z", "2026-11-29T12:01:00Z"]
+    assert more["next_cursor"] is None, "the last page says so: no count needed"
     assert [r["id"] for r in leaks["items"]] == [seeded["leak_result"]]
 
 
@@ -164,6 +174,10 @@ def test_probe_results_are_listed_with_filters(client: TestClient, seeded: dict[
         ("/api/v1/probe-results", {"verdict": "ok"}, "verdict"),
         ("/api/v1/probe-results", {"until": "2026-13-01"}, "until"),
         ("/api/v1/incidents", {"offset": 2**63}, "offset"),
+        ("/api/v1/incidents", {"offset": 10_001}, "offset"),
+        ("/api/v1/probe-results", {"offset": 1, "cursor": "AQAAAAAAAAAAAAAAAQAAAAAAAAAA"}, "offset"),
+        ("/api/v1/probe-results", {"cursor": "AQAAAAAAAAAAAAAAAQAAAAAAAAAA"}, "cursor"),
+        ("/api/v1/incidents", {"cursor": "a b"}, "cursor"),
         ("/api/v1/incidents/9223372036854775808", {}, "incident_id"),
         ("/api/v1/incidents/2147483648", {}, "incident_id"),
         ("/api/v1/incidents", {"since": "0001-01-01T00:00:00+14:00"}, "since"),
@@ -260,3 +274,5 @@ def test_the_openapi_document_declares_models_auth_and_errors(client: TestClient
     assert {"IncidentPage", "IncidentDetailOut", "ProbeResultPage", "TargetList", "RunOut"} <= set(
         doc["components"]["schemas"]
     )
+    assert {p["name"] for p in incidents["parameters"]} >= {"cursor", "limit", "offset"}
+    assert "next_cursor" in doc["components"]["schemas"]["IncidentPage"]["required"]

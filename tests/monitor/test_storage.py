@@ -85,20 +85,26 @@ def seed(factory: Factory) -> dict[str, int | None]:
     return ids
 
 
-def test_list_incidents_filters_pages_and_counts(session_factory: Factory) -> None:
+def test_list_incidents_filters_and_pages(session_factory: Factory) -> None:
     ids = seed(session_factory)
     with session_factory() as s:
-        everything, total = queries.list_incidents(s)
-        open_prod, n_open_prod = queries.list_incidents(s, target="glm-prod", state="open")
-        page, paged_total = queries.list_incidents(s, limit=1, offset=1)
-        window, _ = queries.list_incidents(s, since=minutes(5), until=minutes(20))
-        high, _ = queries.list_incidents(s, severity="high", probe="boundary")
+        everything = queries.list_incidents(s)
+        open_prod = queries.list_incidents(s, target="glm-prod", state="open")
+        first = queries.list_incidents(s, limit=1)
+        second = queries.list_incidents(s, limit=1, after=first.next_key)
+        by_offset = queries.list_incidents(s, limit=1, offset=1)
+        window = queries.list_incidents(s, since=minutes(5), until=minutes(20))
+        high = queries.list_incidents(s, severity="high", probe="boundary")
 
-    assert [i.id for i in everything] == [ids["dev"], ids["high"], ids["critical"]] and total == 3
-    assert ([i.id for i in open_prod], n_open_prod) == ([ids["critical"]], 1)
-    assert ([i.id for i in page], paged_total) == ([ids["high"]], 3)
-    assert [i.id for i in window] == [ids["high"]], "since is inclusive, until exclusive"
-    assert [(i.id, i.state, i.target.name) for i in high] == [(ids["high"], "resolved", "glm-prod")]
+    assert [i.id for i in everything.rows] == [ids["dev"], ids["high"], ids["critical"]]
+    assert everything.next_key is None
+    assert [i.id for i in open_prod.rows] == [ids["critical"]]
+    # An incident opens when its result is recorded, a second after the run started.
+    assert [i.id for i in first.rows] == [ids["dev"]]
+    assert first.next_key == queries.Key(minutes(20) + timedelta(seconds=1), ids["dev"] or 0)
+    assert [i.id for i in second.rows] == [i.id for i in by_offset.rows] == [ids["high"]]
+    assert [i.id for i in window.rows] == [ids["high"]], "since is inclusive, until exclusive"
+    assert [(i.id, i.state, i.target) for i in high.rows] == [(ids["high"], "resolved", "glm-prod")]
 
 
 def test_get_incident_returns_the_timeline_and_recent_evidence(session_factory: Factory) -> None:
@@ -108,6 +114,7 @@ def test_get_incident_returns_the_timeline_and_recent_evidence(session_factory: 
         missing = queries.get_incident(s, incident_id=10_000)
 
     assert missing is None and detail is not None
+    assert (detail.incident.id, detail.incident.target) == (ids["high"], "glm-prod")
     assert [e.kind for e in detail.events] == ["opened", "resolved"]
     assert [r.started_at for r in detail.results] == [minutes(13), minutes(12)]
 
@@ -115,25 +122,31 @@ def test_get_incident_returns_the_timeline_and_recent_evidence(session_factory: 
 def test_list_probe_results_filters_by_verdict_and_time(session_factory: Factory) -> None:
     seed(session_factory)
     with session_factory() as s:
-        passes, n_passes = queries.list_probe_results(s, verdict="pass")
-        dev, _ = queries.list_probe_results(s, target="llama-dev", since=minutes(20), until=minutes(21))
-        none, n_none = queries.list_probe_results(s, target="nobody")
+        passes = queries.list_probe_results(s, verdict="pass")
+        dev = queries.list_probe_results(s, target="llama-dev", since=minutes(20), until=minutes(21))
+        none = queries.list_probe_results(s, target="nobody")
 
-    assert n_passes == 4 and [r.started_at for r in passes][:2] == [minutes(21), minutes(13)]
-    assert [(r.target.name, r.verdict) for r in dev] == [("llama-dev", "leak")]
-    assert (none, n_none) == ([], 0)
+    assert len(passes.rows) == 4 and [r.started_at for r in passes.rows][:2] == [minutes(21), minutes(13)]
+    assert [(r.target, r.verdict) for r in dev.rows] == [("llama-dev", "leak")]
+    assert (none.rows, none.next_key) == ([], None)
 
 
 def test_last_verdicts_hold_each_pairs_latest_result(session_factory: Factory) -> None:
     seed(session_factory)
     record(session_factory, "error", at=minutes(13), target="glm-prod", probe="boundary", reason="timeout")
+    pairs = [
+        (t, p) for t in ("glm-prod", "llama-dev", "absent") for p in ("cross_tenant", "boundary", "canary")
+    ]
     with session_factory() as s:
-        last = queries.last_verdicts(s)
+        last = queries.last_verdicts(s, pairs=pairs)
+        only = queries.last_verdicts(s, pairs=[("llama-dev", "canary")])
+        nothing = queries.last_verdicts(s, pairs=[])
 
     assert last["glm-prod"]["cross_tenant"] == ("leak", minutes(0), "foreign_marker")
     # Two results started at the same time: the one recorded last wins.
     assert last["glm-prod"]["boundary"] == ("error", minutes(13), "timeout")
-    assert set(last["llama-dev"]) == {"cross_tenant", "canary"}
+    assert set(last["llama-dev"]) == {"cross_tenant", "canary"} and set(last) == {"glm-prod", "llama-dev"}
+    assert only == {"llama-dev": {"canary": ("pass", minutes(21), "ok")}} and nothing == {}
 
 
 def test_open_incident_counts_group_the_open_ones(session_factory: Factory) -> None:
