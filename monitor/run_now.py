@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 #: How many finished runs are kept to be read back, across targets.
 KEEP_FINISHED = 200
@@ -50,7 +50,7 @@ class RunJob:
         return self.task.done()
 
     @property
-    def status(self) -> str:
+    def status(self) -> Literal["running", "done", "failed"]:
         if not self.done:
             return "running"
         return "failed" if self.error else "done"

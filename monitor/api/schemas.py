@@ -151,7 +151,10 @@ class ProbeRunOut(_Out):
 
 class RunOut(_Out):
     target: str
-    results: list[ProbeRunOut]
+    run_id: str = Field(description="Read it again at /api/v1/targets/{target}/runs/{run_id}.")
+    status: Literal["running", "done", "failed"]
+    results: list[ProbeRunOut] = Field(description="Each probe's verdict once the run is done; [] before.")
+    error: str | None = None
 
 
 class HealthOut(BaseModel):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Request
+from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 
 from monitor.api.deps import SessionDep
 from monitor.api.schemas import LastVerdictOut, ProbeRunOut, Problem, RunOut, TargetList, TargetOut
+from monitor.run_now import RateLimited, RunJob, RunNow
 from monitor.storage import queries
 from monitor.storage.models import public_url
 
@@ -47,16 +49,65 @@ def list_targets(request: Request, session: SessionDep) -> TargetList:
     return TargetList(items=items)
 
 
-@router.post("/{name}/run", summary="Run every probe of one target now", responses=_NOT_FOUND)
-async def run_target(request: Request, name: Annotated[str, Path(max_length=63)]) -> RunOut:
-    """Run the target's probes in their configured order and return each verdict once recorded."""
+@router.post(
+    "/{name}/run",
+    summary="Run every probe of one target now",
+    status_code=200,
+    responses={
+        **_NOT_FOUND,
+        202: {"model": RunOut, "description": "Still running after `wait` seconds: read it at its URL."},
+        429: {"model": Problem, "description": "Run on request too recently; see Retry-After."},
+    },
+)
+async def run_target(
+    request: Request,
+    response: Response,
+    name: Annotated[str, Path(max_length=63)],
+    wait: Annotated[float, Query(ge=0, le=120, description="Seconds to wait for the verdicts.")] = 30,
+) -> RunOut:
+    """Run the target's probes in their configured order; return the verdicts, or 202 while running.
+
+    A run already queued or in flight for the target is joined, not repeated; a target run on
+    request less than ``api.run_now_min_interval_seconds`` ago gets 429. The run belongs to the
+    monitor: a client that goes away cancels nothing.
+    """
     if request.app.state.settings.target(name) is None:
         raise HTTPException(status_code=404, detail=f"target {name!r} is not configured")
+    run_now: RunNow = request.app.state.run_now
     try:
-        summaries: list[dict[str, Any]] = await request.app.state.run_target(name)
-    except KeyError:
-        raise HTTPException(status_code=404, detail=f"target {name!r} is not configured") from None
-    return RunOut(target=name, results=[_run_summary(s) for s in summaries])
+        job, _ = run_now.request(name)
+    except RateLimited as exc:
+        raise HTTPException(
+            status_code=429,
+            detail=f"{name} was run on request {exc.last.id} moments ago; read it at {_url(exc.last)}",
+            headers={"Retry-After": str(math.ceil(exc.retry_after))},
+        ) from None
+    if not await run_now.wait(job, wait):
+        response.status_code = 202
+        response.headers["Location"] = _url(job)
+    return _run_out(job)
+
+
+@router.get("/{name}/runs/{run_id}", summary="A run asked for over the API", responses=_NOT_FOUND)
+def get_run(
+    request: Request,
+    name: Annotated[str, Path(max_length=63)],
+    run_id: Annotated[str, Path(pattern=r"^[0-9a-f]{12}$")],
+) -> RunOut:
+    """Return the run's status and, once done, each probe's verdict (the latest runs are kept)."""
+    job = request.app.state.run_now.get(name, run_id)
+    if job is None:
+        raise HTTPException(status_code=404, detail=f"no run {run_id} of {name!r} is kept")
+    return _run_out(job)
+
+
+def _url(job: RunJob) -> str:
+    return f"/api/v1/targets/{job.target}/runs/{job.id}"
+
+
+def _run_out(job: RunJob) -> RunOut:
+    results = [_run_summary(s) for s in job.results] if job.done else []
+    return RunOut(target=job.target, run_id=job.id, status=job.status, results=results, error=job.error)
 
 
 def _run_summary(summary: dict[str, Any]) -> ProbeRunOut:

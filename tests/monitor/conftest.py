@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from monitor.api.main import api_router, health_router
 from monitor.config import IncidentConfig, RetentionConfig, Settings
 from monitor.incidents import RecordOutcome, record_result
+from monitor.run_now import RunNow
 from monitor.storage.db import make_engine, make_session_factory, upgrade
 from monitor.storage.models import Incident, IncidentEvent, ProbeResult, Target
 from probes.base import ProbeResult as ProbeOutcome
@@ -183,7 +184,7 @@ def build_app(
     app.state.session_factory = factory
     app.state.api_token = token
     app.state.settings = settings
-    app.state.run_target = run_target or no_run
+    app.state.run_now = RunNow(run_target or no_run, min_interval=0)
     app.state.health = health or (lambda: {"scheduler": "running"})
     app.include_router(health_router)
     app.include_router(api_router)

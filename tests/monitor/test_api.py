@@ -1,4 +1,4 @@
-"""The REST API over a real database. The only seam is ``app.state.run_target`` (the runner)."""
+"""The REST API over a real database. The only seam is the runner behind ``app.state.run_now``."""
 
 from __future__ import annotations
 
@@ -253,12 +253,15 @@ def test_running_a_target_calls_the_runner_and_returns_its_summaries(session_fac
     assert unknown.status_code == 404 and calls == ["glm-prod"]
 
 
-def test_a_target_the_runner_does_not_know_is_404(client: TestClient) -> None:
+def test_a_run_whose_runner_fails_says_so(client: TestClient) -> None:
     # The default runner in build_app raises KeyError for every name.
     response = client.post("/api/v1/targets/glm-prod/run")
 
-    assert response.status_code == 404
-    assert "glm-prod" in response.json()["detail"]
+    assert response.status_code == 200
+    assert (response.json()["status"], response.json()["results"]) == ("failed", [])
+    assert "glm-prod" in response.json()["error"]
+    again = client.get(f"/api/v1/targets/glm-prod/runs/{response.json()['run_id']}")
+    assert again.status_code == 200 and again.json()["status"] == "failed"
 
 
 def test_the_openapi_document_declares_models_auth_and_errors(client: TestClient) -> None:

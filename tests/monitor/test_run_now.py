@@ -1,0 +1,141 @@
+"""Run-now requests and SIGTERM, through `kvcanary serve` as a process.
+
+On main, 100 run-now requests whose clients gave up after 2 s made the monitor run 373 probes
+(~2,335 requests) against one target; and SIGTERM with a run-now in flight against a hung target
+took 365 s to exit, probing on meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import REPO, WorkerProcess, free_port, stop_process, wait_http
+
+TOKEN = "run-now-test-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def serve(tmp: Path, base_url: str, **api: Any) -> tuple[str, subprocess.Popen[bytes], Path]:
+    port = free_port()
+    config = {
+        "database_url": f"sqlite:///{tmp / 'kvcanary.db'}",
+        "api": {"listen": f"127.0.0.1:{port}", **api},
+        "targets": [
+            {
+                "name": "t",
+                "base_url": base_url,
+                "engine": "reference",
+                "model": "kvcanary-reference",
+                "tenants": [{"name": "a"}, {"name": "b"}],
+                "probes": ["canary"],
+                "probe_intervals": {"canary": 86400},  # only run-now requests run it here
+                "timeout_seconds": 30,
+            }
+        ],
+    }
+    path = tmp / "kvcanary.yml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "KVCANARY_API_TOKEN": TOKEN}
+    run = [sys.executable, "-m", "monitor"]
+    subprocess.run([*run, "db", "upgrade", "--config", str(path)], check=True, cwd=REPO, env=env, timeout=60)
+    log = tmp / "monitor.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*run, "serve", "--config", str(path)], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=REPO, env=env, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/healthz", timeout=60, proc=proc)
+    return url, proc, log
+
+
+def completions_served(worker_url: str) -> float:
+    text = httpx.get(worker_url + "/metrics", timeout=10).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvcanary_requests_total"
+    )
+
+
+def test_a_flood_of_run_now_requests_runs_the_target_once(
+    tmp_path: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    worker = start_worker("--mode", "single")
+    url, proc, _ = serve(tmp_path, worker.url, run_now_min_interval_seconds=30)
+    try:
+        before = completions_served(worker.url)
+
+        def ask(_: int) -> int:
+            try:
+                return httpx.post(f"{url}/api/v1/targets/t/run", headers=AUTH, timeout=2).status_code
+            except httpx.TimeoutException:
+                return 0  # the client gave up: that must cancel nothing and repeat nothing
+
+        with ThreadPoolExecutor(max_workers=20) as pool:
+            codes = list(pool.map(ask, range(100)))
+        time.sleep(3)
+        served = completions_served(worker.url) - before
+    finally:
+        stop_process(proc, timeout=30)
+    assert set(codes) <= {0, 200, 202, 429}, codes
+    assert codes.count(429) > 0  # once the first run finished, the rest were told to come back later
+    assert served == 2, served  # one canary run: one completion per tenant
+
+
+@pytest.fixture
+def hung_target() -> Iterator[str]:
+    """A port that accepts connections and never answers a byte."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_sigterm_with_a_run_in_flight_against_a_hung_target_exits_within_seconds(
+    tmp_path: Path, hung_target: str
+) -> None:
+    url, proc, log = serve(tmp_path, hung_target, shutdown_grace_seconds=3)
+    waiting = threading.Thread(
+        target=lambda: httpx.post(f"{url}/api/v1/targets/t/run?wait=120", headers=AUTH, timeout=200),
+        daemon=True,
+    )
+    waiting.start()
+    time.sleep(1.5)  # the run is in flight, stuck on the hung target
+    started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+    took = time.monotonic() - started
+    text = log.read_text()
+    assert took < 15, f"took {took:.1f}s to exit\n{text[-2000:]}"
+    assert "stopping: no new probe runs" in text and "kvcanary stopped cleanly" in text
