@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.alerting import Delivery, Pager
 from monitor.api import runbooks
+from monitor.api.docs import serve_docs
 from monitor.api.main import api_router, health_router
 from monitor.config import Settings
 from monitor.metrics import MonitorMetrics
@@ -276,7 +277,10 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
         version="0.1.0",
         description="Canary probes for KV-cache isolation: incidents, probe results and targets.",
         lifespan=lifespan,
+        docs_url=None,  # served from local assets below, not a CDN
+        redoc_url=None,
     )
+    serve_docs(app)
     # The routers only read; recordings go through the runner's own (writing) sessions.
     app.state.session_factory = monitor.read_session_factory
     app.state.api_token = monitor.token

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -279,3 +280,19 @@ def test_the_openapi_document_declares_models_auth_and_errors(client: TestClient
     )
     assert {p["name"] for p in incidents["parameters"]} >= {"cursor", "limit", "offset"}
     assert "next_cursor" in doc["components"]["schemas"]["IncidentPage"]["required"]
+
+
+def test_the_docs_page_loads_its_assets_from_the_monitor_not_a_cdn(tmp_path: pathlib.Path) -> None:
+    from monitor.app import Monitor, create_app
+    from monitor.config import parse_settings
+    from monitor.storage.db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    upgrade(url)
+    config = {"database_url": url, "api": {"local_only": True}, "spool": {"in_memory": True}}
+    settings = parse_settings(config)
+    with TestClient(create_app(Monitor(settings), start_scheduler=False)) as c:
+        page = c.get("/docs").text
+        assert "cdn" not in page.lower() and "/docs/static/swagger-ui-bundle.js" in page
+        assert c.get("/docs/static/swagger-ui-bundle.js").status_code == 200
+        assert c.get("/docs/static/swagger-ui.css").status_code == 200
