@@ -31,6 +31,7 @@ from monitor.api.main import api_router, health_router
 from monitor.config import Settings
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
+from monitor.replicas import HEARTBEAT_SECONDS, Membership
 from monitor.run_now import RunNow
 from monitor.runner import ProbeRunner, RunSummary, runs_of
 from monitor.scheduler import PRUNE_INTERVAL_SECONDS, REPLAY_INTERVAL_SECONDS, build_scheduler
@@ -93,6 +94,10 @@ class Monitor:
             settings, self.clients, self.markers, self.metrics, self.recorder, self._summarised
         )
         self.runner.on_config_change = self._reaudit
+        self.membership = Membership(self.session_factory, shared=self.engine.dialect.name == "postgresql")
+        self.runner.owns = self.membership.owns
+        self._beat()  # know the other replicas before the first run, not a heartbeat later
+        self.metrics.watch_replicas(self._replica_counts)
         self.pager: Pager | None = None
         self._pager_task: asyncio.Task[None] | None = None
         if settings.alertmanagers:
@@ -106,6 +111,7 @@ class Monitor:
             housekeeping=[
                 ("prune", self.prune, PRUNE_INTERVAL_SECONDS),
                 ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
+                ("heartbeat", self.heartbeat, HEARTBEAT_SECONDS),
             ],
         )
         self.scheduler.add_listener(self._submitted, EVENT_JOB_SUBMITTED)
@@ -157,6 +163,19 @@ class Monitor:
         removed = await asyncio.to_thread(work)
         if removed:
             log.info("pruned %d expired probe results", removed)
+
+    async def heartbeat(self) -> None:
+        await asyncio.to_thread(self._beat)
+
+    def _beat(self) -> None:
+        try:
+            self.membership.heartbeat()
+        except Exception as exc:  # the database is away: keep the last view of the replicas
+            log.warning("replica heartbeat failed (%s); keeping the last view", type(exc).__name__)
+
+    def _replica_counts(self) -> tuple[int, int]:
+        owned = sum(self.membership.owns(t.name, k) for t in self.settings.targets for k in t.probes)
+        return len(self.membership.live), owned
 
     async def replay(self) -> None:
         if len(self.spool):
@@ -215,6 +234,7 @@ class Monitor:
             log.warning("%d result(s) still spooled in %s; replayed at the next start", len(self.spool),
                         self.spool.where)
         self.spool.close()
+        await asyncio.to_thread(self.membership.leave)
         self.engine.dispose()
         log.info("kvcanary stopped cleanly")
 

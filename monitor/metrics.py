@@ -121,6 +121,22 @@ class OutboxCollector(Collector):
         )
 
 
+class ReplicaCollector(Collector):
+    """Export how many replicas share the work and how many (target, probe) pairs this one runs."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int]]):
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        live, owned = self._counts()
+        yield GaugeMetricFamily(
+            "kvcanary_replicas", "Live monitor replicas sharing the database.", value=live
+        )
+        yield GaugeMetricFamily(
+            "kvcanary_pairs_owned", "(target, probe) pairs this replica runs on its clock.", value=owned
+        )
+
+
 class MonitorMetrics:
     """The monitor's own metrics. One instance per process (tests make their own)."""
 
@@ -210,6 +226,9 @@ class MonitorMetrics:
 
     def watch_spool(self, spool: Spool) -> None:
         self.registry.register(SpoolCollector(spool))
+
+    def watch_replicas(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self.registry.register(ReplicaCollector(counts))
 
     def watch_outbox(self, backlog: Callable[[], tuple[int, float]]) -> None:
         self.registry.register(OutboxCollector(backlog))

@@ -105,6 +105,8 @@ class ProbeRunner:
         self.on_summary = on_summary
         #: Called with (target, node) when a capacity audit saw the node's configuration change.
         self.on_config_change: Callable[[TargetConfig, str], None] | None = None
+        #: Whether this replica runs (target, kind) on its clock (``monitor/replicas.py``); all by default.
+        self.owns: Callable[[str, str], bool] = lambda target, kind: True
         self._slots = asyncio.Semaphore(settings.scheduler.max_concurrency)
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
         self._states: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -119,6 +121,13 @@ class ProbeRunner:
     def note_due(self, target: str, kind: str, due: datetime) -> None:
         """Remember when the scheduled run of (target, kind) about to start was due (for its lag)."""
         self._due[(target, kind)] = due
+
+    async def run_scheduled(self, target_name: str, kind: str) -> list[RunSummary]:
+        """Run (target, kind) when the clock says so, if it is this replica's to run (``owns``)."""
+        if not self.owns(target_name, kind):
+            self._due.pop((target_name, kind), None)
+            return []
+        return await self.run(target_name, kind)
 
     async def run(self, target_name: str, kind: str) -> list[RunSummary]:
         """Run one probe kind on one target (on each of its nodes when node-scoped) and record each

@@ -51,7 +51,7 @@ def build_scheduler(
         for kind in target.probes:
             interval = target.interval_for(kind)
             scheduler.add_job(
-                runner.run,
+                runner.run_scheduled,
                 IntervalTrigger(seconds=interval, jitter=min(jitter, interval / 4) or None),
                 args=[target.name, kind],
                 id=f"probe:{target.name}:{kind}",

@@ -104,6 +104,13 @@ class ProbeResult(Base):
         # An incident's most recent linked results; also what pruning and ON DELETE SET NULL look up.
         Index("ix_probe_result_incident_started_id", "incident_id", "started_at", "id"),
         Index("ix_probe_result_expires_at", "expires_at"),
+        # Rows still holding excerpts of target output, by when those must go (retention.excerpt_days).
+        Index(
+            "ix_probe_result_excerpts_until",
+            "excerpts_until",
+            sqlite_where=text("excerpts_until IS NOT NULL"),
+            postgresql_where=text("excerpts_until IS NOT NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -123,6 +130,8 @@ class ProbeResult(Base):
     evidence: Mapped[dict[str, Any]] = mapped_column(JSON)
     incident_id: Mapped[int | None] = mapped_column(ForeignKey("incident.id", ondelete="SET NULL"))
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # When the excerpts in ``evidence`` (another customer's text, perhaps) are purged; NULL: none held.
+    excerpts_until: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
     target: Mapped[Target] = relationship(lazy="raise")
 
@@ -246,3 +255,21 @@ class ProbeState(Base):
     node: Mapped[str] = mapped_column(String(63))
     state: Mapped[dict[str, Any]] = mapped_column(JSON)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class MonitorReplica(Base):
+    """A ``kvcanary serve`` process sharing the database; its heartbeat says it is alive.
+
+    Replicas divide the (target, probe) work by rendezvous hashing over the live rows
+    (``monitor/replicas.py``): each pair is run by the live replica with the highest hash of
+    (replica, pair), so every replica agrees without talking to the others, and a replica whose
+    heartbeat stops loses its pairs to the survivors within one lease.
+    """
+
+    __tablename__ = "monitor_replica"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -28,6 +28,7 @@ from tests.conftest import REPO
 PARTIAL_INDEXES = {
     "uq_incident_open_target_probe_node": "state = 'open'",
     "ix_incident_event_unprocessed": "processed_at IS NULL",
+    "ix_probe_result_excerpts_until": "excerpts_until IS NOT NULL",
 }
 
 
