@@ -40,7 +40,7 @@ from monitor.spool import Spool, SpoolBusy
 from monitor.storage import outbox
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts
-from monitor.storage.results import prune_expired
+from monitor.storage.results import prune_expired, purge_excerpts
 from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget, shared_client
 from monitor.targets.wire import Limits
@@ -48,6 +48,8 @@ from probes.canaries import MarkerBook
 
 log = logging.getLogger("kvcanary")
 
+#: Rows deleted (or purged) per transaction: short write locks, even on a big backlog.
+PRUNE_BATCH = 1000
 #: What a node's configuration change re-runs at once (the capacity audit that saw it has just run).
 REAUDIT_KINDS = ("version", "boundary")
 
@@ -156,13 +158,23 @@ class Monitor:
             return list(open_incident_counts(session))
 
     async def prune(self) -> None:
-        def work() -> int:
-            with self.session_factory() as session, session.begin():
-                return prune_expired(session, now=datetime.now(UTC))
+        """Delete expired results and purge expired excerpts, a batch per transaction."""
+        removed = await self._in_batches(prune_expired)
+        purged = await self._in_batches(purge_excerpts)
+        if removed or purged:
+            log.info("pruned %d expired probe results; purged the excerpts of %d", removed, purged)
 
-        removed = await asyncio.to_thread(work)
-        if removed:
-            log.info("pruned %d expired probe results", removed)
+    async def _in_batches(self, step: Callable[..., int]) -> int:
+        def one() -> int:
+            with self.session_factory() as session, session.begin():
+                return step(session, now=datetime.now(UTC), batch=PRUNE_BATCH)
+
+        total = 0
+        while (done := await asyncio.to_thread(one)) > 0:
+            total += done
+            if done < PRUNE_BATCH:
+                break
+        return total
 
     async def heartbeat(self) -> None:
         await asyncio.to_thread(self._beat)

@@ -86,6 +86,14 @@ class SchedulerConfig(Strict):
 class RetentionConfig(Strict):
     pass_days: float = Field(7, gt=0, le=3650)
     failure_days: float = Field(90, gt=0, le=3650)
+    # Excerpts of what a target returned can be another customer's text: purged after this many
+    # days while the verdict, figures and marker ids stay.
+    excerpt_days: float = Field(7, gt=0, le=3650)
+
+
+class EvidenceConfig(Strict):
+    # false: never store an excerpt of target output at all (marker ids, hashes and figures only).
+    excerpts: bool = True
 
 
 class SpoolConfig(Strict):
@@ -168,6 +176,7 @@ class Settings(Strict):
     incidents: IncidentConfig = IncidentConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     retention: RetentionConfig = RetentionConfig()
+    evidence: EvidenceConfig = EvidenceConfig()
     spool: SpoolConfig = SpoolConfig()
     limits: LimitsConfig = LimitsConfig()
     alertmanagers: list[AlertmanagerConfig] = Field(default_factory=list, max_length=16)

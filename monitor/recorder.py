@@ -32,7 +32,7 @@ from monitor.config import Settings
 from monitor.incidents import RecordOutcome, record_result
 from monitor.spool import PendingResult, Spool
 from monitor.storage.db import utcnow
-from monitor.storage.results import load_state, save_state
+from monitor.storage.results import load_state, save_state, without_excerpts
 from monitor.target_config import TargetConfig
 from probes.base import ProbeResult
 
@@ -153,6 +153,8 @@ class Recorder:
             return None
 
     def _insert(self, item: PendingResult, result: ProbeResult) -> RecordOutcome:
+        if not self.settings.evidence.excerpts:
+            result.evidence = without_excerpts(result.evidence, "not stored (evidence.excerpts: false)")
         key = (item.target, item.engine, item.base_url, item.model)
         try:
             outcome = self._insert_once(item, result, self._target_ids.get(key))

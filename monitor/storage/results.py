@@ -107,6 +107,8 @@ def new_probe_result(
     if verdict not in VERDICTS:
         raise ValueError(f"verdict must be one of {VERDICTS}, not {verdict!r}")
     days = retention.pass_days if verdict == "pass" else retention.failure_days
+    evidence = _jsonable(result.evidence)
+    holds_excerpts = has_excerpts(evidence)
     return ProbeResult(
         probe=probe,
         node=node,
@@ -115,15 +117,68 @@ def new_probe_result(
         detail=storable_text(result.detail)[:DETAIL_CHARS],
         started_at=started_at,
         duration_seconds=float(duration_seconds),
-        evidence=_jsonable(result.evidence),
+        evidence=evidence,
         incident_id=None,
         expires_at=started_at + timedelta(days=days),
+        excerpts_until=started_at + timedelta(days=retention.excerpt_days) if holds_excerpts else None,
         **_measurements(result.measurements),
     )
 
 
-def prune_expired(session: Session, *, now: datetime) -> int:
+#: Evidence keys whose values are (redacted) text a target returned: ``excerpt``, ``baseline_excerpt``.
+EXCERPT_SUFFIX = "excerpt"
+
+
+def has_excerpts(value: Any) -> bool:
+    """Return True when ``value`` (evidence, as plain JSON) holds any excerpt of target output."""
+    if isinstance(value, dict):
+        return any(
+            (k.endswith(EXCERPT_SUFFIX) and v not in (None, "")) or has_excerpts(v) for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return any(has_excerpts(v) for v in value)
+    return False
+
+
+def without_excerpts(evidence: dict[str, Any], note: str) -> dict[str, Any]:
+    """Return ``evidence`` with every excerpt set to null and ``excerpts_note`` saying why."""
+    return {**_drop_excerpts(evidence), "excerpts_note": note}
+
+
+def _drop_excerpts(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: None if k.endswith(EXCERPT_SUFFIX) else _drop_excerpts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_drop_excerpts(v) for v in value]
+    return value
+
+
+def purge_excerpts(session: Session, *, now: datetime, batch: int = 500) -> int:
+    """Drop the excerpts of up to ``batch`` results whose ``excerpts_until`` has passed; return how many.
+
+    The rows stay (verdict, reason, figures, marker ids and hashes): only the text goes.
+    """
+    rows = session.execute(
+        select(ProbeResult.id, ProbeResult.evidence, ProbeResult.excerpts_until)
+        .where(ProbeResult.excerpts_until.is_not(None), ProbeResult.excerpts_until <= as_utc(now))
+        .limit(batch)
+    ).all()
+    for row_id, evidence, until in rows:
+        note = f"excerpts purged on {as_utc(until).date().isoformat()} (retention.excerpt_days)"
+        session.execute(
+            update(ProbeResult)
+            .where(ProbeResult.id == row_id)
+            .values(evidence=without_excerpts(evidence, note), excerpts_until=None),
+            execution_options={"synchronize_session": False},
+        )
+    return len(rows)
+
+
+def prune_expired(session: Session, *, now: datetime, batch: int | None = None) -> int:
     """Delete probe_result rows whose ``expires_at`` has passed; return how many were deleted.
+
+    With ``batch``, delete at most that many: the caller commits between batches, so a large
+    backlog never holds SQLite's one write lock (or PostgreSQL row locks) for long.
 
     Rows linked to an incident that is still open are kept, whatever their expiry: an open incident
     keeps all its evidence. Once it is resolved each linked row lives until its own expiry (failures
@@ -131,10 +186,16 @@ def prune_expired(session: Session, *, now: datetime) -> int:
     verdict and reason; their ``probe_result_id`` becomes NULL (ON DELETE SET NULL).
     """
     still_open = select(Incident.id).where(Incident.state == "open")
-    stmt = delete(ProbeResult).where(
+    due = (
         ProbeResult.expires_at <= as_utc(now),
         (ProbeResult.incident_id.is_(None)) | (ProbeResult.incident_id.not_in(still_open)),
     )
+    stmt = delete(ProbeResult)
+    if batch is None:
+        stmt = stmt.where(*due)
+    else:
+        first = select(ProbeResult.id).where(*due).limit(batch).scalar_subquery()
+        stmt = stmt.where(ProbeResult.id.in_(first))
     result = session.execute(stmt, execution_options={"synchronize_session": False})
     return int(result.rowcount)  # type: ignore[attr-defined]
 
