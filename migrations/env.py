@@ -15,9 +15,10 @@ from pathlib import Path
 
 from alembic import context
 
-# `alembic` run from a checkout: make the repository importable without installing it.
+# `alembic` run from a checkout: make the repository importable without installing it. (Installed
+# from the wheel, the folder above is the `kvcanary` package itself, which must stay off sys.path.)
 _REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:
+if (_REPO / "pyproject.toml").is_file() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from monitor.storage import models  # noqa: E402  (registers the tables on Base.metadata)

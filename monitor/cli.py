@@ -33,6 +33,8 @@ ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="The YAML config file (see kvcanary.example.yml).")
 ]
 EXIT_CONFIG = 2
+#: ``workers`` in a checkout, ``kvcanary.workers`` where the wheel installed everything under ``kvcanary``.
+WORKERS_MODULE = f"{(__package__ or 'monitor').removesuffix('monitor')}workers"
 
 
 def _fail(message: str, code: int = EXIT_CONFIG) -> typer.Exit:
@@ -149,7 +151,7 @@ def demo(
 def worker(ctx: typer.Context) -> None:
     """Run the reference serving worker (torch). All flags go to it: kvcanary worker --help."""
     # The monitor never imports the worker: they meet over HTTP. Hand this process over to it.
-    os.execv(sys.executable, [sys.executable, "-m", "workers", *ctx.args])
+    os.execv(sys.executable, [sys.executable, "-m", WORKERS_MODULE, *ctx.args])
 
 
 @db_app.command("upgrade")

@@ -101,7 +101,8 @@ def dashboards_dir() -> Path:
     """Return the repository's ``dashboards/`` folder; raise :class:`PushConfigError` if it is absent."""
     if not DASHBOARDS_DIR.is_dir():
         raise PushConfigError(
-            f"no dashboards folder at {DASHBOARDS_DIR} (it ships with the repository, not the package)"
+            f"no dashboards folder at {DASHBOARDS_DIR} (beside monitor/ in a checkout, kvcanary/dashboards "
+            "in the wheel)"
         )
     return DASHBOARDS_DIR
 

@@ -36,6 +36,8 @@ from monitor.runner import RunSummary
 from monitor.storage.db import upgrade
 from probes.base import Verdict
 
+#: ``workers`` in a checkout, ``kvcanary.workers`` where the wheel installed everything under ``kvcanary``.
+WORKERS_MODULE = f"{(__package__ or 'monitor').removesuffix('monitor')}workers"
 TENANTS = ("tenant-a", "tenant-b")
 WORKERS = {
     # name: worker flags. The defective node advertises 8,192 tokens of context on a 2,048-token
@@ -71,7 +73,7 @@ def _start_worker(
     argv = [
         sys.executable,
         "-m",
-        "workers",
+        WORKERS_MODULE,
         "--host",
         "127.0.0.1",
         "--port",
