@@ -111,6 +111,14 @@ class Deployment:
             ],
         }
 
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # A failed assertion must not leave `kvcanary serve` running after the test.
+        if self.proc is not None:
+            stop_process(self.proc)
+
     def kvcanary(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "monitor", *args],
@@ -156,10 +164,8 @@ class Deployment:
 def deployment(
     tmp_path: Path, database_url: str, start_worker: Callable[..., WorkerProcess]
 ) -> Iterator[Deployment]:
-    dep = Deployment(tmp_path, database_url, start_worker)
-    yield dep
-    if dep.proc is not None:
-        stop_process(dep.proc)
+    with Deployment(tmp_path, database_url, start_worker) as dep:
+        yield dep
 
 
 def open_incidents(dep: Deployment, role: str) -> list[dict[str, Any]]:

@@ -56,7 +56,11 @@ def value(metrics: Samples, name: str, **labels: str) -> float | None:
 def test_no_verdict_is_lost_while_postgresql_is_down(
     tmp_path: Path, own_postgres: OwnPostgres, start_worker: Callable[..., WorkerProcess]
 ) -> None:
-    dep = Deployment(tmp_path, own_postgres.url, start_worker)
+    with Deployment(tmp_path, own_postgres.url, start_worker) as dep:
+        watch_the_outage(dep, own_postgres)
+
+
+def watch_the_outage(dep: Deployment, own_postgres: OwnPostgres) -> None:
     assert dep.kvcanary("db", "upgrade", "--config", str(dep.config)).returncode == 0
     dep.serve()
     defective = dep.name("defective")
