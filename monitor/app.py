@@ -42,8 +42,10 @@ from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts
 from monitor.storage.results import prune_expired, purge_excerpts
 from monitor.target_config import TargetConfig
-from monitor.targets.openai_http import OpenAIHttpTarget, shared_client
+from monitor.targets.http import HttpClient
+from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
+from monitor.writer import BatchWriter
 from probes.canaries import MarkerBook
 
 log = logging.getLogger("kvcanary")
@@ -80,7 +82,7 @@ class Monitor:
         self.markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
         limits = Limits(**settings.limits.model_dump())
         # One connection pool and TLS context for every target (not one per target).
-        self.http = shared_client(max(64, settings.scheduler.max_concurrency * 4))
+        self.http = HttpClient(max(64, settings.scheduler.max_concurrency * 4))
         self.clients = {
             t.name: OpenAIHttpTarget(
                 t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants}, limits=limits, client=self.http
@@ -95,6 +97,8 @@ class Monitor:
         self.runner = ProbeRunner(
             settings, self.clients, self.markers, self.metrics, self.recorder, self._summarised
         )
+        self.writer = BatchWriter(self.recorder)
+        self.runner.writer = self.writer
         self.runner.on_config_change = self._reaudit
         self.membership = Membership(self.session_factory, shared=self.engine.dialect.name == "postgresql")
         self.runner.owns = self.membership.owns
@@ -240,16 +244,19 @@ class Monitor:
         for client in self.clients.values():
             await client.aclose()
         await self.http.aclose()
+        await asyncio.to_thread(self.writer.close)
         if len(self.spool):
             await asyncio.to_thread(self.recorder.replay)
         if len(self.spool):
-            log.warning("%d result(s) still spooled in %s; replayed at the next start", len(self.spool),
-                        self.spool.where)
+            log.warning(
+                "%d result(s) still spooled in %s; replayed at the next start",
+                len(self.spool),
+                self.spool.where,
+            )
         self.spool.close()
         await asyncio.to_thread(self.membership.leave)
         self.engine.dispose()
         log.info("kvcanary stopped cleanly")
-
 
     async def _stop_pager(self) -> None:
         """Deliver what is pending if the Alertmanagers answer quickly, then stop paging."""

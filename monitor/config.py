@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from monitor.target_config import DAY, ENV_RE, Strict, TargetConfig, http_url
 
@@ -182,6 +182,7 @@ class Settings(Strict):
     alertmanagers: list[AlertmanagerConfig] = Field(default_factory=list, max_length=16)
     alerting: AlertingConfig = AlertingConfig()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
+    _by_name: dict[str, TargetConfig] = PrivateAttr(default_factory=dict)
 
     @field_validator("database_url")
     @classmethod
@@ -201,8 +202,12 @@ class Settings(Strict):
             raise ValueError("alertmanagers: an Alertmanager is listed twice")
         return self
 
+    def model_post_init(self, context: Any) -> None:
+        self._by_name = {t.name: t for t in self.targets}
+
     def target(self, name: str) -> TargetConfig | None:
-        return next((t for t in self.targets if t.name == name), None)
+        """Return the target named ``name`` (a dict lookup: every probe run asks), or None."""
+        return self._by_name.get(name)
 
 
 def _is_loopback(host: str) -> bool:
@@ -256,5 +261,3 @@ def load_settings(path: str | Path) -> Settings:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     return parse_settings(data, source=str(path))
-
-

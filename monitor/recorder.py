@@ -77,6 +77,40 @@ class Recorder:
             self._spool(item, exc)
             return None
 
+    def record_many(self, items: list[PendingResult]) -> list[RecordOutcome | None]:
+        """Record ``items`` in order in one transaction (one commit for many results).
+
+        Behind a non-empty spool they queue there; when the database is away they are spooled; when
+        one of them is refused, each is recorded on its own (:meth:`record`'s rules).
+        """
+        if len(self.spool):
+            for item in items:
+                self.spool.append(item)
+            self.replay()
+            return [None] * len(items)
+        try:
+            with self.session_factory() as session, session.begin():
+                outcomes = [
+                    self._insert_in(session, item, self._prepared(item), self._known(item)) for item in items
+                ]
+        except _UNAVAILABLE as exc:
+            for item in items:
+                self._spool(item, exc)
+            return [None] * len(items)
+        except Exception:
+            self._target_ids.clear()  # a stale cached row is one possible cause; the slow path upserts
+            return [self._write_or_spool(item) for item in items]
+        for item, outcome in zip(items, outcomes, strict=True):
+            self._target_ids[_target_key(item)] = outcome.target_id
+        return list(outcomes)
+
+    def _write_or_spool(self, item: PendingResult) -> RecordOutcome | None:
+        try:
+            return self._write(item)
+        except _UNAVAILABLE as exc:
+            self._spool(item, exc)
+            return None
+
     def replay(self) -> int:
         """Record spooled results oldest first until the spool is empty or the database fails again.
 
@@ -113,7 +147,7 @@ class Recorder:
     def _write(self, item: PendingResult) -> RecordOutcome | None:
         """Record ``item``; on a refusal of its values, record it without evidence. Raise when unavailable."""
         try:
-            return self._insert(item, item.result())
+            return self._insert(item, self._prepared(item))
         except _UNAVAILABLE:
             raise
         except Exception as exc:  # DataError, IntegrityError, an odd value: the row, not the server
@@ -152,10 +186,17 @@ class Recorder:
         except _UNAVAILABLE:
             return None
 
-    def _insert(self, item: PendingResult, result: ProbeResult) -> RecordOutcome:
+    def _prepared(self, item: PendingResult) -> ProbeResult:
+        result = item.result()
         if not self.settings.evidence.excerpts:
             result.evidence = without_excerpts(result.evidence, "not stored (evidence.excerpts: false)")
-        key = (item.target, item.engine, item.base_url, item.model)
+        return result
+
+    def _known(self, item: PendingResult) -> int | None:
+        return self._target_ids.get(_target_key(item))
+
+    def _insert(self, item: PendingResult, result: ProbeResult) -> RecordOutcome:
+        key = _target_key(item)
         try:
             outcome = self._insert_once(item, result, self._target_ids.get(key))
         except _UNAVAILABLE:
@@ -169,32 +210,42 @@ class Recorder:
 
     def _insert_once(self, item: PendingResult, result: ProbeResult, target_id: int | None) -> RecordOutcome:
         with self.session_factory() as session, session.begin():
-            outcome = record_result(
+            return self._insert_in(session, item, result, target_id)
+
+    def _insert_in(
+        self, session: Session, item: PendingResult, result: ProbeResult, target_id: int | None
+    ) -> RecordOutcome:
+        """Record one result in ``session``'s transaction (the caller commits)."""
+        outcome = record_result(
+            session,
+            target_name=item.target,
+            engine=item.engine,
+            base_url=item.base_url,
+            model=item.model,
+            probe=item.probe,
+            result=result,
+            started_at=datetime.fromisoformat(item.started_at),
+            duration_seconds=item.duration_seconds,
+            policy=self.settings.incidents,
+            retention=self.settings.retention,
+            now=datetime.fromisoformat(item.attempted_at),
+            node=item.node,
+            target_id=target_id,
+        )
+        if item.state is not None:
+            save_state(
                 session,
-                target_name=item.target,
-                engine=item.engine,
-                base_url=item.base_url,
-                model=item.model,
+                target_id=outcome.target_id,
                 probe=item.probe,
-                result=result,
-                started_at=datetime.fromisoformat(item.started_at),
-                duration_seconds=item.duration_seconds,
-                policy=self.settings.incidents,
-                retention=self.settings.retention,
-                now=datetime.fromisoformat(item.attempted_at),
                 node=item.node,
-                target_id=target_id,
+                state=item.state,
+                now=datetime.fromisoformat(item.attempted_at),
             )
-            if item.state is not None:
-                save_state(
-                    session,
-                    target_id=outcome.target_id,
-                    probe=item.probe,
-                    node=item.node,
-                    state=item.state,
-                    now=datetime.fromisoformat(item.attempted_at),
-                )
-            return outcome
+        return outcome
+
+
+def _target_key(item: PendingResult) -> tuple[str, str, str, str]:
+    return (item.target, item.engine, item.base_url, item.model)
 
 
 def _describe(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ from monitor.incidents import RecordOutcome
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
 from monitor.target_config import TargetConfig
+from monitor.writer import BatchWriter
 from probes import REGISTRY
 from probes.base import Node, ProbeContext, ProbeResult, TargetClient, judge
 from probes.canaries import MarkerBook
@@ -102,6 +103,8 @@ class ProbeRunner:
         self.markers = markers
         self.metrics = metrics
         self.recorder = recorder
+        #: Batches recordings, many to a transaction (``monitor/writer.py``); without it, one each.
+        self.writer: BatchWriter | None = None
         self.on_summary = on_summary
         #: Called with (target, node) when a capacity audit saw the node's configuration change.
         self.on_config_change: Callable[[TargetConfig, str], None] | None = None
@@ -209,6 +212,8 @@ class ProbeRunner:
         started_at: datetime,
         duration: float,
     ) -> RecordOutcome | None:
+        if self.writer is not None:
+            return await self.writer.submit(target, kind, result, started_at, duration, node)
         if self.recorder is None:
             return None
         return await asyncio.to_thread(self.recorder.record, target, kind, result, started_at, duration, node)

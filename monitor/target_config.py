@@ -105,7 +105,6 @@ class TargetConfig(Strict):
     interval_seconds: float = Field(30.0, gt=0, le=7 * DAY)
     timeout_seconds: float = Field(30.0, gt=0, le=3600)
     probes: list[str] = Field(default_factory=lambda: ["canary", "cross_tenant", "boundary"], min_length=1)
-    # Per-kind interval override; the boundary probe is large and runs on its own, longer clock.
     # Per-kind interval override. Without one a kind runs at interval_seconds, or at its own default
     # when that is longer: large or costly kinds (boundary, version, needle, prefix_cache) run less often.
     probe_intervals: dict[str, float] = Field(default_factory=dict)
@@ -212,5 +211,3 @@ def _known(kinds: dict[str, Any]) -> None:
     unknown = [p for p in kinds if p not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown probe kind(s) {unknown}; known: {sorted(REGISTRY)}")
-
-

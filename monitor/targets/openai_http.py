@@ -20,11 +20,13 @@ import asyncio
 import json
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 from monitor.target_config import TargetConfig
 from monitor.targets.capacity import apply_overrides, read_capacity
+from monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
 from monitor.targets.scrape import parse_samples
 from monitor.targets.wire import (
     DEFAULT_LIMITS,
@@ -47,35 +49,20 @@ __all__ = ["ERROR_BODY_BYTES", "OpenAIHttpTarget"]
 _MIN_SCRUB_LEN = 4
 
 
-def shared_client(max_connections: int = 256) -> httpx.AsyncClient:
-    """Return one HTTP client for many targets: one connection pool and one TLS context for all.
-
-    A client per target cost ~0.8 MB and ~50 ms of start-up each (its own TLS context), and a new
-    connection per run. Timeouts are set per request by each target.
-    """
-    return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        # Redirects could carry the Authorization header to another host.
-        follow_redirects=False,
-    )
-
-
 class OpenAIHttpTarget:
     """A serving endpoint reached over HTTP; call :meth:`aclose`.
 
     ``api_keys`` maps each tenant name to its key, or None for an engine without authentication.
-    ``client`` is a client shared with other targets (:func:`shared_client`; closing the target does
-    not close it); without one the target makes its own. ``transport`` replaces the network in tests
-    (``httpx.MockTransport``).
+    ``client`` is the HTTP client shared with other targets (closing the target does not close it);
+    without one the target makes its own.
     """
 
     def __init__(
         self,
         config: TargetConfig,
         api_keys: dict[str, str | None],
-        transport: httpx.AsyncBaseTransport | None = None,
         limits: Limits = DEFAULT_LIMITS,
-        client: httpx.AsyncClient | None = None,
+        client: HttpClient | None = None,
     ):
         self.name = config.name
         self.tenants = [t.name for t in config.tenants]
@@ -90,10 +77,9 @@ class OpenAIHttpTarget:
         self._limits = limits
         # Paths below start at /v1; a base URL written with its /v1 would double it.
         self._base = config.base_url.removesuffix("/v1")
-        self._origin = _origin(httpx.URL(self._base))
+        self._origin = _origin(self._base)
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient(transport=transport, follow_redirects=False)
-        self._request_timeout = httpx.Timeout(config.timeout_seconds)
+        self._client = client or HttpClient(max_connections=16)
 
     async def aclose(self) -> None:
         if self._own_client:
@@ -116,13 +102,11 @@ class OpenAIHttpTarget:
                 await self._exchange(tenant, path, body, request.stream, state)
         except TimeoutError:
             state.fail("timeout", f"no complete answer within {self._timeout:g}s")
-        except httpx.TimeoutException as exc:
-            state.fail("timeout", f"{type(exc).__name__} after {self._timeout:g}s")
-        except httpx.ConnectError as exc:
+        except CONNECT_ERRORS as exc:
             state.fail("connect", f"cannot connect to {self._config.base_url}: {exc}")
         except ResponseTooLarge as exc:
             state.fail("too_large", f"{exc}: read no further")
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             state.fail("protocol", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # A monitor must survive any odd answer; say what it was.
             state.fail("protocol", f"{type(exc).__name__}: {exc}")
@@ -134,32 +118,37 @@ class OpenAIHttpTarget:
     async def _exchange(
         self, tenant: str, path: str, body: dict[str, Any], stream: bool, state: StreamState
     ) -> None:
-        headers = self._auth(tenant)
-        async with self._client.stream(
-            "POST", self._base + path, json=body, headers=headers, timeout=self._request_timeout
+        session = await self._client.session()
+        async with session.post(
+            self._base + path, json=body, headers=self._auth(tenant), allow_redirects=False
         ) as response:
-            state.status = response.status_code
-            if not response.is_success:
-                raw = await read_bounded(response, ERROR_BODY_BYTES)
+            state.status = response.status
+            if not 200 <= response.status < 300:
+                raw = await read_bounded(chunks(response), ERROR_BODY_BYTES)
                 state.text = raw
                 state.apply_error_body(raw)
                 message = error_message(raw)
                 if message is None:  # no engine wrote this body: a proxy, a load balancer, a redirect
-                    state.fail(
-                        "foreign", f"HTTP {response.status_code} with a body that is no engine's error"
-                    )
+                    state.fail("foreign", f"HTTP {response.status} with a body that is no engine's error")
                 else:
                     state.fail("http", message)
                 return
             content_type = response.headers.get("content-type", "")
             if stream and "text/event-stream" in content_type:
-                async for line in sse_lines(response, self._limits):
+                lines = sse_lines(chunks(response), self._limits)
+                async for line in lines:
                     if not state.feed_sse_line(line, time.monotonic()):
                         break
                 state.finish_stream()
+                # Read what follows [DONE] (a blank line): a response closed unread cannot go
+                # back to the pool, and every run would pay a new connection.
+                async for _ in lines:
+                    pass
                 return
             # Some servers ignore ``stream``; a JSON body is as good an answer.
-            raw, complete = await read_limited(response, self._limits.response_bytes)
+            raw, complete = await read_limited(
+                chunks(response), self._limits.response_bytes, response.content_length
+            )
             if not complete:
                 raise ResponseTooLarge(f"the answer is over {self._limits.response_bytes} bytes")
             parse_body(raw.encode(), state, time.monotonic())
@@ -189,23 +178,23 @@ class OpenAIHttpTarget:
         The tenants' credentials go only to the target's own origin: a node URL on another host gets
         no Authorization header.
         """
-        headers = self._any_auth() if _origin(httpx.URL(url)) == self._origin else {}
+        headers = self._any_auth() if _origin(url) == self._origin else {}
+        limit = self._limits.lookup_bytes
         try:
             async with asyncio.timeout(self._timeout):
-                async with self._client.stream(
-                    "GET", url, headers=headers, timeout=self._request_timeout
-                ) as response:
-                    if not response.is_success:
-                        return Fetched(None, f"HTTP {response.status_code} from {url}", response.status_code)
-                    body, complete = await read_limited(response, self._limits.lookup_bytes)
+                session = await self._client.session()
+                async with session.get(url, headers=headers, allow_redirects=False) as response:
+                    status = response.status
+                    if not 200 <= response.status < 300:
+                        return Fetched(None, f"HTTP {status} from {url}", status)
+                    body, complete = await read_limited(chunks(response), limit, response.content_length)
         except TimeoutError:
             return Fetched(None, f"no answer from {url} within {self._timeout:g}s")
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, ValueError) as exc:
             return Fetched(None, self._scrub(f"cannot read {url}: {type(exc).__name__}: {exc}"))
         if not complete:
-            too_much = f"{url} sent more than {self._limits.lookup_bytes} bytes"
-            return Fetched(None, too_much, response.status_code)
-        return Fetched(body, None, response.status_code)
+            return Fetched(None, f"{url} sent more than {limit} bytes", status)
+        return Fetched(body, None, status)
 
     async def scrape(self, url: str) -> Scraped:
         """GET a node's Prometheus page and parse it (:func:`parse_samples`); never raise."""
@@ -265,16 +254,16 @@ class OpenAIHttpTarget:
     async def _tokenize(self, path: str, body: dict[str, Any]) -> int | None:
         try:
             async with asyncio.timeout(self._timeout):
-                async with self._client.stream(
-                    "POST",
-                    self._base + path,
-                    json=body,
-                    headers=self._any_auth(),
-                    timeout=self._request_timeout,
+                session = await self._client.session()
+                async with session.post(
+                    self._base + path, json=body, headers=self._any_auth(), allow_redirects=False
                 ) as response:
-                    raw, complete = await read_limited(response, self._limits.lookup_bytes)
-            data = json.loads(raw) if response.is_success and complete else None
-        except (TimeoutError, httpx.HTTPError, ValueError):
+                    raw, complete = await read_limited(
+                        chunks(response), self._limits.lookup_bytes, response.content_length
+                    )
+                    ok = 200 <= response.status < 300
+            data = json.loads(raw) if ok and complete else None
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
         if not isinstance(data, dict):
             return None
@@ -310,5 +299,8 @@ class NodeLookups:
             return None
 
 
-def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
-    return url.scheme, url.host, url.port
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """Return (scheme, host, port) with the scheme's default port filled in."""
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port

@@ -12,8 +12,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from probes.base import Completion, CompletionRequest
 
 #: How much of an error body is kept: enough for any engine's message, not a second copy of a prompt.
@@ -41,11 +39,11 @@ class ResponseTooLarge(Exception):
     """A target sent more than a limit allows; ``str()`` says which."""
 
 
-async def sse_lines(response: httpx.Response, limits: Limits) -> AsyncIterator[str]:
+async def sse_lines(body: AsyncIterator[bytes], limits: Limits) -> AsyncIterator[str]:
     """Yield the lines of an event stream, enforcing the line and the total byte limits while reading."""
     pending = b""
     total = 0
-    async for chunk in response.aiter_bytes():
+    async for chunk in body:
         total += len(chunk)
         if total > limits.response_bytes:
             raise ResponseTooLarge(f"the stream is over {limits.response_bytes} bytes")
@@ -57,6 +55,8 @@ async def sse_lines(response: httpx.Response, limits: Limits) -> AsyncIterator[s
             raise ResponseTooLarge(f"a stream line is over {limits.sse_line_bytes} bytes")
     if pending:
         yield pending.rstrip(b"\r").decode("utf-8", "replace")
+
+
 _MESSAGE_CHARS = 500
 
 
@@ -118,26 +118,27 @@ def _describe_llamacpp(err: dict[str, Any]) -> str | None:
     return kind
 
 
-async def read_bounded(response: httpx.Response, limit: int) -> str:
+async def read_bounded(body: AsyncIterator[bytes], limit: int) -> str:
     """Return at most ``limit`` bytes of the body, decoded leniently (an error body may be anything)."""
     buf = bytearray()
-    async for chunk in response.aiter_bytes():
+    async for chunk in body:
         buf += chunk
         if len(buf) >= limit:
             break
     return bytes(buf[:limit]).decode("utf-8", "replace")
 
 
-async def read_limited(response: httpx.Response, limit: int) -> tuple[str, bool]:
+async def read_limited(
+    body: AsyncIterator[bytes], limit: int, declared: int | None = None
+) -> tuple[str, bool]:
     """Return the body decoded leniently and whether it was complete; stop reading past ``limit`` bytes.
 
-    A ``Content-Length`` over the limit is refused before a byte is read.
+    A declared length (``Content-Length``) over the limit is refused before a byte is read.
     """
-    declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared > limit:
         return "", False
     buf = bytearray()
-    async for chunk in response.aiter_bytes():
+    async for chunk in body:
         buf += chunk
         if len(buf) > limit:
             return "", False

@@ -1,9 +1,9 @@
 """What probe tests share: worker flags, targets, a probe runner, and a scripted engine at the seam.
 
 :class:`Reference` builds real :class:`OpenAIHttpTarget`s for a worker started by the ``reference``
-fixture (``conftest.py``). :class:`FakeEngine` answers like the worker behind ``httpx.MockTransport``,
-for judgment logic that a real process would make slow or impossible to provoke (a 429, a nonce that
-does not come back).
+fixture (``conftest.py``). :class:`FakeEngine` answers like the worker, served on a loopback socket
+(:class:`~tests.loopback.Loopback`), for judgment logic that a real process would make slow or
+impossible to provoke (a 429, a nonce that does not come back).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -21,6 +22,7 @@ from monitor.targets.openai_http import OpenAIHttpTarget
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult
 from probes.canaries import MARKER_RE, MarkerBook
+from tests.loopback import Handler, Loopback
 
 TENANTS = ("alice", "bob")
 KEYS = {
@@ -189,5 +191,43 @@ class FakeEngine:
     def target(
         self, tenants: tuple[str, ...] = TENANTS, *, engine: str = "reference", **options: Any
     ) -> OpenAIHttpTarget:
-        config = target_config("http://engine.test", tenants, engine=engine, **options)
-        return OpenAIHttpTarget(config, {t: KEYS[t] for t in tenants}, transport=httpx.MockTransport(self))
+        served = Loopback(self)
+        config = target_config(served.url, tenants, engine=engine, **options)
+        return LoopbackTarget(config, {t: KEYS[t] for t in tenants}, served)
+
+
+class LoopbackTarget(OpenAIHttpTarget):
+    """A target whose engine a :class:`Loopback` serves; closing the target stops the server."""
+
+    def __init__(self, config: TargetConfig, keys: dict[str, str | None], served: Loopback, **kw: Any):
+        super().__init__(config, keys, **kw)
+        self.served = served
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        self.served.close()
+
+
+def loopback_target(
+    config: TargetConfig, keys: dict[str, str | None], handler: Handler, **kw: Any
+) -> LoopbackTarget:
+    """Return a target for ``config`` whose engine is ``handler``, served on loopback: every URL of the
+    config (base, node info and metrics) keeps its path and gets the loopback's address."""
+    served = Loopback(handler)
+    return LoopbackTarget(rehome(config, served.url), keys, served, **kw)
+
+
+def rehome(config: TargetConfig, url: str) -> TargetConfig:
+    """Return ``config`` with the address of every URL in it replaced by ``url``'s."""
+
+    def moved(old: str | None) -> str | None:
+        if old is None:
+            return None
+        parts = urlsplit(old)
+        return url + parts.path
+
+    nodes = [
+        node.model_copy(update={"info_url": moved(node.info_url), "metrics_url": moved(node.metrics_url)})
+        for node in config.nodes
+    ]
+    return config.model_copy(update={"base_url": moved(config.base_url), "nodes": nodes})

@@ -21,7 +21,8 @@ from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import Node, ProbeResult, Verdict
 from probes.canaries import MarkerBook
-from tests.probes.probe_harness import KEYS, MODEL, Reference
+from tests.loopback import Handler
+from tests.probes.probe_harness import KEYS, MODEL, Reference, loopback_target
 
 ENGINES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
 
@@ -42,14 +43,16 @@ def config(
 
 
 def audit(
-    cfg: TargetConfig, node: Node | None = None, transport: httpx.AsyncBaseTransport | None = None
+    cfg: TargetConfig, node: Node | None = None, transport: Handler | None = None
 ) -> tuple[ProbeResult, int]:
     """Run the capacity probe on ``node`` (default: the target's first); return it and completions sent."""
     sent = 0
 
     async def go() -> ProbeResult:
         nonlocal sent
-        async with OpenAIHttpTarget(cfg, {"alice": KEYS["alice"]}, transport=transport) as target:
+        keys: dict[str, str | None] = {"alice": KEYS["alice"]}
+        made = OpenAIHttpTarget(cfg, keys) if transport is None else loopback_target(cfg, keys, transport)
+        async with made as target:
             result, _ = await execute_probe(
                 "capacity", target, MarkerBook(), cfg, node=node or target.nodes[0]
             )
@@ -112,7 +115,7 @@ def test_each_listed_node_is_audited_at_its_own_address(reference: Callable[...,
 # --- engines nobody here wrote, in the shapes their sources produce --------------------------------
 
 
-def serve_fixture(files: dict[str, str]) -> httpx.MockTransport:
+def serve_fixture(files: dict[str, str]) -> Handler:
     """Serve ``{path: fixture file}``; anything else is a 404 in SGLang's error shape."""
 
     def answer(request: httpx.Request) -> httpx.Response:
@@ -121,7 +124,7 @@ def serve_fixture(files: dict[str, str]) -> httpx.MockTransport:
             return httpx.Response(404, json={"object": "error", "message": "Not Found", "code": 404})
         return httpx.Response(200, text=(ENGINES / name).read_text())
 
-    return httpx.MockTransport(answer)
+    return answer
 
 
 def test_the_incidents_prefill_node_is_a_mismatch_with_its_figures() -> None:

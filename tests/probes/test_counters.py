@@ -20,7 +20,7 @@ from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import Node, ProbeResult, Verdict
 from probes.canaries import MarkerBook
 from probes.counters import judge_counters
-from tests.probes.probe_harness import DISAGG, KEYS, MODEL, PLACEHOLDER, SINGLE, Reference
+from tests.probes.probe_harness import DISAGG, KEYS, MODEL, PLACEHOLDER, SINGLE, Reference, loopback_target
 
 NODE = Node("", "single", "http://w", "http://w/metrics")
 PROMPT_A = "ALICE-PAGE-CONTENT " * 30  # 570 bytes: several pages of tenant A
@@ -176,7 +176,7 @@ def test_metrics_that_are_not_prometheus_text_or_not_there_are_errors() -> None:
             return httpx.Response(200, text=body)
 
         config = counters_config("http://engine.test")
-        async with OpenAIHttpTarget(config, {}, transport=httpx.MockTransport(answer)) as target:
+        async with loopback_target(config, {}, answer) as target:
             return (await execute_probe("counters", target, MarkerBook(), config))[0]
 
     assert asyncio.run(go(None)).reason == "metrics_unreachable"

@@ -24,7 +24,7 @@ from probes import REGISTRY
 from probes.base import Completion, CompletionRequest, Node, ProbeResult, Verdict
 from probes.canaries import MarkerBook
 from probes.version import VersionProbe
-from tests.probes.probe_harness import KEYS, MODEL, Reference
+from tests.probes.probe_harness import KEYS, MODEL, Reference, loopback_target
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ENGINES = FIXTURES / "engines"
@@ -56,12 +56,11 @@ def variant(name: str, **changes: Any) -> dict[str, Any]:
 
 
 class Seam:
-    """Serve ``{path: body}`` behind httpx.MockTransport (anything else: 404) and keep every path asked."""
+    """Serve ``{path: body}`` on loopback (anything else: 404) and keep every path asked."""
 
     def __init__(self, bodies: dict[str, Body]):
         self.bodies = bodies
         self.paths: list[str] = []
-        self.transport = httpx.MockTransport(self.answer)
 
     def answer(self, request: httpx.Request) -> httpx.Response:
         self.paths.append(request.url.path)
@@ -89,17 +88,18 @@ def check(cfg: TargetConfig, seam: Seam | None = None, node: Node | None = None)
     asked: list[CompletionRequest] = []
 
     async def go() -> ProbeResult:
-        transport = seam.transport if seam else None
-        async with OpenAIHttpTarget(cfg, {"alice": KEYS["alice"]}, transport=transport) as target:
+        keys: dict[str, str | None] = {"alice": KEYS["alice"]}
+        made = loopback_target(cfg, keys, seam.answer) if seam else OpenAIHttpTarget(cfg, keys)
+        async with made as target:
 
             async def no_completion(tenant: str, request: CompletionRequest) -> Completion:
                 asked.append(request)
                 return Completion(status=None, error="the version probe must not send completions")
 
             target.complete = no_completion  # type: ignore[method-assign]
-            result, _ = await execute_probe(
-                "version", target, MarkerBook(), cfg, node=node or target.nodes[0]
-            )
+            # The node as the target sees it: on loopback, its address was moved with the config's.
+            chosen = next((n for n in target.nodes if node and n.name == node.name), target.nodes[0])
+            result, _ = await execute_probe("version", target, MarkerBook(), cfg, node=chosen)
             return result
 
     result = asyncio.run(go())
@@ -181,7 +181,7 @@ def test_a_version_that_is_not_a_string_is_an_error_naming_it(broken: str, why: 
     result = sglang(fixture(broken))
     assert (result.verdict, result.reason) == (Verdict.ERROR, "version_unknown"), why
     assert result.detail.startswith("sglang version not published: looked for `version` in /server_info")
-    assert "http://sglang.test" in result.detail and result.evidence["published_version"] is None
+    assert "http://127.0.0.1:" in result.detail and result.evidence["published_version"] is None
 
 
 def test_a_source_build_is_unknown_until_the_operator_states_its_release() -> None:
@@ -298,7 +298,9 @@ def test_a_prefix_caching_fact_the_node_does_not_publish_is_unknown() -> None:
 def test_a_null_vllm_version_is_an_error_naming_get_version() -> None:
     result = vllm(fixture("vllm-broken-version-null.json"))
     assert (result.verdict, result.reason) == (Verdict.ERROR, "version_unknown")
-    assert result.detail.startswith("vllm version not published: looked for GET /version at http://vllm.test")
+    assert result.detail.startswith(
+        "vllm version not published: looked for GET /version at http://127.0.0.1:"
+    )
 
 
 # --- llama.cpp, hosted APIs, the reference worker -------------------------------------------------
