@@ -194,19 +194,29 @@ def _cost(grid: Grid) -> None:
     grid.row("Probe latency and cost")
     grid.add(
         timeseries_panel(
-            "Probe duration",
-            "Wall time of one probe run: p50, p90 and p99 per target and probe.",
+            "Probe duration by kind",
+            "Wall time of one probe run, p50, p90 and p99 per probe kind (the histogram has no "
+            "target label: at thousands of targets one would be tens of thousands of series).",
             [
                 Query(
-                    f"histogram_quantile({q}, sum by (target, probe, le) "
-                    f"(rate(kvcanary_probe_duration_seconds_bucket{{{PAIR}}}[$__rate_interval])))",
-                    f"p{round(q * 100)} {{{{target}}}} / {{{{probe}}}}",
+                    f"histogram_quantile({q}, sum by (probe, le) "
+                    f'(rate(kvcanary_probe_duration_seconds_bucket{{probe=~"$probe"}}[$__rate_interval])))',
+                    f"p{round(q * 100)} {{{{probe}}}}",
                 )
                 for q in (0.5, 0.9, 0.99)
             ],
             "s",
         ),
-        w=10, h=8,
+        w=5, h=8,
+    )  # fmt: skip
+    grid.add(
+        timeseries_panel(
+            "Slowest probe runs",
+            "The ten (target, probe) pairs whose last run took longest.",
+            [Query(f"topk(10, kvcanary_probe_last_duration_seconds{{{PAIR}}})", "{{target}} / {{probe}}")],
+            "s",
+        ),
+        w=5, h=8,
     )  # fmt: skip
     grid.add(
         timeseries_panel(

@@ -21,7 +21,7 @@ from typing import Any
 
 from apscheduler.events import EVENT_JOB_SUBMITTED, JobSubmissionEvent
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.alerting import Delivery, Pager
@@ -332,6 +332,6 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
-        return Response(generate_latest(monitor.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(monitor.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -11,10 +11,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from monitor.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
 from probes.base import ProbeResult, Verdict
 
 if TYPE_CHECKING:
@@ -24,11 +32,20 @@ if TYPE_CHECKING:
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 SEVERITIES = ("critical", "high", "warning")
-TOKEN_KINDS = ("prompt", "completion")
 DELIVERY_OUTCOMES = ("accepted", "rejected", "failed")
 LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 # Probe runs range from a 20 ms canary to a boundary probe that ships millions of tokens.
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+OPEN = (
+    "kvcanary_incidents_open",
+    "Open incidents by target, probe and severity (from the database; last known while it is down).",
+)
+READ_AT = (
+    "kvcanary_incidents_open_read_timestamp_seconds",
+    "Unix time the open incident counts were last read from the database.",
+)
+DB_UP = ("kvcanary_database_up", "1 when the database answered the last scrape, else 0.")  # fmt: skip
 
 OpenIncidentCounts = Callable[[], Iterable[tuple[str, str, str, str, int]]]
 #: Every (target, probe, node) the config makes: their series are exported at 0.
@@ -49,30 +66,37 @@ class OpenIncidentsCollector(Collector):
         self._last: dict[tuple[str, str, str, str], int] = {}
         self._read_at = 0.0
 
-    def collect(self) -> Iterator[Metric]:
-        up = 1
+    def _read(self) -> int:
+        """Refresh the counts from the database; return 1, or 0 (keeping the last counts) when it is away."""
         try:
             values = {(t, p, n, s): 0 for t, p, n in self._pairs() for s in SEVERITIES}
             for target, probe, node, severity, count in self._counts():
                 values[(target, probe, node, severity)] = count
             self._last, self._read_at = values, time.time()
         except Exception:  # a database hiccup must not break the scrape: serve the last known counts
-            up = 0
-        family = GaugeMetricFamily(
-            "kvcanary_incidents_open",
-            "Open incidents by target, probe and severity (from the database; last known while it is down).",
-            labels=["target", "probe", "node", "severity"],
-        )
+            return 0
+        return 1
+
+    def collect(self) -> Iterator[Metric]:
+        up = self._read()
+        family = GaugeMetricFamily(OPEN[0], OPEN[1], labels=["target", "probe", "node", "severity"])
         for labels, count in sorted(self._last.items()):
             family.add_metric(list(labels), count)
         yield family
-        yield GaugeMetricFamily(
-            "kvcanary_incidents_open_read_timestamp_seconds",
-            "Unix time the open incident counts were last read from the database.",
-            value=self._read_at,
+        yield GaugeMetricFamily(READ_AT[0], READ_AT[1], value=self._read_at)
+        yield GaugeMetricFamily(DB_UP[0], DB_UP[1], value=up)
+
+    def render(self) -> str:
+        """The same families in the text format, written directly (thousands of rows at scale)."""
+        up = self._read()
+        rows = (
+            (f'node="{escape(n)}",probe="{escape(p)}",severity="{s}",target="{escape(t)}"', count)
+            for (t, p, n, s), count in sorted(self._last.items())
         )
-        yield GaugeMetricFamily(
-            "kvcanary_database_up", "1 when the database answered the last scrape, else 0.", value=up
+        return (
+            render_gauge(*OPEN, rows)
+            + render_gauge(*READ_AT, [("", self._read_at)])
+            + render_gauge(*DB_UP, [("", up)])
         )
 
 
@@ -138,100 +162,72 @@ class ReplicaCollector(Collector):
 
 
 class MonitorMetrics:
-    """The monitor's own metrics. One instance per process (tests make their own)."""
+    """The monitor's own metrics. One instance per process (tests make their own).
+
+    ``registry`` holds every family (what ``generate_latest`` and the tests read); ``exposition()``
+    is what ``/metrics`` serves: the same families, the per-pair ones written directly.
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        self.probe_runs = Counter(
-            "kvcanary_probe_runs_total",
-            "Probe runs by verdict (pass, leak, mismatch, error).",
-            ["target", "probe", "verdict"],
-            registry=self.registry,
-        )
+        # The families prometheus-client formats: few series each, whatever the number of targets.
+        self._general = CollectorRegistry()
+        self.pairs = PairSeries()
+        self._incidents: OpenIncidentsCollector | None = None
+        self.registry.register(self._general)
+        self.registry.register(self.pairs)
+        # A histogram per (target, probe) is 16 series a pair (80,000 at 5,000 targets); the
+        # distribution is kept per probe kind, and each pair's last duration is a gauge.
         self.probe_duration = Histogram(
             "kvcanary_probe_duration_seconds",
-            "Wall time of one probe run.",
-            ["target", "probe"],
+            "Wall time of one probe run, by probe kind.",
+            ["probe"],
             buckets=DURATION_BUCKETS,
-            registry=self.registry,
-        )
-        self.cross_tenant_leaks = Counter(
-            "kvcanary_cross_tenant_leaks_total",
-            "Probe runs that saw another tenant's live marker in a response.",
-            ["target"],
-            registry=self.registry,
-        )
-        self.last_success = Gauge(
-            "kvcanary_probe_last_success_timestamp_seconds",
-            "Unix time of the last passing run.",
-            ["target", "probe"],
-            registry=self.registry,
-        )
-        self.last_run = Gauge(
-            "kvcanary_probe_last_run_timestamp_seconds",
-            "Unix time of the last run, whatever its verdict.",
-            ["target", "probe"],
-            registry=self.registry,
-        )
-        self.interval = Gauge(
-            "kvcanary_probe_interval_seconds",
-            "Configured seconds between runs of each probe.",
-            ["target", "probe"],
-            registry=self.registry,
+            registry=self._general,
         )
         self.alert_deliveries = Counter(
             "kvcanary_alert_deliveries_total",
             "Posts of alerts to each Alertmanager, by outcome (accepted, rejected, failed).",
             ["alertmanager", "outcome"],
-            registry=self.registry,
+            registry=self._general,
         )
         self.node_pool = Gauge(
             "kvcanary_node_kv_pool_tokens",
             "KV pool capacity a node reported at its last capacity audit.",
             ["target", "node", "pool"],
-            registry=self.registry,
+            registry=self._general,
         )
         self.node_window = Gauge(
             "kvcanary_node_context_window_tokens",
             "Context window a node advertised at its last capacity audit.",
             ["target", "node"],
-            registry=self.registry,
+            registry=self._general,
         )
         self.schedule_lag = Histogram(
             "kvcanary_schedule_lag_seconds",
             "Seconds from when a scheduled run was due to when it started (after waiting for a slot).",
             buckets=LAG_BUCKETS,
-            registry=self.registry,
-        )
-        self.tokens = Counter(
-            "kvcanary_probe_tokens_total",
-            "Tokens the probes spent, as the engines reported them in usage.",
-            ["target", "probe", "kind"],
-            registry=self.registry,
+            registry=self._general,
         )
 
     def declare(self, target: str, intervals: Mapping[str, float]) -> None:
         """Export zeros for every series known in advance, so rate() and absent() behave."""
-        self.cross_tenant_leaks.labels(target)
-        for probe, interval in intervals.items():
-            for verdict in Verdict:
-                self.probe_runs.labels(target, probe, verdict.value)
-            self.probe_duration.labels(target, probe)
-            self.interval.labels(target, probe).set(interval)
-            for kind in TOKEN_KINDS:
-                self.tokens.labels(target, probe, kind)
+        self.pairs.declare(target, intervals)
+        for probe in intervals:
+            self.probe_duration.labels(probe)
 
     def watch_incidents(self, counts: OpenIncidentCounts, pairs: Pairs) -> None:
-        self.registry.register(OpenIncidentsCollector(counts, pairs))
+        self._incidents = OpenIncidentsCollector(counts, pairs)
+        self.registry.register(self._incidents)
 
     def watch_spool(self, spool: Spool) -> None:
-        self.registry.register(SpoolCollector(spool))
+        self._general.register(SpoolCollector(spool))
 
     def watch_replicas(self, counts: Callable[[], tuple[int, int]]) -> None:
-        self.registry.register(ReplicaCollector(counts))
+        self._general.register(ReplicaCollector(counts))
 
     def watch_outbox(self, backlog: Callable[[], tuple[int, float]]) -> None:
-        self.registry.register(OutboxCollector(backlog))
+        self._general.register(OutboxCollector(backlog))
 
     def declare_alertmanagers(self, urls: Iterable[str]) -> None:
         for url in urls:
@@ -247,17 +243,13 @@ class MonitorMetrics:
         finished_at: float,
         node: str = "",
     ) -> None:
-        self.probe_runs.labels(target, probe, result.verdict.value).inc()
-        self.probe_duration.labels(target, probe).observe(duration)
-        for kind in TOKEN_KINDS:
-            spent = result.measurements.get(f"{kind}_tokens_spent", 0)
-            if spent > 0:
-                self.tokens.labels(target, probe, kind).inc(spent)
-        self.last_run.labels(target, probe).set(finished_at)
-        if result.verdict is Verdict.PASS:
-            self.last_success.labels(target, probe).set(finished_at)
-        if result.verdict is Verdict.LEAK:
-            self.cross_tenant_leaks.labels(target).inc()
+        tokens = {
+            kind: spent
+            for kind in TOKEN_KINDS
+            if (spent := result.measurements.get(f"{kind}_tokens_spent", 0)) > 0
+        }
+        self.pairs.observe(target, probe, result.verdict.value, duration, finished_at, tokens)
+        self.probe_duration.labels(probe).observe(duration)
         self._node_capacity(target, node, result.measurements)
 
     def _node_capacity(self, target: str, node: str, measurements: Mapping[str, float]) -> None:
@@ -267,3 +259,10 @@ class MonitorMetrics:
         for key, value in measurements.items():
             if key.startswith("pool_tokens."):
                 self.node_pool.labels(target, node, key.removeprefix("pool_tokens.")).set(value)
+
+    def exposition(self) -> bytes:
+        """Return the whole page ``/metrics`` serves, in the text format (version 0.0.4)."""
+        parts = [generate_latest(self._general).decode(), self.pairs.render()]
+        if self._incidents is not None:
+            parts.append(self._incidents.render())
+        return "".join(parts).encode()

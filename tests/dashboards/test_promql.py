@@ -81,16 +81,20 @@ def monitor_metrics(n: int) -> str:
             ]
             lines += [
                 f'kvcanary_probe_runs_total{{{pair},verdict="mismatch"}} 0',
-                f'kvcanary_probe_duration_seconds_bucket{{{pair},le="0.5"}} {n}',
-                f'kvcanary_probe_duration_seconds_bucket{{{pair},le="+Inf"}} {2 * n}',
-                f"kvcanary_probe_duration_seconds_sum{{{pair}}} {n}",
-                f"kvcanary_probe_duration_seconds_count{{{pair}}} {2 * n}",
+                f"kvcanary_probe_last_duration_seconds{{{pair}}} 0.4",
                 f"kvcanary_probe_last_run_timestamp_seconds{{{pair}}} {now - 5}",
                 f"kvcanary_probe_last_success_timestamp_seconds{{{pair}}} {now - 65}",
                 f"kvcanary_probe_interval_seconds{{{pair}}} 30",
                 f'kvcanary_probe_tokens_total{{{pair},kind="prompt"}} {300 * n}',
                 f'kvcanary_probe_tokens_total{{{pair},kind="completion"}} {8 * n}',
             ]
+    for probe in ("recall", "shared_prefix"):
+        lines += [
+            f'kvcanary_probe_duration_seconds_bucket{{probe="{probe}",le="0.5"}} {n}',
+            f'kvcanary_probe_duration_seconds_bucket{{probe="{probe}",le="+Inf"}} {2 * n}',
+            f'kvcanary_probe_duration_seconds_sum{{probe="{probe}"}} {n}',
+            f'kvcanary_probe_duration_seconds_count{{probe="{probe}"}} {2 * n}',
+        ]
     lines += [
         'kvcanary_cross_tenant_leaks_total{target="defective"} 1',
         f"kvcanary_incidents_open_read_timestamp_seconds {now - 1}",
