@@ -32,7 +32,8 @@ from monitor.config import Settings
 from monitor.incidents import RecordOutcome, record_result
 from monitor.spool import PendingResult, Spool
 from monitor.storage.db import utcnow
-from monitor.storage.results import load_state, save_state, without_excerpts
+from monitor.storage.incident_rows import open_incident_keys
+from monitor.storage.results import insert_rows, load_state, probe_result_values, save_state, without_excerpts
 from monitor.target_config import TargetConfig
 from probes.base import ProbeResult
 
@@ -90,9 +91,7 @@ class Recorder:
             return [None] * len(items)
         try:
             with self.session_factory() as session, session.begin():
-                outcomes = [
-                    self._insert_in(session, item, self._prepared(item), self._known(item)) for item in items
-                ]
+                outcomes = self._insert_batch(session, items)
         except _UNAVAILABLE as exc:
             for item in items:
                 self._spool(item, exc)
@@ -103,6 +102,57 @@ class Recorder:
         for item, outcome in zip(items, outcomes, strict=True):
             self._target_ids[_target_key(item)] = outcome.target_id
         return list(outcomes)
+
+    def _insert_batch(self, session: Session, items: list[PendingResult]) -> list[RecordOutcome]:
+        """Record ``items`` in ``session``'s transaction, reading the open incidents once for all.
+
+        Most results are passes of pairs with nothing open: they change no incident, so they are
+        inserted together in one statement, after one query for the batch's open incidents. Any
+        other result goes through the incident rules, and a pair whose earlier result in the batch
+        was not such a pass takes the rules from then on.
+        """
+        known = {id(item): self._known(item) for item in items}
+        open_now = open_incident_keys(session, (t for t in known.values() if t is not None))
+        outcomes: list[RecordOutcome | None] = []
+        quiet: list[tuple[int, int, dict[str, Any]]] = []  # (index, target id, row values)
+        for index, item in enumerate(items):
+            target_id = known[id(item)]
+            pair = (target_id, item.probe, item.node)
+            if item.verdict == "pass" and target_id is not None and pair not in open_now:
+                quiet.append((index, target_id, self._quiet_row(session, item, target_id)))
+                outcomes.append(None)
+                continue
+            # The rules read earlier results (an error streak): the rows before this one go in first.
+            self._insert_quiet(session, quiet, outcomes)
+            outcome = self._insert_in(session, item, self._prepared(item), target_id)
+            open_now.add((outcome.target_id, item.probe, item.node))
+            outcomes.append(outcome)
+        self._insert_quiet(session, quiet, outcomes)
+        return [o for o in outcomes if o is not None]
+
+    @staticmethod
+    def _insert_quiet(
+        session: Session, quiet: list[tuple[int, int, dict[str, Any]]], outcomes: list[RecordOutcome | None]
+    ) -> None:
+        """Insert the waiting quiet passes in one statement and fill in their outcomes."""
+        ids = insert_rows(session, [values for _, _, values in quiet])
+        for (index, target_id, _), result_id in zip(quiet, ids, strict=True):
+            outcomes[index] = RecordOutcome(result_id, None, None, None, target_id=target_id)
+        quiet.clear()
+
+    def _quiet_row(self, session: Session, item: PendingResult, target_id: int) -> dict[str, Any]:
+        """Return the row of a pass that changes no incident; store the state it carries."""
+        result = self._prepared(item)
+        started_at = datetime.fromisoformat(item.started_at)
+        values = probe_result_values(
+            item.probe, item.node, result, started_at, item.duration_seconds, self.settings.retention
+        )
+        if item.state is not None:
+            now = datetime.fromisoformat(item.attempted_at)
+            save_state(
+                session, target_id=target_id, probe=item.probe, node=item.node, state=item.state, now=now
+            )
+        return {**values, "target_id": target_id}
 
     def _write_or_spool(self, item: PendingResult) -> RecordOutcome | None:
         try:
@@ -213,7 +263,11 @@ class Recorder:
             return self._insert_in(session, item, result, target_id)
 
     def _insert_in(
-        self, session: Session, item: PendingResult, result: ProbeResult, target_id: int | None
+        self,
+        session: Session,
+        item: PendingResult,
+        result: ProbeResult,
+        target_id: int | None,
     ) -> RecordOutcome:
         """Record one result in ``session``'s transaction (the caller commits)."""
         outcome = record_result(

@@ -151,14 +151,17 @@ class ProbeRunner:
         self, target: TargetConfig, kind: str, node: Node | None, due: datetime | None = None
     ) -> RunSummary:
         key = (target.name, kind, node.name if node else "")
-        async with self._locks.setdefault(key, asyncio.Lock()), self._slots:
-            if due is not None:
-                self.metrics.schedule_lag.observe(max(0.0, (datetime.now(UTC) - due).total_seconds()))
-            state = await self._state(key)
-            started_at = datetime.now(UTC)
-            result, duration = await execute_probe(
-                kind, self.clients[target.name], self.markers, target, node=node, state=state
-            )
+        # The pair's lock keeps its runs, and their recordings, in order; a slot bounds the runs
+        # talking to targets at once, and is given back before the (batched) recording.
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            async with self._slots:
+                if due is not None:
+                    self.metrics.schedule_lag.observe(max(0.0, (datetime.now(UTC) - due).total_seconds()))
+                state = await self._state(key)
+                started_at = datetime.now(UTC)
+                result, duration = await execute_probe(
+                    kind, self.clients[target.name], self.markers, target, node=node, state=state
+                )
             if result.state is not None:
                 self._states[key] = result.state
             outcome = await self._record(target, kind, key[2], result, started_at, duration)

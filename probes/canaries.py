@@ -99,6 +99,7 @@ class MarkerBook:
             raise ValueError("a marker key needs at least 16 bytes")
         self._clock = clock
         self._owners: dict[bytes, tuple[str, str]] = {}
+        self._tags: dict[tuple[str, str], bytes] = {}  # (target, tenant) -> owner tag; as many as configured
 
     def register(self, target: str, tenant: str) -> None:
         """Name (target, tenant) in advance, so a marker it planted elsewhere (another replica with
@@ -168,7 +169,11 @@ class MarkerBook:
         return payload[:_OWNER_BYTES]
 
     def _owner_tag(self, target: str, tenant: str) -> bytes:
-        return self._digest(b"owner", target.encode(), tenant.encode())[:_OWNER_BYTES]
+        tag = self._tags.get((target, tenant))
+        if tag is None:  # one HMAC per owner, not one per marker planted or read
+            tag = self._digest(b"owner", target.encode(), tenant.encode())[:_OWNER_BYTES]
+            self._tags[(target, tenant)] = tag
+        return tag
 
     def _pad(self, marker_id: bytes) -> bytes:
         return self._digest(b"pad", marker_id)[:8]

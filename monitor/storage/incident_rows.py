@@ -7,6 +7,7 @@ row. The caller owns the transaction: these functions flush, the caller commits.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -125,6 +126,17 @@ def open_incident(session: Session, rec: Recording) -> Row[Any] | None:
         Incident.state == "open",
     )
     return session.execute(query).one_or_none()
+
+
+def open_incident_keys(session: Session, target_ids: Iterable[int]) -> set[tuple[int, str, str]]:
+    """Return (target_id, probe, node) of every open incident of these targets: one query for a batch."""
+    ids = sorted(set(target_ids))
+    if not ids:
+        return set()
+    query = select(Incident.target_id, Incident.probe, Incident.node).where(
+        Incident.state == "open", Incident.target_id.in_(ids)
+    )
+    return {(t, p, n) for t, p, n in session.execute(query)}
 
 
 def try_open(

@@ -6,12 +6,13 @@ result into storable values (bounded text, plain JSON, finite numbers, an expiry
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -66,14 +67,18 @@ def save_state(
     session: Session, *, target_id: int, probe: str, node: str, state: dict[str, Any], now: datetime
 ) -> None:
     """Store what a probe carries to its next run on (target, node), replacing what was there."""
-    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
     values = dict(target_id=target_id, probe=probe, node=node, state=_jsonable(state), updated_at=now)
-    stmt = dialect.insert(ProbeState).values(**values)
-    session.execute(
-        stmt.on_conflict_do_update(
-            index_elements=["target_id", "probe", "node"],
-            set_={"state": stmt.excluded.state, "updated_at": stmt.excluded.updated_at},
-        )
+    session.execute(_state_upsert(session.get_bind().dialect.name), values)
+
+
+@functools.cache
+def _state_upsert(dialect_name: str) -> Any:
+    """The upsert of a probe_state row, built once: ``excluded`` builds a column set each time."""
+    dialect = postgresql if dialect_name == "postgresql" else sqlite
+    stmt = dialect.insert(ProbeState)
+    return stmt.on_conflict_do_update(
+        index_elements=["target_id", "probe", "node"],
+        set_={"state": stmt.excluded.state, "updated_at": stmt.excluded.updated_at},
     )
 
 
@@ -103,13 +108,25 @@ def new_probe_result(
     ``retention.failure_days`` for anything else: failure evidence outlives success evidence.
     Raise ValueError for a verdict outside pass|leak|mismatch|error.
     """
+    return ProbeResult(**probe_result_values(probe, node, result, started_at, duration_seconds, retention))
+
+
+def probe_result_values(
+    probe: str,
+    node: str,
+    result: ProbeOutcome,
+    started_at: datetime,
+    duration_seconds: float,
+    retention: RetentionConfig,
+) -> dict[str, Any]:
+    """Return the column values of a probe_result row for ``result`` (see :func:`new_probe_result`)."""
     verdict = str(result.verdict)
     if verdict not in VERDICTS:
         raise ValueError(f"verdict must be one of {VERDICTS}, not {verdict!r}")
     days = retention.pass_days if verdict == "pass" else retention.failure_days
     evidence = _jsonable(result.evidence)
     holds_excerpts = has_excerpts(evidence)
-    return ProbeResult(
+    return dict(
         probe=probe,
         node=node,
         verdict=verdict,
@@ -123,6 +140,18 @@ def new_probe_result(
         excerpts_until=started_at + timedelta(days=retention.excerpt_days) if holds_excerpts else None,
         **_measurements(result.measurements),
     )
+
+
+def insert_rows(session: Session, rows: list[dict[str, Any]]) -> list[int]:
+    """Insert probe_result rows given as column values, in one statement; return their ids in order.
+
+    For results that change no incident (a pass while none is open): no ORM object, no flush per
+    row. Most results are these.
+    """
+    if not rows:
+        return []
+    stmt = insert(ProbeResult).returning(ProbeResult.id, sort_by_parameter_order=True)
+    return list(session.scalars(stmt, rows).all())
 
 
 #: Evidence keys whose values are (redacted) text a target returned: ``excerpt``, ``baseline_excerpt``.

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from yarl import URL
 
 from monitor.target_config import TargetConfig
 from monitor.targets.capacity import apply_overrides, read_capacity
@@ -80,6 +81,9 @@ class OpenAIHttpTarget:
         self._origin = _origin(self._base)
         self._own_client = client is None
         self._client = client or HttpClient(max_connections=16)
+        # Parsed once: a URL string is parsed again on every request.
+        self._urls: dict[str, URL] = {}
+        self._headers = {tenant: self._request_headers(tenant) for tenant in self.tenants}
 
     async def aclose(self) -> None:
         if self._own_client:
@@ -120,7 +124,10 @@ class OpenAIHttpTarget:
     ) -> None:
         session = await self._client.session()
         async with session.post(
-            self._base + path, json=body, headers=self._auth(tenant), allow_redirects=False
+            self._url(path),
+            data=json.dumps(body).encode(),
+            headers=self._headers.get(tenant) or self._request_headers(tenant),
+            allow_redirects=False,
         ) as response:
             state.status = response.status
             if not 200 <= response.status < 300:
@@ -153,9 +160,18 @@ class OpenAIHttpTarget:
                 raise ResponseTooLarge(f"the answer is over {self._limits.response_bytes} bytes")
             parse_body(raw.encode(), state, time.monotonic())
 
+    def _url(self, path: str) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self._base + path)
+        return url
+
     def _auth(self, tenant: str) -> dict[str, str]:
         key = self._keys.get(tenant)
         return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _request_headers(self, tenant: str) -> dict[str, str]:
+        return {**self._auth(tenant), "Content-Type": "application/json"}
 
     def _any_auth(self) -> dict[str, str]:
         """Headers for lookups: the first tenant that has a key (many engines guard /v1/models)."""

@@ -1,7 +1,7 @@
 """Recording: any text a target returns is storable, and a verdict reaches the database or the spool.
 
-On SQLite and on real PostgreSQL. The answers come from a scripted engine at the network seam
-(``httpx.MockTransport``): no real engine can be made to answer with these bytes on demand.
+On SQLite and on real PostgreSQL. The answers come from a scripted engine on a loopback server
+(``tests/probes/probe_harness.py``): no real engine can be made to answer with these bytes on demand.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from monitor.incidents import record_result
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
 from monitor.runner import ProbeRunner
-from monitor.spool import Spool
+from monitor.spool import PendingResult, Spool
 from monitor.storage.models import Incident, ProbeResult
 from monitor.storage.results import storable_text
 from probes.base import ProbeResult as Outcome
@@ -171,3 +171,30 @@ def test_results_spooled_while_the_database_is_away_are_replayed_in_order(sessio
         # Replayed in order: opened by the leak, a mismatch attached, resolved by the last 3 passes.
         assert (incident.severity, incident.state, incident.failure_count) == ("critical", "resolved", 2)
         assert s.scalar(select(func.count()).select_from(ProbeResult)) == len(verdicts)
+
+
+def test_a_batch_of_results_follows_the_incident_rules_as_one_by_one(session_factory: Factory) -> None:
+    """Group commit reads the open incidents once per batch; the rules must come out the same.
+
+    Two pairs: one whose incident opened in an earlier batch and is resolved by this batch's passes,
+    one that opens, takes passes and is resolved all within this batch.
+    """
+    config = settings_for()
+    recorder = Recorder(config, session_factory, Spool(None))
+    target = config.targets[0]
+
+    def item(probe: str, verdict: str, second: int) -> PendingResult:
+        at = T0 + timedelta(seconds=second)
+        return PendingResult.of(target, probe, Outcome(Verdict(verdict), "r"), at, 0.1, at)
+
+    first = recorder.record_many([item("canary", "mismatch", 0), item("canary", "pass", 1)])
+    assert [o and o.change for o in first] == ["opened", None]
+    batch = [item("canary", "pass", 2), item("boundary", "pass", 2), item("boundary", "leak", 3)]
+    batch += [item(probe, "pass", 4 + i) for i in range(3) for probe in ("canary", "boundary")]
+    outcomes = recorder.record_many(batch)
+    changes = [(i.probe, o.change) for i, o in zip(batch, outcomes, strict=True) if o and o.change]
+    assert changes == [("boundary", "opened"), ("canary", "resolved"), ("boundary", "resolved")]
+    with session_factory() as s:
+        states = {(i.probe, i.severity, i.state, i.consecutive_passes) for i in s.scalars(select(Incident))}
+        assert states == {("canary", "high", "resolved", 3), ("boundary", "critical", "resolved", 3)}
+        assert s.scalar(select(func.count()).select_from(ProbeResult)) == len(batch) + 2

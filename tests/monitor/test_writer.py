@@ -1,0 +1,97 @@
+"""Group commit: many verdicts to a transaction, bad news never held back, nothing lost on close."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor import writer as writer_module
+from monitor.recorder import Recorder
+from monitor.spool import PendingResult, Spool
+from monitor.storage.models import Incident, ProbeResult
+from monitor.writer import BatchWriter
+from probes.base import ProbeResult as Outcome
+from probes.base import Verdict
+from tests.monitor.conftest import T0
+from tests.monitor.test_recorder import settings_for
+
+Factory = sessionmaker[Session]
+
+
+class CountingRecorder(Recorder):
+    """A real recorder that also notes the size of each transaction it was handed."""
+
+    batches: list[list[str]]
+
+    def record_many(self, items: list[PendingResult]) -> list:  # type: ignore[type-arg]
+        self.batches.append([item.verdict for item in items])
+        return super().record_many(items)
+
+
+def writer_for(session_factory: Factory) -> tuple[BatchWriter, CountingRecorder]:
+    config = settings_for()
+    recorder = CountingRecorder(config, session_factory, Spool(None))
+    recorder.batches = []
+    return BatchWriter(recorder), recorder
+
+
+async def submit_all(writer: BatchWriter, verdicts: list[str]) -> list:  # type: ignore[type-arg]
+    target = writer.recorder.settings.targets[0]
+    runs = [
+        writer.submit(target, f"probe{i}", Outcome(Verdict(v), "r"), T0 + timedelta(seconds=i), 0.1)
+        for i, v in enumerate(verdicts)
+    ]
+    return list(await asyncio.gather(*runs))
+
+
+def test_passes_arriving_together_share_one_transaction(session_factory: Factory) -> None:
+    writer, recorder = writer_for(session_factory)
+    try:
+        outcomes = asyncio.run(submit_all(writer, ["pass"] * 12))
+    finally:
+        writer.close()
+    assert all(o is not None for o in outcomes)
+    assert [len(b) for b in recorder.batches] == [12]
+    with session_factory() as s:
+        assert s.scalar(select(func.count()).select_from(ProbeResult)) == 12
+
+
+def test_a_leak_is_written_at_once_whatever_the_linger(
+    session_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With passes lingering for a minute, a leak must still be recorded (and its incident open) now."""
+    monkeypatch.setattr(writer_module, "LINGER_SECONDS", 60.0)
+    writer, recorder = writer_for(session_factory)
+
+    async def scenario() -> list:  # type: ignore[type-arg]
+        return await asyncio.wait_for(submit_all(writer, ["pass", "pass", "leak"]), timeout=20)
+
+    try:
+        outcomes = asyncio.run(scenario())
+    finally:
+        writer.close()
+    assert outcomes[2] is not None and outcomes[2].change == "opened"
+    assert sum(len(b) for b in recorder.batches) == 3
+    with session_factory() as s:
+        assert s.scalars(select(Incident.severity)).all() == ["critical"]
+
+
+def test_close_records_what_is_still_waiting(
+    session_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_module, "LINGER_SECONDS", 60.0)
+    writer, _ = writer_for(session_factory)
+
+    async def scenario() -> None:
+        runs = asyncio.ensure_future(submit_all(writer, ["pass"] * 5))
+        await asyncio.sleep(0.5)  # the passes linger, waiting for company
+        await asyncio.to_thread(writer.close)
+        await asyncio.wait_for(runs, timeout=20)
+
+    asyncio.run(scenario())
+    with session_factory() as s:
+        assert s.scalar(select(func.count()).select_from(ProbeResult)) == 5
