@@ -95,6 +95,7 @@ class CrossTenantProbe(Probe):
     """Plant every tenant's markers in the KV cache, read as every tenant, and look for foreign ones."""
 
     kind = "cross_tenant"
+    options_model = CrossTenantOptions
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         tenants = list(ctx.tenants)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import yaml
 
 from monitor.config import ConfigError, load_settings, parse_settings
 from monitor.secrets import api_token, tenant_keys
+from probes import REGISTRY
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "config"
@@ -63,6 +65,23 @@ def test_the_annotated_example_is_valid() -> None:
     assert target.engine == "sglang"
     assert target.interval_for("boundary") == 300
     assert target.interval_for("canary") == 30
+
+
+def test_every_option_the_example_shows_in_a_comment_is_accepted() -> None:
+    """The commented ``kind: {...}`` lines are documentation: each must validate as written."""
+    text = (REPO / "kvcanary.example.yml").read_text()
+    shown = {
+        m.group(1): yaml.safe_load(m.group(2))
+        for m in re.finditer(r"^\s+# ([a-z_]+): (\{.*?\})", text, flags=re.M)
+        if m.group(1) in REGISTRY
+    }
+    assert {"canary", "cross_tenant", "counters", "prefix_cache", "needle", "replay"} <= set(shown)
+    config = yaml.safe_load(text)
+    target = config["targets"][0]
+    target["options"].update(shown)
+    target["probes"] = sorted(set(target["probes"]) | set(shown))
+    settings = parse_settings(config)
+    assert settings.targets[0].options["cross_tenant"] == shown["cross_tenant"]
 
 
 def test_a_named_but_unset_key_variable_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
