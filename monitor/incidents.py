@@ -22,7 +22,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from monitor.storage.db import as_utc, utcnow
@@ -36,7 +36,7 @@ from monitor.storage.incident_rows import (
     resolve_incident,
     try_open,
 )
-from monitor.storage.models import Incident
+from monitor.storage.models import Incident, IncidentEvent
 from monitor.storage.results import (
     error_streak,
     incident_title,
@@ -58,7 +58,7 @@ _RANK = {"warning": 0, "high": 1, "critical": 2}
 # was resolved in between); each loss means the next attempt sees the winner's row.
 _ATTEMPTS = 3
 
-__all__ = ["SEVERITY_FOR", "RecordOutcome", "record_result", "resolve_incident"]
+__all__ = ["SEVERITY_FOR", "RecordOutcome", "note_config_change", "record_result", "resolve_incident"]
 
 
 def record_result(
@@ -113,6 +113,38 @@ def record_result(
         outcome = _on_failure(session, rec, SEVERITY_FOR[row.verdict])
     session.flush()
     return outcome
+
+
+def note_config_change(session: Session, *, target_id: int, result_id: int, now: datetime) -> int:
+    """Put a node's configuration change in the timeline of every open incident of its target.
+
+    A change of weights, parallelism or memory fraction can explain a failure or fix it, on any
+    node of the target: the on-call person reading an incident must see when the deployment moved.
+    It changes no incident's state, so it pages nobody (the event is born delivered). The change
+    itself (what moved, before and after) is in the capacity result ``result_id`` points at.
+    Return how many incidents noted it.
+    """
+    rows = session.execute(
+        select(Incident.id, Incident.severity).where(
+            Incident.target_id == target_id, Incident.state == "open"
+        )
+    ).all()
+    for incident_id, severity in rows:
+        session.add(
+            IncidentEvent(
+                incident_id=incident_id,
+                kind="config_changed",
+                created_at=now,
+                old_state="open",
+                new_state="open",
+                old_severity=severity,
+                new_severity=severity,
+                reason="config_changed",
+                probe_result_id=result_id,
+                processed_at=now,
+            )
+        )
+    return len(rows)
 
 
 # --- the rules ------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.config import Settings
-from monitor.incidents import RecordOutcome, record_result
+from monitor.incidents import RecordOutcome, note_config_change, record_result
 from monitor.spool import PendingResult, Spool
 from monitor.storage.db import utcnow
 from monitor.storage.incident_rows import open_incident_keys
@@ -118,7 +118,8 @@ class Recorder:
         for index, item in enumerate(items):
             target_id = known[id(item)]
             pair = (target_id, item.probe, item.node)
-            if item.verdict == "pass" and target_id is not None and pair not in open_now:
+            changed = bool(item.measurements.get("config_changed"))
+            if item.verdict == "pass" and target_id is not None and pair not in open_now and not changed:
                 quiet.append((index, target_id, self._quiet_row(session, item, target_id)))
                 outcomes.append(None)
                 continue
@@ -286,6 +287,13 @@ class Recorder:
             node=item.node,
             target_id=target_id,
         )
+        if result.measurements.get("config_changed"):
+            note_config_change(
+                session,
+                target_id=outcome.target_id,
+                result_id=outcome.result_id,
+                now=datetime.fromisoformat(item.attempted_at),
+            )
         if item.state is not None:
             save_state(
                 session,

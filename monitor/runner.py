@@ -162,7 +162,9 @@ class ProbeRunner:
                 result, duration = await execute_probe(
                     kind, self.clients[target.name], self.markers, target, node=node, state=state
                 )
-            if result.state is not None:
+            if result.state is not None and result.state == state:
+                result.state = None  # unchanged (a capacity audit's fingerprint): nothing to write
+            elif result.state is not None:
                 self._states[key] = result.state
             outcome = await self._record(target, kind, key[2], result, started_at, duration)
         self.metrics.observe(target.name, kind, result, duration, time.time(), key[2])

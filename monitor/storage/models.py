@@ -36,7 +36,7 @@ from monitor.storage.db import Base, UTCDateTime
 Verdict = Literal["pass", "leak", "mismatch", "error"]
 Severity = Literal["critical", "high", "warning"]
 State = Literal["open", "resolved"]
-EventKind = Literal["opened", "escalated", "resolved", "failure"]
+EventKind = Literal["opened", "escalated", "resolved", "failure", "config_changed"]
 
 VERDICTS: tuple[str, ...] = get_args(Verdict)
 #: Worst first; an incident's severity only ever moves towards the front.

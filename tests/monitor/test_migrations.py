@@ -12,7 +12,10 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, make_url, text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
+from monitor.incidents import record_result
 from monitor.storage.db import (
     MIGRATIONS_DIR,
     Base,
@@ -23,7 +26,11 @@ from monitor.storage.db import (
     make_engine,
     upgrade,
 )
+from monitor.storage.models import EVENT_KINDS, IncidentEvent
+from probes.base import ProbeResult as Outcome
+from probes.base import Verdict
 from tests.conftest import REPO
+from tests.monitor.conftest import POLICY, RETENTION, T0
 
 PARTIAL_INDEXES = {
     "uq_incident_open_target_probe_node": "state = 'open'",
@@ -73,6 +80,38 @@ def test_the_partial_indexes_carry_their_where_clauses(scratch_url: str) -> None
         assert "WHERE" in found[name].upper()
         normalised = found[name].replace("(", "").replace(")", "").replace("::text", "")
         assert predicate in normalised, found[name]
+
+
+def test_the_checks_carry_the_models_names_and_values(scratch_url: str) -> None:
+    """compare_metadata does not compare CHECK constraints either: each must be the models' own."""
+    upgrade(scratch_url)
+    engine = make_engine(scratch_url)
+    try:
+        checks = {c["name"] for c in inspect(engine).get_check_constraints("incident_event")}
+        assert checks == {"ck_incident_event_kind"}
+        with Session(engine) as session, session.begin():
+            result = Outcome(Verdict.LEAK, "foreign_marker")
+            opened = record_result(
+                session, target_name="t", engine="vllm", base_url="http://x", model="m", probe="canary",
+                result=result, started_at=T0, duration_seconds=0.1, policy=POLICY, retention=RETENTION,
+            )  # fmt: skip
+        for kind, allowed in [*((k, True) for k in EVENT_KINDS), ("bogus", False)]:
+            with Session(engine) as session:
+                session.add(
+                    IncidentEvent(
+                        incident_id=opened.incident_id, kind=kind, created_at=T0, new_state="open",
+                        new_severity="critical",
+                    )
+                )  # fmt: skip
+                try:
+                    session.commit()
+                except IntegrityError:
+                    accepted = False
+                else:
+                    accepted = True
+            assert accepted == allowed, kind
+    finally:
+        engine.dispose()
 
 
 def test_downgrade_to_base_leaves_no_tables(scratch_url: str) -> None:

@@ -76,6 +76,12 @@ def results(url: str, probe: str) -> list[dict[str, Any]]:
     return list(response.json()["items"])
 
 
+def api(url: str, path: str, **params: Any) -> Any:
+    response = httpx.get(url + path, params=params, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def test_a_node_restarted_with_a_new_configuration_is_audited_again_at_once(monitor: dict[str, Any]) -> None:
     url, worker = monitor["url"], monitor["worker"]
     # First runs are spread over each interval: version and boundary may not have run at all yet.
@@ -103,3 +109,8 @@ def test_a_node_restarted_with_a_new_configuration_is_audited_again_at_once(moni
     assert elapsed < 30  # not the hour their interval says
     assert results(url, "boundary")[0]["verdict"] == "pass"  # the fixed node refuses over-capacity prompts
     assert "configuration of glm changed: re-auditing version, boundary now" in monitor["log"].read_text()
+    # The open capacity incident's timeline says when the deployment changed, and points at the audit.
+    (incident,) = api(url, "/api/v1/incidents", target="glm", probe="capacity")["items"]
+    events = api(url, f"/api/v1/incidents/{incident['id']}")["events"]
+    noted = [e for e in events if e["kind"] == "config_changed"]
+    assert len(noted) == 1 and noted[0]["probe_result_id"] == changed[-1]["id"], events
