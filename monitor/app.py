@@ -34,7 +34,13 @@ from monitor.recorder import Recorder
 from monitor.replicas import HEARTBEAT_SECONDS, Membership
 from monitor.run_now import RunNow
 from monitor.runner import ProbeRunner, RunSummary, runs_of
-from monitor.scheduler import PRUNE_INTERVAL_SECONDS, REPLAY_INTERVAL_SECONDS, build_scheduler
+from monitor.scheduler import (
+    PRUNE_INTERVAL_SECONDS,
+    REPLAY_INTERVAL_SECONDS,
+    assign,
+    build_scheduler,
+    probe_job_id,
+)
 from monitor.secrets import alertmanager_headers, api_token, tenant_keys
 from monitor.spool import Spool, SpoolBusy
 from monitor.storage import outbox
@@ -119,6 +125,7 @@ class Monitor:
                 ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
                 ("heartbeat", self.heartbeat, HEARTBEAT_SECONDS),
             ],
+            owns=self.membership.owns,
         )
         self.scheduler.add_listener(self._submitted, EVENT_JOB_SUBMITTED)
 
@@ -147,8 +154,8 @@ class Monitor:
         now = datetime.now(UTC)
         due = [k for k in REAUDIT_KINDS if k in target.probes]
         for kind in due:
-            job = self.scheduler.get_job(f"probe:{target.name}:{kind}")
-            if job is not None:
+            job = self.scheduler.get_job(probe_job_id(target.name, kind))
+            if job is not None and job.next_run_time is not None:  # paused: another replica's
                 job.modify(next_run_time=now)
         where = f"{target.name}@{node}" if node else target.name
         log.warning("configuration of %s changed: re-auditing %s now", where, ", ".join(due) or "nothing")
@@ -181,7 +188,11 @@ class Monitor:
         return total
 
     async def heartbeat(self) -> None:
+        before = self.membership.live
         await asyncio.to_thread(self._beat)
+        if self.membership.live != before:
+            resumed, paused = assign(self.scheduler, self.settings, self.membership.owns)
+            log.info("replicas changed: %d probe jobs taken up, %d handed over", resumed, paused)
 
     def _beat(self) -> None:
         try:

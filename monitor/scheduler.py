@@ -27,6 +27,8 @@ FIRST_HOUSEKEEPING_SECONDS = 30
 REPLAY_INTERVAL_SECONDS = 5
 
 Housekeeping = tuple[str, Callable[[], Awaitable[None]], float]
+#: Whether this replica runs (target, kind) (``monitor/replicas.py``).
+Owns = Callable[[str, str], bool]
 
 
 def spread(target: str, kind: str) -> float:
@@ -36,13 +38,18 @@ def spread(target: str, kind: str) -> float:
 
 
 def build_scheduler(
-    settings: Settings, runner: ProbeRunner, housekeeping: Sequence[Housekeeping] = ()
+    settings: Settings,
+    runner: ProbeRunner,
+    housekeeping: Sequence[Housekeeping] = (),
+    owns: Owns = lambda target, kind: True,
 ) -> AsyncIOScheduler:
     """Return a scheduler (not started) with a job for every configured (target, probe).
 
-    First runs are spread evenly over each interval, by a hash of (target, probe): a restart (or
-    5,000 targets) does not fire every probe in one burst, and replicas agree on the offsets.
-    ``housekeeping`` adds ``(name, coroutine function, interval seconds)`` jobs (pruning, replay).
+    Runs are spread evenly over each interval, by a hash of (target, probe): a restart (or 5,000
+    targets) does not fire every probe in one burst, and replicas agree on the offsets. The offset
+    is the trigger's own phase, so a job paused and resumed (``assign``) keeps its place.
+    Jobs of pairs this replica does not ``own`` are added paused. ``housekeeping`` adds
+    ``(name, coroutine function, interval seconds)`` jobs (pruning, replay, heartbeat).
     """
     scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"misfire_grace_time": 30})
     now = datetime.now(UTC)
@@ -50,15 +57,19 @@ def build_scheduler(
     for target in settings.targets:
         for kind in target.probes:
             interval = target.interval_for(kind)
+            first = now + timedelta(seconds=0.2 + spread(target.name, kind) * interval)
+            trigger = IntervalTrigger(
+                seconds=interval, start_date=first, jitter=min(jitter, interval / 4) or None
+            )
             scheduler.add_job(
                 runner.run_scheduled,
-                IntervalTrigger(seconds=interval, jitter=min(jitter, interval / 4) or None),
+                trigger,
                 args=[target.name, kind],
-                id=f"probe:{target.name}:{kind}",
+                id=probe_job_id(target.name, kind),
                 name=f"{kind} on {target.name}",
                 coalesce=True,
                 max_instances=1,
-                next_run_time=now + timedelta(seconds=0.2 + spread(target.name, kind) * interval),
+                next_run_time=first if owns(target.name, kind) else None,  # None: paused
             )
     for name, func, interval in housekeeping:
         scheduler.add_job(
@@ -72,3 +83,29 @@ def build_scheduler(
             next_run_time=now + timedelta(seconds=min(interval, FIRST_HOUSEKEEPING_SECONDS)),
         )
     return scheduler
+
+
+def probe_job_id(target: str, kind: str) -> str:
+    return f"probe:{target}:{kind}"
+
+
+def assign(scheduler: AsyncIOScheduler, settings: Settings, owns: Owns) -> tuple[int, int]:
+    """Resume the probe jobs this replica now owns and pause the others; return (resumed, paused).
+
+    Called when the set of live replicas changes. A paused job costs nothing per interval, so
+    three replicas spend their CPU on their own third of the runs, not on skipping the rest.
+    """
+    resumed = paused = 0
+    for target in settings.targets:
+        for kind in target.probes:
+            job = scheduler.get_job(probe_job_id(target.name, kind))
+            if job is None:
+                continue
+            running = job.next_run_time is not None
+            if owns(target.name, kind) and not running:
+                job.resume()  # the trigger's phase gives the next run, spread as before
+                resumed += 1
+            elif not owns(target.name, kind) and running:
+                job.pause()
+                paused += 1
+    return resumed, paused

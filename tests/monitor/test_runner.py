@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from monitor.config import Settings, parse_settings
 from monitor.metrics import MonitorMetrics
 from monitor.runner import ProbeRunner, RunSummary
-from monitor.scheduler import build_scheduler
+from monitor.scheduler import assign, build_scheduler
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import Verdict
 from probes.canaries import MarkerBook
@@ -99,3 +100,23 @@ def test_the_scheduler_has_one_non_overlapping_job_per_target_and_probe() -> Non
     assert jobs["probe:t:boundary"].trigger.interval == timedelta(seconds=90)
     assert jobs["probe:t:canary"].trigger.interval == timedelta(seconds=7)
     assert jobs["probe:t:canary"].trigger.jitter
+
+
+def test_a_replica_keeps_paused_the_jobs_it_does_not_own_and_resumes_them_in_phase() -> None:
+    settings = settings_for("http://127.0.0.1:1", interval_seconds=7, probe_intervals={"boundary": 90})
+    scheduler = build_scheduler(settings, runner_for(settings), owns=lambda target, kind: kind != "boundary")
+    jobs = {job.id: job for job in scheduler.get_jobs()}
+    assert jobs["probe:t:boundary"].next_run_time is None
+    assert jobs["probe:t:canary"].next_run_time is not None
+
+    assert assign(scheduler, settings, lambda target, kind: kind == "boundary") == (1, 2)
+    assert assign(scheduler, settings, lambda target, kind: kind == "boundary") == (0, 0)
+    assert jobs["probe:t:canary"].next_run_time is None
+    boundary = jobs["probe:t:boundary"]
+    # Resumed at the next point of its own phase (start_date + k x interval, plus jitter), not now:
+    # pairs a replica takes over keep their spread instead of firing in one burst.
+    trigger = boundary.trigger
+    now = datetime.now(UTC)
+    steps = max(0, math.ceil((now - trigger.start_date) / trigger.interval))
+    phase = trigger.start_date + steps * trigger.interval
+    assert phase <= boundary.next_run_time <= phase + timedelta(seconds=trigger.jitter or 0)
