@@ -1,15 +1,17 @@
 """How far one `kvcanary serve` process goes on one core, and three replicas on PostgreSQL.
 
     .venv/bin/python bench/monitor_scale.py [--targets 500,2000,5000] [--probes canary|default]
-                                            [--interval 30] [--measure 60] [--replicas 1]
+                                            [--interval 30] [--warmup 90] [--measure 60] [--replicas 1]
                                             [--database sqlite|postgresql]
 
 For each size it starts the fast stub engine (bench/stub_engine.py) pinned to one core and the
-monitor pinned to another, every target pointing at the stub, waits one interval (every first run
-is spread over it), then measures for ``--measure`` seconds: monitor CPU per probe run (process
-CPU time over runs completed, robust to noise), runs/s achieved against scheduled, schedule lag
-p50/p99 (``kvcanary_schedule_lag_seconds``), RSS per target, start-up time, and the size and
-time of a ``/metrics`` scrape. The last lines are a Markdown table for the README.
+monitor pinned to another, every target pointing at the stub, waits ``--warmup`` seconds (every
+first run is spread over one interval, and first runs cost more), then measures for
+``--measure`` seconds: monitor CPU per probe run (process CPU time over runs completed, robust
+to noise), runs/s achieved against scheduled, schedule lag p50/p99
+(``kvcanary_schedule_lag_seconds``), RSS per target, start-up time, and the size and time of a
+``/metrics`` scrape. Replicas share the monitor's core (this machine has two). The last lines
+are a Markdown table for the README.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class Row:
     startup_s: float
     metrics_kb: float
     metrics_s: float
+    busiest_share: float  # the largest share of the runs one replica did (1/replicas when even)
 
 
 def config(targets: int, probes: list[str], interval: float, stub: str, database_url: str, port: int) -> dict:
@@ -175,7 +178,9 @@ def run_size(args: argparse.Namespace, targets: int, tmp: Path) -> Row:
         for url, _ in monitors:
             wait_ok(url + "/healthz", 600)
         startup = time.monotonic() - started
-        time.sleep(args.interval + 2)  # every first run is spread over one interval
+        # Every first run is spread over one interval, and first runs cost more (state and
+        # capacity lookups, token counts): measure the steady state after they settle.
+        time.sleep(args.warmup)
         before = [(samples(url), cpu_seconds(p.pid)) for url, p in monitors]
         time.sleep(args.measure)
         after = [(samples(url), cpu_seconds(p.pid)) for url, p in monitors]
@@ -192,8 +197,9 @@ def run_size(args: argparse.Namespace, targets: int, tmp: Path) -> Row:
 def summarise(
     args: argparse.Namespace, targets: int, monitors: list, before: list, after: list, startup: float
 ) -> Row:
-    runs = sum(a[0][0].get("kvcanary_probe_runs_total", 0) - b[0][0].get("kvcanary_probe_runs_total", 0)
-               for a, b in zip(after, before, strict=True))  # fmt: skip
+    each = [a[0][0].get("kvcanary_probe_runs_total", 0) - b[0][0].get("kvcanary_probe_runs_total", 0)
+            for a, b in zip(after, before, strict=True)]  # fmt: skip
+    runs = sum(each)
     cpu = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     lag_before, lag_after = before[0][0][1], after[0][0][1]
     scheduled = sum(targets / (args.interval if p != "boundary" else max(args.interval, 300))
@@ -204,7 +210,7 @@ def summarise(
         runs_per_s=runs / args.measure, scheduled_per_s=scheduled,
         lag_p50=quantile(0.5, lag_before, lag_after), lag_p99=quantile(0.99, lag_before, lag_after),
         rss_kb_per_target=1024 * rss / targets, startup_s=startup,
-        metrics_kb=after[0][0][2] / 1024, metrics_s=after[0][0][3],
+        metrics_kb=after[0][0][2] / 1024, metrics_s=after[0][0][3], busiest_share=max(each) / max(runs, 1),
     )  # fmt: skip
 
 
@@ -214,6 +220,7 @@ def main() -> None:
     parser.add_argument("--probes", choices=sorted(PROBE_SETS), default="canary")
     parser.add_argument("--interval", type=float, default=30.0)
     parser.add_argument("--measure", type=float, default=60.0)
+    parser.add_argument("--warmup", type=float, default=90.0, help="seconds between start-up and measuring")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--database", choices=["sqlite", "postgresql"], default="sqlite")
     args = parser.parse_args()
@@ -228,15 +235,15 @@ def main() -> None:
     print(f"\nprobes={args.probes} interval={args.interval:g}s replicas={args.replicas} db={args.database} "
           f"cores={len(os.sched_getaffinity(0))} load={os.getloadavg()[0]:.1f}")  # fmt: skip
     print("| targets | replicas | CPU ms/run | runs/s (scheduled) | lag p50 / p99 s | RSS KB/target "
-          "| start-up s | /metrics KB, s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "| start-up s | /metrics KB, s | busiest replica's share |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rate = f"{r.runs_per_s:.0f} ({r.scheduled_per_s:.0f})"
         lag = f"{r.lag_p50:.2f} / {r.lag_p99:.2f}"
         scrape = f"{r.metrics_kb:.0f}, {r.metrics_s:.2f}"
         print(
             f"| {r.targets:,} | {r.replicas} | {r.cpu_ms_per_run:.2f} | {rate} | {lag} | "
-            f"{r.rss_kb_per_target:.0f} | {r.startup_s:.1f} | {scrape} |"
+            f"{r.rss_kb_per_target:.0f} | {r.startup_s:.1f} | {scrape} | {r.busiest_share:.0%} |"
         )
 
 
