@@ -13,6 +13,7 @@ import gc
 import hashlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -100,6 +101,7 @@ class Monitor:
         self.recorder = Recorder(settings, self.session_factory, self.spool)
         self.on_summary = on_summary
         self._stopping = False
+        self._stop_asked_at: float | None = None  # time.monotonic() of the signal
         self.runner = ProbeRunner(
             settings, self.clients, self.markers, self.metrics, self.recorder, self._summarised
         )
@@ -240,12 +242,17 @@ class Monitor:
             self.scheduler.pause()
             grace = self.settings.api.shutdown_grace_seconds
             log.info("stopping: no new probe runs; runs in flight get %.0fs", grace)
+        if self._stop_asked_at is None:
+            self._stop_asked_at = time.monotonic()
         self._stopping = True
 
     async def stop(self, drain_seconds: float | None = None) -> None:
         """Stop scheduling, let runs in flight finish (cancelling stragglers), close clients."""
         self.begin_shutdown()
         grace = self.settings.api.shutdown_grace_seconds if drain_seconds is None else drain_seconds
+        # One grace from the signal, not two: uvicorn has already spent part of it on open requests.
+        asked = self._stop_asked_at or time.monotonic()
+        grace = max(0.0, grace - (time.monotonic() - asked))
         cancelled = await self.runner.drain(grace)
         if cancelled:
             log.warning("cancelled %d probe run(s) still in flight at shutdown", cancelled)

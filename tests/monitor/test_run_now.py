@@ -136,6 +136,8 @@ def test_sigterm_with_a_run_in_flight_against_a_hung_target_exits_within_seconds
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=60)
     took = time.monotonic() - started
+    print(f"\nSIGTERM with a run in flight on a hung target, grace 3 s: exited in {took:.1f}s")
     text = log.read_text()
-    assert took < 15, f"took {took:.1f}s to exit\n{text[-2000:]}"
+    # One grace from the signal, shared by open requests and runs in flight (not one each: 6.2 s).
+    assert took < 3 + 2.5, f"took {took:.1f}s to exit\n{text[-2000:]}"
     assert "stopping: no new probe runs" in text and "kvcanary stopped cleanly" in text
