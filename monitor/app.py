@@ -111,6 +111,9 @@ class Monitor:
         self.membership = Membership(self.session_factory, shared=self.engine.dialect.name == "postgresql")
         self.runner.owns = self.membership.owns
         self._beat()  # know the other replicas before the first run, not a heartbeat later
+        self.recorder.ensure_targets(settings.targets)
+        if (stored := self.recorder.load_states()) is not None:
+            self.runner.preload_states(stored)
         self.metrics.watch_replicas(self._replica_counts)
         self.pager: Pager | None = None
         self._pager_task: asyncio.Task[None] | None = None
@@ -193,8 +196,9 @@ class Monitor:
         before = self.membership.live
         await asyncio.to_thread(self._beat)
         if self.membership.live != before:
-            resumed, paused = assign(self.scheduler, self.settings, self.membership.owns)
-            log.info("replicas changed: %d probe jobs taken up, %d handed over", resumed, paused)
+            gained, lost = assign(self.scheduler, self.settings, self.membership.owns)
+            self.runner.forget_states(gained)
+            log.info("replicas changed: %d probe jobs taken up, %d handed over", len(gained), len(lost))
 
     def _beat(self) -> None:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -33,7 +34,15 @@ from monitor.incidents import RecordOutcome, note_config_change, record_result
 from monitor.spool import PendingResult, Spool
 from monitor.storage.db import utcnow
 from monitor.storage.incident_rows import open_incident_keys
-from monitor.storage.results import insert_rows, load_state, probe_result_values, save_state, without_excerpts
+from monitor.storage.results import (
+    insert_rows,
+    load_state,
+    load_states,
+    probe_result_values,
+    save_state,
+    upsert_targets,
+    without_excerpts,
+)
 from monitor.target_config import TargetConfig
 from probes.base import ProbeResult
 
@@ -234,6 +243,30 @@ class Recorder:
         try:
             with self.session_factory() as session:
                 return load_state(session, target=target, probe=probe, node=node)
+        except _UNAVAILABLE:
+            return None
+
+    def ensure_targets(self, targets: Iterable[TargetConfig]) -> None:
+        """Give every configured target its row and cache its id, in one transaction at start.
+
+        Without it, the first result of each target took the slow path (an upsert and the incident
+        rules, ~2 ms): thousands of targets starting at once kept the core behind for minutes.
+        With the database away, first results upsert their target as they come.
+        """
+        keys = [(t.name, t.engine, t.base_url, t.model) for t in targets]
+        try:
+            with self.session_factory() as session, session.begin():
+                ids = upsert_targets(session, keys, utcnow())
+        except _UNAVAILABLE:
+            return
+        for key in keys:
+            self._target_ids[key] = ids[key[0]]
+
+    def load_states(self) -> dict[tuple[str, str, str], dict[str, Any]] | None:
+        """Return every stored probe state by (target, probe, node); None when the database is away."""
+        try:
+            with self.session_factory() as session:
+                return load_states(session)
         except _UNAVAILABLE:
             return None
 

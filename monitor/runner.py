@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -198,6 +198,22 @@ class ProbeRunner:
         for kind in target.probes:
             out += [summary.as_dict() for summary in await self.run(target_name, kind)]
         return out
+
+    def preload_states(self, stored: Mapping[tuple[str, str, str], dict[str, Any]]) -> None:
+        """Fill the state cache of every pair from one read at start: thousands of first runs
+        reading their state one query each would cost a core for most of the first interval."""
+        for target in self.settings.targets:
+            for kind in target.probes:
+                for node in runs_of(target, kind):
+                    key = (target.name, kind, node.name if node else "")
+                    self._states.setdefault(key, dict(stored.get(key) or {}))
+
+    def forget_states(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Drop what is cached for (target, kind) pairs another replica has run meanwhile: their
+        next run here reads the state that replica stored."""
+        gone = set(pairs)
+        for key in [key for key in self._states if key[:2] in gone]:
+            del self._states[key]
 
     async def _state(self, key: tuple[str, str, str]) -> dict[str, Any]:
         """Return what the probe left at its last run: kept in memory, read from the database once."""

@@ -89,13 +89,16 @@ def probe_job_id(target: str, kind: str) -> str:
     return f"probe:{target}:{kind}"
 
 
-def assign(scheduler: AsyncIOScheduler, settings: Settings, owns: Owns) -> tuple[int, int]:
-    """Resume the probe jobs this replica now owns and pause the others; return (resumed, paused).
+def assign(
+    scheduler: AsyncIOScheduler, settings: Settings, owns: Owns
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Resume the probe jobs this replica now owns and pause the others; return the (target, kind)
+    pairs gained and lost.
 
     Called when the set of live replicas changes. A paused job costs nothing per interval, so
     three replicas spend their CPU on their own third of the runs, not on skipping the rest.
     """
-    resumed = paused = 0
+    gained, lost = [], []
     for target in settings.targets:
         for kind in target.probes:
             job = scheduler.get_job(probe_job_id(target.name, kind))
@@ -104,8 +107,8 @@ def assign(scheduler: AsyncIOScheduler, settings: Settings, owns: Owns) -> tuple
             running = job.next_run_time is not None
             if owns(target.name, kind) and not running:
                 job.resume()  # the trigger's phase gives the next run, spread as before
-                resumed += 1
+                gained.append((target.name, kind))
             elif not owns(target.name, kind) and running:
                 job.pause()
-                paused += 1
-    return resumed, paused
+                lost.append((target.name, kind))
+    return gained, lost

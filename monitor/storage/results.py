@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,25 @@ def upsert_target(
     return int(row.id)
 
 
+def upsert_targets(
+    session: Session, targets: Iterable[tuple[str, str, str, str]], now: datetime
+) -> dict[str, int]:
+    """Return the ids of ``(name, engine, base_url, model)`` targets by name, after one read of the
+    table; only targets that are new or changed are written (:func:`upsert_target`)."""
+    query = select(Target.name, Target.id, Target.engine, Target.base_url, Target.model)
+    rows = {row.name: row for row in session.execute(query)}
+    ids = {}
+    for name, engine, base_url, model in targets:
+        row = rows.get(name)
+        if row is not None and (row.engine, row.base_url, row.model) == (engine, public_url(base_url), model):
+            ids[name] = int(row.id)
+        else:
+            ids[name] = upsert_target(
+                session, name=name, engine=engine, base_url=base_url, model=model, now=now
+            )
+    return ids
+
+
 def save_state(
     session: Session, *, target_id: int, probe: str, node: str, state: dict[str, Any], now: datetime
 ) -> None:
@@ -91,6 +111,14 @@ def load_state(session: Session, *, target: str, probe: str, node: str) -> dict[
     )
     state = session.execute(query).scalar_one_or_none()
     return dict(state) if isinstance(state, dict) else None
+
+
+def load_states(session: Session) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """Return every stored probe state by (target, probe, node): one read at start, not one per pair."""
+    query = select(Target.name, ProbeState.probe, ProbeState.node, ProbeState.state).join(
+        Target, Target.id == ProbeState.target_id
+    )
+    return {(t, p, n): dict(state) for t, p, n, state in session.execute(query) if isinstance(state, dict)}
 
 
 def new_probe_result(

@@ -23,8 +23,8 @@ from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
 from monitor.runner import ProbeRunner
 from monitor.spool import PendingResult, Spool
-from monitor.storage.models import Incident, ProbeResult
-from monitor.storage.results import storable_text
+from monitor.storage.models import Incident, ProbeResult, Target
+from monitor.storage.results import save_state, storable_text
 from probes.base import ProbeResult as Outcome
 from probes.base import Verdict
 from probes.canaries import MarkerBook
@@ -198,3 +198,53 @@ def test_a_batch_of_results_follows_the_incident_rules_as_one_by_one(session_fac
         states = {(i.probe, i.severity, i.state, i.consecutive_passes) for i in s.scalars(select(Incident))}
         assert states == {("canary", "high", "resolved", 3), ("boundary", "critical", "resolved", 3)}
         assert s.scalar(select(func.count()).select_from(ProbeResult)) == len(batch) + 2
+
+
+def test_every_stored_probe_state_is_read_in_one_go_at_start(session_factory: Factory) -> None:
+    """A restart preloads the states the probes left (one read, not one per pair), and a replica
+    that takes a pair over forgets what it cached for it, to read what the other replica stored."""
+    config = settings_for()
+    recorder = Recorder(config, session_factory, Spool(None))
+    target = config.targets[0]
+
+    def item(probe: str, node: str, state: dict[str, object]) -> PendingResult:
+        result = Outcome(Verdict.PASS, "r", state=state)
+        return PendingResult.of(target, probe, result, T0, 0.1, T0, node)
+
+    recorder.record_many([item("canary", "", {"n": 1}), item("counters", "decode-0", {"reads": [2, 3]})])
+    stored = recorder.load_states()
+    assert stored == {("glm", "canary", ""): {"n": 1}, ("glm", "counters", "decode-0"): {"reads": [2, 3]}}
+    for (_, probe, node), state in stored.items():
+        assert recorder.load_state("glm", probe, node) == state
+
+    runner = ProbeRunner(config, {}, MarkerBook(), MonitorMetrics(CollectorRegistry()), recorder)
+    runner.preload_states(stored)
+    assert asyncio.run(runner._state(("glm", "canary", ""))) == {"n": 1}
+    with session_factory() as s, s.begin():  # another replica runs the pair and stores a newer state
+        glm = s.scalar(select(Target.id).where(Target.name == "glm"))
+        assert glm is not None
+        save_state(s, target_id=glm, probe="canary", node="", state={"n": 2}, now=T0)
+    assert asyncio.run(runner._state(("glm", "canary", ""))) == {"n": 1}  # cached
+    runner.forget_states([("glm", "canary")])
+    assert asyncio.run(runner._state(("glm", "canary", ""))) == {"n": 2}
+
+
+def test_configured_targets_get_their_rows_at_start_and_changes_are_written(session_factory: Factory) -> None:
+    config = settings_for("http://engine.test/")
+    recorder = Recorder(config, session_factory, Spool(None))
+    recorder.ensure_targets(config.targets)
+    with session_factory() as s:
+        rows = s.execute(select(Target.id, Target.name, Target.base_url)).all()
+    assert [tuple(r)[1:] for r in rows] == [("glm", "http://engine.test")]  # as public_url writes it
+    # The cached id sends a first pass down the quiet path: one statement, no incident rules.
+    target = config.targets[0]
+    item = PendingResult.of(target, "canary", Outcome(Verdict.PASS, "r"), T0, 0.1, T0)
+    [outcome] = recorder.record_many([item])
+    assert outcome is not None and outcome.change is None and outcome.target_id == rows[0].id
+
+    moved = settings_for("http://engine-2.test")
+    Recorder(moved, session_factory, Spool(None)).ensure_targets(moved.targets)
+    Recorder(moved, session_factory, Spool(None)).ensure_targets(moved.targets)  # unchanged: no write
+    with session_factory() as s:
+        names = s.execute(select(Target.name, Target.base_url)).all()
+    assert [tuple(r) for r in names] == [("glm", "http://engine-2.test")]

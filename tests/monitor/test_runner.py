@@ -109,8 +109,9 @@ def test_a_replica_keeps_paused_the_jobs_it_does_not_own_and_resumes_them_in_pha
     assert jobs["probe:t:boundary"].next_run_time is None
     assert jobs["probe:t:canary"].next_run_time is not None
 
-    assert assign(scheduler, settings, lambda target, kind: kind == "boundary") == (1, 2)
-    assert assign(scheduler, settings, lambda target, kind: kind == "boundary") == (0, 0)
+    gained, lost = assign(scheduler, settings, lambda target, kind: kind == "boundary")
+    assert gained == [("t", "boundary")] and sorted(lost) == [("t", "canary"), ("t", "cross_tenant")]
+    assert assign(scheduler, settings, lambda target, kind: kind == "boundary") == ([], [])
     assert jobs["probe:t:canary"].next_run_time is None
     boundary = jobs["probe:t:boundary"]
     # Resumed at the next point of its own phase (start_date + k x interval, plus jitter), not now:
