@@ -18,8 +18,9 @@ from monitor.secrets import tenant_keys
 from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
-from probes.base import Node, ProbeResult, Verdict
+from probes.base import ProbeResult, Verdict
 from probes.canaries import MarkerBook
+from probes.target import Node
 
 EXIT_OK, EXIT_FAILED, EXIT_UNJUDGED = 0, 1, 3
 

@@ -23,8 +23,9 @@ from monitor.recorder import Recorder
 from monitor.target_config import TargetConfig
 from monitor.writer import BatchWriter
 from probes import REGISTRY
-from probes.base import Node, ProbeContext, ProbeResult, TargetClient, judge
+from probes.base import ProbeContext, ProbeResult, judge
 from probes.canaries import MarkerBook
+from probes.target import Node, TargetClient
 
 log = logging.getLogger("kvcanary.runner")
 

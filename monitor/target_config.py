@@ -14,7 +14,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from probes import REGISTRY
-from probes.base import Node
+from probes.target import Node
 
 Engine = Literal["sglang", "vllm", "llamacpp", "reference", "openai"]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")

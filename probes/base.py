@@ -1,9 +1,9 @@
-"""The probe interface: what a probe gets, what it returns, and how a target is reached.
+"""The probe interface: what a probe gets and what it returns.
 
 A probe is one kind of check (``canary``, ``cross_tenant``, ``boundary``). It talks to a serving
-endpoint only through :class:`TargetClient`, which ``monitor/targets`` implements over HTTP, and it
-returns a :class:`ProbeResult`. It never raises, never writes to a database, metrics or alerts:
-the runner records (see ``docs/architecture.md``).
+endpoint only through ``probes/target.py``'s ``TargetClient``, which ``monitor/targets`` implements
+over HTTP, and it returns a :class:`ProbeResult`. It never raises, never writes to a database,
+metrics or alerts: the runner records (see ``docs/architecture.md``).
 
 Verdicts:
 
@@ -21,11 +21,12 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
 from probes.canaries import LeakHit, MarkerBook, redact_markers
+from probes.target import Completion, CompletionRequest, Node, TargetClient
 
 
 class Verdict(enum.StrEnum):
@@ -39,9 +40,6 @@ class Verdict(enum.StrEnum):
         """Return True for the verdicts that open incidents (leak, mismatch)."""
         return self in (Verdict.LEAK, Verdict.MISMATCH)
 
-
-#: Statuses with which engines refuse a request they will not serve (SGLang, vLLM, llama.cpp: 400).
-REFUSAL_STATUSES = frozenset({400, 413, 422})
 
 #: Longest excerpt of model output a result may carry: evidence, not a second copy of the data.
 EXCERPT_CHARS = 160
@@ -89,140 +87,6 @@ class ProbeResult:
     @classmethod
     def error(cls, reason: str, detail: str = "", **measurements: float) -> ProbeResult:
         return cls(Verdict.ERROR, reason, detail, measurements=dict(measurements))
-
-
-@dataclass
-class CompletionRequest:
-    """One request to the serving path. ``chat`` selects /v1/chat/completions over /v1/completions."""
-
-    prompt: str
-    max_tokens: int = 32
-    chat: bool = True
-    stream: bool = True
-    temperature: float = 0.0
-    seed: int | None = 0
-    system: str | None = None
-    #: vLLM's per-request prefix-cache salt (sent only when set): same salt shares, different does not.
-    cache_salt: str | None = None
-
-
-@dataclass
-class Completion:
-    """What came back. ``status`` is None when no HTTP response arrived (``error`` says why).
-
-    ``text`` is the generated text, or the error body for a non-2xx answer (scanned for markers too:
-    an error body is output a tenant sees). ``error_kind`` is ``connect``, ``timeout``, ``protocol``,
-    ``stream`` (the engine reported an error inside a 200 stream), ``http`` (a non-2xx with an
-    engine's error body) or ``foreign`` (a non-2xx whose body is no engine's: a proxy, a redirect)
-    when something went wrong.
-    """
-
-    status: int | None
-    text: str = ""
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    finish_reason: str | None = None
-    latency_seconds: float | None = None
-    ttft_seconds: float | None = None
-    error: str | None = None
-    error_kind: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status is not None and 200 <= self.status < 300
-
-    @property
-    def refused(self) -> bool:
-        """Return True when the ENGINE refused the request: 400, 413 or 422 with an engine-shaped
-        error body (``error_kind == "http"``). A proxy's 413 page or a redirect is not a refusal."""
-        return self.status in REFUSAL_STATUSES and self.error_kind == "http"
-
-    @property
-    def answered(self) -> bool:
-        """Return True for a complete 2xx answer (no broken stream, no timeout after the headers)."""
-        return self.ok and self.error_kind is None
-
-
-@dataclass
-class ServerCapacity:
-    """What a node says about its KV pool and context window. Any field may be None (unknown).
-
-    ``kv_pool_tokens`` is the pool that admission must respect: on a disaggregated node, the
-    prefill pool (the incident's 681,280). ``pools`` names every pool found (``prefill``, ``decode``).
-    """
-
-    context_window: int | None = None
-    kv_pool_tokens: int | None = None
-    max_req_input_len: int | None = None
-    page_size: int | None = None
-    disaggregation_mode: str | None = None
-    version: str | None = None
-    pools: dict[str, int] = field(default_factory=dict)
-    source: str = ""
-    #: Other configuration the node states, as strings (``enable_prefix_caching``, ``verify_ownership``,
-    #: ``model``, ``tp_size``...): what a known defect may require, and what a change of it fingerprints.
-    facts: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def admission_limit(self) -> int | None:
-        """Return the largest prompt the node can hold, or None when nothing is known."""
-        known = [n for n in (self.context_window, self.kv_pool_tokens, self.max_req_input_len) if n]
-        return min(known) if known else None
-
-
-@dataclass(frozen=True)
-class Node:
-    """One serving node of a target. ``name`` is empty for a target that lists no nodes (one node
-    at its base URL). ``role`` is ``single``, ``prefill`` or ``decode``."""
-
-    name: str
-    role: str
-    info_url: str
-    metrics_url: str
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """A GET's answer: ``text`` when a 2xx body arrived (within the byte limit), else ``error`` in words."""
-
-    text: str | None
-    error: str | None = None
-    status: int | None = None
-
-
-@dataclass(frozen=True)
-class Scraped:
-    """A node's Prometheus page, parsed: each sample's value summed over its labels, by sample name
-    (``_info`` samples keep their labels in the key: ``kvcanary_worker_info{mode="single",...}``).
-    ``samples`` is None when the page could not be read (``reason`` ``metrics_unreachable``) or
-    parsed (``metrics_unparseable``); ``error`` says why in words."""
-
-    samples: dict[str, float] | None
-    reason: str = ""
-    error: str = ""
-
-
-class TargetClient(Protocol):
-    """A serving endpoint as probes see it. Implementations must not raise on network failure:
-    they return a :class:`Completion` with ``status=None`` and ``error`` set, or None for lookups."""
-
-    name: str
-    engine: str
-    tenants: list[str]
-    nodes: list[Node]
-
-    async def fetch(self, url: str) -> Fetched: ...
-
-    async def scrape(self, url: str) -> Scraped: ...
-
-    async def node_capacity(self, node: Node) -> ServerCapacity: ...
-
-    async def complete(self, tenant: str, request: CompletionRequest) -> Completion: ...
-
-    async def capacity(self) -> ServerCapacity | None: ...
-
-    async def count_tokens(self, text: str) -> int | None: ...
 
 
 class ProbeContext:

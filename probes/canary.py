@@ -33,21 +33,12 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import (
-    Completion,
-    CompletionRequest,
-    Probe,
-    ProbeContext,
-    ProbeOptions,
-    ProbeResult,
-    Verdict,
-    excerpt,
-    unjudgeable,
-)
+from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
 from probes.base import (
     prompt_tokens_dropped as prompt_tokens_dropped,
 )
 from probes.canaries import marker_hash, redact_markers
+from probes.target import Completion, CompletionRequest
 
 #: Short on purpose: the reference worker echoes its prompt from position 0, real models copy it.
 REPEAT_PROMPT = "Repeat this code exactly, with nothing else: {marker}"

@@ -36,7 +36,8 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, ServerCapacity, Verdict
+from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
+from probes.target import ServerCapacity
 
 #: The pool size the fixed deployment chose: about twice the context window.
 DEFAULT_HEADROOM = 2.0

@@ -29,8 +29,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from probes.base import Node, Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
+from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
 from probes.engine_counters import CANONICAL, Canonical, names_for
+from probes.target import Node
 
 #: Worse first: the verdict of a run is the worst any counter earned.
 _RANK = {Verdict.LEAK: 2, Verdict.MISMATCH: 1, Verdict.PASS: 0}

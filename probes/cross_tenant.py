@@ -28,17 +28,10 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import (
-    Completion,
-    CompletionRequest,
-    Probe,
-    ProbeContext,
-    ProbeOptions,
-    ProbeResult,
-    Verdict,
-)
+from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
 from probes.canaries import redact_markers
 from probes.canary import MAX_TOKENS, repeat_prompt
+from probes.target import Completion, CompletionRequest
 
 #: Pages a planting prompt should span, so that markers land in many pages of the pool.
 PLANT_PAGES = 16

@@ -48,20 +48,11 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import (
-    Completion,
-    CompletionRequest,
-    Probe,
-    ProbeContext,
-    ProbeOptions,
-    ProbeResult,
-    Verdict,
-    excerpt,
-    unjudgeable,
-)
+from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
 from probes.boundary import MAX_SIZING_ROUNDS, USAGE_SAFETY_SHARE
 from probes.canaries import marker_hash, redact_markers
 from probes.canary import prompt_tokens_dropped
+from probes.target import Completion, CompletionRequest
 
 #: Room for a chat template (role tags, a default system prompt) that the raw count does not see.
 TEMPLATE_HEADROOM = 64

@@ -30,8 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from probes.base import Completion, ProbeContext, ProbeResult, Verdict
+from probes.base import ProbeContext, ProbeResult, Verdict
 from probes.prefix_prompts import PromptSize, cache_request, cached, failure, fresh_text, row, salt, with_tail
+from probes.target import Completion
 
 SHARED_BY_POLICY = "shared_by_policy"
 LEAK_REASON = "prefix_cache_shared_across_tenants"

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from string import ascii_lowercase
 from typing import Any
 
-from probes.base import Completion, CompletionRequest, ProbeContext, unjudgeable
+from probes.base import ProbeContext, unjudgeable
+from probes.target import Completion, CompletionRequest
 
 #: Fresh letters after the shared prefix: enough to make each request unique, too few to matter.
 TAIL_LETTERS = 4

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from probes.base import Node, Probe, ProbeContext, ProbeOptions, ProbeResult, ServerCapacity, Verdict
+from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
 from probes.defects import (
     VERSIONED_ENGINES,
     Defect,
@@ -40,6 +40,7 @@ from probes.defects import (
     node_version,
     shipped,
 )
+from probes.target import Node, ServerCapacity
 
 #: Where each engine family publishes its version (what ``monitor/targets/capacity.py`` reads).
 VERSION_WHERE = {

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from probes.base import ServerCapacity
+from probes.target import ServerCapacity
 
 OVERRIDABLE = ("context_window", "kv_pool_tokens", "max_req_input_len", "page_size")
 ROLES = ("prefill", "decode")

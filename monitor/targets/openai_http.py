@@ -1,6 +1,6 @@
 """The one HTTP client for every serving engine: OpenAI-compatible completions, capacity, tokenizing.
 
-:class:`OpenAIHttpTarget` implements :class:`probes.base.TargetClient` for SGLang, vLLM, llama.cpp,
+:class:`OpenAIHttpTarget` implements :class:`probes.target.TargetClient` for SGLang, vLLM, llama.cpp,
 hosted OpenAI-compatible APIs and the reference worker. Its contract:
 
 - It never raises on network or protocol trouble. ``complete`` returns a :class:`Completion` whose
@@ -42,7 +42,7 @@ from monitor.targets.wire import (
     request_body,
     sse_lines,
 )
-from probes.base import Completion, CompletionRequest, Fetched, Node, Scraped, ServerCapacity
+from probes.target import Completion, CompletionRequest, Fetched, Node, Scraped, ServerCapacity
 
 __all__ = ["ERROR_BODY_BYTES", "OpenAIHttpTarget"]
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from probes.base import Completion, CompletionRequest
+from probes.target import Completion, CompletionRequest
 
 #: How much of an error body is kept: enough for any engine's message, not a second copy of a prompt.
 ERROR_BODY_BYTES = 4096

@@ -18,7 +18,7 @@ import pytest
 
 from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import ERROR_BODY_BYTES, OpenAIHttpTarget
-from probes.base import CompletionRequest
+from probes.target import CompletionRequest
 from tests.conftest import free_port
 from tests.probes.probe_harness import loopback_target
 

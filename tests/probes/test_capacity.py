@@ -19,8 +19,9 @@ import pytest
 from monitor.runner import execute_probe
 from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
-from probes.base import Node, ProbeResult, Verdict
+from probes.base import ProbeResult, Verdict
 from probes.canaries import MarkerBook
+from probes.target import Node
 from tests.loopback import Handler
 from tests.probes.probe_harness import KEYS, MODEL, Reference, loopback_target
 

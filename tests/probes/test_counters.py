@@ -17,9 +17,10 @@ import pytest
 from monitor.runner import execute_probe
 from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
-from probes.base import Node, ProbeResult, Verdict
+from probes.base import ProbeResult, Verdict
 from probes.canaries import MarkerBook
 from probes.counters import judge_counters
+from probes.target import Node
 from tests.probes.probe_harness import DISAGG, KEYS, MODEL, PLACEHOLDER, SINGLE, Reference, loopback_target
 
 NODE = Node("", "single", "http://w", "http://w/metrics")

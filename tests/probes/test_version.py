@@ -21,8 +21,9 @@ from monitor.runner import execute_probe
 from monitor.target_config import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes import REGISTRY
-from probes.base import Completion, CompletionRequest, Node, ProbeResult, Verdict
+from probes.base import ProbeResult, Verdict
 from probes.canaries import MarkerBook
+from probes.target import Completion, CompletionRequest, Node
 from probes.version import VersionProbe
 from tests.probes.probe_harness import KEYS, MODEL, Reference, loopback_target
 
