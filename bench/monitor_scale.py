@@ -32,6 +32,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from monitor.config import parse_settings  # noqa: E402  (run as a script from the repository)
+
 TOKEN = "bench-token-0123456789abcdef"
 PROBE_SETS = {"canary": ["canary"], "default": ["canary", "cross_tenant", "boundary"]}
 
@@ -202,8 +205,9 @@ def summarise(
     runs = sum(each)
     cpu = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     lag_before, lag_after = before[0][0][1], after[0][0][1]
-    scheduled = sum(targets / (args.interval if p != "boundary" else max(args.interval, 300))
-                    for p in PROBE_SETS[args.probes])  # fmt: skip
+    # The intervals the monitor itself gives each kind (boundary has a longer default).
+    one = parse_settings(config(1, PROBE_SETS[args.probes], args.interval, "http://stub", "sqlite://", 1))
+    scheduled = targets * sum(1 / one.targets[0].interval_for(p) for p in one.targets[0].probes)
     rss = sum(rss_mb(p.pid) for _, p in monitors)
     return Row(
         targets=targets, replicas=args.replicas, cpu_ms_per_run=1000 * cpu / max(runs, 1),

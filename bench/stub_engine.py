@@ -42,7 +42,7 @@ class Engine:
         if path in (b"/server_info", b"/get_server_info"):
             return 200, b"application/json", self.info
         if path == b"/tokenize":
-            return 200, b"application/json", b'{"count": %d}' % len(_prompt(body))
+            return 200, b"application/json", b'{"count": %d}' % len(_prompt(json.loads(body)))
         if not path.endswith(b"completions"):
             return (
                 404,
@@ -56,7 +56,7 @@ class Engine:
                 b'{"error": {"message": "overloaded", "type": "Unavailable", "code": 503}}',
             )
         request = json.loads(body)
-        prompt = _prompt(body)
+        prompt = _prompt(request)
         if len(prompt) > self.pool:
             message = b"Input length (%d tokens) exceeds the maximum allowed length (%d tokens)." % (
                 len(prompt),
@@ -78,8 +78,7 @@ class Engine:
         return _reply(request, text, len(prompt))
 
 
-def _prompt(body: bytes) -> bytes:
-    data = json.loads(body)
+def _prompt(data: dict) -> bytes:
     if "messages" in data:
         return "".join(m.get("content", "") for m in data["messages"]).encode()
     return str(data.get("prompt", "")).encode()

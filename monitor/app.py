@@ -34,7 +34,7 @@ from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
 from monitor.replicas import HEARTBEAT_SECONDS, Membership
 from monitor.run_now import RunNow
-from monitor.runner import ProbeRunner, RunSummary, runs_of
+from monitor.runner import ProbeRunner, RunSummary, pairs_of
 from monitor.scheduler import (
     PRUNE_INTERVAL_SECONDS,
     REPLAY_INTERVAL_SECONDS,
@@ -85,7 +85,7 @@ class Monitor:
         self.session_factory: sessionmaker[Session] = make_session_factory(self.engine)
         self.read_session_factory = make_session_factory(self.engine, read_only=True)
         self.metrics = metrics or MonitorMetrics()
-        self.metrics.watch_incidents(self._open_incident_counts, self._pairs)
+        self.metrics.watch_incidents(self._open_incident_counts, lambda: pairs_of(settings))
         self.markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
         limits = Limits(**settings.limits.model_dump())
         # One connection pool and TLS context for every target (not one per target).
@@ -100,8 +100,7 @@ class Monitor:
         self.metrics.watch_spool(self.spool)
         self.recorder = Recorder(settings, self.session_factory, self.spool)
         self.on_summary = on_summary
-        self._stopping = False
-        self._stop_asked_at: float | None = None  # time.monotonic() of the signal
+        self._stop_asked_at: float | None = None  # time.monotonic() of the signal; set: stopping
         self.runner = ProbeRunner(
             settings, self.clients, self.markers, self.metrics, self.recorder, self._summarised
         )
@@ -133,14 +132,6 @@ class Monitor:
             owns=self.membership.owns,
         )
         self.scheduler.add_listener(self._submitted, EVENT_JOB_SUBMITTED)
-
-    def _pairs(self) -> Iterable[tuple[str, str, str]]:
-        return [
-            (t.name, kind, node.name if node else "")
-            for t in self.settings.targets
-            for kind in t.probes
-            for node in runs_of(t, kind)
-        ]
 
     def _summarised(self, summary: RunSummary) -> None:
         if self.pager is not None and summary.outcome is not None and summary.outcome.change is not None:
@@ -241,22 +232,22 @@ class Monitor:
 
     def begin_shutdown(self) -> None:
         """Stop scheduling now (a signal arrived); :meth:`stop` follows once uvicorn lets go."""
-        if self.scheduler.running and not self._stopping:
+        if self._stop_asked_at is not None:
+            return
+        self._stop_asked_at = time.monotonic()
+        if self.scheduler.running:
             # Pause, not shut down: shutting APScheduler's asyncio executor down cancels its jobs.
             self.scheduler.pause()
             grace = self.settings.api.shutdown_grace_seconds
             log.info("stopping: no new probe runs; runs in flight get %.0fs", grace)
-        if self._stop_asked_at is None:
-            self._stop_asked_at = time.monotonic()
-        self._stopping = True
 
     async def stop(self, drain_seconds: float | None = None) -> None:
         """Stop scheduling, let runs in flight finish (cancelling stragglers), close clients."""
         self.begin_shutdown()
         grace = self.settings.api.shutdown_grace_seconds if drain_seconds is None else drain_seconds
         # One grace from the signal, not two: uvicorn has already spent part of it on open requests.
-        asked = self._stop_asked_at or time.monotonic()
-        grace = max(0.0, grace - (time.monotonic() - asked))
+        assert self._stop_asked_at is not None  # begin_shutdown() has just set it
+        grace = max(0.0, grace - (time.monotonic() - self._stop_asked_at))
         cancelled = await self.runner.drain(grace)
         if cancelled:
             log.warning("cancelled %d probe run(s) still in flight at shutdown", cancelled)

@@ -105,8 +105,7 @@ class Recorder:
             for item in items:
                 self._spool(item, exc)
             return [None] * len(items)
-        except Exception:
-            self._target_ids.clear()  # a stale cached row is one possible cause; the slow path upserts
+        except Exception:  # one row refused: each on its own (a stale cached target id is retried there)
             return [self._write_or_spool(item) for item in items]
         for item, outcome in zip(items, outcomes, strict=True):
             self._target_ids[_target_key(item)] = outcome.target_id

@@ -58,6 +58,16 @@ def runs_of(target: TargetConfig, kind: str) -> list[Node | None]:
     return list(target.node_list()) if REGISTRY[kind].scope == "node" else [None]
 
 
+def pairs_of(settings: Settings) -> list[tuple[str, str, str]]:
+    """Return every (target, kind, node) the configuration runs; node is "" for a target-wide run."""
+    return [
+        (t.name, kind, node.name if node else "")
+        for t in settings.targets
+        for kind in t.probes
+        for node in runs_of(t, kind)
+    ]
+
+
 async def execute_probe(
     kind: str,
     client: TargetClient,
@@ -203,11 +213,8 @@ class ProbeRunner:
     def preload_states(self, stored: Mapping[tuple[str, str, str], dict[str, Any]]) -> None:
         """Fill the state cache of every pair from one read at start: thousands of first runs
         reading their state one query each would cost a core for most of the first interval."""
-        for target in self.settings.targets:
-            for kind in target.probes:
-                for node in runs_of(target, kind):
-                    key = (target.name, kind, node.name if node else "")
-                    self._states.setdefault(key, dict(stored.get(key) or {}))
+        for key in pairs_of(self.settings):
+            self._states.setdefault(key, dict(stored.get(key) or {}))
 
     def forget_states(self, pairs: Iterable[tuple[str, str]]) -> None:
         """Drop what is cached for (target, kind) pairs another replica has run meanwhile: their

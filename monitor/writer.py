@@ -82,8 +82,8 @@ class BatchWriter:
         """Return a batch starting with ``first``, and whether close() was asked meanwhile."""
         batch = [first]
         deadline = time.monotonic() + LINGER_SECONDS
+        all_passed = first[0].verdict == "pass"
         while len(batch) < MAX_BATCH:
-            all_passed = all(item.verdict == "pass" for item, _, _ in batch)
             wait = deadline - time.monotonic() if all_passed else 0.0
             try:
                 more = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
@@ -92,6 +92,7 @@ class BatchWriter:
             if more is None:
                 return batch, True
             batch.append(more)
+            all_passed = all_passed and more[0].verdict == "pass"
         return batch, False
 
     def _record(self, batch: list[Waiting]) -> None:

@@ -7,14 +7,17 @@ On SQLite and on real PostgreSQL. The answers come from a scripted engine on a l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
+from collections.abc import Iterator
 from datetime import timedelta
 
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.config import Settings, parse_settings
@@ -32,6 +35,23 @@ from tests.monitor.conftest import POLICY, RETENTION, T0
 from tests.probes.probe_harness import Call, FakeEngine
 
 Factory = sessionmaker[Session]
+
+
+@contextlib.contextmanager
+def statements_of(session_factory: Factory) -> Iterator[list[str]]:
+    """Collect the SQL statements sent through ``session_factory``'s engine meanwhile."""
+    seen: list[str] = []
+    engine = session_factory.kw["bind"]
+
+    def note(conn: object, cursor: object, statement: str, *rest: object) -> None:
+        seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+
 
 # The shapes that broke or could break a recording: the six characters of an escaped NUL (as text
 # and as an escape the JSON parser turns into a real NUL), raw NUL, a lone surrogate, backslashes.
@@ -212,7 +232,9 @@ def test_every_stored_probe_state_is_read_in_one_go_at_start(session_factory: Fa
         return PendingResult.of(target, probe, result, T0, 0.1, T0, node)
 
     recorder.record_many([item("canary", "", {"n": 1}), item("counters", "decode-0", {"reads": [2, 3]})])
-    stored = recorder.load_states()
+    with statements_of(session_factory) as seen:
+        stored = recorder.load_states()
+    assert len([sql for sql in seen if "probe_state" in sql]) == 1  # one read for every pair
     assert stored == {("glm", "canary", ""): {"n": 1}, ("glm", "counters", "decode-0"): {"reads": [2, 3]}}
     for (_, probe, node), state in stored.items():
         assert recorder.load_state("glm", probe, node) == state
@@ -236,15 +258,22 @@ def test_configured_targets_get_their_rows_at_start_and_changes_are_written(sess
     with session_factory() as s:
         rows = s.execute(select(Target.id, Target.name, Target.base_url)).all()
     assert [tuple(r)[1:] for r in rows] == [("glm", "http://engine.test")]  # as public_url writes it
-    # The cached id sends a first pass down the quiet path: one statement, no incident rules.
+    # The cached id sends a first pass down the quiet path: the target table is not touched.
     target = config.targets[0]
     item = PendingResult.of(target, "canary", Outcome(Verdict.PASS, "r"), T0, 0.1, T0)
-    [outcome] = recorder.record_many([item])
+    with statements_of(session_factory) as seen:
+        [outcome] = recorder.record_many([item])
     assert outcome is not None and outcome.change is None and outcome.target_id == rows[0].id
+    assert not [sql for sql in seen if re.search(r"\b(FROM|INTO|UPDATE) target\b", sql)], seen
 
     moved = settings_for("http://engine-2.test")
     Recorder(moved, session_factory, Spool(None)).ensure_targets(moved.targets)
-    Recorder(moved, session_factory, Spool(None)).ensure_targets(moved.targets)  # unchanged: no write
+    with session_factory() as s:
+        written = s.scalar(select(Target.updated_at))
+    with statements_of(session_factory) as seen:
+        Recorder(moved, session_factory, Spool(None)).ensure_targets(moved.targets)
+    assert [sql.split()[0] for sql in seen if "target" in sql] == ["SELECT"]  # one read, no write
     with session_factory() as s:
         names = s.execute(select(Target.name, Target.base_url)).all()
+        assert s.scalar(select(Target.updated_at)) == written
     assert [tuple(r) for r in names] == [("glm", "http://engine-2.test")]
