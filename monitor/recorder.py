@@ -75,7 +75,9 @@ class Recorder:
         node: str = "",
     ) -> RecordOutcome | None:
         """Record one result; return what it did to incidents, or None when it was spooled (or dropped)."""
-        item = PendingResult.of(target, probe, result, started_at, duration, utcnow(), node)
+        return self._record_one(PendingResult.of(target, probe, result, started_at, duration, utcnow(), node))
+
+    def _record_one(self, item: PendingResult) -> RecordOutcome | None:
         if len(self.spool):
             # Older results wait: this one queues behind them, so each pair stays in order.
             self.spool.append(item)
@@ -106,7 +108,7 @@ class Recorder:
                 self._spool(item, exc)
             return [None] * len(items)
         except Exception:  # one row refused: each on its own (a stale cached target id is retried there)
-            return [self._write_or_spool(item) for item in items]
+            return [self._record_one(item) for item in items]
         for item, outcome in zip(items, outcomes, strict=True):
             self._target_ids[_target_key(item)] = outcome.target_id
         return list(outcomes)
@@ -162,13 +164,6 @@ class Recorder:
                 session, target_id=target_id, probe=item.probe, node=item.node, state=item.state, now=now
             )
         return {**values, "target_id": target_id}
-
-    def _write_or_spool(self, item: PendingResult) -> RecordOutcome | None:
-        try:
-            return self._write(item)
-        except _UNAVAILABLE as exc:
-            self._spool(item, exc)
-            return None
 
     def replay(self) -> int:
         """Record spooled results oldest first until the spool is empty or the database fails again.
