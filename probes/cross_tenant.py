@@ -14,8 +14,8 @@ with a 64-bit MAC under the monitor's key, and :class:`~probes.base.ProbeContext
 come from nondeterminism or a lucky guess (2**-64), so any match is a ``leak``; no match is a
 ``pass`` only when every planting request was answered, so that the markers were in the cache.
 
-A planting prompt spans many KV pages (16 pages' worth, from the node's ``page_size`` when known)
-and repeats its marker every 60 characters, so a stale read of a few pages in order holds a whole
+A planting prompt spans many KV pages (16 pages' worth, from the node's ``page_size`` when known;
+one reading serves ten minutes of runs, and a refused plant reads it again) and repeats its marker every 60 characters, so a stale read of a few pages in order holds a whole
 marker. It stays well under the node's admission limit, shared by every tenant's request in the
 concurrent round: this probe must not itself trip the over-capacity path that the boundary probe
 tests.
@@ -43,6 +43,9 @@ DEFAULT_PLANT_CHARS = 1536
 PLANT_HEADROOM = 64
 #: Below this share of reads answered there is too little output to say that nothing leaked.
 MIN_READ_SHARE = 0.5
+#: How long one reading of the node's page size and admission limit sizes the plants: they change
+#: only when the engine restarts with another configuration, and a refused plant reads them again.
+CAPACITY_MAX_AGE_SECONDS = 600.0
 _PLANT_HEAD = "Keep these reference codes on file and reply with OK.\n"
 _PLANT_MAX_TOKENS = 8
 
@@ -94,7 +97,7 @@ class CrossTenantProbe(Probe):
         tenants = list(ctx.tenants)
         if len(tenants) < 2:
             return ProbeResult.error("too_few_tenants", "a cross-tenant probe needs two or more tenants")
-        capacity = await ctx.target.capacity()
+        capacity = await ctx.target.capacity(max_age=CAPACITY_MAX_AGE_SECONDS)
         chars = plant_chars(
             capacity.page_size if capacity else None,
             capacity.admission_limit if capacity else None,
@@ -111,6 +114,8 @@ class CrossTenantProbe(Probe):
         # so a later stale read meets long runs of one tenant's pages, not a shuffle of the batch.
         plants += [await self._plant(ctx, t, chars) for t in tenants]
         reads += [await self._read(ctx, t) for t in tenants]
+        if any(c.status is not None and 400 <= c.status < 500 for c in plants):
+            await ctx.target.capacity()  # perhaps a smaller limit since the last reading: read it again
         return _conclude(plants, reads, chars)
 
     async def _plant(self, ctx: ProbeContext, tenant: str, chars: int) -> Completion:

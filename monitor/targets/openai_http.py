@@ -84,6 +84,8 @@ class OpenAIHttpTarget:
         # Parsed once: a URL string is parsed again on every request.
         self._urls: dict[str, URL] = {}
         self._headers = {tenant: self._request_headers(tenant) for tenant in self.tenants}
+        # The last capacity reading and when it was taken (monotonic), for callers that allow reuse.
+        self._capacity: tuple[float, ServerCapacity] | None = None
 
     async def aclose(self) -> None:
         if self._own_client:
@@ -234,18 +236,26 @@ class OpenAIHttpTarget:
             found.source = f"{found.source} ({'; '.join(lookups.failures[:3])})"
         return found
 
-    async def capacity(self) -> ServerCapacity:
+    async def capacity(self, max_age: float = 0.0) -> ServerCapacity:
         """Return what the node says about its KV pool and context window; unknown fields are None.
 
         ``options["boundary"]`` in the target's config overrides any field (``context_window``,
         ``kv_pool_tokens``, ``max_req_input_len``, ``page_size``): an operator can state a pool the
-        engine does not publish.
+        engine does not publish. A reading younger than ``max_age`` seconds is returned again
+        without a lookup (a probe that only sizes its prompts by it; audits read afresh). A failed
+        lookup is never reused.
         """
+        now = time.monotonic()
+        if self._capacity is not None and now - self._capacity[0] < max_age:
+            return self._capacity[1]
         try:
             found = await read_capacity(NodeLookups(self, self._config.base_url), self.engine)
         except Exception:  # A lookup never breaks a probe: unknown is an answer.
             found = ServerCapacity(source="lookup failed")
-        return apply_overrides(found, self._config.options.get("boundary", {}))
+        found = apply_overrides(found, self._config.options.get("boundary", {}))
+        known = found.context_window or found.kv_pool_tokens or found.admission_limit or found.page_size
+        self._capacity = (now, found) if known else None
+        return found
 
     async def count_tokens(self, text: str) -> int | None:
         """Return how many tokens the engine's own tokenizer makes of ``text``; None when it cannot say.

@@ -150,7 +150,8 @@ class FakeEngine:
 
     ``info`` is served at /get_server_info (None: 404); ``tokenize`` turns /tokenize on or off and
     ``count`` is its tokenizer (bytes by default).
-    Every completion call is kept in ``calls``; ``max_in_flight`` counts overlapping ones.
+    Every completion call is kept in ``calls``; ``max_in_flight`` counts overlapping ones;
+    ``info_reads`` counts the server-info lookups.
     """
 
     reply: Answer | None = None
@@ -160,10 +161,12 @@ class FakeEngine:
     calls: list[Call] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    info_reads: int = 0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path in ("/get_server_info", "/server_info"):
+            self.info_reads += 1
             return httpx.Response(200, json=self.info) if self.info else error(404, "Not Found")
         if path == "/tokenize" and self.tokenize:
             prompt = json.loads(request.content)["prompt"]

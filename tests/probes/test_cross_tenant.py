@@ -177,6 +177,42 @@ def test_the_planting_size_spans_sixteen_pages_within_a_share_of_the_limit() -> 
     assert plant_chars(16, None, 2, stated=5000) == 5000
 
 
+def runs_on_one_target(engine: FakeEngine, runs: int) -> list[ProbeResult]:
+    async def go() -> list[ProbeResult]:
+        async with engine.target() as target:
+            return [await run_probe("cross_tenant", target, MarkerBook()) for _ in range(runs)]
+
+    return asyncio.run(go())
+
+
+def test_one_capacity_reading_sizes_the_plants_of_many_runs() -> None:
+    # Every run looked the node up once: at thousands of targets, one request in nine of this probe.
+    engine = FakeEngine()
+    results = runs_on_one_target(engine, 3)
+    assert [r.verdict for r in results] == [Verdict.PASS] * 3
+    assert engine.info_reads == 1
+
+
+def test_a_lookup_that_found_nothing_is_not_reused() -> None:
+    engine = FakeEngine(info=None)  # no server info: each run tries /server_info and /get_server_info
+    results = runs_on_one_target(engine, 2)
+    assert [r.verdict for r in results] == [Verdict.PASS] * 2
+    assert engine.info_reads == 2 * 2
+
+
+def test_a_refused_plant_reads_the_capacity_again() -> None:
+    # The engine restarted with a smaller limit: the next run must not keep sending plants over it.
+    def refuses_plants(call: Call) -> httpx.Response:
+        if "reference codes" in call.prompt:
+            return error(400, "Input length exceeds the maximum allowed length")
+        return FakeEngine.echo(call)
+
+    engine = FakeEngine(refuses_plants)
+    results = runs_on_one_target(engine, 2)
+    assert [r.reason for r in results] == ["plants_unanswered"] * 2
+    assert engine.info_reads == 1 + 2  # the first reading, then one after each run's refusals
+
+
 def test_the_planting_size_follows_the_nodes_page_size() -> None:
     engine = FakeEngine(info={"context_length": 1_000_000, "max_total_num_tokens": 2_000_000, "page_size": 4})
     result = run_fake(engine)
