@@ -15,10 +15,10 @@ come from nondeterminism or a lucky guess (2**-64), so any match is a ``leak``; 
 ``pass`` only when every planting request was answered, so that the markers were in the cache.
 
 A planting prompt spans many KV pages (16 pages' worth, from the node's ``page_size`` when known;
-one reading serves ten minutes of runs, and a refused plant reads it again) and repeats its marker every 60 characters, so a stale read of a few pages in order holds a whole
-marker. It stays well under the node's admission limit, shared by every tenant's request in the
-concurrent round: this probe must not itself trip the over-capacity path that the boundary probe
-tests.
+one reading serves ten minutes of runs, and a refused plant reads it again) and repeats its marker
+every 60 characters, so a stale read of a few pages in order holds a whole marker. It stays well
+under the node's admission limit, shared by every tenant's request in the concurrent round: this
+probe must not itself trip the over-capacity path that the boundary probe tests.
 """
 
 from __future__ import annotations

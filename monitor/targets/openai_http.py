@@ -242,19 +242,21 @@ class OpenAIHttpTarget:
         ``options["boundary"]`` in the target's config overrides any field (``context_window``,
         ``kv_pool_tokens``, ``max_req_input_len``, ``page_size``): an operator can state a pool the
         engine does not publish. A reading younger than ``max_age`` seconds is returned again
-        without a lookup (a probe that only sizes its prompts by it; audits read afresh). A failed
-        lookup is never reused.
+        without a lookup (a probe that only sizes its prompts by it; audits read afresh). A reading
+        made while a lookup went unanswered (no connection, a timeout, a 5xx) is never reused.
         """
         now = time.monotonic()
         if self._capacity is not None and now - self._capacity[0] < max_age:
             return self._capacity[1]
+        lookups = NodeLookups(self, self._config.base_url)
         try:
-            found = await read_capacity(NodeLookups(self, self._config.base_url), self.engine)
+            found = await read_capacity(lookups, self.engine)
         except Exception:  # A lookup never breaks a probe: unknown is an answer.
             found = ServerCapacity(source="lookup failed")
         found = apply_overrides(found, self._config.options.get("boundary", {}))
-        known = found.context_window or found.kv_pool_tokens or found.admission_limit or found.page_size
-        self._capacity = (now, found) if known else None
+        # A reading made while a lookup timed out (the pool unread) would size plants wrong for long.
+        whole = not lookups.transient and found.source != "lookup failed"
+        self._capacity = (now, found) if whole else None
         return found
 
     async def count_tokens(self, text: str) -> int | None:
@@ -307,11 +309,15 @@ class NodeLookups:
         self._target = target
         self._base = base.rstrip("/")
         self.failures: list[str] = []
+        #: Whether a lookup failed for a passing reason (no answer, a timeout, a 5xx), not because the
+        #: engine has no such endpoint: a reading made with one is not worth keeping.
+        self.transient = False
 
     async def get_text(self, path: str) -> str | None:
         fetched = await self._target.fetch(self._base + path)
         if fetched.text is None:
             self.failures.append(fetched.error or path)
+            self.transient = self.transient or fetched.status is None or fetched.status >= 500
         return fetched.text
 
     async def get_json(self, path: str) -> Any | None:

@@ -193,11 +193,28 @@ def test_one_capacity_reading_sizes_the_plants_of_many_runs() -> None:
     assert engine.info_reads == 1
 
 
-def test_a_lookup_that_found_nothing_is_not_reused() -> None:
-    engine = FakeEngine(info=None)  # no server info: each run tries /server_info and /get_server_info
+class InfoUnavailable(FakeEngine):
+    """An engine whose server info answers 503 (warming up, overloaded): a passing failure."""
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/get_server_info", "/server_info"):
+            self.info_reads += 1
+            return error(503, "warming up")
+        return await super().__call__(request)
+
+
+def test_a_reading_made_while_a_lookup_went_unanswered_is_not_reused() -> None:
+    engine = InfoUnavailable()
     results = runs_on_one_target(engine, 2)
     assert [r.verdict for r in results] == [Verdict.PASS] * 2
-    assert engine.info_reads == 2 * 2
+    assert engine.info_reads == 2 * 2  # each run tries /server_info, then /get_server_info
+
+
+def test_an_engine_without_server_info_is_not_asked_again_each_run() -> None:
+    engine = FakeEngine(info=None)  # 404: the engine has no such endpoint, which will not change
+    results = runs_on_one_target(engine, 2)
+    assert [r.verdict for r in results] == [Verdict.PASS] * 2
+    assert engine.info_reads == 2
 
 
 def test_a_refused_plant_reads_the_capacity_again() -> None:
