@@ -193,7 +193,9 @@ def _on_pass(session: Session, rec: Recording, policy: IncidentConfig) -> Record
         return rec.outcome(None, None, None)
     stmt = (
         update(Incident)
-        .where(Incident.id == current.id, Incident.state == "open")
+        # A pass that started before the last failure (replayed from a spool, or run by a replica
+        # that had not yet seen the failure) says nothing about now: it must not count toward resolving.
+        .where(Incident.id == current.id, Incident.state == "open", Incident.last_failure_at < rec.started_at)
         .values(
             consecutive_passes=Incident.consecutive_passes + 1,
             last_verdict=rec.verdict,
@@ -203,7 +205,7 @@ def _on_pass(session: Session, rec: Recording, policy: IncidentConfig) -> Record
     )
     counted = session.execute(stmt).one_or_none()
     if counted is None:
-        return rec.outcome(None, None, None)  # resolved by someone else since we looked
+        return rec.outcome(None, None, None)  # resolved by someone else since we looked, or stale
     passes, severity = counted
     if passes >= policy.resolve_after_passes and resolve_incident(
         session,

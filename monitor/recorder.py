@@ -233,10 +233,11 @@ class Recorder:
             return None
 
     def load_state(self, target: str, probe: str, node: str) -> dict[str, Any] | None:
-        """Return the state a probe stored for (target, node); None when none, or the database is away."""
+        """Return the state a probe stored for (target, node), {} when none; None when the database is
+        away (unknown is not empty: a replay baseline or a counter reading may be stored there)."""
         try:
             with self.session_factory() as session:
-                return load_state(session, target=target, probe=probe, node=node)
+                return load_state(session, target=target, probe=probe, node=node) or {}
         except _UNAVAILABLE:
             return None
 

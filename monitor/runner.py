@@ -23,7 +23,7 @@ from monitor.recorder import Recorder
 from monitor.target_config import TargetConfig
 from monitor.writer import BatchWriter
 from probes import REGISTRY
-from probes.base import ProbeContext, ProbeResult, judge
+from probes.base import ProbeContext, ProbeResult, Verdict, judge
 from probes.canaries import MarkerBook
 from probes.target import Node, TargetClient
 
@@ -76,15 +76,23 @@ async def execute_probe(
     *,
     node: Node | None = None,
     state: dict[str, Any] | None = None,
+    on_cancelled: Callable[[ProbeResult, float], None] | None = None,
 ) -> tuple[ProbeResult, float]:
     """Run probe ``kind`` once (on ``node`` for node-scoped kinds); return its judged result and its
-    duration. Never raise. The tokens the run spent are added to the result's measurements."""
+    duration. Never raise, except CancelledError: then ``on_cancelled`` gets what the run had found
+    before it was cancelled (a leak or a dropped prompt is judged from the answers already read).
+    The tokens the run spent are added to the result's measurements."""
     probe = REGISTRY[kind]()
     ctx = ProbeContext(client, markers, options=target.options.get(kind, {}), node=node, state=state)
     started = time.monotonic()
     try:
         budget = target.timeout_seconds * probe.budget_timeouts
         result = await asyncio.wait_for(probe.run(ctx), timeout=budget)
+    except asyncio.CancelledError:
+        if on_cancelled is not None:
+            cut = ProbeResult.error("cancelled", f"the {kind} run was cancelled (shutdown) before it ended")
+            on_cancelled(judge(cut, ctx), time.monotonic() - started)
+        raise
     except TimeoutError:
         result = ProbeResult.error("probe_timeout", f"the probe took longer than its budget on {target.name}")
     except Exception as exc:  # a probe bug is an error verdict, never a crash of the service
@@ -169,12 +177,21 @@ class ProbeRunner:
                 if due is not None:
                     self.metrics.schedule_lag.observe(max(0.0, (datetime.now(UTC) - due).total_seconds()))
                 state = await self._state(key)
+                unread = state is None
+                state = {} if state is None else state
                 started_at = datetime.now(UTC)
+
+                def keep(cut: ProbeResult, took: float) -> None:
+                    self._keep_finding(target, kind, key[2], cut, started_at, took)
+
+                client = self.clients[target.name]
                 result, duration = await execute_probe(
-                    kind, self.clients[target.name], self.markers, target, node=node, state=state
+                    kind, client, self.markers, target, node=node, state=state, on_cancelled=keep
                 )
-            if result.state is not None and result.state == state:
-                result.state = None  # unchanged (a capacity audit's fingerprint): nothing to write
+            if unread or (result.state is not None and result.state == state):
+                # Unchanged (a capacity audit's fingerprint): nothing to write. Unread (the database
+                # was away): what a run from an empty state leaves must not replace what is stored.
+                result.state = None
             elif result.state is not None:
                 self._states[key] = result.state
             outcome = await self._record(target, kind, key[2], result, started_at, duration)
@@ -187,6 +204,29 @@ class ProbeRunner:
         if result.measurements.get("config_changed") and self.on_config_change is not None:
             self.on_config_change(target, key[2])
         return summary
+
+    def _keep_finding(
+        self,
+        target: TargetConfig,
+        kind: str,
+        node: str,
+        result: ProbeResult,
+        started_at: datetime,
+        took: float,
+    ) -> None:
+        """Record what a cancelled run had already found, if it is a leak or a mismatch: a marker read
+        before shutdown is as much a leak as one read at the end. Queued, not awaited (the run is
+        being cancelled); the writer records it before it stops."""
+        if result.verdict not in (Verdict.LEAK, Verdict.MISMATCH):
+            return
+        log.warning(
+            "%s/%s cancelled after finding a %s: recording it", target.name, kind, result.verdict.value
+        )
+        self.metrics.observe(target.name, kind, result, took, time.time(), node)
+        if self.writer is not None:
+            self.writer.enqueue(target, kind, result, started_at, took, node)
+        elif self.recorder is not None:
+            self.recorder.record(target, kind, result, started_at, took, node)
 
     async def drain(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for runs in flight, then cancel the rest; return how many."""
@@ -223,13 +263,16 @@ class ProbeRunner:
         for key in [key for key in self._states if key[:2] in gone]:
             del self._states[key]
 
-    async def _state(self, key: tuple[str, str, str]) -> dict[str, Any]:
-        """Return what the probe left at its last run: kept in memory, read from the database once."""
+    async def _state(self, key: tuple[str, str, str]) -> dict[str, Any] | None:
+        """Return what the probe left at its last run: kept in memory, read from the database once;
+        None while the database cannot say (read again at the next run)."""
         if key not in self._states:
-            stored = None
+            stored: dict[str, Any] | None = {}
             if self.recorder is not None:
                 stored = await asyncio.to_thread(self.recorder.load_state, *key)
-            self._states[key] = stored or {}
+            if stored is None:
+                return None
+            self._states[key] = stored
         return self._states[key]
 
     async def _record(

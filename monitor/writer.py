@@ -13,6 +13,7 @@ queue, one thread, and each (target, probe) hands in its results one at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -35,7 +36,10 @@ MAX_BATCH = 200
 #: a wait every commit would hold one result.
 LINGER_SECONDS = 0.1
 
-Waiting = tuple[PendingResult, "asyncio.Future[RecordOutcome | None]", asyncio.AbstractEventLoop]
+#: A queued result, and the future and loop of the run awaiting it (None for :meth:`BatchWriter.enqueue`).
+Waiting = tuple[
+    PendingResult, "asyncio.Future[RecordOutcome | None] | None", asyncio.AbstractEventLoop | None
+]
 
 
 class BatchWriter:
@@ -63,10 +67,43 @@ class BatchWriter:
         self._queue.put((item, future, loop))
         return await future
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Record what is queued, then stop the thread."""
+    def enqueue(
+        self,
+        target: TargetConfig,
+        probe: str,
+        result: ProbeResult,
+        started_at: datetime,
+        duration: float,
+        node: str = "",
+    ) -> None:
+        """Queue one result without waiting for it (a run being cancelled cannot await its record)."""
+        self._queue.put(
+            (PendingResult.of(target, probe, result, started_at, duration, utcnow(), node), None, None)
+        )
+
+    def close(self, timeout: float = 30.0) -> int:
+        """Record what is queued, then stop the thread; return how many results were spooled instead.
+
+        A database that hangs (no error, no answer) holds the thread past ``timeout``: what is still
+        queued then goes to the spool, to be replayed at the next start, rather than die with the process.
+        """
         self._queue.put(None)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            return 0
+        spooled = 0
+        while True:
+            try:
+                waiting = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if waiting is not None:
+                self.recorder.spool.append(waiting[0])
+                spooled += 1
+        log.critical(
+            "the database did not answer within %.0fs: %d queued result(s) spooled", timeout, spooled
+        )
+        return spooled
 
     def _run(self) -> None:
         while True:
@@ -96,13 +133,19 @@ class BatchWriter:
         return batch, False
 
     def _record(self, batch: list[Waiting]) -> None:
+        items = [item for item, _, _ in batch]
         try:
-            outcomes = self.recorder.record_many([item for item, _, _ in batch])
-        except Exception:  # never lose the thread: say so, and answer every run
-            log.exception("recording a batch of %d results failed", len(batch))
+            outcomes = self.recorder.record_many(items)
+        except Exception:  # never lose the thread nor the results (a duplicate beats a loss): spool them
+            log.exception("recording a batch of %d results failed: spooling them", len(batch))
+            for item in items:
+                self.recorder.spool.append(item)
             outcomes = [None] * len(batch)
         for (_, future, loop), outcome in zip(batch, outcomes, strict=True):
-            loop.call_soon_threadsafe(_settle, future, outcome)
+            if future is None or loop is None:  # queued by enqueue(): nobody waits
+                continue
+            with contextlib.suppress(RuntimeError):  # the run's loop has closed: nobody waits
+                loop.call_soon_threadsafe(_settle, future, outcome)
 
 
 def _settle(future: asyncio.Future[RecordOutcome | None], outcome: RecordOutcome | None) -> None:

@@ -111,6 +111,19 @@ def test_enough_passes_in_a_row_resolve_the_incident_once(session_factory: Facto
     assert [e[0] for e in events(session_factory, incident.id)] == ["opened", "resolved"]
 
 
+def test_passes_that_started_before_the_last_failure_never_resolve_it(session_factory: Factory) -> None:
+    """Passes replayed late from a spool (or run by a replica that had not seen the leak) describe the
+    time before it: they must not count toward resolving the incident the leak opened."""
+    opened = record(session_factory, "leak", at=minutes(10))
+    stale = [record(session_factory, "pass", at=minutes(i)) for i in (7, 8, 9)]
+    assert [p.change for p in stale] == [None, None, None]
+    [incident] = incidents(session_factory)
+    assert (incident.state, incident.consecutive_passes) == ("open", 0)
+    fresh = [record(session_factory, "pass", at=minutes(i)) for i in (11, 12, 13)]
+    assert [p.change for p in fresh] == [None, None, "resolved"]
+    assert {p.incident_id for p in fresh} == {opened.incident_id}
+
+
 def test_a_failure_after_resolution_opens_a_new_incident(session_factory: Factory) -> None:
     first = record(session_factory, "leak", at=minutes(0))
     for i in (1, 2, 3):

@@ -7,19 +7,28 @@ import math
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.config import Settings, parse_settings
 from monitor.metrics import MonitorMetrics
+from monitor.recorder import Recorder
 from monitor.runner import ProbeRunner, RunSummary
 from monitor.scheduler import assign, build_scheduler
+from monitor.spool import Spool
+from monitor.storage.db import make_engine, make_session_factory
+from monitor.storage.models import Incident, ProbeResult
 from monitor.targets.openai_http import OpenAIHttpTarget
+from monitor.writer import BatchWriter
 from probes.base import Verdict
 from probes.canaries import MarkerBook
 from tests.conftest import WorkerProcess, free_port
+from tests.probes.probe_harness import Call, FakeEngine, answer, loopback_target
 
 
 def settings_for(url: str, **target: object) -> Settings:
@@ -121,3 +130,84 @@ def test_a_replica_keeps_paused_the_jobs_it_does_not_own_and_resumes_them_in_pha
     steps = max(0, math.ceil((now - trigger.start_date) / trigger.interval))
     phase = trigger.start_date + steps * trigger.interval
     assert phase <= boundary.next_run_time <= phase + timedelta(seconds=trigger.jitter or 0)
+
+
+def test_a_leak_read_before_shutdown_cancels_the_run_is_still_recorded(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """SIGTERM's drain cancels a cross_tenant run stuck in its one-by-one round: the foreign marker its
+    concurrent round already read must reach the database all the same."""
+    engine = FakeEngine()
+    released = False  # the hung requests end when the test is over, so that the server can close
+
+    async def leaky_then_hung(call: Call) -> httpx.Response:
+        # The concurrent round's reads get every marker sent so far (a cache shared across tenants);
+        # from the fifth request on, the target stops answering.
+        while len(engine.calls) > 4 and not released:
+            await asyncio.sleep(0.02)
+        if "reference codes" in call.prompt:
+            return answer(call, "OK")
+        return answer(call, " ".join(m for c in engine.calls for m in c.markers))
+
+    engine.reply = leaky_then_hung
+    settings = settings_for("http://engine.test", probes=["cross_tenant"])
+    recorder = Recorder(settings, session_factory, Spool(None))
+    writer = BatchWriter(recorder)
+
+    async def scenario() -> int:
+        client = loopback_target(settings.targets[0], {"a": None, "b": None}, engine)
+        metrics = MonitorMetrics(CollectorRegistry())
+        runner = ProbeRunner(settings, {"t": client}, MarkerBook(), metrics, recorder)
+        runner.writer = writer
+        run = asyncio.ensure_future(runner.run("t", "cross_tenant"))
+        while len(engine.calls) < 5:  # the concurrent round is over; the one-by-one round hangs
+            await asyncio.sleep(0.01)
+        cancelled = await runner.drain(0.1)
+        assert run.cancelled()
+        nonlocal released
+        released = True
+        await client.aclose()
+        return cancelled
+
+    try:
+        assert asyncio.run(scenario()) == 1
+    finally:
+        writer.close()
+    with session_factory() as s:
+        row = s.execute(select(ProbeResult.verdict, ProbeResult.reason, ProbeResult.detail)).one()
+        assert (row.verdict, row.reason) == ("leak", "foreign_marker"), row.detail
+        assert s.scalars(select(Incident.severity)).all() == ["critical"]
+
+
+class LoadCountingRecorder(Recorder):
+    loads = 0
+
+    def load_state(self, target: str, probe: str, node: str) -> dict[str, object] | None:
+        self.loads += 1
+        return super().load_state(target, probe, node)
+
+
+def test_a_state_the_database_could_not_read_is_neither_kept_nor_overwritten(
+    start_worker: Callable[..., WorkerProcess],
+) -> None:
+    """A database away when a pair's state is first needed is not an empty state: the next run asks
+    again, and what a run from nothing leaves is not stored over the real one (a replay baseline)."""
+    worker = start_worker("--mode", "single")
+    settings = settings_for(worker.url, probes=["canary"])
+    away = make_session_factory(make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/none"))
+    recorder = LoadCountingRecorder(settings, away, Spool(None))
+    summaries: list[RunSummary] = []
+    clients = {"t": OpenAIHttpTarget(settings.targets[0], {"a": None, "b": None})}
+    metrics = MonitorMetrics(CollectorRegistry())
+    runner = ProbeRunner(settings, clients, MarkerBook(), metrics, recorder, summaries.append)
+
+    async def twice() -> None:
+        await runner.run("t", "canary")
+        await runner.run("t", "canary")
+        await clients["t"].aclose()
+
+    asyncio.run(twice())
+    assert [s.result.verdict for s in summaries] == [Verdict.PASS, Verdict.PASS]
+    assert recorder.loads == 2
+    assert [s.result.state for s in summaries] == [None, None]
+    assert len(recorder.spool) == 2  # the verdicts themselves wait in the spool

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor import writer as writer_module
@@ -95,3 +96,47 @@ def test_close_records_what_is_still_waiting(
     asyncio.run(scenario())
     with session_factory() as s:
         assert s.scalar(select(func.count()).select_from(ProbeResult)) == 5
+
+
+def test_a_result_queued_without_waiting_is_recorded_before_close(session_factory: Factory) -> None:
+    """What a cancelled run found is queued with ``enqueue`` (nothing can await it) and still lands."""
+    writer, _ = writer_for(session_factory)
+    target = writer.recorder.settings.targets[0]
+    writer.enqueue(target, "cross_tenant", Outcome(Verdict.LEAK, "foreign_marker"), T0, 1.0)
+    writer.close()
+    with session_factory() as s:
+        assert s.scalars(select(ProbeResult.verdict)).all() == ["leak"]
+        assert s.scalars(select(Incident.severity)).all() == ["critical"]
+
+
+def test_close_spools_what_a_hung_database_holds_back(db_engine: Engine, session_factory: Factory) -> None:
+    """A database that neither answers nor fails (a table lock held elsewhere) holds the writer's
+    thread: close() must give up after its timeout and put what is still queued in the spool."""
+    if db_engine.dialect.name != "postgresql":
+        pytest.skip("SQLite's busy timeout turns a lock into an error (spooled by the recorder), not a hang")
+    writer, recorder = writer_for(session_factory)
+    target = recorder.settings.targets[0]
+    with db_engine.connect() as blocker:
+        blocker.exec_driver_sql("LOCK TABLE probe_result IN ACCESS EXCLUSIVE MODE")
+        writer.enqueue(target, "canary", Outcome(Verdict.MISMATCH, "nonce_missing"), T0, 1.0)
+        wait_for_a_blocked_statement(db_engine)  # the writer's thread now hangs on the lock
+        for i in range(3):
+            later = T0 + timedelta(seconds=i + 1)
+            writer.enqueue(target, "canary", Outcome(Verdict.LEAK, "foreign_marker"), later, 1.0)
+        assert writer.close(timeout=2.0) == 3
+        assert len(recorder.spool) == 3 and recorder.spool.head().verdict == "leak"  # type: ignore[union-attr]
+        blocker.rollback()  # the lock goes: the hung batch completes on its own
+    writer._thread.join(10)
+    recorder.replay()
+    with session_factory() as s:
+        assert sorted(s.scalars(select(ProbeResult.verdict)).all()) == ["leak", "leak", "leak", "mismatch"]
+
+
+def wait_for_a_blocked_statement(engine: Engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with engine.connect() as conn:
+            if conn.exec_driver_sql("SELECT count(*) FROM pg_locks WHERE NOT granted").scalar():
+                return
+        time.sleep(0.05)
+    raise AssertionError("no statement ever waited on the lock")
