@@ -20,6 +20,8 @@ from monitor.config import Settings
 from monitor.incidents import RecordOutcome
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
+from monitor.spool import PendingResult
+from monitor.storage.db import utcnow
 from monitor.target_config import TargetConfig
 from monitor.writer import BatchWriter
 from probes import REGISTRY
@@ -224,7 +226,7 @@ class ProbeRunner:
         )
         self.metrics.observe(target.name, kind, result, took, time.time(), node)
         if self.writer is not None:
-            self.writer.enqueue(target, kind, result, started_at, took, node)
+            self.writer.enqueue(PendingResult.of(target, kind, result, started_at, took, utcnow(), node))
         elif self.recorder is not None:
             self.recorder.record(target, kind, result, started_at, took, node)
 

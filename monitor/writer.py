@@ -67,19 +67,9 @@ class BatchWriter:
         self._queue.put((item, future, loop))
         return await future
 
-    def enqueue(
-        self,
-        target: TargetConfig,
-        probe: str,
-        result: ProbeResult,
-        started_at: datetime,
-        duration: float,
-        node: str = "",
-    ) -> None:
+    def enqueue(self, item: PendingResult) -> None:
         """Queue one result without waiting for it (a run being cancelled cannot await its record)."""
-        self._queue.put(
-            (PendingResult.of(target, probe, result, started_at, duration, utcnow(), node), None, None)
-        )
+        self._queue.put((item, None, None))
 
     def close(self, timeout: float = 30.0) -> int:
         """Record what is queued, then stop the thread; return how many results were spooled instead.

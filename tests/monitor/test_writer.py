@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from sqlalchemy import Engine, func, select
@@ -14,6 +14,7 @@ from monitor import writer as writer_module
 from monitor.recorder import Recorder
 from monitor.spool import PendingResult, Spool
 from monitor.storage.models import Incident, ProbeResult
+from monitor.target_config import TargetConfig
 from monitor.writer import BatchWriter
 from probes.base import ProbeResult as Outcome
 from probes.base import Verdict
@@ -102,7 +103,7 @@ def test_a_result_queued_without_waiting_is_recorded_before_close(session_factor
     """What a cancelled run found is queued with ``enqueue`` (nothing can await it) and still lands."""
     writer, _ = writer_for(session_factory)
     target = writer.recorder.settings.targets[0]
-    writer.enqueue(target, "cross_tenant", Outcome(Verdict.LEAK, "foreign_marker"), T0, 1.0)
+    writer.enqueue(pending(target, Outcome(Verdict.LEAK, "foreign_marker"), T0))
     writer.close()
     with session_factory() as s:
         assert s.scalars(select(ProbeResult.verdict)).all() == ["leak"]
@@ -118,11 +119,11 @@ def test_close_spools_what_a_hung_database_holds_back(db_engine: Engine, session
     target = recorder.settings.targets[0]
     with db_engine.connect() as blocker:
         blocker.exec_driver_sql("LOCK TABLE probe_result IN ACCESS EXCLUSIVE MODE")
-        writer.enqueue(target, "canary", Outcome(Verdict.MISMATCH, "nonce_missing"), T0, 1.0)
+        writer.enqueue(pending(target, Outcome(Verdict.MISMATCH, "nonce_missing"), T0))
         wait_for_a_blocked_statement(db_engine)  # the writer's thread now hangs on the lock
         for i in range(3):
             later = T0 + timedelta(seconds=i + 1)
-            writer.enqueue(target, "canary", Outcome(Verdict.LEAK, "foreign_marker"), later, 1.0)
+            writer.enqueue(pending(target, Outcome(Verdict.LEAK, "foreign_marker"), later))
         assert writer.close(timeout=2.0) == 3
         assert len(recorder.spool) == 3 and recorder.spool.head().verdict == "leak"  # type: ignore[union-attr]
         blocker.rollback()  # the lock goes: the hung batch completes on its own
@@ -140,3 +141,7 @@ def wait_for_a_blocked_statement(engine: Engine, timeout: float = 10.0) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError("no statement ever waited on the lock")
+
+
+def pending(target: TargetConfig, outcome: Outcome, started_at: datetime) -> PendingResult:
+    return PendingResult.of(target, "cross_tenant", outcome, started_at, 1.0, started_at, "")
