@@ -33,6 +33,7 @@ import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.config import Settings
+from monitor.links import incident_url
 from monitor.metrics import MonitorMetrics
 from monitor.storage import outbox
 from monitor.storage.outbox import IncidentView, PendingEvent
@@ -97,8 +98,11 @@ class Pager:
         session_factory: sessionmaker[Session],
         delivery: Delivery,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        link_key: str | None = None,
     ):
         self.settings = settings
+        #: Signs each alert's link to its incident page (the API token; ``monitor/links.py``).
+        self.link_key = link_key
         self.session_factory = session_factory
         self.delivery = delivery
         self.clock = clock
@@ -195,7 +199,7 @@ class Pager:
         labels = {"alertname": name, "target": incident.target, "probe": incident.probe, "severity": severity}
         if incident.node:
             labels["node"] = incident.node
-        link = incident_url(base, incident.id)
+        link = incident_url(base, incident.id, self.link_key)
         if firing:
             ends = now + timedelta(seconds=4 * self.settings.alerting.resend_interval_seconds)
         else:
@@ -233,11 +237,6 @@ class Pager:
             return outbox.alerting_incidents(
                 session, now=now, resolved_within_seconds=RESOLVED_RESEND_SECONDS
             )
-
-
-def incident_url(base: str, incident_id: int) -> str:
-    """Return the link every alert carries to its incident (the REST API's view of it)."""
-    return f"{base}/api/v1/incidents/{incident_id}"
 
 
 def describe(incident: IncidentView) -> str:

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.alerting import Delivery, Pager
-from monitor.api import runbooks
+from monitor.api import pages, runbooks
 from monitor.api.docs import serve_docs
 from monitor.api.main import api_router, health_router
 from monitor.config import Settings
@@ -120,7 +120,7 @@ class Monitor:
             self.metrics.declare_alertmanagers(am_headers)
             self.metrics.watch_outbox(self._outbox_backlog)
             delivery = Delivery(am_headers, self.metrics, settings.alerting.timeout_seconds)
-            self.pager = Pager(settings, self.session_factory, delivery)
+            self.pager = Pager(settings, self.session_factory, delivery, link_key=self.token)
         self.scheduler = build_scheduler(
             settings,
             self.runner,
@@ -342,6 +342,7 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
     app.include_router(health_router)
     app.include_router(api_router)
     app.include_router(runbooks.router)
+    app.include_router(pages.router)
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:

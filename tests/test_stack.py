@@ -196,7 +196,9 @@ def test_a_leak_pages_through_both_doors_once_and_every_query_has_data(stack: St
         assert latency < max(PROBES.values()) + 10  # one probe interval plus 10 seconds
         assert pushed[0]["labels"]["target"] == "defective"
         link = pushed[0]["annotations"]["incident_url"]
-        assert any(link.startswith(f"{url}/api/v1/incidents/") for url, _, _ in stack.monitors), link
+        assert any(link.startswith(f"{url}/incidents/") for url, _, _ in stack.monitors), link
+        page = httpx.get(link, timeout=10)  # as the person paged opens it: no bearer token
+        assert page.status_code == 200 and "KVCanaryLeak" in page.text, page.text[:300]
         assert "Foreign markers" in pushed[0]["annotations"]["description"]
         for name, hold in rules_expected_to_fire().items():
             # Rules held by `for:` are pending here (minutes); the others reach Alertmanager at once.

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from monitor.alerting import ALERTNAMES, Delivery, Pager
 from monitor.api.runbooks import RUNBOOKS_DIR
 from monitor.config import Settings, parse_settings
+from monitor.links import link_signature
 from monitor.metrics import MonitorMetrics
 from monitor.storage.models import IncidentEvent
 from tests.monitor.conftest import minutes, record
@@ -39,6 +40,10 @@ def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
     am.stop()
 
 
+#: The API token of the monitor under test: it signs each alert's link to its incident page.
+LINK_KEY = "kvc-test-token-0123456789abcdef"
+
+
 def settings_for(*urls: str) -> Settings:
     alerting = {"resend_interval_seconds": 30}
     return parse_settings({"alertmanagers": list(urls), "api": {"public_url": PUBLIC}, "alerting": alerting})
@@ -48,7 +53,7 @@ def pager_for(factory: Factory, *urls: str) -> tuple[Pager, MonitorMetrics]:
     settings = settings_for(*urls)
     metrics = MonitorMetrics(CollectorRegistry())
     headers = {url: {} for url in urls}
-    return Pager(settings, factory, Delivery(headers, metrics, timeout=5)), metrics
+    return Pager(settings, factory, Delivery(headers, metrics, timeout=5), link_key=LINK_KEY), metrics
 
 
 def drain(pager: Pager) -> int:
@@ -85,7 +90,8 @@ def test_a_leak_becomes_an_alert_with_its_figures_and_links(
         "alertname": "KVCanaryLeak", "target": "glm-prod", "probe": "cross_tenant", "severity": "critical"
     }  # fmt: skip
     notes = alert["annotations"]
-    assert notes["incident_url"] == f"{PUBLIC}/api/v1/incidents/{opened.incident_id}"
+    signature = link_signature(LINK_KEY, opened.incident_id)
+    assert notes["incident_url"] == f"{PUBLIC}/incidents/{opened.incident_id}?sig={signature}"
     assert notes["runbook_url"] == f"{PUBLIC}/runbooks/KVCanaryLeak"
     assert "1 live marker(s) came back" in notes["description"]
     assert alert["generatorURL"] == notes["incident_url"]

@@ -1,0 +1,142 @@
+"""The incident page an alert links to: opened by its signed link, readable, and never a copy of
+what a target answered. Over a real database; the link comes from a real Alertmanager."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor.api import pages
+from monitor.incidents import record_result
+from monitor.links import incident_url, link_signature
+from probes.base import ProbeResult, Verdict
+from tests.monitor.conftest import POLICY, RETENTION, build_app, minutes, record, settings_with_targets
+from tests.monitor.test_alerting import LINK_KEY, alertmanager, drain, pager_for  # noqa: F401
+from tests.services import Alertmanager
+
+Factory = sessionmaker[Session]
+CUSTOMER_TEXT = "Dear Dr. Okafor, the biopsy results"
+
+
+def page_app(factory: Factory, token: str | None = LINK_KEY) -> FastAPI:
+    app = build_app(factory, settings=settings_with_targets(), token=token)
+    app.include_router(pages.router)
+    return app
+
+
+@pytest.fixture
+def client(session_factory: Factory) -> Iterator[TestClient]:
+    with TestClient(page_app(session_factory)) as c:
+        yield c
+
+
+def leak_with_an_excerpt(factory: Factory) -> int:
+    """Record a leak whose evidence holds a redacted excerpt of another customer's text."""
+    evidence = {
+        "leaks": [{"marker_id": "0badc0de", "owner_tenant": "alice", "reader_tenant": "bob",
+                   "marker_sha256": "ab" * 32, "excerpt": f"...{CUSTOMER_TEXT} KVC-0badc0de-<redacted>"}],
+        "leak_count": 1,
+    }  # fmt: skip
+    result = ProbeResult(
+        Verdict.LEAK, "foreign_marker", "1 live marker(s) of tenant(s) alice came back <b>once</b>", evidence
+    )
+    with factory() as s, s.begin():
+        outcome = record_result(
+            s, target_name="glm-prod", engine="sglang", base_url="http://127.0.0.1:30000/v1", model="glm-5.3",
+            probe="cross_tenant", result=result, started_at=minutes(0), duration_seconds=0.5, policy=POLICY,
+            retention=RETENTION, now=minutes(0),
+        )  # fmt: skip
+    assert outcome.incident_id is not None
+    return outcome.incident_id
+
+
+def test_a_signed_link_opens_the_page_with_the_timeline_and_the_evidence(
+    client: TestClient, session_factory: Factory
+) -> None:
+    incident = leak_with_an_excerpt(session_factory)
+    record(session_factory, "pass", at=minutes(1))
+    page = client.get(f"/incidents/{incident}", params={"sig": link_signature(LINK_KEY, incident)})
+    assert page.status_code == 200, page.text
+    assert page.headers["content-type"].startswith("text/html")
+    html = page.text
+    for expected in (
+        "critical",
+        "open",
+        "glm-prod / cross_tenant",
+        "Timeline",
+        "opened",
+        "0badc0de",
+        "alice",
+    ):
+        assert expected in html, expected
+    assert "/runbooks/KVCanaryLeak" in html
+    # Nothing the monitor did not write itself is served as markup.
+    assert "&lt;b&gt;once&lt;/b&gt;" in html and "<b>once</b>" not in html
+    assert page.headers["cache-control"] == "no-store"
+    assert page.headers["referrer-policy"] == "no-referrer"
+    assert "script-src" not in page.headers["content-security-policy"]
+    assert "<script" not in html
+
+
+def test_the_page_never_shows_what_a_target_answered(client: TestClient, session_factory: Factory) -> None:
+    incident = leak_with_an_excerpt(session_factory)
+    html = client.get(f"/incidents/{incident}", params={"sig": link_signature(LINK_KEY, incident)}).text
+    assert CUSTOMER_TEXT not in html
+    assert "left out of this page" in html
+    # The REST API, behind the bearer token, still has it.
+    detail = client.get(f"/api/v1/incidents/{incident}", headers={"Authorization": f"Bearer {LINK_KEY}"})
+    assert CUSTOMER_TEXT in detail.text
+
+
+def test_only_a_link_signed_for_this_incident_or_the_token_opens_it(
+    client: TestClient, session_factory: Factory
+) -> None:
+    incident = leak_with_an_excerpt(session_factory)
+    other = record(session_factory, "mismatch", at=minutes(5), probe="boundary").incident_id
+    assert other is not None
+    refused = [
+        {},
+        {"sig": "0" * 32},
+        {"sig": link_signature(LINK_KEY, other)},  # another incident's link
+        {"sig": link_signature("another-monitors-token-000000", incident)},
+    ]
+    for params in refused:
+        assert client.get(f"/incidents/{incident}", params=params).status_code == 403, params
+    bearer = {"Authorization": f"Bearer {LINK_KEY}"}
+    assert client.get(f"/incidents/{incident}", headers=bearer).status_code == 200
+    assert client.get(f"/incidents/{incident}", headers={"Authorization": "Bearer wrong"}).status_code == 403
+    unknown = 999_999
+    assert (
+        client.get(f"/incidents/{unknown}", params={"sig": link_signature(LINK_KEY, unknown)}).status_code
+        == 404
+    )
+    assert client.get("/incidents/0").status_code == 422
+
+
+def test_a_local_api_without_a_token_serves_plain_links(session_factory: Factory) -> None:
+    incident = leak_with_an_excerpt(session_factory)
+    assert (
+        incident_url("http://127.0.0.1:9108", incident, None) == f"http://127.0.0.1:9108/incidents/{incident}"
+    )
+    with TestClient(page_app(session_factory, token=None)) as c:
+        assert c.get(f"/incidents/{incident}").status_code == 200
+
+
+def test_the_link_in_the_alert_alertmanager_holds_opens_the_page(
+    session_factory: Factory,
+    alertmanager: Alertmanager,  # noqa: F811
+) -> None:
+    incident = leak_with_an_excerpt(session_factory)
+    pager, _ = pager_for(session_factory, alertmanager.url)
+    assert drain(pager) == 1
+    (alert,) = alertmanager.alerts(alertname="KVCanaryLeak")
+    link = urlsplit(alert["annotations"]["incident_url"])
+    assert link.path == f"/incidents/{incident}"
+    with TestClient(page_app(session_factory)) as browser:  # no bearer token: the link is the credential
+        page = browser.get(f"{link.path}?{link.query}")
+    assert page.status_code == 200 and "KVCanaryLeak" in page.text
