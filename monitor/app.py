@@ -146,7 +146,9 @@ class Monitor:
             self.runner.note_due(target, kind, event.scheduled_run_times[-1])
 
     def _reaudit(self, target: TargetConfig, node: str) -> None:
-        """A node's configuration changed: run the deployment audits now, not at their next interval."""
+        """A node's configuration changed: run the deployment audits now, not at their next interval,
+        and let probes that size their prompts by the node's capacity read it again."""
+        self.clients[target.name].forget_capacity()
         now = datetime.now(UTC)
         due = [k for k in REAUDIT_KINDS if k in target.probes]
         for kind in due:

@@ -151,7 +151,7 @@ def _conclude(plants: list[Completion], reads: list[Completion], chars: int) -> 
     if reads_ok < MIN_READ_SHARE * len(reads):
         detail = f"only {reads_ok} of {len(reads)} reads were answered: too little output to judge"
         return ProbeResult(Verdict.ERROR, "reads_unanswered", detail, evidence, measurements)
-    detail = f"no foreign marker in {plants_ok + reads_ok} answers"
+    detail = f"no foreign marker in {plants_ok + reads_ok} answers (plants of {chars} characters)"
     return ProbeResult(Verdict.PASS, "no_foreign_marker", detail, {}, measurements)
 
 

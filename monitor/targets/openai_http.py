@@ -259,6 +259,10 @@ class OpenAIHttpTarget:
         self._capacity = (now, found) if whole else None
         return found
 
+    def forget_capacity(self) -> None:
+        """Drop the kept capacity reading: the node's configuration changed (a capacity audit saw it)."""
+        self._capacity = None
+
     async def count_tokens(self, text: str) -> int | None:
         """Return how many tokens the engine's own tokenizer makes of ``text``; None when it cannot say.
 

@@ -10,6 +10,7 @@ incident too), and the monitor runs `version` and `boundary` at once instead of 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,6 +29,9 @@ POOL = ["--mode", "disaggregated", "--context-window", "8192", "--decode-pool-to
 BEFORE = [*POOL, "--prefill-pool-tokens", "1024", "--admission", "placeholder"]
 AFTER = [*POOL, "--prefill-pool-tokens", "16384", "--admission", "reject"]
 INTERVALS = {"capacity": 1.0, "version": 3600.0, "boundary": 3600.0}
+#: A second target on the same node that sizes plants by the capacity and runs no boundary audit
+#: (which would read the capacity afresh anyway).
+PLANTING = {"capacity": 1.0, "cross_tenant": 2.0}
 TOKEN = "reaudit-test-token-0123456789"
 
 
@@ -49,7 +53,17 @@ def monitor(tmp_path: Path, start_worker: Callable[..., WorkerProcess]) -> Itera
                 "probes": list(INTERVALS),
                 "probe_intervals": INTERVALS,
                 "timeout_seconds": 15,
-            }
+            },
+            {
+                "name": "glm-plants",
+                "base_url": worker.url,
+                "engine": "reference",
+                "model": "kvcanary-reference",
+                "tenants": [{"name": "a"}, {"name": "b"}],
+                "probes": list(PLANTING),
+                "probe_intervals": PLANTING,
+                "timeout_seconds": 15,
+            },
         ],
     }
     path = tmp_path / "kvcanary.yml"
@@ -67,13 +81,21 @@ def monitor(tmp_path: Path, start_worker: Callable[..., WorkerProcess]) -> Itera
     stop_process(proc, timeout=30)
 
 
-def results(url: str, probe: str) -> list[dict[str, Any]]:
+def results(url: str, probe: str, target: str = "glm") -> list[dict[str, Any]]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    response = httpx.get(
-        f"{url}/api/v1/probe-results", params={"probe": probe, "limit": 500}, headers=headers
-    )
+    params = {"probe": probe, "target": target, "limit": 500}
+    response = httpx.get(f"{url}/api/v1/probe-results", params=params, headers=headers)
     assert response.status_code == 200, response.text
     return list(response.json()["items"])
+
+
+def newest_plant_chars(url: str) -> int:
+    """Return the planting size the newest cross_tenant run states in its detail (0 if none)."""
+    found = [
+        re.search(r"plants of (\d+) characters", r["detail"])
+        for r in results(url, "cross_tenant", "glm-plants")[:1]
+    ]
+    return int(found[0].group(1)) if found and found[0] else 0
 
 
 def api(url: str, path: str, **params: Any) -> Any:
@@ -87,6 +109,7 @@ def test_a_node_restarted_with_a_new_configuration_is_audited_again_at_once(moni
     # First runs are spread over each interval: version and boundary may not have run at all yet.
     wait_for(lambda: len(results(url, "capacity")) >= 2, 60, "the first capacity audits")
     before = {p: len(results(url, p)) for p in ("version", "boundary")}
+    wait_for(lambda: newest_plant_chars(url) == 1023 // 4, 30, "plants sized by the pool")
     mismatch = results(url, "capacity")[0]
     assert mismatch["verdict"] == "mismatch" and mismatch["reason"] == "pool_below_context_window"
 
@@ -109,6 +132,10 @@ def test_a_node_restarted_with_a_new_configuration_is_audited_again_at_once(moni
     assert elapsed < 30  # not the hour their interval says
     assert results(url, "boundary")[0]["verdict"] == "pass"  # the fixed node refuses over-capacity prompts
     assert "configuration of glm changed: re-auditing version, boundary now" in monitor["log"].read_text()
+    # cross_tenant sizes its plants by a capacity reading it keeps ten minutes: the change its own
+    # target's capacity audit saw drops it, so plants grow with the new pool within seconds (they
+    # were a quarter of the 1,023-token limit).
+    wait_for(lambda: newest_plant_chars(url) > 1023 // 4, 20, "plants sized by the new pool")
     # The open capacity incident's timeline says when the deployment changed, and points at the audit.
     (incident,) = api(url, "/api/v1/incidents", target="glm", probe="capacity")["items"]
     events = api(url, f"/api/v1/incidents/{incident['id']}")["events"]
