@@ -42,7 +42,7 @@ from monitor.scheduler import (
     build_scheduler,
     probe_job_id,
 )
-from monitor.secrets import alertmanager_headers, api_token, tenant_keys
+from monitor.secrets import alertmanager_headers, api_token, marker_key, tenant_keys
 from monitor.spool import Spool, SpoolBusy
 from monitor.storage import outbox
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
@@ -86,7 +86,9 @@ class Monitor:
         self.read_session_factory = make_session_factory(self.engine, read_only=True)
         self.metrics = metrics or MonitorMetrics()
         self.metrics.watch_incidents(self._open_incident_counts, lambda: pairs_of(settings))
-        self.markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
+        self.markers = MarkerBook(
+            ttl_seconds=settings.marker_ttl_seconds, key=marker_key(settings, self.token)
+        )
         limits = Limits(**settings.limits.model_dump())
         # One connection pool and TLS context for every target (not one per target).
         self.http = HttpClient(max(64, settings.scheduler.max_concurrency * 4))

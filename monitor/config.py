@@ -182,6 +182,10 @@ class Settings(Strict):
     alertmanagers: list[AlertmanagerConfig] = Field(default_factory=list, max_length=16)
     alerting: AlertingConfig = AlertingConfig()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
+    # The secret that seals markers, so replicas and a restarted monitor recognise each other's;
+    # without one it is derived from the API token (see monitor/secrets.py: marker_key).
+    marker_key_env: str = "KVCANARY_MARKER_KEY"
+    marker_key_file: Path | None = None
     _by_name: dict[str, TargetConfig] = PrivateAttr(default_factory=dict)
 
     @field_validator("database_url")

@@ -1,4 +1,4 @@
-"""Secrets: tenant API keys and the REST token, read from environment variables or files.
+"""Secrets: tenant API keys, the REST token and the marker key, read from environment variables or files.
 
 Never from the config file itself, never logged, stored or returned. Each function raises
 :class:`~monitor.config.ConfigError` naming the key when a named secret is missing or unusable.
@@ -7,6 +7,8 @@ Never from the config file itself, never logged, stored or returned. Each functi
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import os
 from pathlib import Path
 
@@ -112,3 +114,26 @@ def alertmanager_headers(settings: Settings) -> dict[str, dict[str, str]]:
             headers["Authorization"] = f"Basic {pair}"
         out[am.url] = headers
     return out
+
+
+#: Fewest characters a stated marker key may have: it seals every marker for the TTL.
+MARKER_KEY_CHARS = 32
+
+
+def marker_key(settings: Settings, token: str | None) -> bytes | None:
+    """Return the key that seals markers, shared by every replica and kept across restarts.
+
+    A stated key (``marker_key_file``, or the variable ``marker_key_env`` names) wins; without one
+    the key is derived from the API token, which replicas already share (a token holder could then
+    forge a marker: state a key of its own to keep them apart). None when there is neither: the
+    process seals with a random key of its own, and a restarted monitor no longer recognises the
+    markers it planted before (a single local process only).
+    """
+    stated = read_secret(env=settings.marker_key_env, file=settings.marker_key_file, key="marker_key_file")
+    if stated is not None:
+        if len(stated) < MARKER_KEY_CHARS:
+            raise ConfigError(f"marker_key_env: the marker key is shorter than {MARKER_KEY_CHARS} characters")
+        return hashlib.sha256(b"kvcanary marker key\0" + stated.encode()).digest()
+    if token is None:
+        return None
+    return hmac.new(token.encode(), b"kvcanary marker key", hashlib.sha256).digest()

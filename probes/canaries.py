@@ -40,6 +40,8 @@ REDACTED = "-<redacted>"
 # taken modulo the wrap, so only a marker older than that could pass for a young one.
 _EPOCH = 1767225600
 _MINUTE_BITS = 24
+#: Minutes a marker may seem to come from the future and still be live: replicas' clocks differ.
+_SKEW_MINUTES = 5
 _OWNER_BYTES = 5  # 40-bit owner tags: among 10,000 (target, tenant) pairs, a clash has odds ~5e-5
 UNKNOWN_OWNER = "(unknown)"
 
@@ -163,6 +165,8 @@ class MarkerBook:
             return None
         planted = int.from_bytes(payload[_OWNER_BYTES:], "big")
         age_minutes = (now_minute - planted) % (1 << _MINUTE_BITS)
+        if age_minutes > (1 << _MINUTE_BITS) - _SKEW_MINUTES:
+            age_minutes = 0  # planted "in the future": a replica whose clock runs ahead of ours
         # The minute a marker was planted in counts as age 0: allow one minute of rounding.
         if age_minutes * 60 > self.ttl_seconds + 60:
             return None

@@ -46,8 +46,9 @@ from probes.target import Completion, CompletionRequest, Fetched, Node, Scraped,
 
 __all__ = ["ERROR_BODY_BYTES", "OpenAIHttpTarget"]
 
-# Keys shorter than this are not scrubbed: replacing "a" everywhere would destroy the evidence.
-_MIN_SCRUB_LEN = 4
+# Keys shorter than this are not scrubbed: replacing "a" everywhere would destroy the evidence, and a
+# short hex key would cut markers apart (4 hex digits turn up in one marker in ~2,000; 8 in ~10^8).
+_MIN_SCRUB_LEN = 8
 
 
 class OpenAIHttpTarget:

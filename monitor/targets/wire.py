@@ -157,6 +157,9 @@ class StreamState:
     started: float
     status: int | None = None
     parts: list[str] = field(default_factory=list)
+    #: What reasoning fields carried, kept apart from ``parts``: interleaved delta by delta, the two
+    #: streams would cut a marker that one of them sends in pieces.
+    reasoning: list[str] = field(default_factory=list)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
@@ -169,11 +172,14 @@ class StreamState:
 
     @property
     def text(self) -> str:
+        """What the tenant was sent: the reasoning (when there is any), then the answer."""
+        if self.reasoning:
+            return "".join(self.reasoning) + "\n" + "".join(self.parts)
         return "".join(self.parts)
 
     @text.setter
     def text(self, value: str) -> None:
-        self.parts = [value]
+        self.parts, self.reasoning = [value], []
 
     def fail(self, kind: str, message: str) -> None:
         """Record a failure; the first one is the cause, later ones are consequences."""
@@ -234,7 +240,9 @@ class StreamState:
             if not isinstance(choice, dict):
                 self.fail("protocol", "a choice is not an object")
                 return False
-            piece = _choice_text(choice, self.chat, key)
+            thought, piece = _choice_text(choice, self.chat, key)
+            if thought:
+                self.reasoning.append(thought)
             if piece:
                 self.parts.append(piece)
                 # Time to first token means something only for a stream.
@@ -271,14 +279,18 @@ class StreamState:
         )
 
 
-def _choice_text(choice: dict[str, Any], chat: bool, key: str) -> str:
-    # Reasoning models put part of what a tenant sees in reasoning fields: scan those too.
+def _choice_text(choice: dict[str, Any], chat: bool, key: str) -> tuple[str, str]:
+    """Return (reasoning, content) of one choice. Reasoning models put part of what a tenant sees in
+    ``reasoning_content`` or ``reasoning``; some engines send the same text in both (vLLM while it
+    renamed the field), which must count once."""
     holder = choice.get(key) if chat else None
-    if isinstance(holder, dict):
-        fields = [holder.get("reasoning_content"), holder.get("reasoning"), holder.get("content")]
-    else:
-        fields = [choice.get("text")]
-    return "".join(f for f in fields if isinstance(f, str))
+    if not isinstance(holder, dict):
+        text = choice.get("text")
+        return "", text if isinstance(text, str) else ""
+    named = [holder.get("reasoning_content"), holder.get("reasoning")]
+    thoughts = list(dict.fromkeys(t for t in named if isinstance(t, str) and t))
+    content = holder.get("content")
+    return "".join(thoughts), content if isinstance(content, str) else ""
 
 
 def parse_body(raw: bytes, state: StreamState, now: float) -> None:

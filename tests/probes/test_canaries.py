@@ -56,6 +56,19 @@ def test_markers_expire_with_their_ttl_to_the_minute() -> None:
     assert book.scan(marker, target="glm", reader="bob") == []
 
 
+def test_a_marker_from_a_replica_whose_clock_runs_ahead_is_live() -> None:
+    ahead, behind = Clock(), Clock()
+    ahead.now += 90  # another replica's clock, 90 s ahead of this one (and past a minute boundary)
+    key = secrets.token_bytes(32)
+    _, marker = MarkerBook(key=key, clock=ahead).plant("glm", "alice")
+    book = MarkerBook(key=key, clock=behind)
+    book.register("glm", "alice")
+    assert book.is_live(marker)
+    assert [h.owner_tenant for h in book.scan(marker, target="glm", reader="bob")] == ["alice"]
+    behind.now -= 3600  # an hour behind is no clock skew: a sealed minute from the future is refused
+    assert not book.is_live(marker)
+
+
 def test_no_live_marker_is_forgotten_however_many_are_planted_and_memory_stays_flat() -> None:
     # The old book kept a hash per marker and, past 200,000, evicted live ones (a leak of an evicted
     # marker went unseen). Sealed markers cost nothing to keep: plant far more than that and check
