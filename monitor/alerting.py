@@ -25,6 +25,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -80,9 +81,10 @@ class Delivery:
             return True, False, ""
         outcome = "rejected" if 400 <= response.status_code < 500 else "failed"
         self.metrics.alert_deliveries.labels(url, outcome).inc()
-        # A payload an Alertmanager refuses as malformed will be refused forever; auth and rate
-        # limits are fixed by someone, so those are retried.
-        permanent = response.status_code in (400, 404, 405, 422)
+        # A payload an Alertmanager refuses as malformed will be refused forever. Anything else is
+        # fixed by someone (auth, rate limits, a wrong path prefix or a proxy mid-deploy answering
+        # 404/405): retried, or a whole window of pages and resolutions would be set aside unsent.
+        permanent = response.status_code in (400, 422)
         return False, permanent, f"{url}: HTTP {response.status_code} {response.text[:120]}"
 
     async def aclose(self) -> None:
@@ -156,7 +158,13 @@ class Pager:
     # --- one event at a time -------------------------------------------------------------------
 
     async def _deliver(self, batch: list[PendingEvent]) -> tuple[int, bool]:
+        claimed = time.monotonic()
         for i, event in enumerate(batch):
+            if time.monotonic() - claimed > LEASE_SECONDS / 2:
+                # Slow Alertmanagers: stop well before the claim lapses and another pager takes these
+                # events while this one still sends them (twice, and out of order). Claimed again next.
+                await asyncio.to_thread(self._release, [e.id for e in batch[i:]])
+                return i, False
             accepted, permanent, why = await self.delivery.post(self.alerts_for(event))
             if accepted or permanent:
                 if permanent:
@@ -199,7 +207,7 @@ class Pager:
         labels = {"alertname": name, "target": incident.target, "probe": incident.probe, "severity": severity}
         if incident.node:
             labels["node"] = incident.node
-        link = incident_url(base, incident.id, self.link_key)
+        link = incident_url(base, incident.id, incident.opened_at, self.link_key)
         if firing:
             ends = now + timedelta(seconds=4 * self.settings.alerting.resend_interval_seconds)
         else:
@@ -227,6 +235,10 @@ class Pager:
         error = f"refused: {refused}" if refused else None
         with self.session_factory() as session, session.begin():
             outbox.delivered(session, event_ids=ids, claimer=self.claimer, now=self.clock(), error=error)
+
+    def _release(self, ids: list[int]) -> None:
+        with self.session_factory() as session, session.begin():
+            outbox.release(session, event_ids=ids, claimer=self.claimer)
 
     def _give_back(self, ids: list[int], why: str) -> None:
         with self.session_factory() as session, session.begin():

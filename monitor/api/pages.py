@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from datetime import datetime
 from html import escape
 from typing import Annotated, Any
 
@@ -55,7 +56,7 @@ _STYLE = " ".join(
     "/{incident_id}",
     summary="The incident page an alert links to (HTML)",
     response_class=HTMLResponse,
-    responses={403: {"description": "The link is not signed for this incident."}, 404: {}},
+    responses={403: {"description": "The link does not open this incident (or there is none)."}},
 )
 def incident_page(
     request: Request,
@@ -63,21 +64,21 @@ def incident_page(
     incident_id: Annotated[int, Path(ge=1, le=MAX_ID)],
     sig: Annotated[str | None, Query(max_length=64, description="The signature in the alert's link.")] = None,
 ) -> HTMLResponse:
-    if not _allowed(request, incident_id, sig):
-        raise HTTPException(status_code=403, detail=f"this link does not open incident {incident_id}")
     detail = queries.get_incident(session, incident_id=incident_id, results_limit=PAGE_RESULTS)
-    if detail is None:
-        raise HTTPException(status_code=404, detail=f"incident {incident_id} not found")
-    runbooks = request.app.state.settings.alerting.runbook_base_url or "/runbooks"
+    # Refused alike whether the incident exists or not: a link opens its own incident, nothing else.
+    if detail is None or not _allowed(request, incident_id, detail.incident.opened_at, sig):
+        raise HTTPException(status_code=403, detail=f"this link does not open incident {incident_id}")
+    settings = request.app.state.settings
+    runbooks = settings.alerting.runbook_base_url or f"{settings.api.base_url}/runbooks"
     return HTMLResponse(render(detail, runbooks), headers=_HEADERS)
 
 
-def _allowed(request: Request, incident_id: int, sig: str | None) -> bool:
+def _allowed(request: Request, incident_id: int, opened_at: datetime, sig: str | None) -> bool:
     """A link signed for this incident, or the API's bearer token; anything on an API without a token."""
     token: str | None = request.app.state.api_token
     if token is None:
         return True
-    if sig is not None and signature_ok(token, incident_id, sig):
+    if sig is not None and signature_ok(token, incident_id, opened_at, sig):
         return True
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
@@ -127,11 +128,23 @@ def _timeline(events: list[Any]) -> str:
             escape(f"{e.old_state or '-'} → {e.new_state}"),
             escape(f"{e.old_severity or '-'} → {e.new_severity}"),
             escape(f"{e.verdict or ''} {f'({e.reason})' if e.reason else ''}"),
-            escape(_when(e.processed_at) if e.processed_at else f"not yet ({e.attempts} attempts)"),
+            escape(_delivery(e)),
         ]
         for e in events
     ]
     return _table(["When", "Event", "State", "Severity", "Result", "Alertmanager took it"], rows)
+
+
+def _delivery(e: Any) -> str:
+    """Say whether Alertmanager took the event, as the outbox row records it."""
+    if e.kind == "config_changed":
+        return "not paged (a note on the timeline)"
+    if e.processed_at is None:
+        waiting = f"not yet ({e.attempts} attempts"
+        return waiting + (f"; last: {e.last_error})" if e.last_error else ")")
+    if e.last_error:  # set aside after every Alertmanager refused it for good
+        return f"never: {e.last_error}"
+    return _when(e.processed_at)
 
 
 def _results(results: list[Any]) -> str:

@@ -119,6 +119,17 @@ def delivered(
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
+def release(session: Session, *, event_ids: list[int], claimer: str) -> None:
+    """Hand claimed events back unsent, with no attempt counted (the pager ran out of lease)."""
+    session.execute(
+        update(IncidentEvent)
+        .where(IncidentEvent.id.in_(event_ids), IncidentEvent.claimed_by == claimer)
+        .where(IncidentEvent.processed_at.is_(None))
+        .values(claimed_until=None),
+        execution_options={"synchronize_session": False},
+    )
+
+
 def failed(session: Session, *, event_ids: list[int], claimer: str, error: str) -> None:
     """Give claimed events back after a failed delivery, counting the attempt and keeping why."""
     session.execute(
@@ -143,12 +154,23 @@ def backlog(session: Session, *, now: datetime) -> tuple[int, float]:
 def alerting_incidents(
     session: Session, *, now: datetime, resolved_within_seconds: float
 ) -> list[IncidentView]:
-    """Return every open incident and every one resolved in the last ``resolved_within_seconds``."""
+    """Return every open incident and every one resolved in the last ``resolved_within_seconds``,
+    oldest first, leaving out a resolved one whose (target, probe, node) has a newer incident.
+
+    Alertmanager knows an alert by its labels, not by incident: the resolved alert of an incident
+    that relapsed would otherwise overwrite the new incident's firing one (a false "resolved" in
+    the middle of a leak, then a second page).
+    """
     since = as_utc(now) - timedelta(seconds=resolved_within_seconds)
-    ids = session.scalars(
-        select(Incident.id).where(or_(Incident.state == "open", Incident.resolved_at >= since))
+    rows = session.execute(
+        select(Incident.id, Incident.state, Incident.target_id, Incident.probe, Incident.node)
+        .where(or_(Incident.state == "open", Incident.resolved_at >= since))
+        .order_by(Incident.id)
     ).all()
-    return list(incident_views(session, list(ids)).values())
+    newest = {(r.target_id, r.probe, r.node): r.id for r in rows}  # ordered by id: the last wins
+    ids = [r.id for r in rows if r.state == "open" or newest[(r.target_id, r.probe, r.node)] == r.id]
+    views = incident_views(session, ids)
+    return [views[i] for i in ids]
 
 
 def incident_views(session: Session, incident_ids: list[int]) -> dict[int, IncidentView]:

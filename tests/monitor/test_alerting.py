@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,13 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from monitor import alerting
 from monitor.alerting import ALERTNAMES, Delivery, Pager
 from monitor.api.runbooks import RUNBOOKS_DIR
 from monitor.config import Settings, parse_settings
 from monitor.links import link_signature
 from monitor.metrics import MonitorMetrics
+from monitor.storage import outbox
 from monitor.storage.models import IncidentEvent
 from tests.monitor.conftest import minutes, record
 from tests.services import Alertmanager, start_alertmanager
@@ -90,7 +94,7 @@ def test_a_leak_becomes_an_alert_with_its_figures_and_links(
         "alertname": "KVCanaryLeak", "target": "glm-prod", "probe": "cross_tenant", "severity": "critical"
     }  # fmt: skip
     notes = alert["annotations"]
-    signature = link_signature(LINK_KEY, opened.incident_id)
+    signature = link_signature(LINK_KEY, opened.incident_id, minutes(0) + timedelta(seconds=1))
     assert notes["incident_url"] == f"{PUBLIC}/incidents/{opened.incident_id}?sig={signature}"
     assert notes["runbook_url"] == f"{PUBLIC}/runbooks/KVCanaryLeak"
     assert "1 live marker(s) came back" in notes["description"]
@@ -219,6 +223,78 @@ def test_an_alert_every_alertmanager_refuses_for_good_does_not_block_the_outbox(
     first, second = events(session_factory)
     assert first.processed_at is not None and first.last_error and "refused" in first.last_error
     assert second.processed_at is not None and second.last_error is None
+
+
+def test_a_wrong_path_or_a_proxy_answering_404_holds_the_alert_back_for_a_retry(
+    session_factory: Factory,
+) -> None:
+    """404 and 405 say the address is wrong (a path prefix, a proxy mid-deploy), not the alert."""
+    status = {"code": 404}
+    delivery = Delivery(
+        {"http://am.test": {}}, MonitorMetrics(CollectorRegistry()), 5,
+        transport=httpx.MockTransport(lambda request: httpx.Response(status["code"], text="no such path")),
+    )  # fmt: skip
+    record(session_factory, "leak", at=minutes(0))
+    pager = Pager(settings_for("http://am.test"), session_factory, delivery)
+    assert asyncio.run(pager.drain()) == 0
+    (event,) = events(session_factory)
+    assert event.processed_at is None and event.attempts == 1 and "404" in (event.last_error or "")
+    status["code"] = 200  # the proxy is back: the same event goes out
+    assert asyncio.run(pager.drain()) == 1
+
+
+def test_slow_alertmanagers_never_outlast_a_claim(
+    session_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Posting a claimed batch stops at half the lease and hands the rest back: a claim that lapsed
+    mid-batch would let another pager send the same events again, and out of order."""
+    monkeypatch.setattr(alerting, "LEASE_SECONDS", 0.4)
+    claimed_at: list[float] = []
+    held: list[float] = []  # for each post, how long the claim holding it had run when it ended
+
+    class Timed(Pager):
+        def _claim(self) -> list:  # type: ignore[type-arg]
+            claimed_at.append(time.monotonic())
+            return super()._claim()
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.1)
+        held.append(time.monotonic() - claimed_at[-1])
+        return httpx.Response(200)
+
+    for name in "abcdef":
+        record(session_factory, "leak", at=minutes(0), target=name)
+    delivery = Delivery({"http://am.test": {}}, MonitorMetrics(CollectorRegistry()), 5,
+                        transport=httpx.MockTransport(slow))  # fmt: skip
+    pager = Timed(settings_for("http://am.test"), session_factory, delivery)
+    assert asyncio.run(pager.drain()) == 6
+    assert len(held) == 6 and max(held) < 0.4, held  # every event sent once, within its claim
+    assert all(e.processed_at is not None and e.attempts == 1 for e in events(session_factory))
+
+
+def test_a_relapse_is_never_resent_as_resolved(session_factory: Factory, alertmanager: Alertmanager) -> None:
+    """Alertmanager knows an alert by its labels: the resolved alert of the incident before a relapse
+    must not be re-sent beside the new one, or it could turn the live page into a false "resolved"."""
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    first = record(session_factory, "leak", at=start)
+    for i in (1, 2, 3):
+        record(session_factory, "pass", at=start + timedelta(minutes=i))
+    relapse = record(session_factory, "leak", at=start + timedelta(minutes=4))
+    assert relapse.incident_id != first.incident_id
+    with session_factory() as s:
+        resent = outbox.alerting_incidents(s, now=datetime.now(UTC), resolved_within_seconds=600)
+    assert [i.id for i in resent] == [relapse.incident_id]
+    pager, _ = pager_for(session_factory, alertmanager.url)
+
+    async def go() -> bool:
+        try:
+            return await pager.resend_if_due()
+        finally:
+            await pager.delivery.aclose()
+
+    assert asyncio.run(go())
+    (alert,) = alertmanager.alerts(alertname="KVCanaryLeak")
+    assert alert["status"]["state"] == "active"
 
 
 def test_every_pushed_alert_has_a_runbook_the_monitor_serves() -> None:

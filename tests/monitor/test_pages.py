@@ -3,24 +3,39 @@ what a target answered. Over a real database; the link comes from a real Alertma
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from monitor.alerting import Delivery, Pager
 from monitor.api import pages
 from monitor.incidents import record_result
 from monitor.links import incident_url, link_signature
+from monitor.metrics import MonitorMetrics
+from monitor.storage.models import Incident
 from probes.base import ProbeResult, Verdict
 from tests.monitor.conftest import POLICY, RETENTION, build_app, minutes, record, settings_with_targets
-from tests.monitor.test_alerting import LINK_KEY, alertmanager, drain, pager_for  # noqa: F401
+from tests.monitor.test_alerting import LINK_KEY, alertmanager, drain, pager_for, settings_for  # noqa: F401
 from tests.services import Alertmanager
 
 Factory = sessionmaker[Session]
 CUSTOMER_TEXT = "Dear Dr. Okafor, the biopsy results"
+
+
+def signed(factory: Factory, incident_id: int, key: str = LINK_KEY) -> dict[str, str]:
+    """Return the query of the link an alert would carry for this incident."""
+    with factory() as s:
+        opened_at = s.scalar(select(Incident.opened_at).where(Incident.id == incident_id))
+    assert opened_at is not None
+    return {"sig": link_signature(key, incident_id, opened_at)}
 
 
 def page_app(factory: Factory, token: str | None = LINK_KEY) -> FastAPI:
@@ -60,7 +75,7 @@ def test_a_signed_link_opens_the_page_with_the_timeline_and_the_evidence(
 ) -> None:
     incident = leak_with_an_excerpt(session_factory)
     record(session_factory, "pass", at=minutes(1))
-    page = client.get(f"/incidents/{incident}", params={"sig": link_signature(LINK_KEY, incident)})
+    page = client.get(f"/incidents/{incident}", params=signed(session_factory, incident))
     assert page.status_code == 200, page.text
     assert page.headers["content-type"].startswith("text/html")
     html = page.text
@@ -85,7 +100,7 @@ def test_a_signed_link_opens_the_page_with_the_timeline_and_the_evidence(
 
 def test_the_page_never_shows_what_a_target_answered(client: TestClient, session_factory: Factory) -> None:
     incident = leak_with_an_excerpt(session_factory)
-    html = client.get(f"/incidents/{incident}", params={"sig": link_signature(LINK_KEY, incident)}).text
+    html = client.get(f"/incidents/{incident}", params=signed(session_factory, incident)).text
     assert CUSTOMER_TEXT not in html
     assert "left out of this page" in html
     # The REST API, behind the bearer token, still has it.
@@ -102,27 +117,27 @@ def test_only_a_link_signed_for_this_incident_or_the_token_opens_it(
     refused = [
         {},
         {"sig": "0" * 32},
-        {"sig": link_signature(LINK_KEY, other)},  # another incident's link
-        {"sig": link_signature("another-monitors-token-000000", incident)},
+        signed(session_factory, other),  # another incident's link
+        signed(session_factory, incident, "another-monitors-token-000000"),
     ]
     for params in refused:
         assert client.get(f"/incidents/{incident}", params=params).status_code == 403, params
     bearer = {"Authorization": f"Bearer {LINK_KEY}"}
     assert client.get(f"/incidents/{incident}", headers=bearer).status_code == 200
     assert client.get(f"/incidents/{incident}", headers={"Authorization": "Bearer wrong"}).status_code == 403
-    unknown = 999_999
-    assert (
-        client.get(f"/incidents/{unknown}", params={"sig": link_signature(LINK_KEY, unknown)}).status_code
-        == 404
-    )
+    # An incident that does not exist is refused like any other link: nothing to learn from it.
+    unknown = {"sig": link_signature(LINK_KEY, 999_999, minutes(0))}
+    assert client.get("/incidents/999999", params=unknown).status_code == 403
+    # A database rebuilt under the same token reuses ids: an old link must not open the new incident.
+    reused = {"sig": link_signature(LINK_KEY, incident, minutes(-60))}
+    assert client.get(f"/incidents/{incident}", params=reused).status_code == 403
     assert client.get("/incidents/0").status_code == 422
 
 
 def test_a_local_api_without_a_token_serves_plain_links(session_factory: Factory) -> None:
     incident = leak_with_an_excerpt(session_factory)
-    assert (
-        incident_url("http://127.0.0.1:9108", incident, None) == f"http://127.0.0.1:9108/incidents/{incident}"
-    )
+    plain = incident_url("http://127.0.0.1:9108", incident, minutes(0), None)
+    assert plain == f"http://127.0.0.1:9108/incidents/{incident}"
     with TestClient(page_app(session_factory, token=None)) as c:
         assert c.get(f"/incidents/{incident}").status_code == 200
 
@@ -140,3 +155,16 @@ def test_the_link_in_the_alert_alertmanager_holds_opens_the_page(
     with TestClient(page_app(session_factory)) as browser:  # no bearer token: the link is the credential
         page = browser.get(f"{link.path}?{link.query}")
     assert page.status_code == 200 and "KVCanaryLeak" in page.text
+
+
+def test_the_timeline_says_when_no_alertmanager_took_an_event(
+    client: TestClient, session_factory: Factory
+) -> None:
+    """An event every Alertmanager refused for good is set aside: the page must not say it was paged."""
+    incident = leak_with_an_excerpt(session_factory)
+    refusing = httpx.MockTransport(lambda request: httpx.Response(400, text="bad alert"))
+    delivery = Delivery({"http://am.test": {}}, MonitorMetrics(CollectorRegistry()), 5, transport=refusing)
+    pager = Pager(settings_for("http://am.test"), session_factory, delivery, link_key=LINK_KEY)
+    assert asyncio.run(pager.drain()) == 1  # done with, not delivered
+    html = client.get(f"/incidents/{incident}", params=signed(session_factory, incident)).text
+    assert "never: refused" in html and "bad alert" in html
