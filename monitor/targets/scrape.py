@@ -1,8 +1,10 @@
 """Read a serving node's Prometheus page into plain numbers, with prometheus-client's parser.
 
 Probes judge counters but never parse exposition text themselves (they import no metrics library):
-:func:`parse_samples` turns a page into ``{sample name: value summed over labels}``, keeping the
-labels of ``_info`` samples in the key, since those carry a node's configuration as label values.
+:func:`parse_samples` turns a page into ``{sample name: value summed over labels}``, and keeps each
+labelled series too under ``name{labels}`` (a counter's increase is taken series by series: one
+data-parallel engine restarting must not look like the whole node starting again). ``_info``
+samples are kept by series only, since their labels carry a node's configuration.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ def parse_samples(text: str) -> dict[str, float]:
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                name = sample.name
-                if name.endswith("_info") and sample.labels:
-                    name += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())) + "}"
-                out[name] = out.get(name, 0.0) + float(sample.value)
+                name, value = sample.name, float(sample.value)
+                if sample.labels:
+                    labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                    out[f"{name}{{{labels}}}"] = value
+                    if name.endswith("_info"):
+                        continue
+                out[name] = out.get(name, 0.0) + value
     except Exception as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}"[:300]) from None
     return out

@@ -155,6 +155,48 @@ def test_a_restarted_worker_counts_from_zero_again() -> None:
     assert series(result, "placeholder_substitutions")["increase"] == 2  # not -5
 
 
+def vllm_page(corrupted: dict[str, float], started: float = 1000.0) -> dict[str, float]:
+    """A vLLM page as parse_samples reads it: one corrupted_requests series per data-parallel engine."""
+    page = {f'vllm:corrupted_requests_total{{engine="{e}"}}': v for e, v in corrupted.items()}
+    page["vllm:corrupted_requests_total"] = sum(corrupted.values())
+    page["process_start_time_seconds"] = started
+    return page
+
+
+def test_one_data_parallel_engine_restarting_is_not_the_node_starting_again() -> None:
+    # Engine 1 of two restarted (its series back to 0): the sum drops, yet nothing new happened.
+    # Taken on the sum, the drop would read as a restart of all, and engine 0's 100 as new: a false mismatch.
+    first = judged(vllm_page({"0": 100.0, "1": 50.0}), {}, "vllm")
+    later = judged(vllm_page({"0": 100.0, "1": 0.0}), first.state or {}, "vllm")
+    assert later.verdict is Verdict.PASS, later.detail
+    assert series(later, "corrupted_requests")["increase"] == 0
+    # One new corruption on engine 1 after its restart counts once.
+    after = judged(vllm_page({"0": 100.0, "1": 1.0}), later.state or {}, "vllm")
+    assert (after.verdict, series(after, "corrupted_requests")["increase"]) == (Verdict.MISMATCH, 1)
+
+
+def test_a_series_missing_from_one_page_is_not_new_when_it_comes_back() -> None:
+    first = judged(vllm_page({"0": 100.0, "1": 50.0}), {}, "vllm")
+    gap = judged(vllm_page({"0": 100.0}), first.state or {}, "vllm")
+    back = judged(vllm_page({"0": 100.0, "1": 50.0}), gap.state or {}, "vllm")
+    assert (gap.verdict, back.verdict) == (Verdict.PASS, Verdict.PASS), back.detail
+
+
+def test_a_restart_is_seen_even_when_the_counter_climbed_back_to_its_old_value() -> None:
+    # One violation, the engine restarted as the fix, one new violation before the next read: the
+    # value is 1 again, and only the process's start time says it is a new one.
+    before = {
+        **REFERENCE_ZERO,
+        "kvcanary_kv_ownership_violations_total": 1.0,
+        "process_start_time_seconds": 10.0,
+    }
+    first = judged(before, {})
+    again = {**before, "process_start_time_seconds": 20.0}
+    result = judged(again, first.state or {})
+    assert (result.verdict, result.reason) == (Verdict.LEAK, "ownership_violations_increased")
+    assert result.evidence["restarted"] is True and series(result, "ownership_violations")["increase"] == 1
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp", "openai"])
 def test_an_engine_without_isolation_counters_cannot_be_judged(engine: str) -> None:
     result = judged({"vllm:prefix_cache_queries_total": 10.0}, {}, engine)
