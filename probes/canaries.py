@@ -138,7 +138,7 @@ class MarkerBook:
             hits.append(
                 LeakHit(
                     match.group(1).lower(),
-                    marker_hash(match.group(0)[:4] + match.group(0)[4:].lower()),
+                    marker_hash("KVC-" + match.group(0)[4:].lower()),  # one digest whatever the case
                     owner_target,
                     owner_tenant,
                     target,

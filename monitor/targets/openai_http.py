@@ -151,9 +151,9 @@ class OpenAIHttpTarget:
                         break
                 state.finish_stream()
                 # Read what follows [DONE] (a blank line): a response closed unread cannot go
-                # back to the pool, and every run would pay a new connection.
-                async for _ in lines:
-                    pass
+                # back to the pool, and every run would pay a new connection. After a break, keep it.
+                async for rest in lines:
+                    state.keep_tail(rest)
                 return
             # Some servers ignore ``stream``; a JSON body is as good an answer.
             raw, complete = await read_limited(

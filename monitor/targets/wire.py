@@ -198,9 +198,11 @@ class StreamState:
         try:
             chunk = json.loads(payload)
         except ValueError:
+            self.parts.append("\n" + payload)  # still output a tenant saw: scanned like the rest
             self.fail("protocol", "a stream chunk is not JSON")
             return False
         if not isinstance(chunk, dict):
+            self.parts.append("\n" + payload)
             self.fail("protocol", "a stream chunk is not a JSON object")
             return False
         self.chunks += 1
@@ -210,6 +212,12 @@ class StreamState:
             self.fail("stream", error_message(payload) or "the engine reported an error in the stream")
             return False
         return self._absorb(chunk, now, "delta")
+
+    def keep_tail(self, line: str) -> None:
+        """Keep what a broken stream sent after the break (within the stream's byte limit): it
+        reached the tenant all the same, so it is scanned for markers like the rest."""
+        if self.error_kind is not None and line.strip():
+            self.parts.append("\n" + line)
 
     def finish_stream(self) -> None:
         """Judge how the stream ended: a cut stream is a protocol failure, not a short answer."""

@@ -314,6 +314,22 @@ def test_markers_sent_in_pieces_through_reasoning_and_answer_come_out_whole(both
     assert c.text.count(thought) == 1 and c.text.count(answer) == 1, c.text
 
 
+@pytest.mark.parametrize("broken", ["data: not json", 'data: {"error": {"message": "boom"}}'])
+def test_what_a_broken_stream_sends_after_the_break_is_still_scanned(broken: str) -> None:
+    marker = "KVC-0badc0de-" + "c" * 32
+    after_break = f"data: {json.dumps(delta(marker))}\n\n"
+    body = f"data: {json.dumps(delta('pa'))}\n\n{broken}\n\n{after_break}data: [DONE]\n\n"
+    c = complete(lambda r: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body))
+    assert c.error_kind in ("protocol", "stream")
+    assert marker in c.text
+
+
+def test_a_marker_inside_a_chunk_that_is_not_json_is_scanned() -> None:
+    marker = "KVC-0badc0de-" + "d" * 32
+    c = complete(lambda r: sse(delta("pa"), f"<html>{marker}</html>"))
+    assert c.error_kind == "protocol" and marker in c.text
+
+
 def test_a_short_key_never_cuts_a_marker_apart() -> None:
     # A toy engine's 4-hex-digit key occurs inside about one marker in 2,000: scrubbed, the marker
     # would be cut and its leak unseen (or its canary's nonce "missing").

@@ -56,6 +56,13 @@ def test_markers_expire_with_their_ttl_to_the_minute() -> None:
     assert book.scan(marker, target="glm", reader="bob") == []
 
 
+def test_a_marker_copied_in_any_case_has_the_digest_it_was_planted_with() -> None:
+    book = MarkerBook()
+    _, marker = book.plant("glm", "alice")
+    hits = book.scan(f"{marker.upper()} and {marker.lower()}", target="glm", reader="bob")
+    assert [h.digest for h in hits] == [marker_hash(marker)] * 2
+
+
 def test_a_marker_from_a_replica_whose_clock_runs_ahead_is_live() -> None:
     ahead, behind = Clock(), Clock()
     ahead.now += 90  # another replica's clock, 90 s ahead of this one (and past a minute boundary)
