@@ -174,7 +174,9 @@ class Pager:
                 await asyncio.to_thread(self._mark, [event.id], None if accepted else why)
                 continue
             log.warning("alert delivery failed (%s); %d event(s) wait", why, len(batch) - i)
-            await asyncio.to_thread(self._give_back, [e.id for e in batch[i:]], why)
+            await asyncio.to_thread(self._give_back, [event.id], why)  # the one tried: an attempt
+            if batch[i + 1 :]:
+                await asyncio.to_thread(self._release, [e.id for e in batch[i + 1 :]])  # never tried
             return i, True
         return len(batch), False
 
