@@ -45,7 +45,7 @@ def _where(target: str, node: Node | None) -> str:
 
 
 async def _check_all(settings: Settings, only: list[str] | None) -> list[tuple[str, str, ProbeResult]]:
-    keys = tenant_keys(settings)
+    keys = tenant_keys(settings, only)  # a target not checked needs no key
     markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
     targets = [t for t in settings.targets if only is None or t.name in only]
     limits = Limits(**settings.limits.model_dump())
@@ -59,16 +59,19 @@ async def _check_all(settings: Settings, only: list[str] | None) -> list[tuple[s
 
 
 def exit_code(verdicts: list[Verdict]) -> int:
-    """Return 1 when anything failed, 3 when errors alone kept a probe from judging, else 0."""
+    """Return 1 when anything failed, 3 when errors alone kept a probe from judging (or nothing was
+    probed at all: a deploy gate must not pass on no evidence), else 0."""
     if any(v.is_failure for v in verdicts):
         return EXIT_FAILED
-    if any(v is Verdict.ERROR for v in verdicts):
+    if not verdicts or any(v is Verdict.ERROR for v in verdicts):
         return EXIT_UNJUDGED
     return EXIT_OK
 
 
 def run_check(settings: Settings, *, json_lines: bool, only: list[str] | None = None) -> int:
     rows = asyncio.run(_check_all(settings, only))
+    if not rows:
+        typer.echo("nothing was checked: no target (or none named by --target) has a probe", err=True)
     if json_lines:
         for target, probe, result in rows:
             line = {

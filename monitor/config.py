@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from monitor.target_config import DAY, ENV_RE, Strict, TargetConfig, http_url
 
@@ -193,6 +195,10 @@ class Settings(Strict):
     def _db(cls, v: str) -> str:
         if not re.match(r"^(sqlite|postgresql)(\+\w+)?://", v):
             raise ValueError("must be sqlite:///PATH or postgresql+psycopg://USER@HOST/DB")
+        try:  # parsed now, so that a bad port exits 2 here, not as a traceback at connect time
+            make_url(v).port  # noqa: B018
+        except (ArgumentError, ValueError):
+            raise ValueError("is not a database URL (check the host, the port and any escaping)") from None
         return v
 
     @model_validator(mode="after")

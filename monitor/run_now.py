@@ -47,7 +47,8 @@ class RunJob:
 
     @property
     def done(self) -> bool:
-        return self.task.done()
+        # Its results are in, not merely its task over: the done-callback runs a loop turn later.
+        return self.finished is not None
 
     @property
     def status(self) -> Literal["running", "done", "failed"]:
@@ -95,14 +96,15 @@ class RunNow:
         """Wait up to ``seconds`` for ``job``; return whether it finished. The job is never cancelled."""
         if not job.done and seconds > 0:
             await asyncio.wait({job.task}, timeout=seconds)
+            await asyncio.sleep(0)  # let the done-callback record the results
         return job.done
 
 
 def _finish(job: RunJob, task: asyncio.Task[list[dict[str, Any]]]) -> None:
-    job.finished = time.monotonic()
     if task.cancelled():
         job.error = "cancelled: the monitor is shutting down"
     elif (exc := task.exception()) is not None:
         job.error = f"{type(exc).__name__}: {exc}"
     else:
         job.results = task.result()
+    job.finished = time.monotonic()  # last: ``done`` means the results are there to read

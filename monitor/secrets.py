@@ -39,8 +39,9 @@ def read_secret(*, env: str | None, file: Path | None, key: str) -> str | None:
     return None
 
 
-def tenant_keys(settings: Settings) -> dict[tuple[str, str], str | None]:
-    """Return every tenant's API key by (target, tenant). A named but unset variable is an error.
+def tenant_keys(settings: Settings, only: list[str] | None = None) -> dict[tuple[str, str], str | None]:
+    """Return every tenant's API key by (target, tenant), of the targets named in ``only`` when given.
+    A named but unset variable is an error.
 
     A tenant with neither ``api_key_env`` nor ``api_key_file`` gets None (an engine without auth).
     Two tenants of one target with the same key are an error naming both: the engine sees one
@@ -48,6 +49,8 @@ def tenant_keys(settings: Settings) -> dict[tuple[str, str], str | None]:
     """
     keys: dict[tuple[str, str], str | None] = {}
     for i, target in enumerate(settings.targets):
+        if only is not None and target.name not in only:
+            continue
         owners: dict[str, str] = {}
         for j, tenant in enumerate(target.tenants):
             where = f"targets[{i}].tenants[{j}]"
@@ -78,8 +81,12 @@ def api_token(settings: Settings) -> str | None:
             f"api.token_env: set {api.token_env} (or api.token_file) to a bearer token, "
             "or set api.local_only: true to serve the API without one on loopback"
         )
+    where = "api.token_file" if api.token_file is not None else "api.token_env"
     if token.lower() in WEAK_TOKENS or len(token) < 16:
-        raise ConfigError("api.token_env: the bearer token is a placeholder or shorter than 16 characters")
+        raise ConfigError(f"{where}: the bearer token is a placeholder or shorter than 16 characters")
+    if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+        # A header carries Latin-1 at best: such a token could never be sent back, and every call would 401.
+        raise ConfigError(f"{where}: the bearer token must be printable ASCII without spaces")
     return token
 
 
@@ -132,7 +139,8 @@ def marker_key(settings: Settings, token: str | None) -> bytes | None:
     stated = read_secret(env=settings.marker_key_env, file=settings.marker_key_file, key="marker_key_file")
     if stated is not None:
         if len(stated) < MARKER_KEY_CHARS:
-            raise ConfigError(f"marker_key_env: the marker key is shorter than {MARKER_KEY_CHARS} characters")
+            where = "marker_key_file" if settings.marker_key_file is not None else "marker_key_env"
+            raise ConfigError(f"{where}: the marker key is shorter than {MARKER_KEY_CHARS} characters")
         return hashlib.sha256(b"kvcanary marker key\0" + stated.encode()).digest()
     if token is None:
         return None

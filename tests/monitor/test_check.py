@@ -84,6 +84,26 @@ def test_check_refuses_an_unknown_target_name(tmp_path: Path) -> None:
     assert code == 2
 
 
+def test_check_with_nothing_to_check_is_no_pass(tmp_path: Path) -> None:
+    """A deploy gate that probed nothing must not say 0 ("all passed")."""
+    config = write_config(tmp_path, {})
+    proc = subprocess.run([sys.executable, "-m", "monitor", "check", "--config", str(config)],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
+    assert proc.returncode == 3 and "nothing was checked" in proc.stderr
+
+
+def test_check_of_one_target_needs_no_key_of_another(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path, {"gone": f"http://127.0.0.1:{free_port()}", "other": "http://127.0.0.1:1"}
+    )
+    data = yaml.safe_load(config.read_text())
+    data["targets"][1]["tenants"][0]["api_key_env"] = "KVC_TEST_KEY_NOBODY_SET"
+    config.write_text(yaml.safe_dump(data))
+    code, lines = check(config, "--target", "gone")
+    assert code == 3 and {line["target"] for line in lines} == {"gone"}
+    assert check(config)[0] == 2  # checking "other" does need its key
+
+
 def test_the_worker_command_documents_every_flag() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "monitor", "worker", "--help"],

@@ -178,3 +178,19 @@ def test_one_key_under_two_tenant_names_exits_2_naming_both(tmp_path: Path) -> N
         assert proc.returncode == 2, proc.stderr
         assert "alice and bob have the same API key" in proc.stderr
         assert "sk-same-key-0001" not in proc.stderr + proc.stdout
+
+
+def test_a_database_url_that_does_not_parse_is_a_config_error_naming_it_and_hiding_the_password() -> None:
+    with pytest.raises(ConfigError, match="database_url") as raised:
+        parse_settings({"database_url": "postgresql+psycopg://u:s3cret-pw@host:notaport/db"})
+    assert "s3cret-pw" not in str(raised.value)
+
+
+def test_a_token_from_a_file_is_named_by_its_file_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVCANARY_API_TOKEN", raising=False)
+    for text, why in (("changeme", "placeholder"), ("päss-wörd-0123456789", "printable ASCII")):
+        (tmp_path / "token").write_text(text, encoding="utf-8")
+        with pytest.raises(ConfigError, match=f"api.token_file: .*{why}"):
+            api_token(parse_settings({"api": {"token_file": str(tmp_path / "token")}}))

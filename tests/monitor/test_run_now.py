@@ -7,6 +7,7 @@ took 365 s to exit, probing on meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from monitor.run_now import RunNow
 from tests.conftest import REPO, WorkerProcess, free_port, stop_process, wait_http
 
 TOKEN = "run-now-test-token-0123456789"
@@ -141,3 +143,32 @@ def test_sigterm_with_a_run_in_flight_against_a_hung_target_exits_within_seconds
     # One grace from the signal, shared by open requests and runs in flight (not one each: 6.2 s).
     assert took < 3 + 2.5, f"took {took:.1f}s to exit\n{text[-2000:]}"
     assert "stopping: no new probe runs" in text and "kvcanary stopped cleanly" in text
+
+
+def test_a_run_is_done_only_once_its_results_are_in() -> None:
+    """In the loop turn between a run's task ending and its results being recorded, a request must
+    join it (not start a second run past the rate limit) and a reader must not see "done" and no results."""
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def run_target(name: str) -> list[dict[str, Any]]:
+            loop.call_soon(in_between)
+            return [{"verdict": "pass"}]
+
+        now = RunNow(run_target, min_interval=60)
+
+        def in_between() -> None:  # queued before the task's done-callbacks: runs in the gap
+            job = now.get("t", first.id)
+            assert job is not None
+            seen["done"], seen["results"] = job.done, list(job.results)
+            seen["again"] = now.request("t")[1]
+
+        first, _ = now.request("t")
+        assert await now.wait(first, 5)
+        assert first.results == [{"verdict": "pass"}]
+
+    asyncio.run(scenario())
+    assert seen["again"] is False  # joined the run it found, started nothing
+    assert not seen["done"] or seen["results"]
