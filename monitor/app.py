@@ -229,6 +229,8 @@ class Monitor:
         return {"status": status, "outbox_events": events, "oldest_age_seconds": round(oldest, 1)}
 
     def start(self) -> None:
+        if self._stop_asked_at is not None:  # SIGTERM came during start-up: start nothing
+            return
         if not self.scheduler.running:
             self.scheduler.start()
         if self.pager is not None and self._pager_task is None:

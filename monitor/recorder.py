@@ -23,6 +23,7 @@ from sqlalchemy.exc import (
     DBAPIError,
     DisconnectionError,
     InterfaceError,
+    InternalError,
     OperationalError,
     ProgrammingError,
 )
@@ -49,8 +50,13 @@ from probes.base import ProbeResult
 log = logging.getLogger("kvcanary.recorder")
 
 # Errors that say nothing about the row: the database is not there (or not ready) right now.
-# ProgrammingError is among them: a database restored without its schema refuses every row alike.
-_UNAVAILABLE = (OperationalError, InterfaceError, DisconnectionError, PoolTimeout, ProgrammingError)
+# ProgrammingError is among them: a database restored without its schema refuses every row alike;
+# so is InternalError: a primary demoted in a failover answers every write with "read-only
+# transaction" (SQLSTATE 25006). Spooled, a verdict waits; taken for a refusal of its row, it was
+# dropped.
+_UNAVAILABLE = (
+    OperationalError, InterfaceError, DisconnectionError, PoolTimeout, ProgrammingError, InternalError
+)  # fmt: skip
 
 
 class Recorder:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -37,6 +38,18 @@ def spread(target: str, kind: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
+#: Where every pair's phase is counted from, on every replica.
+PHASE_EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def next_in_phase(after: datetime, interval: float, fraction: float) -> datetime:
+    """Return the first moment at or after ``after`` that lies ``fraction`` of an interval past a
+    whole number of intervals since :data:`PHASE_EPOCH`."""
+    offset = fraction * interval
+    periods = math.ceil(((after - PHASE_EPOCH).total_seconds() - offset) / interval)
+    return PHASE_EPOCH + timedelta(seconds=offset + periods * interval)
+
+
 def build_scheduler(
     settings: Settings,
     runner: ProbeRunner,
@@ -46,8 +59,10 @@ def build_scheduler(
     """Return a scheduler (not started) with a job for every configured (target, probe).
 
     Runs are spread evenly over each interval, by a hash of (target, probe): a restart (or 5,000
-    targets) does not fire every probe in one burst, and replicas agree on the offsets. The offset
-    is the trigger's own phase, so a job paused and resumed (``assign``) keeps its place.
+    targets) does not fire every probe in one burst. The offset is counted from a fixed date, not
+    from this process's start, so every replica places a pair's runs at the same moments: a pair
+    taken over runs when it would have run anyway (never up to two intervals apart), and a job
+    paused and resumed (``assign``) keeps its place.
     Jobs of pairs this replica does not ``own`` are added paused. ``housekeeping`` adds
     ``(name, coroutine function, interval seconds)`` jobs (pruning, replay, heartbeat).
     """
@@ -57,7 +72,7 @@ def build_scheduler(
     for target in settings.targets:
         for kind in target.probes:
             interval = target.interval_for(kind)
-            first = now + timedelta(seconds=0.2 + spread(target.name, kind) * interval)
+            first = next_in_phase(now + timedelta(seconds=0.2), interval, spread(target.name, kind))
             trigger = IntervalTrigger(
                 seconds=interval, start_date=first, jitter=min(jitter, interval / 4) or None
             )

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from sqlalchemy import event, func, select
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.config import Settings, parse_settings
@@ -26,6 +28,7 @@ from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
 from monitor.runner import ProbeRunner
 from monitor.spool import PendingResult, Spool
+from monitor.storage.db import make_engine, make_session_factory, upgrade
 from monitor.storage.models import Incident, ProbeResult, Target
 from monitor.storage.results import save_state, storable_text
 from probes.base import ProbeResult as Outcome
@@ -277,3 +280,39 @@ def test_configured_targets_get_their_rows_at_start_and_changes_are_written(sess
         names = s.execute(select(Target.name, Target.base_url)).all()
         assert s.scalar(select(Target.updated_at)) == written
     assert [tuple(r) for r in names] == [("glm", "http://engine-2.test")]
+
+
+def test_a_database_turned_read_only_in_a_failover_spools_verdicts_instead_of_dropping_them(
+    scratch_url: str,
+) -> None:
+    """A demoted primary still answers, but every write fails with "read-only transaction" (an
+    InternalError, SQLSTATE 25006): that says nothing about the row, so the leak must wait."""
+    if not scratch_url.startswith("postgresql"):
+        pytest.skip("read-only transactions are PostgreSQL's")
+    upgrade(scratch_url)
+    engine = make_engine(scratch_url)
+    name = make_url(scratch_url).database
+
+    def read_only(on: bool) -> None:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("SET default_transaction_read_only = off")  # this session may write
+            setting = (
+                "SET default_transaction_read_only = on" if on else "RESET default_transaction_read_only"
+            )
+            conn.exec_driver_sql(f'ALTER DATABASE "{name}" {setting}')
+        engine.dispose()  # new connections take the setting
+
+    recorder = Recorder(settings_for(), make_session_factory(engine), Spool(None))
+    target = recorder.settings.targets[0]
+    try:
+        read_only(True)
+        leak = Outcome(Verdict.LEAK, "foreign_marker", "a marker of alice reached bob")
+        assert recorder.record(target, "cross_tenant", leak, T0, 1.0) is None
+        assert len(recorder.spool) == 1
+        read_only(False)
+        assert recorder.replay() == 1
+    finally:
+        read_only(False)
+    with make_session_factory(engine)() as s:
+        assert s.scalars(select(ProbeResult.verdict)).all() == ["leak"]
+    engine.dispose()

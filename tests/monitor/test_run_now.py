@@ -172,3 +172,29 @@ def test_a_run_is_done_only_once_its_results_are_in() -> None:
     asyncio.run(scenario())
     assert seen["again"] is False  # joined the run it found, started nothing
     assert not seen["done"] or seen["results"]
+
+
+def test_sigterm_during_start_up_starts_no_probe_clock(tmp_path: Path) -> None:
+    """A signal that lands while the app is still starting: the scheduler must not start after it."""
+    from monitor.app import Monitor
+    from monitor.config import parse_settings
+    from monitor.storage.db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    upgrade(url)
+    target = {"name": "t", "base_url": "http://127.0.0.1:9", "engine": "reference",
+              "tenants": [{"name": "a"}, {"name": "b"}], "probes": ["canary"]}  # fmt: skip
+    config = {
+        "database_url": url,
+        "api": {"local_only": True},
+        "spool": {"in_memory": True},
+        "targets": [target],
+    }
+    monitor = Monitor(parse_settings(config))
+
+    async def signalled_while_starting() -> bool:
+        monitor.begin_shutdown()
+        monitor.start()
+        return bool(monitor.scheduler.running)
+
+    assert asyncio.run(signalled_while_starting()) is False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
@@ -19,7 +20,7 @@ from monitor.config import Settings, parse_settings
 from monitor.metrics import MonitorMetrics
 from monitor.recorder import Recorder
 from monitor.runner import ProbeRunner, RunSummary
-from monitor.scheduler import assign, build_scheduler
+from monitor.scheduler import assign, build_scheduler, next_in_phase
 from monitor.spool import Spool
 from monitor.storage.db import make_engine, make_session_factory
 from monitor.storage.models import Incident, ProbeResult
@@ -211,3 +212,21 @@ def test_a_state_the_database_could_not_read_is_neither_kept_nor_overwritten(
     assert recorder.loads == 2
     assert [s.result.state for s in summaries] == [None, None]
     assert len(recorder.spool) == 2  # the verdicts themselves wait in the spool
+
+
+def test_every_replica_places_a_pairs_runs_at_the_same_moments() -> None:
+    """Phases are counted from a fixed date, not from a process's start: a pair taken over by another
+    replica (started at another time) runs when it would have run anyway."""
+    settings = settings_for("http://127.0.0.1:1", interval_seconds=7, probe_intervals={"boundary": 90})
+    exact = settings.scheduler.model_copy(update={"jitter_seconds": 0})
+    settings = settings.model_copy(update={"scheduler": exact})
+    first = {j.id: j.next_run_time for j in build_scheduler(settings, runner_for(settings)).get_jobs()}
+    time.sleep(1.3)  # a replica that started later
+    later = {j.id: j.next_run_time for j in build_scheduler(settings, runner_for(settings)).get_jobs()}
+    for job_id, at in first.items():
+        interval = 90 if job_id.endswith("boundary") else 7
+        apart = (later[job_id] - at).total_seconds()
+        assert abs(apart - round(apart / interval) * interval) < 0.01, (job_id, apart)
+    start = datetime(2026, 11, 30, 12, 0, 3, tzinfo=UTC)
+    assert next_in_phase(start, 60, 0.5) == datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
+    assert next_in_phase(start, 60, 0.0) == datetime(2026, 11, 30, 12, 1, 0, tzinfo=UTC)
