@@ -34,7 +34,7 @@ import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.config import Settings
-from monitor.links import incident_url
+from monitor.links import incident_url, runbook_base
 from monitor.metrics import MonitorMetrics
 from monitor.storage import outbox
 from monitor.storage.outbox import IncidentView, PendingEvent
@@ -204,7 +204,7 @@ class Pager:
     ) -> dict[str, Any]:
         """Return one Alertmanager alert for ``incident`` at ``severity``."""
         base = self.settings.api.base_url
-        runbooks = self.settings.alerting.runbook_base_url or f"{base}/runbooks"
+        runbooks = runbook_base(self.settings)
         name = ALERTNAMES[severity]
         labels = {"alertname": name, "target": incident.target, "probe": incident.probe, "severity": severity}
         if incident.node:

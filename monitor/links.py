@@ -1,4 +1,4 @@
-"""The link every alert carries to its incident page, and the signature that opens it.
+"""The links every alert carries: to its incident page (with the signature that opens it) and to its runbook.
 
 A person opening a page from a chat client or a phone has no bearer token, so the link is its own
 credential: ``sig`` is an HMAC-SHA256 of the incident's id and opening second under the API token (a
@@ -13,6 +13,7 @@ import hashlib
 import hmac
 from datetime import datetime
 
+from monitor.config import Settings
 from monitor.storage.db import as_utc
 
 #: 128 bits of the HMAC: unguessable, and short enough for a link in a notification.
@@ -34,3 +35,8 @@ def incident_url(base: str, incident_id: int, opened_at: datetime, token: str | 
     """Return the link to an incident's page, signed when the API has a token."""
     page = f"{base}/incidents/{incident_id}"
     return f"{page}?sig={link_signature(token, incident_id, opened_at)}" if token else page
+
+
+def runbook_base(settings: Settings) -> str:
+    """Return where the runbooks are: ``alerting.runbook_base_url``, else the monitor's own."""
+    return settings.alerting.runbook_base_url or f"{settings.api.base_url}/runbooks"

@@ -119,11 +119,11 @@ def assign(
             job = scheduler.get_job(probe_job_id(target.name, kind))
             if job is None:
                 continue
-            running = job.next_run_time is not None
-            if owns(target.name, kind) and not running:
+            mine, running = owns(target.name, kind), job.next_run_time is not None
+            if mine and not running:
                 job.resume()  # the trigger's phase gives the next run, spread as before
                 gained.append((target.name, kind))
-            elif not owns(target.name, kind) and running:
+            elif not mine and running:
                 job.pause()
                 lost.append((target.name, kind))
     return gained, lost

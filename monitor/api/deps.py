@@ -53,16 +53,18 @@ def require_token(
     With ``api_token`` None (a local-only API on loopback) every request passes. The comparison
     takes the same time whatever the token, and the token is never echoed or logged.
     """
-    expected: str | None = request.app.state.api_token
-    if expected is None:
-        return
-    given = credentials.credentials if credentials is not None else ""
-    if not hmac.compare_digest(given.encode(), expected.encode()):
+    if not token_matches(request, credentials.credentials if credentials is not None else ""):
         raise HTTPException(
             status_code=status.HTTP_401_UNAUTHORIZED,
             detail="missing or invalid bearer token",
             headers={"WWW-Authenticate": "Bearer"},
         )
+
+
+def token_matches(request: Request, given: str) -> bool:
+    """Return whether ``given`` is the API token (compared in constant time); always, without one."""
+    expected: str | None = request.app.state.api_token
+    return expected is None or hmac.compare_digest(given.encode(), expected.encode())
 
 
 #: Ids fit PostgreSQL's integer column; larger values are refused with 422, not a 500.

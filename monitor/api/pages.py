@@ -12,7 +12,6 @@ fetched: the page is whole as served, and asks browsers not to keep it or send i
 
 from __future__ import annotations
 
-import hmac
 import json
 from datetime import datetime
 from html import escape
@@ -22,8 +21,8 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse
 
 from monitor.alerting import ALERTNAMES
-from monitor.api.deps import MAX_ID, SessionDep
-from monitor.links import signature_ok
+from monitor.api.deps import MAX_ID, SessionDep, token_matches
+from monitor.links import runbook_base, signature_ok
 from monitor.storage import queries
 from monitor.storage.results import has_excerpts, without_excerpts
 
@@ -68,23 +67,19 @@ def incident_page(
     # Refused alike whether the incident exists or not: a link opens its own incident, nothing else.
     if detail is None or not _allowed(request, incident_id, detail.incident.opened_at, sig):
         raise HTTPException(status_code=403, detail=f"this link does not open incident {incident_id}")
-    settings = request.app.state.settings
-    runbooks = settings.alerting.runbook_base_url or f"{settings.api.base_url}/runbooks"
-    return HTMLResponse(render(detail, runbooks), headers=_HEADERS)
+    return HTMLResponse(render(detail, runbook_base(request.app.state.settings)), headers=_HEADERS)
 
 
 def _allowed(request: Request, incident_id: int, opened_at: datetime, sig: str | None) -> bool:
     """A link signed for this incident, or the API's bearer token; anything on an API without a token."""
     token: str | None = request.app.state.api_token
-    if token is None:
-        return True
-    if sig is not None and signature_ok(token, incident_id, opened_at, sig):
+    if token is not None and sig is not None and signature_ok(token, incident_id, opened_at, sig):
         return True
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
+    return token_matches(request, given if scheme.lower() == "bearer" else "")
 
 
-def render(detail: queries.IncidentDetail, runbooks: str = "/runbooks") -> str:
+def render(detail: queries.IncidentDetail, runbooks: str) -> str:
     """Return the whole page for ``detail`` (the incident, its events, its latest results), linking
     to the runbooks under ``runbooks`` as the alerts do."""
     i = detail.incident

@@ -29,6 +29,7 @@ from monitor.storage.db import make_engine, make_session_factory, upgrade
 from monitor.storage.models import Incident, IncidentEvent, ProbeResult, Target
 from probes.base import ProbeResult as ProbeOutcome
 from probes.base import Verdict
+from tests.services import Alertmanager, start_alertmanager
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 POLICY = IncidentConfig(resolve_after_passes=3, error_warning_after_seconds=300)
@@ -214,3 +215,14 @@ def settings_with_targets() -> Settings:
             ]
         }
     )
+
+
+# --- paging --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
+    """A real Alertmanager (the Debian package) on a free loopback port."""
+    am = start_alertmanager(tmp_path / "am")
+    yield am
+    am.stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -35,13 +34,6 @@ from tests.services import Alertmanager, start_alertmanager
 Factory = sessionmaker[Session]
 PUBLIC = "http://kvcanary.test:8600"
 pytestmark = pytest.mark.external_service
-
-
-@pytest.fixture
-def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
-    am = start_alertmanager(tmp_path / "am")
-    yield am
-    am.stop()
 
 
 #: The API token of the monitor under test: it signs each alert's link to its incident page.

@@ -23,7 +23,7 @@ from monitor.metrics import MonitorMetrics
 from monitor.storage.models import Incident
 from probes.base import ProbeResult, Verdict
 from tests.monitor.conftest import POLICY, RETENTION, build_app, minutes, record, settings_with_targets
-from tests.monitor.test_alerting import LINK_KEY, alertmanager, drain, pager_for, settings_for  # noqa: F401
+from tests.monitor.test_alerting import LINK_KEY, drain, pager_for, settings_for
 from tests.services import Alertmanager
 
 Factory = sessionmaker[Session]
@@ -144,7 +144,7 @@ def test_a_local_api_without_a_token_serves_plain_links(session_factory: Factory
 
 def test_the_link_in_the_alert_alertmanager_holds_opens_the_page(
     session_factory: Factory,
-    alertmanager: Alertmanager,  # noqa: F811
+    alertmanager: Alertmanager,
 ) -> None:
     incident = leak_with_an_excerpt(session_factory)
     pager, _ = pager_for(session_factory, alertmanager.url)
