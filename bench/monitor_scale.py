@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from monitor.config import parse_settings  # noqa: E402  (run as a script from the repository)
+from monitor.config.settings import parse_settings  # noqa: E402  (run as a script from the repository)
 
 TOKEN = "bench-token-0123456789abcdef"
 PROBE_SETS = {"canary": ["canary"], "default": ["canary", "cross_tenant", "boundary"]}

@@ -211,7 +211,7 @@ def serve(url: str, port: int, token: str) -> None:
     import uvicorn
 
     from monitor.app import Monitor, create_app
-    from monitor.config import Settings
+    from monitor.config.settings import Settings
 
     os.environ["KVCANARY_API_TOKEN"] = token
     tenants = [{"name": "alice"}, {"name": "bob"}]

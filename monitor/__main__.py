@@ -1,3 +1,3 @@
-from monitor.cli import main
+from monitor.commands.cli import main
 
 main()

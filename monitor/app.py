@@ -25,35 +25,35 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.alerting import Delivery, Pager
 from monitor.api import pages, runbooks
 from monitor.api.docs import serve_docs
 from monitor.api.main import api_router, health_router
-from monitor.config import Settings
-from monitor.metrics import MonitorMetrics
-from monitor.recorder import Recorder
-from monitor.replicas import HEARTBEAT_SECONDS, Membership
-from monitor.run_now import RunNow
-from monitor.runner import ProbeRunner, RunSummary, pairs_of
-from monitor.scheduler import (
+from monitor.config.secrets import alertmanager_headers, api_token, marker_key, tenant_keys
+from monitor.config.settings import Settings
+from monitor.config.targets import TargetConfig
+from monitor.metrics.registry import MonitorMetrics
+from monitor.paging.pager import Delivery, Pager
+from monitor.recording.recorder import Recorder
+from monitor.recording.spool import Spool, SpoolBusy
+from monitor.recording.writer import BatchWriter
+from monitor.runs.replicas import HEARTBEAT_SECONDS, Membership
+from monitor.runs.run_now import RunNow
+from monitor.runs.runner import ProbeRunner, RunSummary, pairs_of
+from monitor.runs.scheduler import (
     PRUNE_INTERVAL_SECONDS,
     REPLAY_INTERVAL_SECONDS,
     assign,
     build_scheduler,
     probe_job_id,
 )
-from monitor.secrets import alertmanager_headers, api_token, marker_key, tenant_keys
-from monitor.spool import Spool, SpoolBusy
 from monitor.storage import outbox
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts
-from monitor.storage.results import prune_expired, purge_excerpts
-from monitor.target_config import TargetConfig
+from monitor.storage.retention import prune_expired, purge_excerpts
 from monitor.targets.http import HttpClient
 from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
-from monitor.writer import BatchWriter
-from probes.canaries import MarkerBook
+from probes.markers import MarkerBook
 
 log = logging.getLogger("kvcanary")
 
@@ -343,7 +343,9 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
     app.state.session_factory = monitor.read_session_factory
     app.state.api_token = monitor.token
     app.state.settings = monitor.settings
-    app.state.run_now = RunNow(monitor.runner.run_target, monitor.settings.api.run_now_min_interval_seconds)
+    app.state.run_now = RunNow(
+        monitor.runner.run_target, monitor.settings.api.run_now_min_interval_seconds
+    )
     app.state.health = monitor.health
     app.include_router(health_router)
     app.include_router(api_router)

@@ -26,6 +26,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from monitor.storage.db import as_utc, utcnow
+from monitor.storage.error_streaks import error_streak, link_errors
 from monitor.storage.incident_rows import (
     Recording,
     RecordOutcome,
@@ -37,18 +38,13 @@ from monitor.storage.incident_rows import (
     try_open,
 )
 from monitor.storage.models import Incident, IncidentEvent
-from monitor.storage.results import (
-    error_streak,
-    incident_title,
-    link_errors,
-    new_probe_result,
-    upsert_target,
-)
+from monitor.storage.result_rows import incident_title, new_probe_result
+from monitor.storage.target_rows import upsert_target
 
 if TYPE_CHECKING:
     from sqlalchemy import Row
 
-    from monitor.config import IncidentConfig, RetentionConfig
+    from monitor.config.settings import IncidentConfig, RetentionConfig
     from probes.base import ProbeResult as ProbeOutcome
 
 #: Severity opened by each failing verdict; errors open ``warning`` (see module docstring).

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from probes.canaries import LeakHit, MarkerBook, redact_markers
+from probes.markers import LeakHit, MarkerBook, redact_markers
 from probes.target import Completion, CompletionRequest, Node, TargetClient
 
 

@@ -40,7 +40,7 @@ from typing import Any
 from pydantic import Field
 
 from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
-from probes.canaries import redact_markers
+from probes.markers import redact_markers
 from probes.target import Completion, CompletionRequest, ServerCapacity
 
 #: Tokens over the limit the prompt may end at: as tight as a BPE tokenizer allows, within a page.

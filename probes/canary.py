@@ -6,7 +6,7 @@ instead of what the request asked. The check asks each tenant's model to repeat 
 
 Why the check is sound (``docs/detection-research.md`` §5):
 
-- The nonce is a :class:`~probes.canaries.MarkerBook` marker (128 bits sealed by the monitor's
+- The nonce is a :class:`~probes.markers.MarkerBook` marker (128 bits sealed by the monitor's
   key), planted as the asking tenant. Coming back to that tenant it proves the request's own KV
   was read; coming back to anyone else it is a leak (:func:`~probes.base.judge`), which no model
   produces by chance.
@@ -37,7 +37,7 @@ from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict,
 from probes.base import (
     prompt_tokens_dropped as prompt_tokens_dropped,
 )
-from probes.canaries import marker_hash, redact_markers
+from probes.markers import marker_hash, redact_markers
 from probes.target import Completion, CompletionRequest
 
 #: Short on purpose: the reference worker echoes its prompt from position 0, real models copy it.

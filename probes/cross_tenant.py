@@ -8,7 +8,7 @@ batch is where tenants share a scheduler step and a free list) and then one afte
 reader right behind the others' freshly freed pages), and looks for any other tenant's marker in
 any answer.
 
-Why the check is sound: every marker is sealed by the shared :class:`~probes.canaries.MarkerBook`
+Why the check is sound: every marker is sealed by the shared :class:`~probes.markers.MarkerBook`
 with a 64-bit MAC under the monitor's key, and :class:`~probes.base.ProbeContext` scans every response
 (generated text and error bodies) against the live markers of the other tenants. A match cannot
 come from nondeterminism or a lucky guess (2**-64), so any match is a ``leak``; no match is a
@@ -29,8 +29,8 @@ from typing import Any
 from pydantic import Field
 
 from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
-from probes.canaries import redact_markers
 from probes.canary import MAX_TOKENS, repeat_prompt
+from probes.markers import redact_markers
 from probes.target import Completion, CompletionRequest
 
 #: Pages a planting prompt should span, so that markers land in many pages of the pool.

@@ -9,7 +9,7 @@ a fresh nonce at the very START of the prompt and the question at the END, and a
 
 Why the check is sound:
 
-- The nonce is a :class:`~probes.canaries.MarkerBook` marker planted as the asking tenant: it can
+- The nonce is a :class:`~probes.markers.MarkerBook` marker planted as the asking tenant: it can
   come back only if the request's first KV pages were computed from its own prompt and read at the
   end of a long context. Coming back to anyone else it is a ``leak`` (:func:`~probes.base.judge`).
   The filler between holds no marker, so nothing else in the prompt can stand in for it.
@@ -50,8 +50,8 @@ from pydantic import Field
 
 from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
 from probes.boundary import MAX_SIZING_ROUNDS, USAGE_SAFETY_SHARE
-from probes.canaries import marker_hash, redact_markers
 from probes.canary import prompt_tokens_dropped
+from probes.markers import marker_hash, redact_markers
 from probes.target import Completion, CompletionRequest
 
 #: Room for a chat template (role tags, a default system prompt) that the raw count does not see.

@@ -63,7 +63,7 @@ from typing import Any
 from pydantic import Field
 
 from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
-from probes.canaries import redact_markers
+from probes.markers import redact_markers
 from probes.target import Completion, CompletionRequest
 
 #: Different lengths (24 to about 200 characters): at most ~200 tokens even for a byte-level tokenizer,

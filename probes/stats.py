@@ -1,7 +1,7 @@
 """The one-sided two-sample Kolmogorov-Smirnov test and its sample sizing, in pure Python.
 
 Probes import nothing heavy (no numpy, no scipy): this module is the statistics of the prefix-cache
-timing test (``probes/prefix_timing.py``), checked against ``scipy.stats.ks_2samp`` in
+timing test (``probes/prefix_cache/timing.py``), checked against ``scipy.stats.ks_2samp`` in
 ``tests/probes/test_stats.py``.
 
 The question is one-sided: are the times of the first sample (cache hits, if the cache is shared)

@@ -41,7 +41,7 @@ def test_packages_import_only_across_allowed_walls(package: str, forbidden: set[
 
 def test_the_monitor_cli_loads_without_torch() -> None:
     code = (
-        "import sys, monitor.cli, monitor.app, monitor.demo, monitor.check; "
+        "import sys, monitor.commands.cli, monitor.app, monitor.commands.demo, monitor.commands.check; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
@@ -58,8 +58,8 @@ def documented_metrics(doc: str) -> set[str]:
 def test_every_monitor_metric_is_documented_and_every_documented_one_exported() -> None:
     from prometheus_client import CollectorRegistry
 
-    from monitor.metrics import MonitorMetrics
-    from monitor.spool import Spool
+    from monitor.metrics.registry import MonitorMetrics
+    from monitor.recording.spool import Spool
 
     metrics = MonitorMetrics(CollectorRegistry())
     metrics.declare("t", {"canary": 30.0})

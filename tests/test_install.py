@@ -57,7 +57,7 @@ def namespaced() -> Rewrite:
 def test_it_moves_from_imports_under_kvcanary_keeping_the_statement_as_written(namespaced: Rewrite) -> None:
     source = textwrap.dedent(
         """\
-        from monitor.config import (  # the settings
+        from monitor.config.settings import (  # the settings
             Settings,
             load_settings as load,
         )
@@ -67,7 +67,7 @@ def test_it_moves_from_imports_under_kvcanary_keeping_the_statement_as_written(n
     )
     assert namespaced(source) == textwrap.dedent(
         """\
-        from kvcanary.monitor.config import (  # the settings
+        from kvcanary.monitor.config.settings.settings import (  # the settings
             Settings,
             load_settings as load,
         )
@@ -105,13 +105,13 @@ def test_it_rewrites_plain_imports_so_that_they_bind_the_same_names(namespaced: 
 def test_it_leaves_strings_comments_relative_imports_and_other_modules_alone(namespaced: Rewrite) -> None:
     source = textwrap.dedent(
         '''\
-        """Run ``python -m workers``; see monitor.cli."""
+        """Run ``python -m workers``; see monitor.commands.cli."""
         # from monitor import x
         import monitoring
         from monitoring.probes import y
         from . import monitor
         from .workers import z
-        patch = "monitor.runner.run"
+        patch = "monitor.runs.runner.run"
         def g():
             raise ValueError("x") from monitor
         def h():
@@ -222,7 +222,7 @@ def test_the_wheel_holds_only_the_kvcanary_package_with_its_data(source: Path, w
         assert must in names
     assert not any(n.endswith((".pyc", ".db")) or "/__pycache__/" in n for n in names)
     assert {n: generic_imports(s) for n, s in sources.items() if generic_imports(s)} == {}
-    assert "from kvcanary.monitor.cli import main" in sources["kvcanary/cli.py"]
+    assert "from kvcanary.monitor.commands.cli import main" in sources["kvcanary/cli.py"]
 
 
 def wheelhouse(wheel: Path, python: Path) -> Path:
@@ -284,11 +284,12 @@ def test_the_installed_package_imports_only_under_kvcanary_and_finds_its_data(
         f"""
         import sys
         from pathlib import Path
-        import kvcanary.monitor, kvcanary.monitor.cli, kvcanary.monitor.demo, kvcanary.probes
+        import kvcanary.monitor, kvcanary.monitor.commands.cli, kvcanary.probes
+        import kvcanary.monitor.commands.demo
         from kvcanary.monitor.storage.db import MIGRATIONS_DIR, head_revision
         from kvcanary.monitor.api.runbooks import RUNBOOKS_DIR
-        from kvcanary.monitor.demo_observability import RULES
-        from kvcanary.monitor.dashboards import dashboard_files
+        from kvcanary.monitor.commands.demo_stack import RULES
+        from kvcanary.monitor.commands.dashboards import dashboard_files
         from kvcanary.probes.defects import DEFECTS_FILE, load_defects
         package = Path(kvcanary.__file__).parent
         assert package == Path({str(site)!r}) / "kvcanary", package
@@ -296,8 +297,8 @@ def test_the_installed_package_imports_only_under_kvcanary_and_finds_its_data(
             assert path.is_file() and path.is_relative_to(package), path
         assert [p.name for p in dashboard_files()] == ["kvcanary-overview.json", "kvcanary-workers.json"]
         assert load_defects() and head_revision()
-        assert kvcanary.monitor.cli.WORKERS_MODULE == "kvcanary.workers"
-        assert kvcanary.monitor.demo.WORKERS_MODULE == "kvcanary.workers"
+        assert kvcanary.monitor.commands.cli.WORKERS_MODULE == "kvcanary.workers"
+        assert kvcanary.monitor.commands.demo.WORKERS_MODULE == "kvcanary.workers"
         assert not {{"monitor", "probes", "workers", "torch"}} & set(sys.modules), sorted(sys.modules)
         """
     )

@@ -33,7 +33,7 @@ import pytest
 import yaml
 from sqlalchemy import create_engine, text
 
-from monitor.dashboards import panel_queries
+from monitor.commands.dashboards import panel_queries
 from tests.conftest import PG_HOST, PG_PORT, REPO, WorkerProcess, free_port, stop_process, wait_http
 from tests.services import Alertmanager, Prometheus, start_alertmanager, start_prometheus, wait_for
 

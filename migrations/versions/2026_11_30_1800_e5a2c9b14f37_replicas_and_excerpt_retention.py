@@ -5,7 +5,7 @@ Revises: c4d81f3a6b25
 Create Date: 2026-11-30 18:00:00
 
 - ``monitor_replica``: one row per live ``kvcanary serve`` process sharing the database; replicas
-  divide the probe work by rendezvous hashing over the rows seen recently (monitor/replicas.py).
+  divide the probe work by rendezvous hashing over the rows seen recently (monitor/runs/replicas.py).
 - ``probe_result.excerpts_until``: excerpts of target output are purged after
   ``retention.excerpt_days`` while the verdict stays; a partial index finds the rows still due.
 

@@ -1,6 +1,6 @@
 """``GET /incidents/{id}``: the page a person opens from an alert, in plain HTML.
 
-Every alert links here (``monitor/links.py``). The reader is on call, often on a phone, with no
+Every alert links here (``monitor/paging/links.py``). The reader is on call, often on a phone, with no
 bearer token: a link signed for this incident opens it, and so does the API's bearer token. The
 page says what happened and what to do next: the title, severity and state, the figures, the
 timeline of every state change (and whether Alertmanager took it), the latest results with their
@@ -20,11 +20,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse
 
-from monitor.alerting import ALERTNAMES
 from monitor.api.deps import MAX_ID, SessionDep, token_matches
-from monitor.links import runbook_base, signature_ok
+from monitor.paging.links import runbook_base, signature_ok
+from monitor.paging.pager import ALERTNAMES
 from monitor.storage import queries
-from monitor.storage.results import has_excerpts, without_excerpts
+from monitor.storage.retention import has_excerpts, without_excerpts
 
 router = APIRouter(prefix="/incidents", tags=["pages"])
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 
 from monitor.api.deps import SessionDep
 from monitor.api.schemas import LastVerdictOut, ProbeRunOut, Problem, RunOut, TargetList, TargetOut
-from monitor.run_now import RateLimited, RunJob, RunNow
+from monitor.runs.run_now import RateLimited, RunJob, RunNow
 from monitor.storage import queries
 from monitor.storage.models import public_url
 

@@ -16,8 +16,8 @@ from sqlalchemy import Row, case, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from monitor.storage.models import Incident, IncidentEvent, ProbeResult
-from monitor.storage.results import incident_title
+from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow
+from monitor.storage.result_rows import incident_title
 
 Change = Literal["opened", "escalated", "attached", "resolved"]
 
@@ -44,7 +44,7 @@ class RecordOutcome:
 class Recording:
     """One result being recorded: its row and what the rules need to know about it."""
 
-    row: ProbeResult
+    row: ProbeResultRow
     target_id: int
     target_name: str
     probe: str

@@ -78,7 +78,7 @@ class Target(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
-class ProbeResult(Base):
+class ProbeResultRow(Base):
     """One probe run's verdict and measurements. ``evidence`` is already redacted by the probe.
 
     ``incident_id`` is the incident that was open for (target, probe) when the result was
@@ -192,7 +192,7 @@ class Incident(Base):
 class IncidentEvent(Base):
     """One change in an incident's life: opened, escalated, resolved, or a notable failure.
 
-    The table doubles as the paging outbox (``monitor/alerting.py``): ``processed_at`` is NULL
+    The table doubles as the paging outbox (``monitor/paging/pager.py``): ``processed_at`` is NULL
     until an Alertmanager accepted the event. A pager claims a batch by compare-and-set
     (``UPDATE … SET claimed_by=:me, claimed_until=:lease WHERE id IN (…) AND processed_at IS NULL
     AND (claimed_until IS NULL OR claimed_until < :now)``), so two replicas never deliver one event
@@ -261,7 +261,7 @@ class MonitorReplica(Base):
     """A ``kvcanary serve`` process sharing the database; its heartbeat says it is alive.
 
     Replicas divide the (target, probe) work by rendezvous hashing over the live rows
-    (``monitor/replicas.py``): each pair is run by the live replica with the highest hash of
+    (``monitor/runs/replicas.py``): each pair is run by the live replica with the highest hash of
     (replica, pair), so every replica agrees without talking to the others, and a replica whose
     heartbeat stops loses its pairs to the survivors within one lease.
     """

@@ -17,7 +17,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from monitor.storage.db import as_utc
-from monitor.storage.models import Incident, IncidentEvent, ProbeResult, Target
+from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
 
 ERROR_CHARS = 200
 
@@ -205,12 +205,12 @@ def incident_views(session: Session, incident_ids: list[int]) -> dict[int, Incid
 def _latest_failures(session: Session, incident_ids: list[int]) -> dict[int, dict[str, Any]]:
     """Return, per incident, the figures of its newest non-pass result (what the alert describes)."""
     newest = (
-        select(ProbeResult.incident_id, func.max(ProbeResult.id).label("id"))
-        .where(ProbeResult.incident_id.in_(incident_ids), ProbeResult.verdict != "pass")
-        .group_by(ProbeResult.incident_id)
+        select(ProbeResultRow.incident_id, func.max(ProbeResultRow.id).label("id"))
+        .where(ProbeResultRow.incident_id.in_(incident_ids), ProbeResultRow.verdict != "pass")
+        .group_by(ProbeResultRow.incident_id)
         .subquery()
     )
-    rows = session.scalars(select(ProbeResult).join(newest, newest.c.id == ProbeResult.id)).all()
+    rows = session.scalars(select(ProbeResultRow).join(newest, newest.c.id == ProbeResultRow.id)).all()
     return {
         int(r.incident_id or 0): {
             "verdict": r.verdict,

@@ -37,7 +37,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from monitor.storage.db import as_utc
-from monitor.storage.models import Incident, IncidentEvent, ProbeResult, Target
+from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
 
 #: How many linked probe results an incident's detail carries by default.
 DETAIL_RESULTS = 50
@@ -139,11 +139,11 @@ class _Listing:
 
 
 _RESULTS = _Listing(
-    ProbeResult,
-    ProbeResult.id,
-    ProbeResult.target_id,
-    ProbeResult.started_at,
-    {"probe": ProbeResult.probe, "node": ProbeResult.node, "verdict": ProbeResult.verdict},
+    ProbeResultRow,
+    ProbeResultRow.id,
+    ProbeResultRow.target_id,
+    ProbeResultRow.started_at,
+    {"probe": ProbeResultRow.probe, "node": ProbeResultRow.node, "verdict": ProbeResultRow.verdict},
     PROBE_RESULT_SCANS,
 )
 _INCIDENTS = _Listing(
@@ -208,7 +208,7 @@ def get_incident(
     )
     results = session.execute(
         _RESULTS.rows()
-        .where(ProbeResult.incident_id == incident_id)
+        .where(ProbeResultRow.incident_id == incident_id)
         .order_by(*_RESULTS.newest_first())
         .limit(results_limit)
     )
@@ -380,7 +380,7 @@ def _latest(probe: str) -> Select[Any]:
     def newest(column: InstrumentedAttribute[Any]) -> Any:
         return (
             select(column)
-            .where(ProbeResult.target_id == Target.id, ProbeResult.probe == probe)
+            .where(ProbeResultRow.target_id == Target.id, ProbeResultRow.probe == probe)
             .order_by(*_RESULTS.newest_first())
             .limit(1)
             .correlate(Target)
@@ -390,7 +390,7 @@ def _latest(probe: str) -> Select[Any]:
     return select(
         Target.name,
         literal(probe, String),
-        newest(ProbeResult.verdict),
-        newest(ProbeResult.started_at),
-        newest(ProbeResult.reason),
+        newest(ProbeResultRow.verdict),
+        newest(ProbeResultRow.started_at),
+        newest(ProbeResultRow.reason),
     )

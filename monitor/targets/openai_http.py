@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
 from monitor.targets.capacity import apply_overrides, read_capacity
 from monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
 from monitor.targets.scrape import parse_samples

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from monitor.dashboards import dashboard_files
+from monitor.commands.dashboards import dashboard_files
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRACTS = (REPO / "docs" / "monitor-metrics.md", REPO / "docs" / "worker-metrics.md")

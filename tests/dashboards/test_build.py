@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dashboards import build
-from monitor.dashboards import BUILTIN_VARIABLES, DASHBOARDS_DIR, dashboards_dir
+from monitor.commands.dashboards import BUILTIN_VARIABLES, DASHBOARDS_DIR, dashboards_dir
 from tests.dashboards.conftest import all_panels, documented_metrics, variable_selector
 
 # Grafana 11.0 wrote schemaVersion 39, 11.3 wrote 40, 11.6 (the SDK build we pin) writes 41.

@@ -1,6 +1,6 @@
 """``kvcanary dashboards push``: exit codes, messages, and a token that never shows.
 
-These run once the command is wired into ``monitor/cli.py``; until then they skip.
+These run once the command is wired into ``monitor/commands/cli.py``; until then they skip.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def kvcanary() -> typer.Typer:
     from monitor import cli
 
     if "dashboards" not in typer.main.get_command(cli.app).commands:  # type: ignore[attr-defined]
-        pytest.skip("kvcanary dashboards push is not in monitor/cli.py yet")
+        pytest.skip("kvcanary dashboards push is not in monitor/commands/cli.py yet")
     return cli.app
 
 

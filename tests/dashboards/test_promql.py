@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from monitor.dashboards import dashboard_files, load_dashboard, panel_queries, substitute
+from monitor.commands.dashboards import dashboard_files, load_dashboard, panel_queries, substitute
 from tests.dashboards.conftest import variable_selector
 from tests.services import Prometheus, start_prometheus, wait_for
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from monitor.dashboards import DASHBOARDS_DIR
+from monitor.commands.dashboards import DASHBOARDS_DIR
 from tests.dashboards.conftest import all_panels
 
 PROVISIONING = DASHBOARDS_DIR / "provisioning"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from monitor.dashboards import (
+from monitor.commands.dashboards import (
     GrafanaRefusedError,
     PushConfigError,
     dashboard_files,

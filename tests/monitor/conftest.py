@@ -22,13 +22,12 @@ from sqlalchemy import Engine, delete, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.api.main import api_router, health_router
-from monitor.config import IncidentConfig, RetentionConfig, Settings
+from monitor.config.settings import IncidentConfig, RetentionConfig, Settings
 from monitor.incidents import RecordOutcome, record_result
-from monitor.run_now import RunNow
+from monitor.runs.run_now import RunNow
 from monitor.storage.db import make_engine, make_session_factory, upgrade
-from monitor.storage.models import Incident, IncidentEvent, ProbeResult, Target
-from probes.base import ProbeResult as ProbeOutcome
-from probes.base import Verdict
+from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
+from probes.base import ProbeResult, Verdict
 from tests.services import Alertmanager, start_alertmanager
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
@@ -67,7 +66,7 @@ def empty_tables(engine: Engine) -> None:
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             conn.execute(text("SET LOCAL lock_timeout = '30s'"))
-        for model in (IncidentEvent, ProbeResult, Incident, Target):
+        for model in (IncidentEvent, ProbeResultRow, Incident, Target):
             conn.execute(delete(model))
 
 
@@ -117,10 +116,10 @@ def scratch_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 # --- recording ---------------------------------------------------------------------------------------
 
 
-def outcome(verdict: str, reason: str = "", detail: str = "", **measurements: float) -> ProbeOutcome:
+def outcome(verdict: str, reason: str = "", detail: str = "", **measurements: float) -> ProbeResult:
     """A probe's result with ``verdict``; ``reason`` defaults to a plausible token per verdict."""
     default = {"pass": "ok", "leak": "foreign_marker", "mismatch": "wrong_answer", "error": "timeout"}
-    return ProbeOutcome(
+    return ProbeResult(
         Verdict(verdict),
         reason or default[verdict],
         detail or f"{verdict} seen",

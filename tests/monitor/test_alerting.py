@@ -21,11 +21,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor import alerting
-from monitor.alerting import ALERTNAMES, Delivery, Pager
 from monitor.api.runbooks import RUNBOOKS_DIR
-from monitor.config import Settings, parse_settings
-from monitor.links import link_signature
-from monitor.metrics import MonitorMetrics
+from monitor.config.settings import Settings, parse_settings
+from monitor.metrics.registry import MonitorMetrics
+from monitor.paging.links import link_signature
+from monitor.paging.pager import ALERTNAMES, Delivery, Pager
 from monitor.storage import outbox
 from monitor.storage.models import IncidentEvent
 from tests.monitor.conftest import minutes, record

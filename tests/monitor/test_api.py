@@ -284,7 +284,7 @@ def test_the_openapi_document_declares_models_auth_and_errors(client: TestClient
 
 def test_the_docs_page_loads_its_assets_from_the_monitor_not_a_cdn(tmp_path: pathlib.Path) -> None:
     from monitor.app import Monitor, create_app
-    from monitor.config import parse_settings
+    from monitor.config.settings import parse_settings
     from monitor.storage.db import upgrade
 
     url = f"sqlite:///{tmp_path / 'k.db'}"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from monitor.config import ConfigError, load_settings, parse_settings
-from monitor.secrets import api_token, tenant_keys
+from monitor.config.secrets import api_token, tenant_keys
+from monitor.config.settings import ConfigError, load_settings, parse_settings
 from probes import REGISTRY
 
 REPO = Path(__file__).resolve().parents[2]

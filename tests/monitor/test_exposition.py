@@ -8,9 +8,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.exposition import number
-from monitor.metrics import MonitorMetrics
-from monitor.spool import Spool
+from monitor.metrics.exposition import number
+from monitor.metrics.registry import MonitorMetrics
+from monitor.recording.spool import Spool
 from probes.base import ProbeResult, Verdict
 
 Sample = tuple[str, tuple[tuple[str, str], ...], float]

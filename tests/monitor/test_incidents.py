@@ -8,10 +8,11 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config import IncidentConfig
+from monitor.config.settings import IncidentConfig
 from monitor.incidents import RecordOutcome, record_result, resolve_incident
-from monitor.storage.models import Incident, IncidentEvent, ProbeResult, Target
-from monitor.storage.results import TITLE_CHARS, prune_expired
+from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
+from monitor.storage.result_rows import TITLE_CHARS
+from monitor.storage.retention import prune_expired
 from tests.monitor.conftest import POLICY, RETENTION, T0, minutes, outcome, record
 
 Factory = sessionmaker[Session]
@@ -38,7 +39,7 @@ def test_a_pass_with_nothing_open_records_the_result_and_opens_nothing(session_f
     assert out == RecordOutcome(out.result_id, None, None, None)
     assert incidents(session_factory) == []
     with session_factory() as s:
-        row = s.get_one(ProbeResult, out.result_id)
+        row = s.get_one(ProbeResultRow, out.result_id)
         assert (row.verdict, row.status_code, row.latency_seconds, row.ttft_seconds) == (
             "pass",
             200,
@@ -64,7 +65,7 @@ def test_a_leak_opens_one_critical_incident_with_an_opened_event(session_factory
     )
     assert events(session_factory, incident.id) == [("opened", None, "critical")]
     with session_factory() as s:
-        row = s.get_one(ProbeResult, out.result_id)
+        row = s.get_one(ProbeResultRow, out.result_id)
         assert row.incident_id == incident.id
         assert row.expires_at == T0 + timedelta(days=RETENTION.failure_days)
         assert row.evidence == {"marker_ids": ["m-1"]}
@@ -157,7 +158,7 @@ def test_errors_never_open_a_leak_incident_and_warn_only_past_the_threshold(sess
     assert incident.failure_count == 5
     assert incident.title.startswith("errors on glm-prod/cross_tenant for 300s: connect")
     with session_factory() as s:
-        linked = s.scalars(select(ProbeResult.incident_id)).all()
+        linked = s.scalars(select(ProbeResultRow.incident_id)).all()
     assert linked == [incident.id] * 5, "the errors that opened it are its evidence"
 
 
@@ -256,7 +257,7 @@ def test_long_details_and_odd_evidence_are_stored_bounded_and_as_json(session_fa
             retention=RETENTION,
         )
     with session_factory() as s:
-        row = s.get_one(ProbeResult, out.result_id)
+        row = s.get_one(ProbeResultRow, out.result_id)
         incident = s.get_one(Incident, out.incident_id)
     assert len(row.reason) == 64 and row.evidence == {"ids": "{3}", "raw": "b'\\x00'"}
     assert len(incident.title) == TITLE_CHARS and incident.title.endswith("…")
@@ -315,7 +316,7 @@ def test_prune_deletes_expired_results_but_keeps_an_open_incidents_evidence(sess
         removed = prune_expired(s, now=T0 + timedelta(days=91))
 
     with session_factory() as s:
-        left = set(s.scalars(select(ProbeResult.id)))
+        left = set(s.scalars(select(ProbeResultRow.id)))
         event_links = s.scalars(
             select(IncidentEvent.probe_result_id).where(IncidentEvent.incident_id == closed.incident_id)
         ).all()

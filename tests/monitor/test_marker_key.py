@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from monitor.app import Monitor
-from monitor.config import ConfigError, parse_settings
-from monitor.secrets import marker_key
+from monitor.config.secrets import marker_key
+from monitor.config.settings import ConfigError, parse_settings
 from monitor.storage.db import upgrade
 from tests.conftest import REPO
 
@@ -23,18 +23,18 @@ TOKEN = "replica-token-0123456789abcdef"
 KEY = "k" * 40
 
 PLANT = """
-from monitor.config import parse_settings
-from monitor.secrets import api_token, marker_key
-from probes.canaries import MarkerBook
+from monitor.config.settings import parse_settings
+from monitor.config.secrets import api_token, marker_key
+from probes.markers import MarkerBook
 s = parse_settings({})
 book = MarkerBook(key=marker_key(s, api_token(s)))
 print(book.plant("glm", "alice")[1])
 """
 SCAN = """
 import sys
-from monitor.config import parse_settings
-from monitor.secrets import api_token, marker_key
-from probes.canaries import MarkerBook
+from monitor.config.settings import parse_settings
+from monitor.config.secrets import api_token, marker_key
+from probes.markers import MarkerBook
 s = parse_settings({})
 book = MarkerBook(key=marker_key(s, api_token(s)))
 book.register("glm", "alice")

@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.alerting import Delivery, Pager
 from monitor.api import pages
 from monitor.incidents import record_result
-from monitor.links import incident_url, link_signature
-from monitor.metrics import MonitorMetrics
+from monitor.metrics.registry import MonitorMetrics
+from monitor.paging.links import incident_url, link_signature
+from monitor.paging.pager import Delivery, Pager
 from monitor.storage.models import Incident
 from probes.base import ProbeResult, Verdict
 from tests.monitor.conftest import POLICY, RETENTION, build_app, minutes, record, settings_with_targets

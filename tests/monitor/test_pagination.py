@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from monitor.api.deps import MAX_OFFSET
 from monitor.storage import queries
 from monitor.storage.db import utcnow
-from monitor.storage.models import ProbeResult, Target
+from monitor.storage.models import ProbeResultRow, Target
 from tests.monitor.conftest import T0, build_app, minutes, record, settings_with_targets
 
 Factory = sessionmaker[Session]
@@ -63,7 +63,7 @@ def add_results(
             }
             for i in range(start, start + n)
         ]
-        s.execute(insert(ProbeResult), rows)
+        s.execute(insert(ProbeResultRow), rows)
 
 
 def _target_id(session: Session, name: str) -> int:
@@ -118,7 +118,7 @@ def test_rows_recorded_while_paging_neither_repeat_nor_push_older_rows_onto_late
     add_results(session_factory, 30)
     before = expected(session_factory)
     with session_factory() as s:
-        newest = s.get_one(ProbeResult, before[0]).started_at
+        newest = s.get_one(ProbeResultRow, before[0]).started_at
     batches = iter(range(100, 1000, 100))
 
     def insert_newer_rows() -> None:
@@ -165,7 +165,7 @@ def test_a_time_range_combines_with_cursors(client: TestClient, session_factory:
     ids = page_through(client, RESULTS, limit=4, since=since.isoformat(), until=until.isoformat())
 
     with session_factory() as s:
-        rows = {r.id: r.started_at for r in s.query(ProbeResult.id, ProbeResult.started_at)}
+        rows = {r.id: r.started_at for r in s.query(ProbeResultRow.id, ProbeResultRow.started_at)}
     assert ids == [i for i in expected(session_factory) if since <= rows[i] < until] and ids
 
 

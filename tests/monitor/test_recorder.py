@@ -22,18 +22,18 @@ from sqlalchemy import event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config import Settings, parse_settings
+from monitor.config.settings import Settings, parse_settings
 from monitor.incidents import record_result
-from monitor.metrics import MonitorMetrics
-from monitor.recorder import Recorder
-from monitor.runner import ProbeRunner
-from monitor.spool import PendingResult, Spool
+from monitor.metrics.registry import MonitorMetrics
+from monitor.recording.recorder import Recorder
+from monitor.recording.spool import PendingResult, Spool
+from monitor.runs.runner import ProbeRunner
 from monitor.storage.db import make_engine, make_session_factory, upgrade
-from monitor.storage.models import Incident, ProbeResult, Target
-from monitor.storage.results import save_state, storable_text
-from probes.base import ProbeResult as Outcome
-from probes.base import Verdict
-from probes.canaries import MarkerBook
+from monitor.storage.models import Incident, ProbeResultRow, Target
+from monitor.storage.probe_states import save_state
+from monitor.storage.storable import storable_text
+from probes.base import ProbeResult, Verdict
+from probes.markers import MarkerBook
 from tests.monitor.conftest import POLICY, RETENTION, T0
 from tests.probes.probe_harness import Call, FakeEngine
 
@@ -94,14 +94,16 @@ def settings_for(url: str = "http://engine.test") -> Settings:
 def test_any_text_a_probe_reports_is_stored_and_read_back(
     session_factory: Factory, reason: str, detail: str, evidence: object, verdict: Verdict
 ) -> None:
-    result = Outcome(verdict, reason, detail, {"excerpt": evidence, detail: reason}, {"status_code": 10**12})
+    result = ProbeResult(
+        verdict, reason, detail, {"excerpt": evidence, detail: reason}, {"status_code": 10**12}
+    )
     with session_factory() as s, s.begin():
         out = record_result(
             s, target_name="glm", engine="vllm", base_url="http://x", model="m", probe="canary",
             result=result, started_at=T0, duration_seconds=0.1, policy=POLICY, retention=RETENTION,
         )  # fmt: skip
     with session_factory() as s:
-        row = s.get(ProbeResult, out.result_id)
+        row = s.get(ProbeResultRow, out.result_id)
         assert row is not None
         assert row.detail == storable_text(detail)[:2000]
         assert row.status_code is None  # a count no column can hold is dropped, not the row
@@ -143,7 +145,7 @@ def test_a_leaking_answer_full_of_escaped_nuls_is_recorded_with_its_incident(
     verdicts = asyncio.run(runs())
     assert verdicts == [Verdict.LEAK] * 5
     with session_factory() as s:
-        leaks = s.scalars(select(ProbeResult).where(ProbeResult.verdict == "leak")).all()
+        leaks = s.scalars(select(ProbeResultRow).where(ProbeResultRow.verdict == "leak")).all()
         assert len(leaks) == 5 and len(spool) == 0
         assert all(r.evidence["leak_count"] >= 1 for r in leaks)
         incident = s.scalars(select(Incident)).one()
@@ -161,11 +163,11 @@ def test_a_result_that_cannot_be_stored_as_it_is_is_recorded_without_its_evidenc
 
     config = settings_for()
     recorder = Recorder(config, session_factory, Spool(None))
-    result = Outcome(Verdict.LEAK, "foreign_marker", "seen", {"odd": Unstorable()})
+    result = ProbeResult(Verdict.LEAK, "foreign_marker", "seen", {"odd": Unstorable()})
     outcome = recorder.record(config.targets[0], "canary", result, T0, 0.2)
     assert outcome is not None and outcome.change == "opened"
     with session_factory() as s:
-        row = s.get(ProbeResult, outcome.result_id)
+        row = s.get(ProbeResultRow, outcome.result_id)
         assert row is not None and row.verdict == "leak"
         assert set(row.evidence) == {"evidence_unstorable"}
 
@@ -182,18 +184,18 @@ def test_results_spooled_while_the_database_is_away_are_replayed_in_order(sessio
     verdicts = ["leak", "pass", "mismatch", "pass", "pass", "pass"]
     for i, verdict in enumerate(verdicts):
         at = T0 + timedelta(seconds=i)
-        assert recorder.record(target, "canary", Outcome(Verdict(verdict), f"r{i}"), at, 0.1) is None
+        assert recorder.record(target, "canary", ProbeResult(Verdict(verdict), f"r{i}"), at, 0.1) is None
     assert len(spool) == len(verdicts)
     assert recorder.replay() == 0  # still dead: nothing lost, nothing done
     recorder.session_factory = session_factory
     assert recorder.replay() == len(verdicts)
     with session_factory() as s:
-        reasons = s.scalars(select(ProbeResult.reason).order_by(ProbeResult.started_at)).all()
+        reasons = s.scalars(select(ProbeResultRow.reason).order_by(ProbeResultRow.started_at)).all()
         assert reasons == [f"r{i}" for i in range(len(verdicts))]
         incident = s.scalars(select(Incident)).one()
         # Replayed in order: opened by the leak, a mismatch attached, resolved by the last 3 passes.
         assert (incident.severity, incident.state, incident.failure_count) == ("critical", "resolved", 2)
-        assert s.scalar(select(func.count()).select_from(ProbeResult)) == len(verdicts)
+        assert s.scalar(select(func.count()).select_from(ProbeResultRow)) == len(verdicts)
 
 
 def test_a_batch_of_results_follows_the_incident_rules_as_one_by_one(session_factory: Factory) -> None:
@@ -208,7 +210,7 @@ def test_a_batch_of_results_follows_the_incident_rules_as_one_by_one(session_fac
 
     def item(probe: str, verdict: str, second: int) -> PendingResult:
         at = T0 + timedelta(seconds=second)
-        return PendingResult.of(target, probe, Outcome(Verdict(verdict), "r"), at, 0.1, at)
+        return PendingResult.of(target, probe, ProbeResult(Verdict(verdict), "r"), at, 0.1, at)
 
     first = recorder.record_many([item("canary", "mismatch", 0), item("canary", "pass", 1)])
     assert [o and o.change for o in first] == ["opened", None]
@@ -220,7 +222,7 @@ def test_a_batch_of_results_follows_the_incident_rules_as_one_by_one(session_fac
     with session_factory() as s:
         states = {(i.probe, i.severity, i.state, i.consecutive_passes) for i in s.scalars(select(Incident))}
         assert states == {("canary", "high", "resolved", 3), ("boundary", "critical", "resolved", 3)}
-        assert s.scalar(select(func.count()).select_from(ProbeResult)) == len(batch) + 2
+        assert s.scalar(select(func.count()).select_from(ProbeResultRow)) == len(batch) + 2
 
 
 def test_every_stored_probe_state_is_read_in_one_go_at_start(session_factory: Factory) -> None:
@@ -231,7 +233,7 @@ def test_every_stored_probe_state_is_read_in_one_go_at_start(session_factory: Fa
     target = config.targets[0]
 
     def item(probe: str, node: str, state: dict[str, object]) -> PendingResult:
-        result = Outcome(Verdict.PASS, "r", state=state)
+        result = ProbeResult(Verdict.PASS, "r", state=state)
         return PendingResult.of(target, probe, result, T0, 0.1, T0, node)
 
     recorder.record_many([item("canary", "", {"n": 1}), item("counters", "decode-0", {"reads": [2, 3]})])
@@ -263,7 +265,7 @@ def test_configured_targets_get_their_rows_at_start_and_changes_are_written(sess
     assert [tuple(r)[1:] for r in rows] == [("glm", "http://engine.test")]  # as public_url writes it
     # The cached id sends a first pass down the quiet path: the target table is not touched.
     target = config.targets[0]
-    item = PendingResult.of(target, "canary", Outcome(Verdict.PASS, "r"), T0, 0.1, T0)
+    item = PendingResult.of(target, "canary", ProbeResult(Verdict.PASS, "r"), T0, 0.1, T0)
     with statements_of(session_factory) as seen:
         [outcome] = recorder.record_many([item])
     assert outcome is not None and outcome.change is None and outcome.target_id == rows[0].id
@@ -306,7 +308,7 @@ def test_a_database_turned_read_only_in_a_failover_spools_verdicts_instead_of_dr
     target = recorder.settings.targets[0]
     try:
         read_only(True)
-        leak = Outcome(Verdict.LEAK, "foreign_marker", "a marker of alice reached bob")
+        leak = ProbeResult(Verdict.LEAK, "foreign_marker", "a marker of alice reached bob")
         assert recorder.record(target, "cross_tenant", leak, T0, 1.0) is None
         assert len(recorder.spool) == 1
         read_only(False)
@@ -314,5 +316,5 @@ def test_a_database_turned_read_only_in_a_failover_spools_verdicts_instead_of_dr
     finally:
         read_only(False)
     with make_session_factory(engine)() as s:
-        assert s.scalars(select(ProbeResult.verdict)).all() == ["leak"]
+        assert s.scalars(select(ProbeResultRow.verdict)).all() == ["leak"]
     engine.dispose()

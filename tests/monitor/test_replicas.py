@@ -26,7 +26,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, text
 
-from monitor.replicas import HEARTBEAT_SECONDS, LEASE_SECONDS
+from monitor.runs.replicas import HEARTBEAT_SECONDS, LEASE_SECONDS
 from tests.conftest import PG_HOST, PG_PORT, REPO, WorkerProcess, free_port, stop_process, wait_http
 
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]

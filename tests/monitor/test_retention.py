@@ -11,14 +11,13 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config import parse_settings
-from monitor.recorder import Recorder
-from monitor.scheduler import FIRST_HOUSEKEEPING_SECONDS, build_scheduler
-from monitor.spool import Spool
-from monitor.storage.models import ProbeResult
-from monitor.storage.results import prune_expired, purge_excerpts
-from probes.base import ProbeResult as Outcome
-from probes.base import Verdict
+from monitor.config.settings import parse_settings
+from monitor.recording.recorder import Recorder
+from monitor.recording.spool import Spool
+from monitor.runs.scheduler import FIRST_HOUSEKEEPING_SECONDS, build_scheduler
+from monitor.storage.models import ProbeResultRow
+from monitor.storage.retention import prune_expired, purge_excerpts
+from probes.base import ProbeResult, Verdict
 from tests.monitor.conftest import T0
 
 Factory = sessionmaker[Session]
@@ -35,8 +34,8 @@ def recorder(factory: Factory, **config: object) -> Recorder:
 
 
 def record_leak(rec: Recorder, at: datetime) -> int:
-    outcome = rec.record(rec.settings.targets[0], "canary", Outcome(Verdict.LEAK, "foreign_marker", "seen",
-                         json.loads(json.dumps(LEAK_EVIDENCE))), at, 0.1)  # fmt: skip
+    leak = ProbeResult(Verdict.LEAK, "foreign_marker", "seen", json.loads(json.dumps(LEAK_EVIDENCE)))
+    outcome = rec.record(rec.settings.targets[0], "canary", leak, at, 0.1)
     assert outcome is not None
     return outcome.result_id
 
@@ -49,7 +48,7 @@ def test_excerpts_are_purged_after_their_days_and_the_verdict_stays(session_fact
         assert purge_excerpts(s, now=T0 + timedelta(days=2, seconds=1)) == 1
         assert purge_excerpts(s, now=T0 + timedelta(days=3)) == 0  # done once
     with session_factory() as s:
-        row = s.get(ProbeResult, row_id)
+        row = s.get(ProbeResultRow, row_id)
         assert row is not None and row.verdict == "leak" and row.excerpts_until is None
         text = json.dumps(row.evidence)
         assert "another customer's words" not in text and "stale page text" not in text
@@ -63,7 +62,7 @@ def test_with_excerpts_off_no_excerpt_is_ever_stored(session_factory: Factory) -
     rec = recorder(session_factory, evidence={"excerpts": False})
     row_id = record_leak(rec, T0)
     with session_factory() as s:
-        row = s.get(ProbeResult, row_id)
+        row = s.get(ProbeResultRow, row_id)
         assert row is not None and row.excerpts_until is None
         assert "another customer's words" not in json.dumps(row.evidence)
         assert row.evidence["leaks"][0]["marker_sha256"] == "f" * 64
@@ -73,7 +72,7 @@ def test_pruning_goes_in_batches_that_each_commit(session_factory: Factory) -> N
     rec = recorder(session_factory, retention={"pass_days": 1})
     target = rec.settings.targets[0]
     for i in range(25):
-        rec.record(target, "canary", Outcome(Verdict.PASS, "ok"), T0 + timedelta(seconds=i), 0.1)
+        rec.record(target, "canary", ProbeResult(Verdict.PASS, "ok"), T0 + timedelta(seconds=i), 0.1)
     later = T0 + timedelta(days=2)
     batches = []
     while True:
@@ -84,7 +83,7 @@ def test_pruning_goes_in_batches_that_each_commit(session_factory: Factory) -> N
             break
     assert batches == [10, 10, 5]
     with session_factory() as s:
-        assert s.scalar(select(func.count()).select_from(ProbeResult)) == 0
+        assert s.scalar(select(func.count()).select_from(ProbeResultRow)) == 0
 
 
 def test_housekeeping_first_runs_soon_after_start_not_an_interval_later() -> None:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.run_now import RunNow
+from monitor.runs.run_now import RunNow
 from tests.conftest import REPO, WorkerProcess, free_port, stop_process, wait_http
 
 TOKEN = "run-now-test-token-0123456789"
@@ -177,7 +177,7 @@ def test_a_run_is_done_only_once_its_results_are_in() -> None:
 def test_sigterm_during_start_up_starts_no_probe_clock(tmp_path: Path) -> None:
     """A signal that lands while the app is still starting: the scheduler must not start after it."""
     from monitor.app import Monitor
-    from monitor.config import parse_settings
+    from monitor.config.settings import parse_settings
     from monitor.storage.db import upgrade
 
     url = f"sqlite:///{tmp_path / 'k.db'}"

@@ -16,18 +16,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config import Settings, parse_settings
-from monitor.metrics import MonitorMetrics
-from monitor.recorder import Recorder
-from monitor.runner import ProbeRunner, RunSummary
-from monitor.scheduler import assign, build_scheduler, next_in_phase
-from monitor.spool import Spool
+from monitor.config.settings import Settings, parse_settings
+from monitor.metrics.registry import MonitorMetrics
+from monitor.recording.recorder import Recorder
+from monitor.recording.spool import Spool
+from monitor.recording.writer import BatchWriter
+from monitor.runs.runner import ProbeRunner, RunSummary
+from monitor.runs.scheduler import assign, build_scheduler, next_in_phase
 from monitor.storage.db import make_engine, make_session_factory
-from monitor.storage.models import Incident, ProbeResult
+from monitor.storage.models import Incident, ProbeResultRow
 from monitor.targets.openai_http import OpenAIHttpTarget
-from monitor.writer import BatchWriter
 from probes.base import Verdict
-from probes.canaries import MarkerBook
+from probes.markers import MarkerBook
 from tests.conftest import WorkerProcess, free_port
 from tests.probes.probe_harness import Call, FakeEngine, answer, loopback_target
 
@@ -175,7 +175,7 @@ def test_a_leak_read_before_shutdown_cancels_the_run_is_still_recorded(
     finally:
         writer.close()
     with session_factory() as s:
-        row = s.execute(select(ProbeResult.verdict, ProbeResult.reason, ProbeResult.detail)).one()
+        row = s.execute(select(ProbeResultRow.verdict, ProbeResultRow.reason, ProbeResultRow.detail)).one()
         assert (row.verdict, row.reason) == ("leak", "foreign_marker"), row.detail
         assert s.scalars(select(Incident.severity)).all() == ["critical"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from monitor.spool import PendingResult, Spool, SpoolBusy
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
+from monitor.recording.spool import PendingResult, Spool, SpoolBusy
 from probes.base import ProbeResult, Verdict
 
 TARGET = TargetConfig(name="glm", base_url="http://127.0.0.1:1", tenants=[{"name": "a"}, {"name": "b"}])

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.storage import queries
 from monitor.storage.db import make_engine, upgrade
-from monitor.storage.models import Incident, ProbeResult, Target, public_url
+from monitor.storage.models import Incident, ProbeResultRow, Target, public_url
 from tests.monitor.conftest import T0, minutes, record
 
 Factory = sessionmaker[Session]
@@ -34,8 +34,8 @@ def test_timestamps_come_back_aware_and_in_utc(session_factory: Factory) -> None
     naive = record(session_factory, "pass", at=datetime(2026, 11, 29, 14, 0), probe="canary")
 
     with session_factory() as s:
-        started = s.get_one(ProbeResult, out.result_id).started_at
-        naive_started = s.get_one(ProbeResult, naive.result_id).started_at
+        started = s.get_one(ProbeResultRow, out.result_id).started_at
+        naive_started = s.get_one(ProbeResultRow, naive.result_id).started_at
     assert started == T0 and started.utcoffset() == timedelta(0)
     assert naive_started == datetime(2026, 11, 29, 14, 0, tzinfo=UTC), "naive is taken as UTC"
 
@@ -179,5 +179,5 @@ def test_odd_text_and_numbers_from_an_engine_are_recorded_on_both_databases(sess
     # raw, and losing the recording of a failure to that would be worse than the oddity.
     outcome = record(session_factory, "mismatch", at=T0, detail="bad\x00answer", latency_seconds=float("nan"))
     with session_factory() as s:
-        row = s.get(ProbeResult, outcome.result_id)
+        row = s.get(ProbeResultRow, outcome.result_id)
         assert row is not None and row.detail == "badanswer"

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
 from monitor.targets.openai_http import ERROR_BODY_BYTES, OpenAIHttpTarget
 from probes.target import CompletionRequest
 from tests.conftest import free_port

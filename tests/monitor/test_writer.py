@@ -11,13 +11,12 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor import writer as writer_module
-from monitor.recorder import Recorder
-from monitor.spool import PendingResult, Spool
-from monitor.storage.models import Incident, ProbeResult
-from monitor.target_config import TargetConfig
-from monitor.writer import BatchWriter
-from probes.base import ProbeResult as Outcome
-from probes.base import Verdict
+from monitor.config.targets import TargetConfig
+from monitor.recording.recorder import Recorder
+from monitor.recording.spool import PendingResult, Spool
+from monitor.recording.writer import BatchWriter
+from monitor.storage.models import Incident, ProbeResultRow
+from probes.base import ProbeResult, Verdict
 from tests.monitor.conftest import T0
 from tests.monitor.test_recorder import settings_for
 
@@ -44,7 +43,7 @@ def writer_for(session_factory: Factory) -> tuple[BatchWriter, CountingRecorder]
 async def submit_all(writer: BatchWriter, verdicts: list[str]) -> list:  # type: ignore[type-arg]
     target = writer.recorder.settings.targets[0]
     runs = [
-        writer.submit(target, f"probe{i}", Outcome(Verdict(v), "r"), T0 + timedelta(seconds=i), 0.1)
+        writer.submit(target, f"probe{i}", ProbeResult(Verdict(v), "r"), T0 + timedelta(seconds=i), 0.1)
         for i, v in enumerate(verdicts)
     ]
     return list(await asyncio.gather(*runs))
@@ -59,7 +58,7 @@ def test_passes_arriving_together_share_one_transaction(session_factory: Factory
     assert all(o is not None for o in outcomes)
     assert [len(b) for b in recorder.batches] == [12]
     with session_factory() as s:
-        assert s.scalar(select(func.count()).select_from(ProbeResult)) == 12
+        assert s.scalar(select(func.count()).select_from(ProbeResultRow)) == 12
 
 
 def test_a_leak_is_written_at_once_whatever_the_linger(
@@ -96,17 +95,17 @@ def test_close_records_what_is_still_waiting(
 
     asyncio.run(scenario())
     with session_factory() as s:
-        assert s.scalar(select(func.count()).select_from(ProbeResult)) == 5
+        assert s.scalar(select(func.count()).select_from(ProbeResultRow)) == 5
 
 
 def test_a_result_queued_without_waiting_is_recorded_before_close(session_factory: Factory) -> None:
     """What a cancelled run found is queued with ``enqueue`` (nothing can await it) and still lands."""
     writer, _ = writer_for(session_factory)
     target = writer.recorder.settings.targets[0]
-    writer.enqueue(pending(target, Outcome(Verdict.LEAK, "foreign_marker"), T0))
+    writer.enqueue(pending(target, ProbeResult(Verdict.LEAK, "foreign_marker"), T0))
     writer.close()
     with session_factory() as s:
-        assert s.scalars(select(ProbeResult.verdict)).all() == ["leak"]
+        assert s.scalars(select(ProbeResultRow.verdict)).all() == ["leak"]
         assert s.scalars(select(Incident.severity)).all() == ["critical"]
 
 
@@ -119,18 +118,18 @@ def test_close_spools_what_a_hung_database_holds_back(db_engine: Engine, session
     target = recorder.settings.targets[0]
     with db_engine.connect() as blocker:
         blocker.exec_driver_sql("LOCK TABLE probe_result IN ACCESS EXCLUSIVE MODE")
-        writer.enqueue(pending(target, Outcome(Verdict.MISMATCH, "nonce_missing"), T0))
+        writer.enqueue(pending(target, ProbeResult(Verdict.MISMATCH, "nonce_missing"), T0))
         wait_for_a_blocked_statement(db_engine)  # the writer's thread now hangs on the lock
         for i in range(3):
             later = T0 + timedelta(seconds=i + 1)
-            writer.enqueue(pending(target, Outcome(Verdict.LEAK, "foreign_marker"), later))
+            writer.enqueue(pending(target, ProbeResult(Verdict.LEAK, "foreign_marker"), later))
         assert writer.close(timeout=2.0) == 3
         assert len(recorder.spool) == 3 and recorder.spool.head().verdict == "leak"  # type: ignore[union-attr]
         blocker.rollback()  # the lock goes: the hung batch completes on its own
     writer._thread.join(10)
     recorder.replay()
     with session_factory() as s:
-        assert sorted(s.scalars(select(ProbeResult.verdict)).all()) == ["leak", "leak", "leak", "mismatch"]
+        assert sorted(s.scalars(select(ProbeResultRow.verdict)).all()) == ["leak", "leak", "leak", "mismatch"]
 
 
 def wait_for_a_blocked_statement(engine: Engine, timeout: float = 10.0) -> None:
@@ -143,5 +142,5 @@ def wait_for_a_blocked_statement(engine: Engine, timeout: float = 10.0) -> None:
     raise AssertionError("no statement ever waited on the lock")
 
 
-def pending(target: TargetConfig, outcome: Outcome, started_at: datetime) -> PendingResult:
+def pending(target: TargetConfig, outcome: ProbeResult, started_at: datetime) -> PendingResult:
     return PendingResult.of(target, "cross_tenant", outcome, started_at, 1.0, started_at, "")

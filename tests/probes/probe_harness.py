@@ -17,11 +17,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult
-from probes.canaries import MARKER_RE, MarkerBook
+from probes.markers import MARKER_RE, MarkerBook
 from tests.loopback import Handler, Loopback
 
 TENANTS = ("alice", "bob")

@@ -10,7 +10,7 @@ import pytest
 
 from probes.base import ProbeResult, Verdict
 from probes.boundary import MAX_TOKENS, BoundaryProbe, filler, over_margin
-from probes.canaries import MarkerBook
+from probes.markers import MarkerBook
 from tests.probes.probe_harness import (
     CLEAN,
     PLACEHOLDER,

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.canaries import MarkerBook
 from probes.canary import CanaryProbe, prompt_tokens_dropped
+from probes.markers import MarkerBook
 from tests.probes.probe_harness import (
     CLEAN,
     PLACEHOLDER,

@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.runner import execute_probe
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
+from monitor.runs.runner import execute_probe
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import ProbeResult, Verdict
-from probes.canaries import MarkerBook
 from probes.counters import judge_counters
+from probes.markers import MarkerBook
 from probes.target import Node
 from tests.probes.probe_harness import DISAGG, KEYS, MODEL, PLACEHOLDER, SINGLE, Reference, loopback_target
 

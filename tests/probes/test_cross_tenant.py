@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from probes.base import ProbeResult, Verdict
-from probes.canaries import MARKER_RE, MarkerBook
 from probes.cross_tenant import DEFAULT_PLANT_CHARS, PLANT_HEADROOM, plant_chars, plant_prompt
+from probes.markers import MARKER_RE, MarkerBook
 from tests.probes.probe_harness import (
     CLEAN,
     Call,

@@ -9,12 +9,12 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult, Verdict
 from probes.boundary import MAX_SIZING_ROUNDS
-from probes.canaries import MARKER_RE, MarkerBook
+from probes.markers import MARKER_RE, MarkerBook
 from probes.needle import MAX_TOKENS, QUESTION, TEMPLATE_HEADROOM, NeedleProbe, filler, tolerance
 from tests.probes.probe_harness import (
     CLEAN,

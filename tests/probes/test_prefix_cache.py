@@ -18,7 +18,7 @@ import pytest
 
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.canaries import MARKER_RE, MarkerBook
+from probes.markers import MARKER_RE, MarkerBook
 from probes.prefix_cache import PrefixCacheOptions, PrefixCacheProbe
 from tests.conftest import WorkerProcess, launch_worker, wait_worker
 from tests.probes.conftest import KEY_FLAGS

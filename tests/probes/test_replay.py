@@ -11,12 +11,12 @@ import pytest
 from pydantic import ValidationError
 from scipy.stats import binomtest
 
-from monitor.runner import execute_probe
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
+from monitor.runs.runner import execute_probe
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.canaries import MARKER_RE, MarkerBook
+from probes.markers import MARKER_RE, MarkerBook
 from probes.replay import PROMPTS, ReplayProbe, binomial_tail, rate_under_test
 from tests.probes.probe_harness import Call, FakeEngine, answer, error
 

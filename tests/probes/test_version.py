@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.runner import execute_probe
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
+from monitor.runs.runner import execute_probe
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes import REGISTRY
 from probes.base import ProbeResult, Verdict
-from probes.canaries import MarkerBook
+from probes.markers import MarkerBook
 from probes.target import Completion, CompletionRequest, Node
 from probes.version import VersionProbe
 from tests.probes.probe_harness import KEYS, MODEL, Reference, loopback_target

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from monitor.runner import execute_probe
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
+from monitor.runs.runner import execute_probe
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import ProbeResult, Verdict
-from probes.canaries import MarkerBook
+from probes.markers import MarkerBook
 from tests.vllm.conftest import VllmServer
 
 pytestmark = pytest.mark.vllm

@@ -23,10 +23,10 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.canaries import MarkerBook
+from probes.markers import MarkerBook
 from probes.prefix_cache import PrefixCacheProbe
 from tests.vllm.conftest import VllmServer
 from tests.vllm.salt_gateway import SaltGateway

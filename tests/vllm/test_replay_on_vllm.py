@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from monitor.target_config import TargetConfig
+from monitor.config.targets import TargetConfig
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.canaries import MarkerBook
+from probes.markers import MarkerBook
 from probes.needle import MAX_TOKENS, TEMPLATE_HEADROOM, NeedleProbe, tolerance
 from probes.replay import ReplayProbe
 from tests.vllm.conftest import VllmServer

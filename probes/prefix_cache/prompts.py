@@ -9,7 +9,7 @@ reasons:
   1,024 tokens of it there are far more than 2**1000 prefixes, so a hit is evidence of reuse, never
   of chance;
 - it never carries a real tenant's data: the audit reads and sends nothing but its own noise;
-- it never carries a marker (:mod:`probes.canaries`): markers belong to the probes that look for
+- it never carries a marker (:mod:`probes.markers`): markers belong to the probes that look for
   foreign text in answers, and this one judges counters and clocks, not text.
 
 A prompt is a shared prefix plus a short fresh tail, so no two requests are byte-identical: a hit

@@ -5,7 +5,7 @@ Both read ``usage.prompt_tokens_details.cached_tokens``, which vLLM (with
 the reference worker report. vLLM and SGLang omit the field when it is 0, so an absent field means
 "not reported" only when no response of the run carried it; once one did, absent is 0.
 
-Counter test, one fresh random prefix P (:mod:`probes.prefix_prompts`):
+Counter test, one fresh random prefix P (:mod:`probes.prefix_cache.prompts`):
 
 1. the victim sends P (plus a fresh tail) ``max(2, victim_requests)`` times; the first is cold;
 2. control: a repeat must gain at least half of P in cached tokens over the cold request. Without
@@ -31,7 +31,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.prefix_prompts import PromptSize, cache_request, cached, failure, fresh_text, row, salt, with_tail
+from probes.prefix_cache.prompts import (
+    PromptSize,
+    cache_request,
+    cached,
+    failure,
+    fresh_text,
+    row,
+    salt,
+    with_tail,
+)
 from probes.target import Completion
 
 SHARED_BY_POLICY = "shared_by_policy"

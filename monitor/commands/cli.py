@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from monitor.config import ConfigError, Settings, load_settings
+from monitor.config.settings import ConfigError, Settings, load_settings
 
 app = typer.Typer(
     name="kvcanary",
@@ -85,7 +85,7 @@ def serve(
     log_level: Annotated[LogLevel, typer.Option(help="How much to log.")] = LogLevel.info,
 ) -> None:
     """Run the scheduler, the REST API and /metrics until SIGTERM or Ctrl-C."""
-    from monitor.serve import serve_forever
+    from monitor.commands.serve import serve_forever
     from monitor.storage.db import DatabaseNotMigrated
 
     settings = _settings(config)
@@ -112,7 +112,7 @@ def check(
     Run it after every change of weights, quantization, parallelism or memory fraction.
     Exit 0 when all pass, 1 on any leak or mismatch, 3 when only errors kept it from judging.
     """
-    from monitor.check import run_check
+    from monitor.commands.check import run_check
 
     settings = _settings(config)
     _logging("warning")
@@ -138,7 +138,7 @@ def demo(
     ] = False,
 ) -> None:
     """Start a healthy and a defective reference worker and the monitor; show the leak being caught."""
-    from monitor.demo import run_demo
+    from monitor.commands.demo import run_demo
 
     _logging("warning")
     raise typer.Exit(run_demo(duration=duration, port=port, workdir=workdir, until_caught=until_caught))
@@ -213,7 +213,7 @@ def dashboards_push(
     Exit 0 when Grafana saved every dashboard, 1 when it refused one or did not answer, 2 when the
     token, the URL or a dashboard file is missing or unusable. The token is never printed.
     """
-    from monitor.dashboards import DashboardPushError, dashboard_files, push_dashboards, read_token
+    from monitor.commands.dashboards import DashboardPushError, dashboard_files, push_dashboards, read_token
 
     _logging("warning")
     try:

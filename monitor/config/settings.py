@@ -3,8 +3,8 @@
 Every key is checked at startup; :func:`load_settings` raises :class:`ConfigError` whose message
 names the key and the problem (``targets[0].interval_seconds: must be greater than 0``), and the
 CLI turns it into exit status 2. Secrets never sit in the file: tenant API keys and the REST token
-come from environment variables or files named here, and are read by :mod:`monitor.secrets`.
-What is probed (targets, tenants, nodes) is described in :mod:`monitor.target_config`.
+come from environment variables or files named here, and are read by :mod:`monitor.config.secrets`.
+What is probed (targets, tenants, nodes) is described in :mod:`monitor.config.targets`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from monitor.target_config import DAY, ENV_RE, Strict, TargetConfig, http_url
+from monitor.config.targets import DAY, ENV_RE, Strict, TargetConfig, http_url
 
 
 class ConfigError(Exception):
@@ -99,7 +99,7 @@ class EvidenceConfig(Strict):
 
 
 class SpoolConfig(Strict):
-    """Where results wait while the database is unreachable (``monitor/spool.py``)."""
+    """Where results wait while the database is unreachable (``monitor/recording/spool.py``)."""
 
     # Default: a folder under $KVCANARY_STATE_DIR (or ~/.local/state/kvcanary) named for the database.
     path: Path | None = None
@@ -155,7 +155,7 @@ class AlertmanagerConfig(Strict):
 
 
 class AlertingConfig(Strict):
-    """How incidents reach the Alertmanagers (``monitor/alerting.py``)."""
+    """How incidents reach the Alertmanagers (``monitor/paging/pager.py``)."""
 
     # Open incidents are re-sent this often, with endsAt four intervals ahead (Prometheus's rule).
     resend_interval_seconds: float = Field(60, ge=1, le=3600)
@@ -185,7 +185,7 @@ class Settings(Strict):
     alerting: AlertingConfig = AlertingConfig()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
     # The secret that seals markers, so replicas and a restarted monitor recognise each other's;
-    # without one it is derived from the API token (see monitor/secrets.py: marker_key).
+    # without one it is derived from the API token (see monitor/config/secrets.py: marker_key).
     marker_key_env: str = "KVCANARY_MARKER_KEY"
     marker_key_file: Path | None = None
     _by_name: dict[str, TargetConfig] = PrivateAttr(default_factory=dict)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from probes.base import ProbeResult, Verdict
 
 if TYPE_CHECKING:
-    from monitor.target_config import TargetConfig
+    from monitor.config.targets import TargetConfig
 
 log = logging.getLogger("kvcanary.spool")
 

@@ -8,7 +8,7 @@ from types import FrameType
 import uvicorn
 
 from monitor.app import Monitor, create_app
-from monitor.config import Settings
+from monitor.config.settings import Settings
 
 log = logging.getLogger("kvcanary")
 

@@ -1,7 +1,7 @@
 """Record every probe result: in the database when it answers, in the spool when it does not.
 
 :class:`Recorder` is the runner's only way to the database. Its promise: a verdict is either in the
-database, or in the :class:`~monitor.spool.Spool` waiting to be replayed in order, or counted as
+database, or in the :class:`~monitor.recording.spool.Spool` waiting to be replayed in order, or counted as
 dropped (the spool was full of worse news). Two kinds of failure are told apart:
 
 - **unavailable** (the server is down, a connection broke, a lock timed out): the result is spooled
@@ -30,21 +30,16 @@ from sqlalchemy.exc import (
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config import Settings
+from monitor.config.settings import Settings
+from monitor.config.targets import TargetConfig
 from monitor.incidents import RecordOutcome, note_config_change, record_result
-from monitor.spool import PendingResult, Spool
+from monitor.recording.spool import PendingResult, Spool
 from monitor.storage.db import utcnow
 from monitor.storage.incident_rows import open_incident_keys
-from monitor.storage.results import (
-    insert_rows,
-    load_state,
-    load_states,
-    probe_result_values,
-    save_state,
-    upsert_targets,
-    without_excerpts,
-)
-from monitor.target_config import TargetConfig
+from monitor.storage.probe_states import load_state, load_states, save_state
+from monitor.storage.result_rows import insert_rows, probe_result_values
+from monitor.storage.retention import without_excerpts
+from monitor.storage.target_rows import upsert_targets
 from probes.base import ProbeResult
 
 log = logging.getLogger("kvcanary.recorder")

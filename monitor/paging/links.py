@@ -13,7 +13,7 @@ import hashlib
 import hmac
 from datetime import datetime
 
-from monitor.config import Settings
+from monitor.config.settings import Settings
 from monitor.storage.db import as_utc
 
 #: 128 bits of the HMAC: unguessable, and short enough for a link in a notification.

@@ -22,11 +22,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from monitor.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
+from monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
 from probes.base import ProbeResult, Verdict
 
 if TYPE_CHECKING:
-    from monitor.spool import Spool
+    from monitor.recording.spool import Spool
 
 # ``*_created`` series double the exposition and no rule or dashboard of ours reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -101,7 +101,7 @@ class OpenIncidentsCollector(Collector):
 
 
 class SpoolCollector(Collector):
-    """Export the spool's backlog and what it had to drop (``monitor/spool.py``)."""
+    """Export the spool's backlog and what it had to drop (``monitor/recording/spool.py``)."""
 
     def __init__(self, spool: Spool):
         self._spool = spool

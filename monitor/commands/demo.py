@@ -24,15 +24,15 @@ import httpx
 import uvicorn
 
 from monitor.app import Monitor, create_app
-from monitor.config import Settings, parse_settings
-from monitor.demo_observability import (
+from monitor.commands.demo_stack import (
     Observability,
     free_port,
     missing_binaries,
     start_observability,
     stop_process,
 )
-from monitor.runner import RunSummary
+from monitor.config.settings import Settings, parse_settings
+from monitor.runs.runner import RunSummary
 from monitor.storage.db import upgrade
 from probes.base import Verdict
 

@@ -33,9 +33,9 @@ from typing import Any
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config import Settings
-from monitor.links import incident_url, runbook_base
-from monitor.metrics import MonitorMetrics
+from monitor.config.settings import Settings
+from monitor.metrics.registry import MonitorMetrics
+from monitor.paging.links import incident_url, runbook_base
 from monitor.storage import outbox
 from monitor.storage.outbox import IncidentView, PendingEvent
 
@@ -103,7 +103,7 @@ class Pager:
         link_key: str | None = None,
     ):
         self.settings = settings
-        #: Signs each alert's link to its incident page (the API token; ``monitor/links.py``).
+        #: Signs each alert's link to its incident page (the API token; ``monitor/paging/links.py``).
         self.link_key = link_key
         self.session_factory = session_factory
         self.delivery = delivery

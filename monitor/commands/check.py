@@ -12,14 +12,14 @@ import json
 
 import typer
 
-from monitor.config import Settings
-from monitor.runner import execute_probe, runs_of
-from monitor.secrets import tenant_keys
-from monitor.target_config import TargetConfig
+from monitor.config.secrets import tenant_keys
+from monitor.config.settings import Settings
+from monitor.config.targets import TargetConfig
+from monitor.runs.runner import execute_probe, runs_of
 from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
 from probes.base import ProbeResult, Verdict
-from probes.canaries import MarkerBook
+from probes.markers import MarkerBook
 from probes.target import Node
 
 EXIT_OK, EXIT_FAILED, EXIT_UNJUDGED = 0, 1, 3

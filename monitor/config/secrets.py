@@ -1,7 +1,7 @@
 """Secrets: tenant API keys, the REST token and the marker key, read from environment variables or files.
 
 Never from the config file itself, never logged, stored or returned. Each function raises
-:class:`~monitor.config.ConfigError` naming the key when a named secret is missing or unusable.
+:class:`~monitor.config.settings.ConfigError` naming the key when a named secret is missing or unusable.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import hmac
 import os
 from pathlib import Path
 
-from monitor.config import ConfigError, Settings
+from monitor.config.settings import ConfigError, Settings
 
 # The REST token must not be a placeholder someone forgot to change.
 WEAK_TOKENS = {"", "changeme", "change-me", "secret", "token", "password", "kvcanary"}

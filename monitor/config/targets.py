@@ -1,7 +1,7 @@
 """The part of the settings that describes what is probed: targets, their tenants and nodes.
 
 Also the base every settings model shares (:class:`Strict`: unknown keys refused, no inf/nan) and
-the name rules used across the config. :mod:`monitor.config` assembles the whole ``Settings``.
+the name rules used across the config. :mod:`monitor.config.settings` assembles the whole ``Settings``.
 """
 
 from __future__ import annotations

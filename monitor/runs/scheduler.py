@@ -16,8 +16,8 @@ from datetime import UTC, datetime, timedelta
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from monitor.config import Settings
-from monitor.runner import ProbeRunner
+from monitor.config.settings import Settings
+from monitor.runs.runner import ProbeRunner
 
 log = logging.getLogger("kvcanary.scheduler")
 
@@ -28,7 +28,7 @@ FIRST_HOUSEKEEPING_SECONDS = 30
 REPLAY_INTERVAL_SECONDS = 5
 
 Housekeeping = tuple[str, Callable[[], Awaitable[None]], float]
-#: Whether this replica runs (target, kind) (``monitor/replicas.py``).
+#: Whether this replica runs (target, kind) (``monitor/runs/replicas.py``).
 Owns = Callable[[str, str], bool]
 
 

@@ -8,10 +8,10 @@ PromptPeek, InputSnatch and "The Early Bird" rebuild prompts token by token from
 a per-tenant ``cache_salt`` set by the gateway; salts get lost in connectors and routers (LMCache
 #4825, llm-d #1389), so isolation must be re-verified, not assumed (docs/detection-research.md §1-2).
 
-Three checks, all on fresh random prompts (:mod:`probes.prefix_prompts`): no real tenant's data is
+Three checks, all on fresh random prompts (:mod:`probes.prefix_cache.prompts`): no real tenant's data is
 ever read or sent, and no marker either.
 
-- **Counter test** (:mod:`probes.prefix_counter`), where the engine reports ``cached_tokens``: the
+- **Counter test** (:mod:`probes.prefix_cache.counter`), where the engine reports ``cached_tokens``: the
   victim sends a fresh prefix, repeats it (the control: its own repeat must hit, else ``error``
   "cannot judge: caching off or not reported", never ``pass``), then every other tenant sends it.
   Cached tokens for another tenant can only come from the victim's request: with ``policy:
@@ -21,7 +21,7 @@ ever read or sent, and no marker either.
 - **Paired salt check** (same module), where the engine takes ``cache_salt`` (``salt_check``, on by
   default for vLLM and the reference worker): same salt must hit, a different salt must not;
   either failing is a ``mismatch``. Deterministic as well.
-- **Timing test** (:mod:`probes.prefix_timing`), where no counter is reported (hosted APIs,
+- **Timing test** (:mod:`probes.prefix_cache.timing`), where no counter is reported (hosted APIs,
   llama.cpp builds behind proxies, vLLM without ``--enable-prompt-tokens-details``): shuffled hit
   and miss trials of time to first token, a one-sided two-sample KS test (:mod:`probes.stats`) at
   ``alpha`` (1e-8) on ``ceil(ln(1/alpha)/min_effect^2)`` trials per arm (74 at D = 0.5), with the
@@ -48,9 +48,9 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
-from probes.prefix_counter import UNOBSERVABLE, UNOBSERVABLE_DETAIL, run_counter, run_salt_check
-from probes.prefix_prompts import PromptSize, size_prefix
-from probes.prefix_timing import judge_timing, plan_timing, run_timing
+from probes.prefix_cache.counter import UNOBSERVABLE, UNOBSERVABLE_DETAIL, run_counter, run_salt_check
+from probes.prefix_cache.prompts import PromptSize, size_prefix
+from probes.prefix_cache.timing import judge_timing, plan_timing, run_timing
 
 #: Engines that take vLLM's ``cache_salt`` request field: the salt check runs there by default.
 SALT_ENGINES = ("vllm", "reference")

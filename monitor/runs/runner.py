@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from monitor.config import Settings
+from monitor.config.settings import Settings
+from monitor.config.targets import TargetConfig
 from monitor.incidents import RecordOutcome
-from monitor.metrics import MonitorMetrics
-from monitor.recorder import Recorder
-from monitor.spool import PendingResult
+from monitor.metrics.registry import MonitorMetrics
+from monitor.recording.recorder import Recorder
+from monitor.recording.spool import PendingResult
+from monitor.recording.writer import BatchWriter
 from monitor.storage.db import utcnow
-from monitor.target_config import TargetConfig
-from monitor.writer import BatchWriter
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult, Verdict, judge
-from probes.canaries import MarkerBook
+from probes.markers import MarkerBook
 from probes.target import Node, TargetClient
 
 log = logging.getLogger("kvcanary.runner")
@@ -124,12 +124,13 @@ class ProbeRunner:
         self.markers = markers
         self.metrics = metrics
         self.recorder = recorder
-        #: Batches recordings, many to a transaction (``monitor/writer.py``); without it, one each.
+        #: Batches recordings, many to a transaction (``monitor/recording/writer.py``); without it, one each.
         self.writer: BatchWriter | None = None
         self.on_summary = on_summary
         #: Called with (target, node) when a capacity audit saw the node's configuration change.
         self.on_config_change: Callable[[TargetConfig, str], None] | None = None
-        #: Whether this replica runs (target, kind) on its clock (``monitor/replicas.py``); all by default.
+        #: Whether this replica runs (target, kind) on its clock (``monitor/runs/replicas.py``);
+        #: all by default.
         self.owns: Callable[[str, str], bool] = lambda target, kind: True
         self._slots = asyncio.Semaphore(settings.scheduler.max_concurrency)
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}

@@ -20,11 +20,11 @@ import threading
 import time
 from datetime import datetime
 
+from monitor.config.targets import TargetConfig
 from monitor.incidents import RecordOutcome
-from monitor.recorder import Recorder
-from monitor.spool import PendingResult
+from monitor.recording.recorder import Recorder
+from monitor.recording.spool import PendingResult
 from monitor.storage.db import utcnow
-from monitor.target_config import TargetConfig
 from probes.base import ProbeResult
 
 log = logging.getLogger("kvcanary.writer")

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.prefix_counter import LEAK_REASON, SHARED_BY_POLICY, UNOBSERVABLE, UNOBSERVABLE_DETAIL
-from probes.prefix_prompts import PromptSize, cache_request, failure, fresh_text, with_tail
+from probes.prefix_cache.counter import LEAK_REASON, SHARED_BY_POLICY, UNOBSERVABLE, UNOBSERVABLE_DETAIL
+from probes.prefix_cache.prompts import PromptSize, cache_request, failure, fresh_text, with_tail
 from probes.stats import KsResult, ks_greater, median, min_detectable_effect, samples_per_arm
 from probes.target import Completion
 
