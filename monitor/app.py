@@ -38,7 +38,7 @@ from monitor.recording.spool import Spool, SpoolBusy
 from monitor.recording.writer import BatchWriter
 from monitor.runs.replicas import HEARTBEAT_SECONDS, Membership
 from monitor.runs.run_now import RunNow
-from monitor.runs.runner import ProbeRunner, RunSummary, pairs_of
+from monitor.runs.runner import ProbeRunner, RunSummary, run_keys
 from monitor.runs.scheduler import (
     PRUNE_INTERVAL_SECONDS,
     REPLAY_INTERVAL_SECONDS,
@@ -85,7 +85,7 @@ class Monitor:
         self.session_factory: sessionmaker[Session] = make_session_factory(self.engine)
         self.read_session_factory = make_session_factory(self.engine, read_only=True)
         self.metrics = metrics or MonitorMetrics()
-        self.metrics.watch_incidents(self._open_incident_counts, lambda: pairs_of(settings))
+        self.metrics.watch_incidents(self._open_incident_counts, lambda: run_keys(settings))
         self.markers = MarkerBook(
             ttl_seconds=settings.marker_ttl_seconds, key=marker_key(settings, self.token)
         )
@@ -103,11 +103,10 @@ class Monitor:
         self.recorder = Recorder(settings, self.session_factory, self.spool)
         self.on_summary = on_summary
         self._stop_asked_at: float | None = None  # time.monotonic() of the signal; set: stopping
-        self.runner = ProbeRunner(
-            settings, self.clients, self.markers, self.metrics, self.recorder, self._summarised
-        )
         self.writer = BatchWriter(self.recorder)
-        self.runner.writer = self.writer
+        self.runner = ProbeRunner(
+            settings, self.clients, self.markers, self.metrics, self.writer, self._summarised
+        )
         self.runner.on_config_change = self._reaudit
         self.membership = Membership(self.session_factory, shared=self.engine.dialect.name == "postgresql")
         self.runner.owns = self.membership.owns
@@ -343,9 +342,7 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
     app.state.session_factory = monitor.read_session_factory
     app.state.api_token = monitor.token
     app.state.settings = monitor.settings
-    app.state.run_now = RunNow(
-        monitor.runner.run_target, monitor.settings.api.run_now_min_interval_seconds
-    )
+    app.state.run_now = RunNow(monitor.runner.run_target, monitor.settings.api.run_now_min_interval_seconds)
     app.state.health = monitor.health
     app.include_router(health_router)
     app.include_router(api_router)

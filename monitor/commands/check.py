@@ -15,7 +15,7 @@ import typer
 from monitor.config.secrets import tenant_keys
 from monitor.config.settings import Settings
 from monitor.config.targets import TargetConfig
-from monitor.runs.runner import execute_probe, runs_of
+from monitor.runs.runner import execute_probe, nodes_of_run
 from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
 from probes.base import ProbeResult, Verdict
@@ -32,7 +32,7 @@ async def _check_target(
     try:
         rows = []
         for kind in target.probes:
-            for node in runs_of(target, kind):
+            for node in nodes_of_run(target, kind):
                 result, _ = await execute_probe(kind, client, markers, target, node=node)
                 rows.append((_where(target.name, node), kind, result))
         return rows

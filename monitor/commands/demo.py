@@ -166,11 +166,11 @@ class DemoPrinter:
         )
 
     def __call__(self, summary: RunSummary) -> None:
-        key = (summary.target, summary.probe)
+        key = (summary.target, summary.kind)
         verdict = summary.result.verdict
         if self.last.get(key) != verdict.value:
             mark = {"pass": "ok  ", "error": "ERR ", "mismatch": "FAIL", "leak": "LEAK"}[verdict.value]
-            line = f"  [{mark}] {summary.target:<9} {summary.probe:<12} {verdict.value:<8}"
+            line = f"  [{mark}] {summary.target:<9} {summary.kind:<12} {verdict.value:<8}"
             print(f"{line} {summary.result.reason}", flush=True)
         self.last[key] = verdict.value
         if self.caught is None and summary.target == "defective" and verdict is Verdict.LEAK:
@@ -184,7 +184,7 @@ class DemoPrinter:
     def _show(self, s: RunSummary) -> None:
         leaks: list[dict[str, Any]] = s.result.evidence.get("leaks", [])
         print("\n=== LEAK CAUGHT on target 'defective' ===", flush=True)
-        print(f"  probe     : {s.probe}    verdict: {s.result.verdict.value}    reason: {s.result.reason}")
+        print(f"  probe     : {s.kind}    verdict: {s.result.verdict.value}    reason: {s.result.reason}")
         if s.outcome and s.outcome.incident_id:
             print(f"  incident  : #{s.outcome.incident_id} ({s.outcome.severity}, {s.outcome.change})")
         print(f"  detail    : {s.result.detail}")

@@ -33,7 +33,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from monitor.config.settings import Settings
 from monitor.config.targets import TargetConfig
 from monitor.incidents import RecordOutcome, note_config_change, record_result
-from monitor.recording.spool import PendingResult, Spool
+from monitor.recording.pending import PendingResult
+from monitor.recording.spool import Spool
 from monitor.storage.db import utcnow
 from monitor.storage.incident_rows import open_incident_keys
 from monitor.storage.probe_states import load_state, load_states, save_state
@@ -66,19 +67,8 @@ class Recorder:
         # Target rows by (name, engine, base_url, model): the upsert's SELECT is not paid on every run.
         self._target_ids: dict[tuple[str, str, str, str], int] = {}
 
-    def record(
-        self,
-        target: TargetConfig,
-        probe: str,
-        result: ProbeResult,
-        started_at: datetime,
-        duration: float,
-        node: str = "",
-    ) -> RecordOutcome | None:
+    def record(self, item: PendingResult) -> RecordOutcome | None:
         """Record one result; return what it did to incidents, or None when it was spooled (or dropped)."""
-        return self._record_one(PendingResult.of(target, probe, result, started_at, duration, utcnow(), node))
-
-    def _record_one(self, item: PendingResult) -> RecordOutcome | None:
         if len(self.spool):
             # Older results wait: this one queues behind them, so each pair stays in order.
             self.spool.append(item)
@@ -109,9 +99,9 @@ class Recorder:
                 self._spool(item, exc)
             return [None] * len(items)
         except Exception:  # one row refused: each on its own (a stale cached target id is retried there)
-            return [self._record_one(item) for item in items]
+            return [self.record(item) for item in items]
         for item, outcome in zip(items, outcomes, strict=True):
-            self._target_ids[_target_key(item)] = outcome.target_id
+            self._target_ids[item.target_key] = outcome.target_id
         return list(outcomes)
 
     def _insert_batch(self, session: Session, items: list[PendingResult]) -> list[RecordOutcome]:
@@ -128,7 +118,7 @@ class Recorder:
         quiet: list[tuple[int, int, dict[str, Any]]] = []  # (index, target id, row values)
         for index, item in enumerate(items):
             target_id = known[id(item)]
-            pair = (target_id, item.probe, item.node)
+            pair = (target_id, item.kind, item.node)
             changed = bool(item.measurements.get("config_changed"))
             if item.verdict == "pass" and target_id is not None and pair not in open_now and not changed:
                 quiet.append((index, target_id, self._quiet_row(session, item, target_id)))
@@ -137,7 +127,7 @@ class Recorder:
             # The rules read earlier results (an error streak): the rows before this one go in first.
             self._insert_quiet(session, quiet, outcomes)
             outcome = self._insert_in(session, item, self._prepared(item), target_id)
-            open_now.add((outcome.target_id, item.probe, item.node))
+            open_now.add((outcome.target_id, item.kind, item.node))
             outcomes.append(outcome)
         self._insert_quiet(session, quiet, outcomes)
         return [o for o in outcomes if o is not None]
@@ -157,12 +147,12 @@ class Recorder:
         result = self._prepared(item)
         started_at = datetime.fromisoformat(item.started_at)
         values = probe_result_values(
-            item.probe, item.node, result, started_at, item.duration_seconds, self.settings.retention
+            item.kind, item.node, result, started_at, item.duration_seconds, self.settings.retention
         )
         if item.state is not None:
             now = datetime.fromisoformat(item.attempted_at)
             save_state(
-                session, target_id=target_id, probe=item.probe, node=item.node, state=item.state, now=now
+                session, target_id=target_id, probe=item.kind, node=item.node, state=item.state, now=now
             )
         return {**values, "target_id": target_id}
 
@@ -195,7 +185,7 @@ class Recorder:
             type(exc).__name__,
             item.verdict,
             item.target,
-            item.probe,
+            item.kind,
             f"spooled in {self.spool.where} ({len(self.spool)} waiting)" if kept else "DROPPED: spool full",
         )
 
@@ -210,7 +200,7 @@ class Recorder:
         log.error(
             "could not store %s/%s %s (%s); recording it without evidence",
             item.target,
-            item.probe,
+            item.kind,
             item.verdict,
             refused,
         )
@@ -228,17 +218,17 @@ class Recorder:
                 "DROPPED %s result of %s/%s: the database refuses it (%s)",
                 item.verdict,
                 item.target,
-                item.probe,
+                item.kind,
                 _describe(exc),
             )
             return None
 
-    def load_state(self, target: str, probe: str, node: str) -> dict[str, Any] | None:
+    def load_state(self, target: str, kind: str, node: str) -> dict[str, Any] | None:
         """Return the state a probe stored for (target, node), {} when none; None when the database is
         away (unknown is not empty: a replay baseline or a counter reading may be stored there)."""
         try:
             with self.session_factory() as session:
-                return load_state(session, target=target, probe=probe, node=node) or {}
+                return load_state(session, target=target, probe=kind, node=node) or {}
         except _UNAVAILABLE:
             return None
 
@@ -259,7 +249,7 @@ class Recorder:
             self._target_ids[key] = ids[key[0]]
 
     def load_states(self) -> dict[tuple[str, str, str], dict[str, Any]] | None:
-        """Return every stored probe state by (target, probe, node); None when the database is away."""
+        """Return every stored probe state by (target, kind, node); None when the database is away."""
         try:
             with self.session_factory() as session:
                 return load_states(session)
@@ -273,10 +263,10 @@ class Recorder:
         return result
 
     def _known(self, item: PendingResult) -> int | None:
-        return self._target_ids.get(_target_key(item))
+        return self._target_ids.get(item.target_key)
 
     def _insert(self, item: PendingResult, result: ProbeResult) -> RecordOutcome:
-        key = _target_key(item)
+        key = item.target_key
         try:
             outcome = self._insert_once(item, result, self._target_ids.get(key))
         except _UNAVAILABLE:
@@ -306,7 +296,7 @@ class Recorder:
             engine=item.engine,
             base_url=item.base_url,
             model=item.model,
-            probe=item.probe,
+            probe=item.kind,
             result=result,
             started_at=datetime.fromisoformat(item.started_at),
             duration_seconds=item.duration_seconds,
@@ -327,16 +317,12 @@ class Recorder:
             save_state(
                 session,
                 target_id=outcome.target_id,
-                probe=item.probe,
+                probe=item.kind,
                 node=item.node,
                 state=item.state,
                 now=datetime.fromisoformat(item.attempted_at),
             )
         return outcome
-
-
-def _target_key(item: PendingResult) -> tuple[str, str, str, str]:
-    return (item.target, item.engine, item.base_url, item.model)
 
 
 def _describe(exc: BaseException) -> str:

@@ -24,74 +24,15 @@ import logging
 import os
 import threading
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from probes.base import ProbeResult, Verdict
-
-if TYPE_CHECKING:
-    from monitor.config.targets import TargetConfig
+from monitor.recording.pending import PendingResult
 
 log = logging.getLogger("kvcanary.spool")
 
 #: Which entries yield their room to which: a higher rank displaces a lower one when full.
 RANK = {"pass": 0, "error": 1, "mismatch": 2, "leak": 3}
-
-
-@dataclass
-class PendingResult:
-    """One probe result waiting to be recorded: everything ``record_result`` needs."""
-
-    target: str
-    engine: str
-    base_url: str
-    model: str
-    probe: str
-    verdict: str
-    reason: str
-    detail: str
-    evidence: dict[str, Any]
-    measurements: dict[str, float]
-    started_at: str  # ISO 8601, UTC
-    duration_seconds: float
-    attempted_at: str  # when recording first failed: the time incident changes are stamped with
-    node: str = ""
-    state: dict[str, Any] | None = None  # what the probe carries to its next run, stored with the result
-    seq: int = field(default=0)
-
-    @classmethod
-    def of(
-        cls,
-        target: TargetConfig,
-        probe: str,
-        result: ProbeResult,
-        started_at: datetime,
-        duration: float,
-        now: datetime,
-        node: str = "",
-    ) -> PendingResult:
-        return cls(
-            target=target.name,
-            engine=target.engine,
-            base_url=target.base_url,
-            model=target.model,
-            probe=probe,
-            verdict=result.verdict.value,
-            reason=result.reason,
-            detail=result.detail,
-            evidence=result.evidence,
-            measurements=result.measurements,
-            started_at=started_at.isoformat(),
-            duration_seconds=duration,
-            attempted_at=now.isoformat(),
-            node=node,
-            state=result.state,
-        )
-
-    def result(self) -> ProbeResult:
-        return ProbeResult(Verdict(self.verdict), self.reason, self.detail, self.evidence, self.measurements)
 
 
 class Spool:
@@ -120,7 +61,7 @@ class Spool:
         with self._lock:
             if len(self._entries) >= self.max_entries and not self._make_room(item.verdict):
                 self.dropped[item.verdict] += 1
-                log.error("spool full: dropped a %s result of %s/%s", item.verdict, item.target, item.probe)
+                log.error("spool full: dropped a %s result of %s/%s", item.verdict, item.target, item.kind)
                 return False
             item.seq = self._next
             self._next += 1
@@ -157,7 +98,7 @@ class Spool:
                     "spool full: dropped a queued %s of %s/%s to keep a %s",
                     victim.verdict,
                     victim.target,
-                    victim.probe,
+                    victim.kind,
                     verdict,
                 )
                 self.remove(victim)
@@ -212,6 +153,6 @@ def _name(seq: int) -> str:
 def _load(file: Path) -> PendingResult | None:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        return PendingResult(**data)
+        return PendingResult.from_stored(data)
     except (OSError, ValueError, TypeError):
         return None

@@ -18,14 +18,10 @@ import logging
 import queue
 import threading
 import time
-from datetime import datetime
 
-from monitor.config.targets import TargetConfig
 from monitor.incidents import RecordOutcome
+from monitor.recording.pending import PendingResult
 from monitor.recording.recorder import Recorder
-from monitor.recording.spool import PendingResult
-from monitor.storage.db import utcnow
-from probes.base import ProbeResult
 
 log = logging.getLogger("kvcanary.writer")
 
@@ -51,19 +47,10 @@ class BatchWriter:
         self._thread = threading.Thread(target=self._run, name="kvcanary-writer", daemon=True)
         self._thread.start()
 
-    async def submit(
-        self,
-        target: TargetConfig,
-        probe: str,
-        result: ProbeResult,
-        started_at: datetime,
-        duration: float,
-        node: str = "",
-    ) -> RecordOutcome | None:
+    async def submit(self, item: PendingResult) -> RecordOutcome | None:
         """Record one result (batched with others); return its outcome, None when spooled or dropped."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[RecordOutcome | None] = loop.create_future()
-        item = PendingResult.of(target, probe, result, started_at, duration, utcnow(), node)
         self._queue.put((item, future, loop))
         return await future
 

@@ -14,14 +14,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from monitor.config.settings import Settings
 from monitor.config.targets import TargetConfig
 from monitor.incidents import RecordOutcome
 from monitor.metrics.registry import MonitorMetrics
-from monitor.recording.recorder import Recorder
-from monitor.recording.spool import PendingResult
+from monitor.recording.pending import PendingResult
 from monitor.recording.writer import BatchWriter
 from monitor.storage.db import utcnow
 from probes import REGISTRY
@@ -34,8 +33,10 @@ log = logging.getLogger("kvcanary.runner")
 
 @dataclass(frozen=True)
 class RunSummary:
+    """What one run of a kind on a target (or one of its nodes) concluded, and what recording it did."""
+
     target: str
-    probe: str
+    kind: str
     node: str
     result: ProbeResult
     started_at: datetime
@@ -45,7 +46,7 @@ class RunSummary:
     def as_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
-            "probe": self.probe,
+            "probe": self.kind,
             "node": self.node,
             "verdict": self.result.verdict.value,
             "reason": self.result.reason,
@@ -55,18 +56,26 @@ class RunSummary:
         }
 
 
-def runs_of(target: TargetConfig, kind: str) -> list[Node | None]:
+class RunKey(NamedTuple):
+    """One (target, kind, node) the configuration runs; ``node`` is "" for a target-wide run."""
+
+    target: str
+    kind: str
+    node: str
+
+
+def nodes_of_run(target: TargetConfig, kind: str) -> list[Node | None]:
     """Return what one run of ``kind`` covers: each node for a node-scoped kind, else the target (None)."""
     return list(target.node_list()) if REGISTRY[kind].scope == "node" else [None]
 
 
-def pairs_of(settings: Settings) -> list[tuple[str, str, str]]:
-    """Return every (target, kind, node) the configuration runs; node is "" for a target-wide run."""
+def run_keys(settings: Settings) -> list[RunKey]:
+    """Return every (target, kind, node) the configuration runs."""
     return [
-        (t.name, kind, node.name if node else "")
+        RunKey(t.name, kind, node.name if node else "")
         for t in settings.targets
         for kind in t.probes
-        for node in runs_of(t, kind)
+        for node in nodes_of_run(t, kind)
     ]
 
 
@@ -108,7 +117,11 @@ async def execute_probe(
 
 
 class ProbeRunner:
-    """Runs probes with bounded concurrency, never two runs of one (target, probe, node) at once."""
+    """Runs probes with bounded concurrency, never two runs of one (target, kind, node) at once.
+
+    ``writer`` is the one way results are recorded (and stored states read); without one (a
+    dry run) nothing is recorded and every run starts from an empty state.
+    """
 
     def __init__(
         self,
@@ -116,16 +129,15 @@ class ProbeRunner:
         clients: Mapping[str, TargetClient],
         markers: MarkerBook,
         metrics: MonitorMetrics,
-        recorder: Recorder | None,
+        writer: BatchWriter | None,
         on_summary: Callable[[RunSummary], None] | None = None,
     ):
         self.settings = settings
         self.clients = clients
         self.markers = markers
         self.metrics = metrics
-        self.recorder = recorder
-        #: Batches recordings, many to a transaction (``monitor/recording/writer.py``); without it, one each.
-        self.writer: BatchWriter | None = None
+        #: Batches recordings, many to a transaction (``monitor/recording/writer.py``).
+        self.writer = writer
         self.on_summary = on_summary
         #: Called with (target, node) when a capacity audit saw the node's configuration change.
         self.on_config_change: Callable[[TargetConfig, str], None] | None = None
@@ -166,7 +178,7 @@ class ProbeRunner:
             task.add_done_callback(self._in_flight.discard)
         due = self._due.pop((target_name, kind), None)
         return list(
-            await asyncio.gather(*(self._run_one(target, kind, n, due) for n in runs_of(target, kind)))
+            await asyncio.gather(*(self._run_one(target, kind, n, due) for n in nodes_of_run(target, kind)))
         )
 
     async def _run_one(
@@ -228,8 +240,6 @@ class ProbeRunner:
         self.metrics.observe(target.name, kind, result, took, time.time(), node)
         if self.writer is not None:
             self.writer.enqueue(PendingResult.of(target, kind, result, started_at, took, utcnow(), node))
-        elif self.recorder is not None:
-            self.recorder.record(target, kind, result, started_at, took, node)
 
     async def drain(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for runs in flight, then cancel the rest; return how many."""
@@ -256,7 +266,7 @@ class ProbeRunner:
     def preload_states(self, stored: Mapping[tuple[str, str, str], dict[str, Any]]) -> None:
         """Fill the state cache of every pair from one read at start: thousands of first runs
         reading their state one query each would cost a core for most of the first interval."""
-        for key in pairs_of(self.settings):
+        for key in run_keys(self.settings):
             self._states.setdefault(key, dict(stored.get(key) or {}))
 
     def forget_states(self, pairs: Iterable[tuple[str, str]]) -> None:
@@ -271,8 +281,8 @@ class ProbeRunner:
         None while the database cannot say (read again at the next run)."""
         if key not in self._states:
             stored: dict[str, Any] | None = {}
-            if self.recorder is not None:
-                stored = await asyncio.to_thread(self.recorder.load_state, *key)
+            if self.writer is not None:
+                stored = await asyncio.to_thread(self.writer.recorder.load_state, *key)
             if stored is None:
                 return None
             self._states[key] = stored
@@ -287,8 +297,8 @@ class ProbeRunner:
         started_at: datetime,
         duration: float,
     ) -> RecordOutcome | None:
-        if self.writer is not None:
-            return await self.writer.submit(target, kind, result, started_at, duration, node)
-        if self.recorder is None:
+        if self.writer is None:
             return None
-        return await asyncio.to_thread(self.recorder.record, target, kind, result, started_at, duration, node)
+        return await self.writer.submit(
+            PendingResult.of(target, kind, result, started_at, duration, utcnow(), node)
+        )

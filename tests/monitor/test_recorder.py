@@ -25,8 +25,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from monitor.config.settings import Settings, parse_settings
 from monitor.incidents import record_result
 from monitor.metrics.registry import MonitorMetrics
+from monitor.recording.pending import PendingResult
 from monitor.recording.recorder import Recorder
-from monitor.recording.spool import PendingResult, Spool
+from monitor.recording.spool import Spool
+from monitor.recording.writer import BatchWriter
 from monitor.runs.runner import ProbeRunner
 from monitor.storage.db import make_engine, make_session_factory, upgrade
 from monitor.storage.models import Incident, ProbeResultRow, Target
@@ -136,13 +138,16 @@ def test_a_leaking_answer_full_of_escaped_nuls_is_recorded_with_its_incident(
         {"glm": engine.target(("alice", "bob"))},
         MarkerBook(),
         MonitorMetrics(CollectorRegistry()),
-        Recorder(config, session_factory, spool),
+        writer := BatchWriter(Recorder(config, session_factory, spool)),
     )
 
     async def runs() -> list[Verdict]:
         return [(await runner.run("glm", "canary"))[0].result.verdict for _ in range(5)]
 
-    verdicts = asyncio.run(runs())
+    try:
+        verdicts = asyncio.run(runs())
+    finally:
+        writer.close()
     assert verdicts == [Verdict.LEAK] * 5
     with session_factory() as s:
         leaks = s.scalars(select(ProbeResultRow).where(ProbeResultRow.verdict == "leak")).all()
@@ -164,7 +169,7 @@ def test_a_result_that_cannot_be_stored_as_it_is_is_recorded_without_its_evidenc
     config = settings_for()
     recorder = Recorder(config, session_factory, Spool(None))
     result = ProbeResult(Verdict.LEAK, "foreign_marker", "seen", {"odd": Unstorable()})
-    outcome = recorder.record(config.targets[0], "canary", result, T0, 0.2)
+    outcome = recorder.record(PendingResult.of(config.targets[0], "canary", result, T0, 0.2))
     assert outcome is not None and outcome.change == "opened"
     with session_factory() as s:
         row = s.get(ProbeResultRow, outcome.result_id)
@@ -184,7 +189,12 @@ def test_results_spooled_while_the_database_is_away_are_replayed_in_order(sessio
     verdicts = ["leak", "pass", "mismatch", "pass", "pass", "pass"]
     for i, verdict in enumerate(verdicts):
         at = T0 + timedelta(seconds=i)
-        assert recorder.record(target, "canary", ProbeResult(Verdict(verdict), f"r{i}"), at, 0.1) is None
+        assert (
+            recorder.record(
+                PendingResult.of(target, "canary", ProbeResult(Verdict(verdict), f"r{i}"), at, 0.1)
+            )
+            is None
+        )
     assert len(spool) == len(verdicts)
     assert recorder.replay() == 0  # still dead: nothing lost, nothing done
     recorder.session_factory = session_factory
@@ -217,7 +227,7 @@ def test_a_batch_of_results_follows_the_incident_rules_as_one_by_one(session_fac
     batch = [item("canary", "pass", 2), item("boundary", "pass", 2), item("boundary", "leak", 3)]
     batch += [item(probe, "pass", 4 + i) for i in range(3) for probe in ("canary", "boundary")]
     outcomes = recorder.record_many(batch)
-    changes = [(i.probe, o.change) for i, o in zip(batch, outcomes, strict=True) if o and o.change]
+    changes = [(i.kind, o.change) for i, o in zip(batch, outcomes, strict=True) if o and o.change]
     assert changes == [("boundary", "opened"), ("canary", "resolved"), ("boundary", "resolved")]
     with session_factory() as s:
         states = {(i.probe, i.severity, i.state, i.consecutive_passes) for i in s.scalars(select(Incident))}
@@ -244,7 +254,8 @@ def test_every_stored_probe_state_is_read_in_one_go_at_start(session_factory: Fa
     for (_, probe, node), state in stored.items():
         assert recorder.load_state("glm", probe, node) == state
 
-    runner = ProbeRunner(config, {}, MarkerBook(), MonitorMetrics(CollectorRegistry()), recorder)
+    writer = BatchWriter(recorder)
+    runner = ProbeRunner(config, {}, MarkerBook(), MonitorMetrics(CollectorRegistry()), writer)
     runner.preload_states(stored)
     assert asyncio.run(runner._state(("glm", "canary", ""))) == {"n": 1}
     with session_factory() as s, s.begin():  # another replica runs the pair and stores a newer state
@@ -254,6 +265,7 @@ def test_every_stored_probe_state_is_read_in_one_go_at_start(session_factory: Fa
     assert asyncio.run(runner._state(("glm", "canary", ""))) == {"n": 1}  # cached
     runner.forget_states([("glm", "canary")])
     assert asyncio.run(runner._state(("glm", "canary", ""))) == {"n": 2}
+    writer.close()
 
 
 def test_configured_targets_get_their_rows_at_start_and_changes_are_written(session_factory: Factory) -> None:
@@ -309,7 +321,7 @@ def test_a_database_turned_read_only_in_a_failover_spools_verdicts_instead_of_dr
     try:
         read_only(True)
         leak = ProbeResult(Verdict.LEAK, "foreign_marker", "a marker of alice reached bob")
-        assert recorder.record(target, "cross_tenant", leak, T0, 1.0) is None
+        assert recorder.record(PendingResult.of(target, "cross_tenant", leak, T0, 1.0)) is None
         assert len(recorder.spool) == 1
         read_only(False)
         assert recorder.replay() == 1

@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.config.settings import parse_settings
+from monitor.recording.pending import PendingResult
 from monitor.recording.recorder import Recorder
 from monitor.recording.spool import Spool
 from monitor.runs.scheduler import FIRST_HOUSEKEEPING_SECONDS, build_scheduler
@@ -35,7 +36,7 @@ def recorder(factory: Factory, **config: object) -> Recorder:
 
 def record_leak(rec: Recorder, at: datetime) -> int:
     leak = ProbeResult(Verdict.LEAK, "foreign_marker", "seen", json.loads(json.dumps(LEAK_EVIDENCE)))
-    outcome = rec.record(rec.settings.targets[0], "canary", leak, at, 0.1)
+    outcome = rec.record(PendingResult.of(rec.settings.targets[0], "canary", leak, at, 0.1))
     assert outcome is not None
     return outcome.result_id
 
@@ -72,7 +73,11 @@ def test_pruning_goes_in_batches_that_each_commit(session_factory: Factory) -> N
     rec = recorder(session_factory, retention={"pass_days": 1})
     target = rec.settings.targets[0]
     for i in range(25):
-        rec.record(target, "canary", ProbeResult(Verdict.PASS, "ok"), T0 + timedelta(seconds=i), 0.1)
+        rec.record(
+            PendingResult.of(
+                target, "canary", ProbeResult(Verdict.PASS, "ok"), T0 + timedelta(seconds=i), 0.1
+            )
+        )
     later = T0 + timedelta(days=2)
     batches = []
     while True:

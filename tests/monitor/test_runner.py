@@ -158,8 +158,7 @@ def test_a_leak_read_before_shutdown_cancels_the_run_is_still_recorded(
     async def scenario() -> int:
         client = loopback_target(settings.targets[0], {"a": None, "b": None}, engine)
         metrics = MonitorMetrics(CollectorRegistry())
-        runner = ProbeRunner(settings, {"t": client}, MarkerBook(), metrics, recorder)
-        runner.writer = writer
+        runner = ProbeRunner(settings, {"t": client}, MarkerBook(), metrics, writer)
         run = asyncio.ensure_future(runner.run("t", "cross_tenant"))
         while len(engine.calls) < 5:  # the concurrent round is over; the one-by-one round hangs
             await asyncio.sleep(0.01)
@@ -200,14 +199,18 @@ def test_a_state_the_database_could_not_read_is_neither_kept_nor_overwritten(
     summaries: list[RunSummary] = []
     clients = {"t": OpenAIHttpTarget(settings.targets[0], {"a": None, "b": None})}
     metrics = MonitorMetrics(CollectorRegistry())
-    runner = ProbeRunner(settings, clients, MarkerBook(), metrics, recorder, summaries.append)
+    writer = BatchWriter(recorder)
+    runner = ProbeRunner(settings, clients, MarkerBook(), metrics, writer, summaries.append)
 
     async def twice() -> None:
         await runner.run("t", "canary")
         await runner.run("t", "canary")
         await clients["t"].aclose()
 
-    asyncio.run(twice())
+    try:
+        asyncio.run(twice())
+    finally:
+        writer.close()
     assert [s.result.verdict for s in summaries] == [Verdict.PASS, Verdict.PASS]
     assert recorder.loads == 2
     assert [s.result.state for s in summaries] == [None, None]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from monitor.config.targets import TargetConfig
-from monitor.recording.spool import PendingResult, Spool, SpoolBusy
+from monitor.recording.pending import PendingResult
+from monitor.recording.spool import Spool, SpoolBusy
 from probes.base import ProbeResult, Verdict
 
 TARGET = TargetConfig(name="glm", base_url="http://127.0.0.1:1", tenants=[{"name": "a"}, {"name": "b"}])
@@ -112,3 +113,17 @@ def test_in_memory_spools_are_bounded_the_same_way() -> None:
         spool.append(pending("pass", i))
     assert spool.append(pending("leak", 99))
     assert len(spool) == 10 and spool.dropped["pass"] == 1 and spool.where == "memory"
+
+
+def test_an_entry_spooled_by_the_previous_release_naming_its_kind_probe_is_replayed(tmp_path: Path) -> None:
+    import json
+    from dataclasses import asdict
+
+    folder = tmp_path / "spool"
+    folder.mkdir(mode=0o700)
+    old = asdict(pending("leak", 7))
+    old["probe"] = old.pop("kind")  # 0.1.0 wrote the kind under "probe"
+    old["seq"] = 1
+    (folder / f"{1:016d}.json").write_text(json.dumps(old))
+    entry = Spool(folder).head()
+    assert entry is not None and (entry.kind, entry.verdict, entry.reason) == ("canary", "leak", "r7")

@@ -10,10 +10,11 @@ import pytest
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor import writer as writer_module
+from monitor.recording import writer as writer_module
 from monitor.config.targets import TargetConfig
+from monitor.recording.pending import PendingResult
 from monitor.recording.recorder import Recorder
-from monitor.recording.spool import PendingResult, Spool
+from monitor.recording.spool import Spool
 from monitor.recording.writer import BatchWriter
 from monitor.storage.models import Incident, ProbeResultRow
 from probes.base import ProbeResult, Verdict
@@ -43,7 +44,11 @@ def writer_for(session_factory: Factory) -> tuple[BatchWriter, CountingRecorder]
 async def submit_all(writer: BatchWriter, verdicts: list[str]) -> list:  # type: ignore[type-arg]
     target = writer.recorder.settings.targets[0]
     runs = [
-        writer.submit(target, f"probe{i}", ProbeResult(Verdict(v), "r"), T0 + timedelta(seconds=i), 0.1)
+        writer.submit(
+            PendingResult.of(
+                target, f"probe{i}", ProbeResult(Verdict(v), "r"), T0 + timedelta(seconds=i), 0.1
+            )
+        )
         for i, v in enumerate(verdicts)
     ]
     return list(await asyncio.gather(*runs))

@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor import alerting
 from monitor.api.runbooks import RUNBOOKS_DIR
 from monitor.config.settings import Settings, parse_settings
 from monitor.metrics.registry import MonitorMetrics
+from monitor.paging import pager as pager_module
 from monitor.paging.links import link_signature
 from monitor.paging.pager import ALERTNAMES, Delivery, Pager
 from monitor.storage import outbox
@@ -241,7 +241,7 @@ def test_slow_alertmanagers_never_outlast_a_claim(
 ) -> None:
     """Posting a claimed batch stops at half the lease and hands the rest back: a claim that lapsed
     mid-batch would let another pager send the same events again, and out of order."""
-    monkeypatch.setattr(alerting, "LEASE_SECONDS", 0.4)
+    monkeypatch.setattr(pager_module, "LEASE_SECONDS", 0.4)
     claimed_at: list[float] = []
     held: list[float] = []  # for each post, how long the claim holding it had run when it ended
 
