@@ -72,3 +72,24 @@ def test_every_monitor_metric_is_documented_and_every_documented_one_exported() 
     for family in metrics.registry.collect():
         exported.add(family.name + ("_total" if family.type == "counter" else ""))
     assert exported == documented_metrics("monitor-metrics.md")
+
+
+def test_every_document_the_code_cites_exists() -> None:
+    """Every path into the repository that a docstring, comment or document cites (``docs/…``,
+    ``alerts/…``, a module's file) is there: a moved or never-written file leaves a dead pointer.
+    A path in another repository is written ``owner/name:path`` and is not checked."""
+    import re
+
+    folders = "docs|alerts|dashboards|probes|monitor|workers|bench|scripts|migrations"
+    cited = re.compile(rf"(?<![\w/.:-])((?:{folders})/[\w./-]+\.(?:md|py|yml|json|sh))")
+    missing: dict[str, set[str]] = {}
+    for path in sorted(REPO.rglob("*")):
+        if path.suffix not in {".py", ".md", ".yml", ".toml", ".sh"} or not path.is_file():
+            continue
+        rel = path.relative_to(REPO)
+        if rel.parts[0] in {".git", ".venv"} or "node_modules" in rel.parts:
+            continue
+        for name in cited.findall(path.read_text(errors="replace")):
+            if not (REPO / name).exists():
+                missing.setdefault(name, set()).add(str(rel))
+    assert missing == {}

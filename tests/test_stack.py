@@ -60,7 +60,6 @@ QUIET_RULES = {
 RULES_FIRING = (
     "KVCanaryLeakDetected",
     "KVCanaryPlaceholderSubstitution",
-    "KVCanaryKVPoolBelowContextWindow",
     "KVCanaryNodeCapacityBelowContextWindow",
 )
 #: Panel queries that stay empty here, and why.

@@ -17,7 +17,7 @@ Sources: Grafana's "Dashboard HTTP API" (``POST /api/dashboards/db``, "Create / 
 and "Folder HTTP API" (``GET /api/folders/:uid``, ``POST /api/folders``) reference pages,
 https://grafana.com/docs/grafana/v11.6/developers/http_api/dashboard/ and
 https://grafana.com/docs/grafana/v11.6/developers/http_api/folder/ (the same text is in the
-grafana repository under docs/sources/developers/http_api/dashboard.md and folder.md).
+grafana repository, grafana/grafana:docs/sources/developers/http_api/dashboard.md and folder.md).
 """
 
 from __future__ import annotations
