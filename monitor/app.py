@@ -21,13 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from apscheduler.events import EVENT_JOB_SUBMITTED, JobSubmissionEvent
-from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.api import pages, runbooks
-from monitor.api.docs import serve_docs
-from monitor.api.main import api_router, health_router
+from monitor.api.main import build_http_app
+from monitor.api.state import ApiState
 from monitor.config.secrets import alertmanager_headers, api_token, marker_key, tenant_keys
 from monitor.config.settings import Settings
 from monitor.config.targets import TargetConfig
@@ -329,28 +327,12 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
         finally:
             await monitor.stop()
 
-    app = FastAPI(
-        title="kvcanary",
-        version="0.1.0",
-        description="Canary probes for KV-cache isolation: incidents, probe results and targets.",
-        lifespan=lifespan,
-        docs_url=None,  # served from local assets below, not a CDN
-        redoc_url=None,
+    state = ApiState(
+        session_factory=monitor.read_session_factory,
+        api_token=monitor.token,
+        settings=monitor.settings,
+        run_now=RunNow(monitor.runner.run_target, monitor.settings.api.run_now_min_interval_seconds),
+        health=monitor.health,
+        metrics_page=monitor.metrics.exposition,
     )
-    serve_docs(app)
-    # The routers only read; recordings go through the runner's own (writing) sessions.
-    app.state.session_factory = monitor.read_session_factory
-    app.state.api_token = monitor.token
-    app.state.settings = monitor.settings
-    app.state.run_now = RunNow(monitor.runner.run_target, monitor.settings.api.run_now_min_interval_seconds)
-    app.state.health = monitor.health
-    app.include_router(health_router)
-    app.include_router(api_router)
-    app.include_router(runbooks.router)
-    app.include_router(pages.router)
-
-    @app.get("/metrics", include_in_schema=False)
-    def metrics() -> Response:
-        return Response(monitor.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+    return build_http_app(state, lifespan=lifespan)

@@ -67,7 +67,7 @@ def test_it_moves_from_imports_under_kvcanary_keeping_the_statement_as_written(n
     )
     assert namespaced(source) == textwrap.dedent(
         """\
-        from kvcanary.monitor.config.settings.settings import (  # the settings
+        from kvcanary.monitor.config.settings import (  # the settings
             Settings,
             load_settings as load,
         )

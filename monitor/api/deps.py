@@ -1,9 +1,9 @@
 """Dependencies of the REST routers: a database session, the bearer token, paging and cursors,
 time ranges.
 
-Routers read what the composition root (``monitor/app.py``) put on ``app.state``:
-``session_factory`` (a sessionmaker), ``api_token`` (``str``, or None for a local-only API
-without auth), ``settings``, ``run_target`` and ``health``.
+Routers read the :class:`~monitor.api.state.ApiState` the app was built with
+(``monitor/api/state.py``): the read-only session factory, the API token (None for a local-only
+API without auth), the settings, run-now and the health report.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
+from monitor.api.state import api_state
 from monitor.storage.db import as_utc
 from monitor.storage.queries import Key
 
@@ -31,7 +32,7 @@ MAX_LIMIT = 500
 
 def get_session(request: Request) -> Iterator[Session]:
     """Yield a session for one request; it is closed (and rolled back) afterwards."""
-    factory: sessionmaker[Session] = request.app.state.session_factory
+    factory: sessionmaker[Session] = api_state(request).session_factory
     with factory() as session:
         yield session
 
@@ -48,7 +49,7 @@ def require_token(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
 ) -> None:
-    """Pass when ``Authorization: Bearer <token>`` matches ``app.state.api_token``; else raise 401.
+    """Pass when ``Authorization: Bearer <token>`` matches the app's API token; else raise 401.
 
     With ``api_token`` None (a local-only API on loopback) every request passes. The comparison
     takes the same time whatever the token, and the token is never echoed or logged.
@@ -63,7 +64,7 @@ def require_token(
 
 def token_matches(request: Request, given: str) -> bool:
     """Return whether ``given`` is the API token (compared in constant time); always, without one."""
-    expected: str | None = request.app.state.api_token
+    expected: str | None = api_state(request).api_token
     return expected is None or hmac.compare_digest(given.encode(), expected.encode())
 
 

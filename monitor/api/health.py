@@ -1,7 +1,7 @@
 """``GET /healthz``: unauthenticated liveness for load balancers and Kubernetes.
 
 200 while the database answers, 503 when it does not. The body also carries what the monitor
-reports through ``app.state.health()`` (the scheduler's state, the number of targets).
+reports through ``ApiState.health()`` (the scheduler's state, the number of targets).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from monitor.api.schemas import HealthOut
+from monitor.api.state import api_state
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def healthz(request: Request, response: Response) -> HealthOut:
 
 def _database_answers(request: Request) -> bool:
     try:
-        with request.app.state.session_factory() as session:
+        with api_state(request).session_factory() as session:
             session.execute(text("SELECT 1"))
     except SQLAlchemyError as exc:
         log.warning("health check: the database does not answer: %s", type(exc).__name__)
@@ -45,13 +46,10 @@ def _database_answers(request: Request) -> bool:
 
 
 def _monitor_report(request: Request) -> dict[str, Any]:
-    health = getattr(request.app.state, "health", None)
-    if health is None:
-        return {}
     try:
-        report = dict(health())
+        report = dict(api_state(request).health())
     except Exception:
-        log.exception("health check: app.state.health() failed")
+        log.exception("health check: the health report failed")
         return {"scheduler": "unknown"}
     report.pop("status", None)
     report.pop("database", None)

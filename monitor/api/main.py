@@ -1,12 +1,19 @@
-"""The REST API's routers: ``api_router`` (``/api/v1``, bearer token) and ``health_router``."""
+"""The HTTP app: ``/api/v1`` (bearer token), ``/healthz``, ``/runbooks``, the incident page, ``/docs``
+and ``/metrics``, all reading one :class:`~monitor.api.state.ApiState`."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
-from monitor.api import health, incidents, probe_results, targets
+from fastapi import APIRouter, Depends, FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from monitor.api import health, incidents, pages, probe_results, runbooks, targets
 from monitor.api.deps import require_token
+from monitor.api.docs import serve_docs
 from monitor.api.schemas import Problem
+from monitor.api.state import ApiState
 
 api_router = APIRouter(
     prefix="/api/v1",
@@ -18,3 +25,29 @@ api_router.include_router(probe_results.router)
 api_router.include_router(targets.router)
 
 health_router = health.router
+
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]] | Callable[[FastAPI], AsyncIterator[None]]
+
+
+def build_http_app(state: ApiState, *, lifespan: Lifespan | None = None, title: str = "kvcanary") -> FastAPI:
+    """Return the app serving ``state``: every router, the incident page, the runbooks and ``/metrics``."""
+    app = FastAPI(
+        title=title,
+        version="0.1.0",
+        description="Canary probes for KV-cache isolation: incidents, probe results and targets.",
+        lifespan=lifespan,  # type: ignore[arg-type]
+        docs_url=None,  # served from local assets below, not a CDN
+        redoc_url=None,
+    )
+    serve_docs(app)
+    app.state.api = state
+    app.include_router(health_router)
+    app.include_router(api_router)
+    app.include_router(runbooks.router)
+    app.include_router(pages.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(state.metrics_page(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

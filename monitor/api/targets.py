@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 
 from monitor.api.deps import SessionDep
 from monitor.api.schemas import LastVerdictOut, ProbeRunOut, Problem, RunOut, TargetList, TargetOut
+from monitor.api.state import api_state
 from monitor.runs.run_now import RateLimited, RunJob, RunNow
 from monitor.storage import queries
 from monitor.storage.models import public_url
@@ -23,7 +24,7 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {
 @router.get("", summary="Configured targets and each probe's latest verdict")
 def list_targets(request: Request, session: SessionDep) -> TargetList:
     """Return every configured target, in order, with the latest verdict of each probe judged so far."""
-    targets = request.app.state.settings.targets
+    targets = api_state(request).settings.targets
     # Only the configured pairs: one index descent each, however many results the table holds.
     last = queries.last_verdicts(session, pairs=[(t.name, probe) for t in targets for probe in t.probes])
     items = []
@@ -71,9 +72,9 @@ async def run_target(
     request less than ``api.run_now_min_interval_seconds`` ago gets 429. The run belongs to the
     monitor: a client that goes away cancels nothing.
     """
-    if request.app.state.settings.target(name) is None:
+    if api_state(request).settings.target(name) is None:
         raise HTTPException(status_code=404, detail=f"target {name!r} is not configured")
-    run_now: RunNow = request.app.state.run_now
+    run_now: RunNow = api_state(request).run_now
     try:
         job, _ = run_now.request(name)
     except RateLimited as exc:
@@ -95,7 +96,7 @@ def get_run(
     run_id: Annotated[str, Path(pattern=r"^[0-9a-f]{12}$")],
 ) -> RunOut:
     """Return the run's status and, once done, each probe's verdict (the latest runs are kept)."""
-    job = request.app.state.run_now.get(name, run_id)
+    job = api_state(request).run_now.get(name, run_id)
     if job is None:
         raise HTTPException(status_code=404, detail=f"no run {run_id} of {name!r} is kept")
     return _run_out(job)

@@ -18,12 +18,15 @@ from typing import Any
 import psycopg
 import pytest
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine, delete, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.api.main import api_router, health_router
+from monitor.api.main import build_http_app
+from monitor.api.state import ApiState
 from monitor.config.settings import IncidentConfig, RetentionConfig, Settings
 from monitor.incidents import RecordOutcome, record_result
+from monitor.metrics.registry import MonitorMetrics
 from monitor.runs.run_now import RunNow
 from monitor.storage.db import make_engine, make_session_factory, upgrade
 from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
@@ -175,20 +178,20 @@ def build_app(
     run_target: RunTarget | None = None,
     health: Callable[[], dict[str, Any]] | None = None,
 ) -> FastAPI:
-    """Assemble the app the way ``monitor/app.py`` does: the routers plus ``app.state``."""
+    """Return the service's own app (``build_http_app``) over ``factory`` and ``settings``."""
 
     async def no_run(name: str) -> list[dict[str, Any]]:
         raise KeyError(name)
 
-    app = FastAPI(title="kvcanary (test)")
-    app.state.session_factory = factory
-    app.state.api_token = token
-    app.state.settings = settings
-    app.state.run_now = RunNow(run_target or no_run, min_interval=0)
-    app.state.health = health or (lambda: {"scheduler": "running"})
-    app.include_router(health_router)
-    app.include_router(api_router)
-    return app
+    state = ApiState(
+        session_factory=factory,
+        api_token=token,
+        settings=settings,
+        run_now=RunNow(run_target or no_run, min_interval=0),
+        health=health or (lambda: {"scheduler": "running"}),
+        metrics_page=MonitorMetrics(CollectorRegistry()).exposition,
+    )
+    return build_http_app(state, title="kvcanary (test)")
 
 
 def settings_with_targets() -> Settings:

@@ -1,4 +1,4 @@
-"""The REST API over a real database. The only seam is the runner behind ``app.state.run_now``."""
+"""The REST API over a real database. The only seam is the runner behind ``run-now (ApiState.run_now)``."""
 
 from __future__ import annotations
 

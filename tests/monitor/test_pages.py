@@ -15,7 +15,6 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.api import pages
 from monitor.incidents import record_result
 from monitor.metrics.registry import MonitorMetrics
 from monitor.paging.links import incident_url, link_signature
@@ -23,7 +22,7 @@ from monitor.paging.pager import Delivery, Pager
 from monitor.storage.models import Incident
 from probes.base import ProbeResult, Verdict
 from tests.monitor.conftest import POLICY, RETENTION, build_app, minutes, record, settings_with_targets
-from tests.monitor.test_alerting import LINK_KEY, drain, pager_for, settings_for
+from tests.monitor.test_pager import LINK_KEY, drain, pager_for, settings_for
 from tests.services import Alertmanager
 
 Factory = sessionmaker[Session]
@@ -39,9 +38,7 @@ def signed(factory: Factory, incident_id: int, key: str = LINK_KEY) -> dict[str,
 
 
 def page_app(factory: Factory, token: str | None = LINK_KEY) -> FastAPI:
-    app = build_app(factory, settings=settings_with_targets(), token=token)
-    app.include_router(pages.router)
-    return app
+    return build_app(factory, settings=settings_with_targets(), token=token)
 
 
 @pytest.fixture

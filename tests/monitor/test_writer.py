@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.recording import writer as writer_module
 from monitor.config.targets import TargetConfig
+from monitor.recording import writer as writer_module
 from monitor.recording.pending import PendingResult
 from monitor.recording.recorder import Recorder
 from monitor.recording.spool import Spool

@@ -1,0 +1,41 @@
+"""What the HTTP app's routers read: one typed object, built by the composition root (or a test).
+
+``monitor/app.py`` builds an :class:`ApiState` from the running monitor; the tests build one from a
+database and settings of their own. Both hand it to :func:`monitor.api.main.build_http_app`, so the
+app a test talks to has every router, page and ``/metrics`` the service has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:
+    from monitor.config.settings import Settings
+    from monitor.runs.run_now import RunNow
+
+
+@dataclass(frozen=True)
+class ApiState:
+    """The monitor as the HTTP routers see it."""
+
+    #: Read-only sessions: recordings go through the runner's own (writing) sessions.
+    session_factory: sessionmaker[Session]
+    #: The bearer token of ``/api/v1``; None for a local-only API without auth.
+    api_token: str | None
+    settings: Settings
+    run_now: RunNow
+    #: The scheduler's and pipeline's report for ``/healthz``.
+    health: Callable[[], dict[str, Any]]
+    #: The ``/metrics`` page in the text format.
+    metrics_page: Callable[[], bytes]
+
+
+def api_state(request: Request) -> ApiState:
+    """Return the state the app serving ``request`` was built with."""
+    state: ApiState = request.app.state.api
+    return state
