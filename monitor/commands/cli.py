@@ -34,7 +34,7 @@ ConfigOpt = Annotated[
 ]
 EXIT_CONFIG = 2
 #: ``workers`` in a checkout, ``kvcanary.workers`` where the wheel installed everything under ``kvcanary``.
-WORKERS_MODULE = f"{(__package__ or 'monitor').removesuffix('monitor')}workers"
+WORKERS_MODULE = f"{(__package__ or 'monitor.commands').removesuffix('monitor.commands')}workers"
 
 
 def _fail(message: str, code: int = EXIT_CONFIG) -> typer.Exit:

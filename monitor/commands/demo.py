@@ -37,7 +37,7 @@ from monitor.storage.db import upgrade
 from probes.base import Verdict
 
 #: ``workers`` in a checkout, ``kvcanary.workers`` where the wheel installed everything under ``kvcanary``.
-WORKERS_MODULE = f"{(__package__ or 'monitor').removesuffix('monitor')}workers"
+WORKERS_MODULE = f"{(__package__ or 'monitor.commands').removesuffix('monitor.commands')}workers"
 TENANTS = ("tenant-a", "tenant-b")
 WORKERS = {
     # name: worker flags. The defective node advertises 8,192 tokens of context on a 2,048-token
