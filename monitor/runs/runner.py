@@ -22,7 +22,6 @@ from monitor.incidents import RecordOutcome
 from monitor.metrics.registry import MonitorMetrics
 from monitor.recording.pending import PendingResult
 from monitor.recording.writer import BatchWriter
-from monitor.storage.db import utcnow
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult, Verdict, judge
 from probes.markers import MarkerBook
@@ -197,7 +196,7 @@ class ProbeRunner:
                 started_at = datetime.now(UTC)
 
                 def keep(cut: ProbeResult, took: float) -> None:
-                    self._keep_finding(target, kind, key[2], cut, started_at, took)
+                    self._keep_finding(PendingResult.of(target, kind, cut, started_at, took, node=key[2]))
 
                 client = self.clients[target.name]
                 result, duration = await execute_probe(
@@ -209,7 +208,8 @@ class ProbeRunner:
                 result.state = None
             elif result.state is not None:
                 self._states[key] = result.state
-            outcome = await self._record(target, kind, key[2], result, started_at, duration)
+            item = PendingResult.of(target, kind, result, started_at, duration, node=key[2])
+            outcome = await self._record(item)
         self.metrics.observe(target.name, kind, result, duration, time.time(), key[2])
         summary = RunSummary(target.name, kind, key[2], result, started_at, duration, outcome)
         where = f"{target.name}/{kind}" + (f"@{key[2]}" if key[2] else "")
@@ -220,26 +220,18 @@ class ProbeRunner:
             self.on_config_change(target, key[2])
         return summary
 
-    def _keep_finding(
-        self,
-        target: TargetConfig,
-        kind: str,
-        node: str,
-        result: ProbeResult,
-        started_at: datetime,
-        took: float,
-    ) -> None:
+    def _keep_finding(self, item: PendingResult) -> None:
         """Record what a cancelled run had already found, if it is a leak or a mismatch: a marker read
         before shutdown is as much a leak as one read at the end. Queued, not awaited (the run is
         being cancelled); the writer records it before it stops."""
-        if result.verdict not in (Verdict.LEAK, Verdict.MISMATCH):
+        if item.verdict not in (Verdict.LEAK.value, Verdict.MISMATCH.value):
             return
-        log.warning(
-            "%s/%s cancelled after finding a %s: recording it", target.name, kind, result.verdict.value
+        log.warning("%s/%s cancelled after finding a %s: recording it", item.target, item.kind, item.verdict)
+        self.metrics.observe(
+            item.target, item.kind, item.result(), item.duration_seconds, time.time(), item.node
         )
-        self.metrics.observe(target.name, kind, result, took, time.time(), node)
         if self.writer is not None:
-            self.writer.enqueue(PendingResult.of(target, kind, result, started_at, took, utcnow(), node))
+            self.writer.enqueue(item)
 
     async def drain(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for runs in flight, then cancel the rest; return how many."""
@@ -288,17 +280,5 @@ class ProbeRunner:
             self._states[key] = stored
         return self._states[key]
 
-    async def _record(
-        self,
-        target: TargetConfig,
-        kind: str,
-        node: str,
-        result: ProbeResult,
-        started_at: datetime,
-        duration: float,
-    ) -> RecordOutcome | None:
-        if self.writer is None:
-            return None
-        return await self.writer.submit(
-            PendingResult.of(target, kind, result, started_at, duration, utcnow(), node)
-        )
+    async def _record(self, item: PendingResult) -> RecordOutcome | None:
+        return None if self.writer is None else await self.writer.submit(item)
