@@ -5,14 +5,16 @@ an entry. :func:`load_defects` validates it whole at load (unknown or missing ke
 does not parse, an unknown engine, no references, a ``fixed_in`` inside its own range) and raises
 :class:`DefectsFileError` naming the entry's id and the key.
 
-Versions are compared as the header describes, with a small PEP 440 subset written here (the
-``packaging`` library is only a transitive dependency of the environment, not one of ours):
+Versions are compared as the header describes, parsed and ordered by ``packaging.version``:
 
 - numeric release segments, a missing segment being 0 (``0.9 == 0.9.0``, ``0.5.9 < 0.5.22``);
 - pre-, post- and dev-releases in PEP 440 order (``1.0.dev1 < 1.0rc1 < 1.0 < 1.0.post1``);
-- the local part (``+cpu``) ignored; no epochs, no wildcards, no ``~=``.
+- this module's own rules: the local part (``+cpu``) ignored, where PEP 440 orders it
+  (``0.32.0+cpu`` is the 0.32.0 release), and epochs (``1!2.0``) refused; no wildcards, no ``~=``.
 
-A specifier is plain ordering over that key, as OSV ranges are: ``<0.9.0`` contains ``0.9.0rc1``
+A text ``packaging`` cannot parse (``unknown``, a llama.cpp ``b4567``) is a :class:`VersionError`.
+
+A specifier is plain ordering of those versions, as OSV ranges are: ``<0.9.0`` contains ``0.9.0rc1``
 (pip's rule that ``<V`` excludes V's pre-releases is about installing, not about which builds
 predate a fix; a release candidate may lack it).
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import packaging.version
 import yaml
 from pydantic import (
     BaseModel,
@@ -45,6 +48,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from probes.yamlfile import DuplicateKeyError, error_lines, load_yaml
 
 DEFECTS_FILE = Path(__file__).resolve().parent / "data" / "isolation_defects.yml"
 #: Engine families an entry may name.
@@ -65,74 +70,44 @@ class VersionError(ValueError):
 
 # --- versions --------------------------------------------------------------------------------------
 
-_VERSION_RE = re.compile(
-    r"""^v?(?P<release>\d+(?:\.\d+)*)
-    (?:[-_.]?(?P<pre_l>alpha|beta|preview|pre|rc|a|b|c)[-_.]?(?P<pre_n>\d+)?)?
-    (?:-(?P<post_implicit>\d+)|[-_.]?(?P<post_l>post|rev|r)[-_.]?(?P<post_n>\d+)?)?
-    (?:[-_.]?(?P<dev_l>dev)[-_.]?(?P<dev_n>\d+)?)?
-    (?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?$""",
-    re.VERBOSE | re.IGNORECASE,
-)
-_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
 _LLAMACPP_BUILD_RE = re.compile(r"^b\d+(?:-[0-9a-f]+)?$", re.IGNORECASE)
-
-VersionKey = tuple[tuple[int, ...], tuple[int, int], int, tuple[int, int]]
 
 
 @functools.total_ordering
 @dataclass(frozen=True, eq=False)
 class Version:
-    """A PEP 440 version (subset); equality and order ignore the local part and trailing zeros."""
+    """A release in PEP 440 order (``packaging``); equality and order ignore the local part.
+
+    ``str()`` is the text as written (``v0.6.3`` stays so in evidence and labels).
+    """
 
     text: str
-    release: tuple[int, ...]
-    pre: tuple[int, int] | None = None
-    post: int | None = None
-    dev: int | None = None
+    #: The version without its local part (``0.32.0`` for ``0.32.0+cpu``): what is compared.
+    public: packaging.version.Version
 
     @classmethod
     def parse(cls, text: str) -> Version:
-        """Return the version ``text`` names; raise VersionError when it is not one."""
-        match = _VERSION_RE.match(text.strip())
-        if match is None:
-            raise VersionError(f"{text!r} is not a PEP 440 version")
-        pre = None
-        if match["pre_l"]:
-            pre = (_PRE_RANK[match["pre_l"].lower()], int(match["pre_n"] or 0))
-        post_text = match["post_implicit"] or match["post_n"]
-        post = int(post_text or 0) if (match["post_implicit"] or match["post_l"]) else None
-        dev = int(match["dev_n"] or 0) if match["dev_l"] else None
-        release = tuple(int(part) for part in match["release"].split("."))
-        return cls(text.strip(), release, pre, post, dev)
-
-    @property
-    def key(self) -> VersionKey:
-        """Return the sort key: PEP 440 order, release zeros trimmed, local part left out."""
-        release = self.release
-        while len(release) > 1 and release[-1] == 0:
-            release = release[:-1]
-        if self.pre is not None:
-            pre = self.pre
-        elif self.post is None and self.dev is not None:
-            pre = (-1, 0)  # 1.0.dev1 sorts before 1.0a1
-        else:
-            pre = (3, 0)  # a final release sorts after its pre-releases
-        post = -1 if self.post is None else self.post
-        dev = (1, 0) if self.dev is None else (0, self.dev)
-        return release, pre, post, dev
+        """Return the version ``text`` names; raise VersionError when it is not one or has an epoch."""
+        try:
+            parsed = packaging.version.Version(text.strip())
+        except packaging.version.InvalidVersion:
+            raise VersionError(f"{text!r} is not a PEP 440 version") from None
+        if "!" in text:  # no engine release has an epoch: in an entry or an option it is a mistake
+            raise VersionError(f"{text!r} has an epoch (N!): name releases without one")
+        return cls(text.strip(), packaging.version.Version(parsed.public))
 
     @property
     def local(self) -> bool:
         return "+" in self.text
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Version) and self.key == other.key
+        return isinstance(other, Version) and self.public == other.public
 
     def __lt__(self, other: Version) -> bool:
-        return self.key < other.key
+        return self.public < other.public
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return hash(self.public)
 
     def __str__(self) -> str:
         return self.text
@@ -189,7 +164,7 @@ def node_version(engine: str, published: object) -> Version:
             raise VersionError(f"{text!r} does not start with {REFERENCE_PREFIX.strip()!r}")
         text = text.removeprefix(REFERENCE_PREFIX)
     version = Version.parse(text)
-    if not any(version.release):
+    if not any(version.public.release):
         raise VersionError(f"{text!r} is a source or CI build (0.0.0.devN): it names no release")
     return version
 
@@ -273,34 +248,14 @@ class Catalogue:
         )
 
 
-def _twice_given_key(node: Any) -> str | None:
-    """Return the first mapping key given twice in a composed YAML tree (plain YAML keeps the last
-    one silently), as ``'key' at line N``; None when every key is unique."""
-    if isinstance(node, yaml.MappingNode):
-        seen: set[Any] = set()
-        for key, value in node.value:
-            if key.value in seen:
-                return f"{key.value!r} at line {key.start_mark.line + 1}"
-            seen.add(key.value)
-            if (found := _twice_given_key(value)) is not None:
-                return found
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            if (found := _twice_given_key(item)) is not None:
-                return found
-    return None
-
-
 def load_defects(path: Path = DEFECTS_FILE) -> Catalogue:
     """Return the validated catalogue in ``path``; raise DefectsFileError naming the id and key at fault."""
     try:
-        text = path.read_text(encoding="utf-8")
-        twice = _twice_given_key(yaml.compose(text, Loader=yaml.SafeLoader))
-        raw = yaml.safe_load(text)
+        raw = load_yaml(path.read_text(encoding="utf-8"))
+    except DuplicateKeyError as exc:
+        raise DefectsFileError(f"{path}: {exc}") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise DefectsFileError(f"{path}: cannot read: {exc}") from None
-    if twice is not None:
-        raise DefectsFileError(f"{path}: key {twice} is given twice")
     if not isinstance(raw, dict) or set(raw) != {"defects"} or not isinstance(raw["defects"], list):
         raise DefectsFileError(f"{path}: must be a mapping with one key, defects: a list of entries")
     defects: list[Defect] = []
@@ -318,12 +273,8 @@ def _entry(path: Path, number: int, entry: Any) -> Defect:
     try:
         return Defect.model_validate(entry)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            key = ".".join(str(part) for part in err["loc"])
-            message = err["msg"].removeprefix("Value error, ")
-            problems.append(f"{key}: {message}" if key else message)
-        raise DefectsFileError(f"{path}: {where}: {'; '.join(dict.fromkeys(problems))}") from None
+        problems = "; ".join(error_lines(exc, dotted_indices=True))
+        raise DefectsFileError(f"{path}: {where}: {problems}") from None
 
 
 @functools.cache

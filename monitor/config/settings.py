@@ -20,7 +20,8 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from monitor.config.targets import DAY, ENV_RE, Strict, TargetConfig, http_url
+from monitor.config.targets import DAY, EnvName, Strict, TargetConfig, http_url
+from probes.yamlfile import DuplicateKeyError, error_lines, load_yaml
 
 
 class ConfigError(Exception):
@@ -120,10 +121,10 @@ class AlertmanagerConfig(Strict):
     """One Alertmanager (API v2). Written as a plain URL, or with auth whose secret is in env or a file."""
 
     url: str = Field(max_length=2048)
-    bearer_token_env: str | None = None
+    bearer_token_env: EnvName | None = None
     bearer_token_file: Path | None = None
     basic_auth_user: str | None = Field(None, max_length=255)
-    basic_auth_password_env: str | None = None
+    basic_auth_password_env: EnvName | None = None
     basic_auth_password_file: Path | None = None
 
     @model_validator(mode="before")
@@ -135,13 +136,6 @@ class AlertmanagerConfig(Strict):
     @classmethod
     def _url(cls, v: str) -> str:
         return http_url(v)
-
-    @field_validator("bearer_token_env", "basic_auth_password_env")
-    @classmethod
-    def _env(cls, v: str | None) -> str | None:
-        if v is not None and not ENV_RE.match(v):
-            raise ValueError("must be an environment variable name")
-        return v
 
     @model_validator(mode="after")
     def _one_auth(self) -> AlertmanagerConfig:
@@ -229,16 +223,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _key_path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not str(part).startswith(("function-", "literal[")):
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"
-
-
 def parse_settings(data: Any, *, source: str = "config") -> Settings:
     """Validate already-parsed YAML; raise ConfigError naming the first bad keys."""
     if data is None:
@@ -250,15 +234,16 @@ def parse_settings(data: Any, *, source: str = "config") -> Settings:
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors()[:5]:
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{_key_path(tuple(err['loc']))}: {msg}")
+        lines = error_lines(exc, top_level="(top level)")[:5]
         raise ConfigError(f"{source}: " + "; ".join(lines)) from None
 
 
 def load_settings(path: str | Path) -> Settings:
-    """Read and validate the YAML file at ``path``."""
+    """Read and validate the YAML file at ``path``; raise ConfigError naming the key at fault.
+
+    A mapping key given twice, at any depth, is refused naming its path and both lines: plain YAML
+    would keep the last one silently, and the first may be the one the operator meant.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -267,7 +252,9 @@ def load_settings(path: str | Path) -> Settings:
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     return parse_settings(data, source=str(path))

@@ -8,18 +8,45 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from probes import REGISTRY
 from probes.target import Node
+from probes.yamlfile import key_path
 
 Engine = Literal["sglang", "vllm", "llamacpp", "reference", "openai"]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DAY = 86400.0
+
+
+def _name(value: str) -> str:
+    if not NAME_RE.match(value):
+        raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
+    return value
+
+
+def _env_name(value: str) -> str:
+    if not ENV_RE.match(value):
+        raise ValueError("must be an environment variable name")
+    return value
+
+
+#: A target, tenant or node name (``NAME_RE``).
+Name = Annotated[str, AfterValidator(_name)]
+#: The name of an environment variable a secret is read from (``ENV_RE``).
+EnvName = Annotated[str, AfterValidator(_env_name)]
 
 
 class Strict(BaseModel):
@@ -28,23 +55,9 @@ class Strict(BaseModel):
 
 
 class TenantConfig(Strict):
-    name: str
-    api_key_env: str | None = None
+    name: Name
+    api_key_env: EnvName | None = None
     api_key_file: Path | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
-        return v
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _env(cls, v: str | None) -> str | None:
-        if v is not None and not ENV_RE.match(v):
-            raise ValueError("must be an environment variable name")
-        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -76,19 +89,12 @@ class NodeConfig(Strict):
     """One serving node of a target: a disaggregated deployment has prefill and decode nodes, each
     with its own pool, server info and metrics. Node-scoped probes (``counters``) judge each alone."""
 
-    name: str
+    name: Name
     role: Literal["single", "prefill", "decode"] = "single"
     # The node's own API (server info, tokenizer); default: the target's base_url.
     info_url: str | None = Field(None, max_length=2048)
     # Its Prometheus endpoint; default: <info_url>/metrics.
     metrics_url: str | None = Field(None, max_length=2048)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
-        return v
 
     @field_validator("info_url", "metrics_url")
     @classmethod
@@ -97,7 +103,7 @@ class NodeConfig(Strict):
 
 
 class TargetConfig(Strict):
-    name: str
+    name: Name
     base_url: str = Field(max_length=2048)
     engine: Engine = "reference"
     model: str = Field("default", min_length=1, max_length=255)
@@ -112,13 +118,6 @@ class TargetConfig(Strict):
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # The serving nodes behind base_url; none listed: one node at base_url.
     nodes: list[NodeConfig] = Field(default_factory=list, max_length=1000)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
-        return v
 
     @field_validator("base_url")
     @classmethod
@@ -154,8 +153,10 @@ class TargetConfig(Strict):
             try:
                 model = REGISTRY[kind].options_model.model_validate(given)
             except ValidationError as exc:
+                # The first problem only, worded as pydantic words it: it becomes one line of the
+                # outer error (``targets[0].options: boundary.max_prompt_tokens: ...``).
                 err = exc.errors()[0]
-                where = ".".join(str(p) for p in (kind, *err["loc"]))
+                where = key_path((kind, *err["loc"]), dotted_indices=True)
                 raise ValueError(f"{where}: {err['msg']}") from None
             checked[kind] = model.model_dump(exclude_unset=True)
         return checked

@@ -59,6 +59,58 @@ def test_the_cli_exits_2_for_a_missing_file(tmp_path: Path) -> None:
     assert "cannot read" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "key", "lines"),
+    [
+        ("invalid-duplicate-key-top.yml", "targets", (2, 7)),
+        ("invalid-duplicate-key-target.yml", "targets[1].probes", (10, 12)),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_its_path_and_both_lines(
+    name: str, key: str, lines: tuple[int, int]
+) -> None:
+    """Plain YAML keeps the last one silently: a second ``targets:`` would drop the first list unseen."""
+    with pytest.raises(ConfigError) as err:
+        load_settings(FIXTURES / name)
+    assert str(err.value) == f"{FIXTURES / name}: {key}: key given twice, at lines {lines[0]} and {lines[1]}"
+
+
+def test_a_key_given_twice_deeper_is_named_by_its_dotted_path(tmp_path: Path) -> None:
+    path = tmp_path / "kvcanary.yml"
+    path.write_text("api:\n  listen: 127.0.0.1:8600\n  local_only: true\n  listen: 0.0.0.0:8600\n")
+    with pytest.raises(ConfigError, match=re.escape("api.listen: key given twice, at lines 2 and 4")):
+        load_settings(path)
+
+
+def test_a_merged_key_stated_again_is_an_override_not_a_duplicate(tmp_path: Path) -> None:
+    """Merge keys work as before: the mapping's own key wins over the merged one."""
+    path = tmp_path / "kvcanary.yml"
+    path.write_text(
+        "targets:\n"
+        "  - &base {name: a, base_url: 'http://127.0.0.1:1', tenants: [{name: x}], probes: [canary]}\n"
+        "  - {<<: *base, name: b, probes: [canary, boundary]}\n"
+    )
+    a, b = load_settings(path).targets
+    assert (a.name, a.probes) == ("a", ["canary"])
+    assert (b.name, b.probes, b.base_url) == ("b", ["canary", "boundary"], a.base_url)
+
+
+def test_merge_key_given_twice_is_refused(tmp_path: Path) -> None:
+    """``<<`` is a key like any other: two mappings merge as ``<<: [*a, *b]``."""
+    path = tmp_path / "kvcanary.yml"
+    path.write_text("a: &a {x: 1}\nb: &b {y: 2}\napi:\n  <<: *a\n  <<: *b\n")
+    with pytest.raises(ConfigError, match=re.escape("api.<<: key given twice, at lines 4 and 5")):
+        load_settings(path)
+
+
+@pytest.mark.parametrize("command", ["check", "serve"])
+def test_the_cli_exits_2_naming_a_key_given_twice(command: str) -> None:
+    proc = kvcanary(command, "--config", str(FIXTURES / "invalid-duplicate-key-target.yml"))
+    assert proc.returncode == 2, proc.stderr
+    assert "targets[1].probes: key given twice, at lines 10 and 12" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_the_annotated_example_is_valid() -> None:
     settings = load_settings(REPO / "kvcanary.example.yml")
     target = settings.targets[0]

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import packaging.version
 import pytest
 import yaml
 
@@ -135,7 +136,8 @@ def test_a_key_given_twice_is_refused_not_silently_overwritten(tmp_path: Path) -
     )
     path = tmp_path / "defects.yml"
     path.write_text(text)
-    with pytest.raises(DefectsFileError, match=r"key 'affected' at line \d+ is given twice"):
+    expected = f"{path}: defects[0].affected: key given twice, at lines 4 and 5"
+    with pytest.raises(DefectsFileError, match=f"^{re.escape(expected)}$"):
         load_defects(path)
 
 
@@ -177,6 +179,35 @@ def test_versions_order_as_pep_440_does(lower: str, higher: str) -> None:
     assert Version.parse(higher) > Version.parse(lower)
 
 
+def test_versions_sort_as_pep_440_lists_them() -> None:
+    """PEP 440's own example of the order of every kind of suffix (its local entry aside: ignored).
+
+    The hand-written parser that ``packaging`` replaced got it right as well; a text comparison
+    would not (``1.0a2.dev456 < 1.0a12.dev456``, ``1.0.post456 < 1.0.15``).
+    """
+    ordered = [
+        "1.dev0",
+        "1.0.dev456",
+        "1.0a1",
+        "1.0a2.dev456",
+        "1.0a12.dev456",
+        "1.0a12",
+        "1.0b1.dev456",
+        "1.0b2",
+        "1.0b2.post345.dev456",
+        "1.0b2.post345",
+        "1.0rc1.dev456",
+        "1.0rc1",
+        "1.0",
+        "1.0.post456.dev34",
+        "1.0.post456",
+        "1.0.15",
+        "1.1.dev1",
+    ]
+    assert sorted(reversed(ordered), key=Version.parse) == ordered
+    assert sorted(ordered, key=packaging.version.Version) == ordered
+
+
 @pytest.mark.parametrize(
     ("one", "other"),
     [
@@ -192,7 +223,24 @@ def test_versions_equal_up_to_zeros_case_and_local_part(one: str, other: str) ->
     assert hash(Version.parse(one)) == hash(Version.parse(other))
 
 
-@pytest.mark.parametrize("text", ["", "banana", "1.0!", "1!2.0", "0.9.*", "b1-0c1e570", "1..0", "1.0 beta"])
+@pytest.mark.parametrize(
+    "text",
+    # "\u0661.\u0662" is 1.2 in Arabic-Indic digits: the hand-written parser took any Unicode digit.
+    [
+        "",
+        "banana",
+        "1.0!",
+        "1!2.0",
+        "0!1.0",
+        "0.9.*",
+        "b1-0c1e570",
+        "b4567",
+        "unknown",
+        "1..0",
+        "1.0 beta",
+        "\u0661.\u0662",
+    ],
+)
 def test_what_is_not_a_version_is_refused(text: str) -> None:
     with pytest.raises(VersionError):
         Version.parse(text)
@@ -238,6 +286,11 @@ def test_a_node_version_that_names_no_release_says_why(engine: str, published: o
 
 def test_node_versions_that_name_a_release() -> None:
     assert node_version("sglang", " 0.5.12.post1 ") == Version.parse("0.5.12.post1")
+    assert node_version("sglang", "0.5.0rc1") < Version.parse("0.5.0")
+    assert node_version("vllm", "0.4.3.post1") > Version.parse("0.4.3")
+    # Compared as 0.6.3, shown as published.
+    assert node_version("vllm", "v0.6.3") == Version.parse("0.6.3")
+    assert str(node_version("vllm", "v0.6.3")) == "v0.6.3"
     assert node_version("vllm", "0.32.0+cpu") == Version.parse("0.32.0")
     assert node_version("reference", "kvcanary-reference 0.1.0") == Version.parse("0.1.0")
 
