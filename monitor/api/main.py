@@ -3,11 +3,9 @@ and ``/metrics``, all reading one :class:`~monitor.api.state.ApiState`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
-
 from fastapi import APIRouter, Depends, FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Lifespan
 
 from monitor.api import health, incidents, pages, probe_results, runbooks, targets
 from monitor.api.deps import require_token
@@ -24,24 +22,22 @@ api_router.include_router(incidents.router)
 api_router.include_router(probe_results.router)
 api_router.include_router(targets.router)
 
-health_router = health.router
 
-Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]] | Callable[[FastAPI], AsyncIterator[None]]
-
-
-def build_http_app(state: ApiState, *, lifespan: Lifespan | None = None, title: str = "kvcanary") -> FastAPI:
+def build_http_app(
+    state: ApiState, *, lifespan: Lifespan[FastAPI] | None = None, title: str = "kvcanary"
+) -> FastAPI:
     """Return the app serving ``state``: every router, the incident page, the runbooks and ``/metrics``."""
     app = FastAPI(
         title=title,
         version="0.1.0",
         description="Canary probes for KV-cache isolation: incidents, probe results and targets.",
-        lifespan=lifespan,  # type: ignore[arg-type]
+        lifespan=lifespan,
         docs_url=None,  # served from local assets below, not a CDN
         redoc_url=None,
     )
     serve_docs(app)
     app.state.api = state
-    app.include_router(health_router)
+    app.include_router(health.router)
     app.include_router(api_router)
     app.include_router(runbooks.router)
     app.include_router(pages.router)
