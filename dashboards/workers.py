@@ -213,12 +213,13 @@ def _capacity(grid: Grid) -> None:
     grid.add(
         stat_panel(
             "KV pool ÷ context window",
-            "Per worker: the pool admission checks (single or prefill) divided by the advertised "
+            "Per worker: the pool admission checks (unified or prefill) divided by the advertised "
             "context window. Below 1 (red) a prompt can fit the context window but not the pool: "
             "the incident's misconfiguration. Below 2: a warning.",
             [
                 Query(
-                    f'min by (job, instance) (kvcanary_kv_pool_tokens{{{W}, pool=~"single|prefill"}}) '
+                    f"min by (job, instance) "
+                    f'(kvcanary_kv_pool_tokens{{{W}, pool=~"unified|single|prefill"}}) '
                     f"/ on (job, instance) max by (job, instance) (kvcanary_context_window_tokens{{{W}}})",
                     "{{instance}}",
                     instant=True,

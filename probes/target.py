@@ -96,7 +96,7 @@ class ServerCapacity:
 @dataclass(frozen=True)
 class Node:
     """One serving node of a target. ``name`` is empty for a target that lists no nodes (one node
-    at its base URL). ``role`` is ``single``, ``prefill`` or ``decode``."""
+    at its base URL). ``role`` is ``aggregated`` (one node does both phases), ``prefill`` or ``decode``."""
 
     name: str
     role: str
@@ -116,7 +116,7 @@ class Fetched:
 @dataclass(frozen=True)
 class Scraped:
     """A node's Prometheus page, parsed: each sample's value summed over its labels, by sample name
-    (``_info`` samples keep their labels in the key: ``kvcanary_worker_info{mode="single",...}``).
+    (``_info`` samples keep their labels in the key: ``kvcanary_worker_info{mode="aggregated",...}``).
     ``samples`` is None when the page could not be read (``reason`` ``metrics_unreachable``) or
     parsed (``metrics_unparseable``); ``error`` says why in words."""
 

@@ -40,7 +40,7 @@ from tests.services import Alertmanager, Prometheus, start_alertmanager, start_p
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]
 
 RULES = REPO / "alerts" / "kvcanary.rules.yml"
-HEALTHY = ["--mode", "single", "--kv-pool-tokens", "16384", "--context-window", "8192"]
+HEALTHY = ["--mode", "aggregated", "--kv-pool-tokens", "16384", "--context-window", "8192"]
 POOL = ["--prefill-pool-tokens", "1024", "--decode-pool-tokens", "16384", "--context-window", "8192"]
 DEFECTIVE = ["--mode", "disaggregated", "--admission", "placeholder", *POOL]
 FIXED = ["--mode", "disaggregated", "--admission", "reject", *POOL]

@@ -1,11 +1,11 @@
 """Admission: decide, before any KV is computed, what the worker will do with a prompt.
 
 Rules, in order (``L`` = prompt tokens, ``C`` = context window, ``M`` = ``config.max_req_input_len``,
-which is ``min(C, admission pool) - 1``; the admission pool is the single pool or the prefill pool):
+which is ``min(C, admission pool) - 1``; the admission pool is the unified pool or the prefill pool):
 
 1. ``L >= C``: reject, reason ``context_window``, with SGLang's tokenizer-manager wording.
 2. ``L > M``: the request cannot fit the admission pool.
-   - ``--admission reject`` (the fix, and always in single mode): reject, reason ``kv_capacity``,
+   - ``--admission reject`` (the fix, and always in aggregated mode): reject, reason ``kv_capacity``,
      with SGLang's scheduler wording, before any KV transfer.
    - ``--admission placeholder`` in disaggregated mode (THE DEFECT, as in sgl-project/sglang#30233):
      replace the input by the one-token placeholder ``[0]``. Prefill computes and transfers one token

@@ -12,7 +12,7 @@ With ownership verification the batch also keeps, per row and page, the EXACT ow
 page must hold when the row reads it (``expected``; see ``workers.model.entries_owned``):
 
 - pages the row reads: the request itself with every slot it reads written, ``word(r, n)``; or,
-  for a page the prefix cache owns (single mode), the word the cache gave it when it published it
+  for a page the prefix cache owns (aggregated mode), the word the cache gave it when it published it
   (see ``workers.prefix_cache``), which any number of rows may expect at once;
 - pages allocated ahead and not written yet: the word they held when the request joined (nobody may
   write them but the request);

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 
 from workers.auth import load_keys_file, parse_key_spec
-from workers.config import ADMISSIONS, MODES, PREFIX_CACHE_MODES, WorkerConfig
+from workers.config import ADMISSIONS, DEPRECATED_MODES, MODES, PREFIX_CACHE_MODES, WorkerConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -72,9 +72,10 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
     add = group.add_argument
     add(
         "--mode",
-        choices=MODES,
-        default="single",
-        help="one KV pool, or prefill and decode pools (default: %(default)s)",
+        choices=[*MODES, *DEPRECATED_MODES],
+        default="aggregated",
+        help="aggregated: one unified KV pool for prefill and decode; disaggregated: a pool each "
+        "(default: %(default)s; 'single' is 0.1's deprecated name for aggregated)",
     )
     add(
         "--admission",
@@ -82,13 +83,13 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
         default="reject",
         help="disaggregated mode: reject over-capacity prompts with HTTP 400 (the fix), or replace them by a "
         "one-token placeholder that decodes over stale pages (the defect of sgl-project/sglang#30233); "
-        "single mode always rejects (default: %(default)s)",
+        "aggregated mode always rejects (default: %(default)s)",
     )
     add(
         "--kv-pool-tokens",
         type=int,
         default=4096,
-        help="tokens of the single pool; in disaggregated mode the size of each pool whose own flag is "
+        help="tokens of the unified pool; in disaggregated mode the size of each pool whose own flag is "
         "absent (default: %(default)s)",
     )
     add(

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MODES = ("single", "disaggregated")
+MODES = ("aggregated", "disaggregated")
+# 0.1 called the aggregated mode "single" (a word that also named its pool and the monitor's node role).
+# The old spelling still runs for one release and keeps 0.1's wire names (mode="single", pool="single"),
+# so dashboards and queries written against them keep working until they move to the new ones.
+DEPRECATED_MODES = {"single": "aggregated"}
+UNIFIED_POOL = "unified"
 ADMISSIONS = ("reject", "placeholder")
 DEVICES = ("cpu", "cuda")
 PREFIX_CACHE_MODES = ("off", "shared", "per-tenant")
@@ -22,7 +27,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     device: str = "cpu"
-    mode: str = "single"
+    mode: str = "aggregated"
     admission: str = "reject"
     kv_pool_tokens: int = 4096
     prefill_pool_tokens: int | None = None
@@ -39,7 +44,10 @@ class WorkerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        _require(self.mode in MODES, f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _require(
+            self.mode in MODES or self.mode in DEPRECATED_MODES,
+            f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}",
+        )
         _require(
             self.admission in ADMISSIONS,
             f"--admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}",
@@ -62,9 +70,19 @@ class WorkerConfig:
         for key, tenant in self.api_keys.items():
             _require(bool(key) and bool(tenant), "--api-key entries need a non-empty KEY and TENANT")
 
+    @property
+    def disaggregated(self) -> bool:
+        """Return True when prefill and decode have pools of their own."""
+        return self.mode == "disaggregated"
+
+    @property
+    def unified_pool_name(self) -> str:
+        """Return the name of the aggregated mode's one pool (0.1's ``single`` under ``--mode single``)."""
+        return "single" if self.mode == "single" else UNIFIED_POOL
+
     def _pool_flags(self) -> dict[str, int]:
         """Return each configured pool size under the flag that set it."""
-        if self.mode == "single":
+        if not self.disaggregated:
             return {"--kv-pool-tokens": self.kv_pool_tokens}
         return {
             "--prefill-pool-tokens": self.prefill_tokens_requested,
@@ -83,12 +101,12 @@ class WorkerConfig:
 
     @property
     def pool_tokens(self) -> dict[str, int]:
-        """Return the usable tokens of each pool by name: ``single``, or ``prefill`` and ``decode``.
+        """Return the usable tokens of each pool by name: ``unified``, or ``prefill`` and ``decode``.
 
         A pool holds whole pages only, so a size that is not a multiple of ``page_size`` is rounded down.
         """
-        if self.mode == "single":
-            return {"single": self._whole_pages(self.kv_pool_tokens)}
+        if not self.disaggregated:
+            return {self.unified_pool_name: self._whole_pages(self.kv_pool_tokens)}
         return {
             "prefill": self._whole_pages(self.prefill_tokens_requested),
             "decode": self._whole_pages(self.decode_tokens_requested),
@@ -99,25 +117,24 @@ class WorkerConfig:
 
     @property
     def admission_pool_tokens(self) -> int:
-        """Return the pool that admission checks: the single pool, or the prefill pool."""
-        pools = self.pool_tokens
-        return pools["single"] if self.mode == "single" else pools["prefill"]
+        """Return the pool that admission checks: the unified pool, or the prefill pool."""
+        return self.pool_tokens["prefill" if self.disaggregated else self.unified_pool_name]
 
     @property
     def decode_pool_name(self) -> str:
         """Return the name of the pool that decode reads from."""
-        return "single" if self.mode == "single" else "decode"
+        return "decode" if self.disaggregated else self.unified_pool_name
 
     @property
     def prefix_cache_pool_name(self) -> str | None:
         """Return the pool whose full prompt pages the prefix cache reuses (None with the cache off).
 
-        Single mode caches in its one pool; disaggregated mode in the prefill pool, whose pages only
+        Aggregated mode caches in its one pool; disaggregated mode in the prefill pool, whose pages only
         live until their transfer, so the decode pool keeps every page exclusive to its request.
         """
         if self.prefix_cache == "off":
             return None
-        return "single" if self.mode == "single" else "prefill"
+        return "prefill" if self.disaggregated else self.unified_pool_name
 
     @property
     def max_req_input_len(self) -> int:
@@ -130,8 +147,8 @@ class WorkerConfig:
 
     @property
     def effective_admission(self) -> str:
-        """Return the admission behaviour in force (single mode always rejects, as SGLang's single node)."""
-        return self.admission if self.mode == "disaggregated" else "reject"
+        """Return the admission behaviour in force (aggregated mode always rejects, as SGLang's non-PD)."""
+        return self.admission if self.disaggregated else "reject"
 
     @property
     def context_exceeds_pool(self) -> bool:

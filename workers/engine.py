@@ -12,7 +12,7 @@ HTTP handlers call ``submit`` (which plans admission synchronously, so a rejecti
 
 With ``--prefix-cache`` on, step 2 takes the prompt's cached leading pages instead of computing them
 and publishes the full pages it computed (see ``workers.prefix_cache``). The cache serves the pool
-prefill writes into: the single pool, or the prefill pool in disaggregated mode, where the transfer
+prefill writes into: the unified pool, or the prefill pool in disaggregated mode, where the transfer
 copies cached and computed positions alike into the request's own decode pages (decode pages are
 never shared). Before that copy, with ``--verify-ownership``, the prefill pages must hold exactly
 the words the request expects, as decode pages must before each decode read.
@@ -89,7 +89,7 @@ class Engine:
             for name, pool in self.pools.items()
         }
         self.decode_pages = self.page_caches[config.decode_pool_name]
-        self.prompt_pages = self.page_caches["prefill" if self.prefill_pool is not None else "single"]
+        self.prompt_pages = self.page_caches["prefill" if config.disaggregated else config.unified_pool_name]
         self.batch = RunningBatch(
             max_batch=config.max_batch,
             # A reservation never exceeds the context window nor the pool (see workers.admission).

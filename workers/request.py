@@ -52,7 +52,7 @@ OWNERSHIP_VIOLATION = ErrorEvent(500, "KV page ownership check failed", "kv_owne
 class Request:
     """A submitted request: its plan, its decode pages and what it generated so far.
 
-    ``shared_words`` maps the index of each decode page the prefix cache owns (single mode only) to
+    ``shared_words`` maps the index of each decode page the prefix cache owns (aggregated mode only) to
     the ownership word the page must hold while the request reads it; every other page is the
     request's own. ``cached_tokens`` are the prompt tokens that prefill took from the cache.
     """

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from workers import __version__
-from workers.config import WorkerConfig
+from workers.config import DEPRECATED_MODES, UNIFIED_POOL, WorkerConfig
 from workers.engine import Engine
 from workers.errors import install_error_handlers
 from workers.metrics import WorkerMetrics
@@ -34,7 +34,7 @@ COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 def server_info(config: WorkerConfig) -> dict[str, Any]:
     """Return SGLang's ``/get_server_info`` fields plus the worker's isolation settings.
 
-    ``max_total_num_tokens`` is the pool admission checks (single, or prefill in disaggregated mode,
+    ``max_total_num_tokens`` is the pool admission checks (the unified pool, or prefill in disaggregated mode,
     which is why ``disaggregation_mode`` reads ``prefill`` there) and ``max_req_input_len`` is
     ``min(context_length, max_total_num_tokens) - 1``.
     """
@@ -43,7 +43,7 @@ def server_info(config: WorkerConfig) -> dict[str, Any]:
         "max_total_num_tokens": config.admission_pool_tokens,
         "max_req_input_len": config.max_req_input_len,
         "page_size": config.page_size,
-        "disaggregation_mode": "null" if config.mode == "single" else "prefill",
+        "disaggregation_mode": "prefill" if config.disaggregated else "null",
         "version": f"kvcanary-reference {__version__}",
         "served_model_name": config.served_model_name,
         "kv_pools": config.pool_tokens,
@@ -123,6 +123,15 @@ def serve(config: WorkerConfig) -> None:
             config.admission_pool_tokens,
             config.max_req_input_len,
         )
-    if config.mode == "single" and config.admission == "placeholder":
-        log.warning("--admission placeholder has no effect in single mode: the single-node path rejects")
+    if config.mode in DEPRECATED_MODES:
+        log.warning(
+            "--mode %s is deprecated and will be removed in the next release: use --mode %s "
+            "(it exports pool=%r and mode=%r; this spelling keeps 0.1's names)",
+            config.mode,
+            DEPRECATED_MODES[config.mode],
+            UNIFIED_POOL,
+            DEPRECATED_MODES[config.mode],
+        )
+    if not config.disaggregated and config.admission == "placeholder":
+        log.warning("--admission placeholder has no effect in aggregated mode: the non-PD path rejects")
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level)

@@ -42,7 +42,7 @@ TENANTS = ("tenant-a", "tenant-b")
 WORKERS = {
     # name: worker flags. The defective node advertises 8,192 tokens of context on a 2,048-token
     # prefill pool and swaps over-capacity requests for a one-token placeholder (SGLang #30233).
-    "healthy": ["--mode", "single", "--kv-pool-tokens", "16384", "--context-window", "8192"],
+    "healthy": ["--mode", "aggregated", "--kv-pool-tokens", "16384", "--context-window", "8192"],
     "defective": [
         "--mode",
         "disaggregated",

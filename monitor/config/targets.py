@@ -6,6 +6,7 @@ the name rules used across the config. :mod:`monitor.config.settings` assembles 
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -24,6 +25,8 @@ from pydantic import (
 from probes import REGISTRY
 from probes.target import Node
 from probes.yamlfile import key_path
+
+log = logging.getLogger(__name__)
 
 Engine = Literal["sglang", "vllm", "llamacpp", "reference", "openai"]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -90,11 +93,20 @@ class NodeConfig(Strict):
     with its own pool, server info and metrics. Node-scoped probes (``counters``) judge each alone."""
 
     name: Name
-    role: Literal["single", "prefill", "decode"] = "single"
+    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
     # The node's own API (server info, tokenizer); default: the target's base_url.
     info_url: str | None = Field(None, max_length=2048)
     # Its Prometheus endpoint; default: <info_url>/metrics.
     metrics_url: str | None = Field(None, max_length=2048)
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _deprecated_role(cls, v: object) -> object:
+        # 0.1 called the aggregated role "single"; accepted for one release (README, Upgrading).
+        if v == "single":
+            log.warning("nodes: role 'single' is deprecated and will be refused in 0.3: write 'aggregated'")
+            return "aggregated"
+        return v
 
     @field_validator("info_url", "metrics_url")
     @classmethod
@@ -184,7 +196,7 @@ class TargetConfig(Strict):
     def node_list(self) -> list[Node]:
         """Return the target's nodes with every URL filled in; one unnamed node at base_url by default."""
         if not self.nodes:
-            return [Node("", "single", self.base_url, f"{self.base_url}/metrics")]
+            return [Node("", "aggregated", self.base_url, f"{self.base_url}/metrics")]
         out = []
         for node in self.nodes:
             info = node.info_url or self.base_url

@@ -68,7 +68,7 @@ def monitor_metrics(n: int) -> str:
         lines += [
             f'kvcanary_node_kv_pool_tokens{{target="{target}",node="n0",pool="prefill"}} 4096',
             f'kvcanary_node_kv_pool_tokens{{target="{target}",node="n0",pool="decode"}} 16384',
-            f'kvcanary_node_kv_pool_tokens{{target="{target}",node="n1",pool="single"}} 32768',
+            f'kvcanary_node_kv_pool_tokens{{target="{target}",node="n1",pool="unified"}} 32768',
             f'kvcanary_node_context_window_tokens{{target="{target}",node="n0"}} 8192',
             f'kvcanary_node_context_window_tokens{{target="{target}",node="n1"}} 8192',
             f'kvcanary_incidents_open{{target="{target}",probe="recall",node="",severity="critical"}} 1',
@@ -111,7 +111,7 @@ def monitor_metrics(n: int) -> str:
 
 def worker_metrics(n: int, mode: str = "disaggregated") -> str:
     """A reference worker's /metrics after ``n`` scrapes."""
-    pools = {"prefill": 4096, "decode": 16384} if mode == "disaggregated" else {"single": 32768}
+    pools = {"prefill": 4096, "decode": 16384} if mode == "disaggregated" else {"unified": 32768}
     lines = [
         f"kvcanary_kv_pages_allocated_total {40 * n}",
         f"kvcanary_kv_pages_reused_dirty_total {10 * n}",
@@ -163,7 +163,7 @@ def prometheus_with_data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     exporters = [
         serve_metrics(monitor_metrics),
         serve_metrics(worker_metrics),
-        serve_metrics(lambda n: worker_metrics(n, mode="single")),
+        serve_metrics(lambda n: worker_metrics(n, mode="aggregated")),
     ]
     hosts = [f"127.0.0.1:{server.server_address[1]}" for server in exporters]
     prometheus = start_prometheus(

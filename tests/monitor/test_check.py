@@ -51,7 +51,7 @@ def check(config: Path, *extra: str) -> tuple[int, list[dict[str, str]]]:
 def test_check_passes_a_healthy_node_and_fails_a_defective_one(
     tmp_path: Path, start_worker: Callable[..., WorkerProcess]
 ) -> None:
-    healthy = start_worker("--mode", "single", "--kv-pool-tokens", "8192", "--context-window", "4096")
+    healthy = start_worker("--mode", "aggregated", "--kv-pool-tokens", "8192", "--context-window", "4096")
     defective = start_worker(*DEFECTIVE, *POOLS)
     config = write_config(tmp_path, {"healthy": healthy.url, "defective": defective.url})
 

@@ -246,3 +246,16 @@ def test_a_token_from_a_file_is_named_by_its_file_key(
         (tmp_path / "token").write_text(text, encoding="utf-8")
         with pytest.raises(ConfigError, match=f"api.token_file: .*{why}"):
             api_token(parse_settings({"api": {"token_file": str(tmp_path / "token")}}))
+
+
+def test_the_deprecated_single_node_role_reads_as_aggregated_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    target = {"name": "a", "base_url": "http://127.0.0.1:1", "tenants": [{"name": "x"}], "probes": ["canary"]}
+    nodes = [{"name": "n0", "role": "single"}, {"name": "n1"}]
+    with caplog.at_level("WARNING", logger="monitor.config.targets"):
+        settings = parse_settings({"targets": [{**target, "nodes": nodes}]})
+    assert [n.role for n in settings.targets[0].node_list()] == ["aggregated", "aggregated"]
+    assert "role 'single' is deprecated" in caplog.text
+    with pytest.raises(ConfigError, match=r"targets\[0\]\.nodes\[0\]\.role"):
+        parse_settings({"targets": [{**target, "nodes": [{"name": "n0", "role": "solo"}]}]})

@@ -48,7 +48,7 @@ FIXED = [
     "--context-window",
     "8192",
 ]
-HEALTHY = ["--mode", "single", "--kv-pool-tokens", "8192", "--context-window", "4096"]
+HEALTHY = ["--mode", "aggregated", "--kv-pool-tokens", "8192", "--context-window", "4096"]
 INTERVALS = {"canary": 1.0, "cross_tenant": 1.0, "boundary": 1.5}
 
 

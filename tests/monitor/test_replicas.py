@@ -97,7 +97,7 @@ def runs_by_pair(database_url: str, since: datetime) -> dict[str, list[datetime]
 def test_three_replicas_share_the_work_and_survivors_take_over_a_killed_ones(
     tmp_path: Path, database_url: str, start_worker: Callable[..., WorkerProcess]
 ) -> None:
-    worker = start_worker("--mode", "single")
+    worker = start_worker("--mode", "aggregated")
     replicas = start_replicas(tmp_path, database_url, worker.url, 3)
     try:
         time.sleep(HEARTBEAT_SECONDS * 2)  # every replica has seen the others

@@ -77,7 +77,7 @@ def completions_served(worker_url: str) -> float:
 def test_a_flood_of_run_now_requests_runs_the_target_once(
     tmp_path: Path, start_worker: Callable[..., WorkerProcess]
 ) -> None:
-    worker = start_worker("--mode", "single")
+    worker = start_worker("--mode", "aggregated")
     url, proc, _ = serve(tmp_path, worker.url, run_now_min_interval_seconds=30)
     try:
         before = completions_served(worker.url)

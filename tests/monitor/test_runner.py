@@ -60,7 +60,7 @@ def runner_for(settings: Settings, summaries: list[RunSummary] | None = None) ->
 
 
 def test_two_runs_of_one_target_and_probe_never_overlap(start_worker: Callable[..., WorkerProcess]) -> None:
-    worker = start_worker("--mode", "single")
+    worker = start_worker("--mode", "aggregated")
     summaries: list[RunSummary] = []
     runner = runner_for(settings_for(worker.url, probes=["canary"]), summaries)
 
@@ -192,7 +192,7 @@ def test_a_state_the_database_could_not_read_is_neither_kept_nor_overwritten(
 ) -> None:
     """A database away when a pair's state is first needed is not an empty state: the next run asks
     again, and what a run from nothing leaves is not stored over the real one (a replay baseline)."""
-    worker = start_worker("--mode", "single")
+    worker = start_worker("--mode", "aggregated")
     settings = settings_for(worker.url, probes=["canary"])
     away = make_session_factory(make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/none"))
     recorder = LoadCountingRecorder(settings, away, Spool(None))

@@ -34,13 +34,13 @@ MODEL = "kvcanary-reference"
 
 # Small pools, as in the incident's shape: a context window (8192) far larger than the prefill pool.
 SMALL = ("--page-size", "16", "--context-window", "8192")
-SINGLE = ("--mode", "single", "--kv-pool-tokens", "1024", *SMALL)
+AGGREGATED = ("--mode", "aggregated", "--kv-pool-tokens", "1024", *SMALL)
 DISAGG = ("--mode", "disaggregated", "--prefill-pool-tokens", "1024", "--decode-pool-tokens", "4096", *SMALL)
 REJECT = (*DISAGG, "--admission", "reject")
 PLACEHOLDER = (*DISAGG, "--admission", "placeholder")
 #: Workers tests may share, by mode: the clean ones, and the defective one for checks under capacity.
-SHARED = {"single": SINGLE, "disaggregated-reject": REJECT, "disaggregated-placeholder": PLACEHOLDER}
-CLEAN = ("single", "disaggregated-reject")
+SHARED = {"aggregated": AGGREGATED, "disaggregated-reject": REJECT, "disaggregated-placeholder": PLACEHOLDER}
+CLEAN = ("aggregated", "disaggregated-reject")
 
 
 def target_config(

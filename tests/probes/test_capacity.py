@@ -79,7 +79,7 @@ def audit(
 def test_a_single_pool_above_equal_to_and_below_its_window(
     reference: Callable[..., Reference], flags: tuple[str, ...], verdict: Verdict, reason: str
 ) -> None:
-    worker = reference("--mode", "single", *flags)
+    worker = reference("--mode", "aggregated", *flags)
     result, sent = audit(config(worker.url))
     assert (result.verdict, result.reason) == (verdict, reason)
     assert result.measurements["context_window_tokens"] == 8192
@@ -99,8 +99,8 @@ def test_a_disaggregated_node_is_judged_by_its_tightest_pool(reference: Callable
 
 
 def test_each_listed_node_is_audited_at_its_own_address(reference: Callable[..., Reference]) -> None:
-    prefill = reference("--mode", "single", "--kv-pool-tokens", "4096", "--context-window", "8192")
-    decode = reference("--mode", "single", "--kv-pool-tokens", "32768", "--context-window", "8192")
+    prefill = reference("--mode", "aggregated", "--kv-pool-tokens", "4096", "--context-window", "8192")
+    decode = reference("--mode", "aggregated", "--kv-pool-tokens", "32768", "--context-window", "8192")
     cfg = config(
         prefill.url,
         nodes=[

@@ -21,9 +21,17 @@ from probes.base import ProbeResult, Verdict
 from probes.counters import judge_counters
 from probes.markers import MarkerBook
 from probes.target import Node
-from tests.probes.probe_harness import DISAGG, KEYS, MODEL, PLACEHOLDER, SINGLE, Reference, loopback_target
+from tests.probes.probe_harness import (
+    AGGREGATED,
+    DISAGG,
+    KEYS,
+    MODEL,
+    PLACEHOLDER,
+    Reference,
+    loopback_target,
+)
 
-NODE = Node("", "single", "http://w", "http://w/metrics")
+NODE = Node("", "aggregated", "http://w", "http://w/metrics")
 PROMPT_A = "ALICE-PAGE-CONTENT " * 30  # 570 bytes: several pages of tenant A
 OVER_CAPACITY = "B" * 1500  # over the 1024-token prefill pool, inside the 8192 context window
 
@@ -68,7 +76,7 @@ def series(result: ProbeResult, counter: str) -> dict[str, Any]:
 def test_a_clean_worker_passes_and_says_what_its_engine_does_not_expose(
     reference: Callable[..., Reference],
 ) -> None:
-    worker = reference(*SINGLE)
+    worker = reference(*AGGREGATED)
     first = read(worker.url)
     assert (first.verdict, first.reason) == (Verdict.PASS, "counters_clean")
     assert first.evidence["first_read"] is True

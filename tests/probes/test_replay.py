@@ -280,7 +280,7 @@ def test_the_probe_kind_is_replay() -> None:
 
 def test_the_reference_worker_replays_its_baseline_under_concurrent_load(shared_reference) -> None:
     async def go():
-        async with shared_reference("single").target() as target:
+        async with shared_reference("aggregated").target() as target:
             return await replay_runs(target, 3)
 
     results, state = asyncio.run(go())

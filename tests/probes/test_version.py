@@ -325,7 +325,7 @@ def test_a_hosted_api_publishes_no_version() -> None:
 
 
 def test_the_reference_worker_passes_with_its_own_version(reference: Callable[..., Reference]) -> None:
-    worker = reference("--mode", "single", "--kv-pool-tokens", "4096", "--context-window", "2048")
+    worker = reference("--mode", "aggregated", "--kv-pool-tokens", "4096", "--context-window", "2048")
     result = check(config(worker.url, "reference"))
     assert (result.verdict, result.reason) == (Verdict.PASS, "no_known_defect")
     assert result.detail == "no known defect for kvcanary-reference 0.1.0 (0 entries checked)"

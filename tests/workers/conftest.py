@@ -41,11 +41,11 @@ def serve() -> Iterator[Callable[..., TestClient]]:
 def worker_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
     """Start two real ``python -m workers`` processes at once (their startups overlap) for a module.
 
-    ``healthy``: single mode, default pools. ``defective``: the incident's disaggregated placeholder
+    ``healthy``: aggregated mode, default pools. ``defective``: the incident's disaggregated placeholder
     node on the small pools, with keys ``sk-a`` → tenant-a and ``sk-b`` → tenant-b.
     """
     flags = {
-        "healthy": ["--mode", "single", "--max-batch", "16"],
+        "healthy": ["--mode", "aggregated", "--max-batch", "16"],
         "defective": [*PLACEHOLDER_FLAGS, "--api-key", "sk-a=tenant-a", "--api-key", "sk-b=tenant-b"],
     }
     logs = tmp_path_factory.mktemp("workers")

@@ -20,9 +20,9 @@ def test_it_rejects_a_prompt_at_or_over_the_context_window_with_sglang_wording()
     )
 
 
-def test_it_rejects_a_prompt_over_the_pool_in_single_mode() -> None:
+def test_it_rejects_a_prompt_over_the_pool_in_aggregated_mode() -> None:
     with pytest.raises(AdmissionRejected) as rejected:
-        plan_admission(small_config(mode="single", admission="placeholder"), PROMPT, 16)
+        plan_admission(small_config(mode="aggregated", admission="placeholder"), PROMPT, 16)
     assert rejected.value.reason == "kv_capacity"
     assert (
         rejected.value.message

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, WorkerProcess
 from workers.cli import build_parser, config_from_args, main
 from workers.config import WorkerConfig
 
@@ -77,3 +79,12 @@ def test_it_turns_the_prefix_cache_on_by_flag_and_leaves_it_off_by_default() -> 
     assert config_from_args(parser.parse_args(["--device", "cpu"])).prefix_cache == "off"
     args = parser.parse_args(["--device", "cpu", "--prefix-cache", "per-tenant"])
     assert config_from_args(args).prefix_cache == "per-tenant"
+
+
+def test_the_deprecated_single_mode_starts_and_says_what_to_write_instead(
+    start_worker: Callable[..., WorkerProcess],
+) -> None:
+    worker = start_worker("--mode", "single", "--kv-pool-tokens", "1024")
+    assert "--mode single is deprecated" in worker.output()
+    assert "use --mode aggregated" in worker.output()
+    assert 'mode="single"' in httpx.get(worker.url + "/metrics").text

@@ -149,7 +149,7 @@ def test_it_refuses_a_page_allocated_ahead_that_another_request_wrote(writer: st
     assert longer.text == "LLLL"
 
 
-@pytest.mark.parametrize("mode", ["single", "disaggregated"])
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
 def test_it_refuses_a_page_handed_out_twice_before_writing_into_it(mode: str) -> None:
     engine = Engine(small_config(verify_ownership=True, mode=mode))
     pool = engine.decode_pool

@@ -74,10 +74,10 @@ def test_it_names_the_unknown_model_code(serve: Callable[..., TestClient]) -> No
     assert (error["code"], error["param"]) == ("model_not_found", "model")
 
 
-def test_it_rejects_an_over_capacity_prompt_in_single_mode_with_sglang_wording(
+def test_it_rejects_an_over_capacity_prompt_in_aggregated_mode_with_sglang_wording(
     serve: Callable[..., TestClient],
 ) -> None:
-    response = complete(serve(mode="single"), "z" * 1500)
+    response = complete(serve(mode="aggregated"), "z" * 1500)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["message"] == "Input length (1500 tokens) exceeds the maximum allowed length (1023 tokens)."

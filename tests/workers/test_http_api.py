@@ -101,15 +101,15 @@ def test_it_tokenizes_prompts_and_messages_as_bytes(serve: Callable[..., TestCli
     assert client.post("/tokenize", json={"messages": messages}).json()["tokens"] == [97, 10, 98]
 
 
-def test_it_describes_a_single_node_like_sglang(serve: Callable[..., TestClient]) -> None:
-    client = serve(mode="single", kv_pool_tokens=1024)
+def test_it_describes_an_aggregated_node_like_sglang(serve: Callable[..., TestClient]) -> None:
+    client = serve(mode="aggregated", kv_pool_tokens=1024)
     info = client.get("/get_server_info").json()
     assert info == client.get("/server_info").json()
     assert info["context_length"] == 8192
     assert info["max_total_num_tokens"] == 1024
     assert info["max_req_input_len"] == 1023
     assert info["disaggregation_mode"] == "null"
-    assert info["kv_pools"] == {"single": 1024}
+    assert info["kv_pools"] == {"unified": 1024}
     assert info["admission"] == "reject"
     assert info["status"] == "ready"
     assert info["version"].startswith("kvcanary-reference ")
@@ -171,3 +171,17 @@ def test_it_names_its_prefix_cache_mode_in_server_info(serve: Callable[..., Test
     assert serve().get("/get_server_info").json()["prefix_cache"] == "off"
     info = serve(mode="disaggregated", prefix_cache="per-tenant").get("/get_server_info").json()
     assert info["prefix_cache"] == "per-tenant"
+
+
+def test_the_deprecated_single_mode_runs_as_aggregated_under_0_1s_wire_names(
+    serve: Callable[..., TestClient],
+) -> None:
+    """``--mode single`` (0.1) keeps ``pool="single"`` for one release, so old queries still match."""
+    old, new = serve(mode="single", kv_pool_tokens=1024), serve(mode="aggregated", kv_pool_tokens=1024)
+    old_info, new_info = old.get("/get_server_info").json(), new.get("/get_server_info").json()
+    assert old_info["kv_pools"] == {"single": 1024}
+    assert {k: v for k, v in old_info.items() if k != "kv_pools"} == {
+        k: v for k, v in new_info.items() if k != "kv_pools"
+    }
+    assert 'kvcanary_kv_pool_tokens{pool="single"} 1024.0' in old.get("/metrics").text
+    assert 'kvcanary_kv_pool_tokens{pool="unified"} 1024.0' in new.get("/metrics").text

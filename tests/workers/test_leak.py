@@ -60,8 +60,8 @@ def test_it_rejects_the_over_capacity_request_before_any_transfer_when_fixed(
     assert metrics[("kvcanary_requests_total", (("code", "400"),))] == 1
 
 
-def test_it_rejects_the_same_request_on_a_single_node(serve: Callable[..., TestClient]) -> None:
-    client = serve(mode="single", admission="placeholder", kv_pool_tokens=1024, api_keys=KEYS)
+def test_it_rejects_the_same_request_on_an_aggregated_node(serve: Callable[..., TestClient]) -> None:
+    client = serve(mode="aggregated", admission="placeholder", kv_pool_tokens=1024, api_keys=KEYS)
     assert tenant_a_then_b(client).status_code == 400
 
 

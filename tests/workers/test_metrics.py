@@ -90,11 +90,11 @@ def test_it_uses_its_own_registry() -> None:
 
 
 def test_it_describes_the_settings_in_force_in_worker_info(serve: Callable[..., TestClient]) -> None:
-    client = serve(mode="single", admission="placeholder", verify_ownership=True, prefix_cache="shared")
+    client = serve(mode="aggregated", admission="placeholder", verify_ownership=True, prefix_cache="shared")
     info = {
         "version": __version__,
-        "mode": "single",
-        "admission": "reject",  # single mode rejects whatever --admission says
+        "mode": "aggregated",
+        "admission": "reject",  # aggregated mode rejects whatever --admission says
         "verify_ownership": "true",
         "zero_freed_pages": "false",
         "prefix_cache": "shared",

@@ -24,7 +24,7 @@ PROMPT = (
     "tenant A's system prompt: you are the vault; the code is 0451-ALPHA; never say it. 0123456789abcdefg"
 )
 assert len(PROMPT) == 100
-MODES = pytest.mark.parametrize("mode", ["single", "disaggregated"])
+MODES = pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
 PATHS = pytest.mark.parametrize("fast", [True, False], ids=["cpu-paths", "gpu-paths"])
 
 
@@ -120,7 +120,7 @@ def test_it_skips_the_prefill_of_cached_pages_and_answers_sooner(mode: str) -> N
     # A miss prefills 6000 positions; a hit hashes the prompt and prefills 16, then both decode over
     # all 6000: about a quarter of the time on a CPU (0.15-0.3 measured, under load too). In
     # disaggregated mode both also transfer all 6000 positions to decode pages (0.3-0.55 measured).
-    assert statistics.median(ratios) < (0.6 if mode == "single" else 0.8), ratios
+    assert statistics.median(ratios) < (0.6 if mode == "aggregated" else 0.8), ratios
 
 
 @PATHS
