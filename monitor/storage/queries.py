@@ -191,6 +191,11 @@ def list_incidents(
     )
 
 
+def incident_opened_at(session: Session, incident_id: int) -> datetime | None:
+    """Return when the incident opened (one primary-key read), or None when there is none."""
+    return session.scalar(select(Incident.opened_at).where(Incident.id == incident_id))
+
+
 def get_incident(
     session: Session, *, incident_id: int, results_limit: int = DETAIL_RESULTS
 ) -> IncidentDetail | None:
