@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Lifespan
 
-from monitor.api import health, incidents, pages, probe_results, runbooks, targets
+from monitor.api import health, incidents, outage, pages, probe_results, runbooks, targets
 from monitor.api.deps import require_token
 from monitor.api.docs import serve_docs
 from monitor.api.schemas import Problem
@@ -36,6 +36,7 @@ def build_http_app(
         redoc_url=None,
     )
     serve_docs(app)
+    outage.install(app)
     app.state.api = state
     app.include_router(health.router)
     app.include_router(api_router)

@@ -86,6 +86,12 @@ def watch_the_outage(dep: Deployment, own_postgres: OwnPostgres) -> None:
     # The open incident stays visible (last known), and the scrape says the database is away.
     assert value(during, "kvcanary_incidents_open", **labels) == 1
     assert value(during, "kvcanary_database_up") == 0
+    # The REST API answers 503 with Retry-After, not a 500 and a traceback per request.
+    bearer = {"Authorization": f"Bearer {dep.token}"}
+    for path in ["/api/v1/incidents", "/api/v1/probe-results", "/api/v1/incidents/1"] * 20:
+        answer = httpx.get(dep.url + path, headers=bearer, timeout=10)
+        assert answer.status_code == 503, (path, answer.status_code, answer.text[:300])
+        assert answer.headers["retry-after"] and "database" in answer.json()["detail"]
     time.sleep(max(0.0, 8 - (time.monotonic() - outage_started)))
 
     own_postgres.start()
@@ -97,10 +103,15 @@ def watch_the_outage(dep: Deployment, own_postgres: OwnPostgres) -> None:
         ),
         timeout=60,
     )
+    assert httpx.get(dep.url + "/api/v1/incidents", headers=bearer, timeout=10).status_code == 200
     assert dep.proc is not None
     stop_process(dep.proc, timeout=30)
 
     log = dep.log.read_text()
+    # One line when the outage began for the API, one when it ended; no traceback.
+    assert log.count("the database does not answer API requests") == 1, log[-3000:]
+    assert log.count("the database answers API requests again") == 1
+    assert "Traceback" not in log
     logged = Counter(m.group(3) for m in VERDICT_LINE.finditer(log))
     assert "spooled in" in log and "replayed" in log, log[-3000:]
     assert logged["leak"] > 0
