@@ -12,7 +12,10 @@ The incident's configuration was a context window (1,048,576) larger than the pr
 - llama.cpp: ``GET /props`` ``default_generation_settings.n_ctx`` (per slot; the slot is the pool).
 - Hosted OpenAI-compatible APIs: ``/v1/models`` ``max_model_len`` when they say it.
 
-Every lookup that fails leaves its fields None; nothing here raises on a bad answer.
+Every lookup that fails leaves its fields None; nothing here raises on a bad answer. What the
+engine wrote is the engine's: names, versions and facts are bounded and made plain here
+(``probes/untrusted.py``), at most ``MAX_POOLS`` pools a node (the smallest, which admission and
+the audit care about), so nothing it writes reaches a title, a page or a metric label raw.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from typing import Any, Protocol
 from prometheus_client.parser import text_string_to_metric_families
 
 from probes.target import ServerCapacity
+from probes.untrusted import word
 
+#: Pools kept per node (a node has one to three; an engine sending thousands must not grow series).
+MAX_POOLS = 16
+#: Facts kept per node, and the length of each value.
+MAX_FACTS = 64
+FACT_CHARS = 256
 OVERRIDABLE = ("context_window", "kv_pool_tokens", "max_req_input_len", "page_size")
 ROLES = ("prefill", "decode")
 # Names a pool's size goes by inside a kv_pools entry.
@@ -79,12 +88,33 @@ def _min(*values: int | None) -> int | None:
 async def read_capacity(lookups: Lookups, engine: str) -> ServerCapacity:
     """Return the capacity ``engine`` publishes through ``lookups``; unknown fields stay None."""
     if engine in ("sglang", "reference"):
-        return await _sglang(lookups)
-    if engine == "vllm":
-        return await _vllm(lookups)
-    if engine == "llamacpp":
-        return await _llamacpp(lookups)
-    return ServerCapacity(context_window=await _max_model_len(lookups), source="/v1/models")
+        found = await _sglang(lookups)
+    elif engine == "vllm":
+        found = await _vllm(lookups)
+    elif engine == "llamacpp":
+        found = await _llamacpp(lookups)
+    else:
+        found = ServerCapacity(context_window=await _max_model_len(lookups), source="/v1/models")
+    return neutralised(found)
+
+
+def neutralised(found: ServerCapacity) -> ServerCapacity:
+    """Return ``found`` with every string the engine wrote made plain and bounded (module docstring)."""
+    pools: dict[str, int] = {}
+    for name, tokens in sorted(found.pools.items(), key=lambda item: (item[1], item[0])):
+        if len(pools) == MAX_POOLS:
+            break
+        pools.setdefault(word(name), tokens)
+    facts = {word(key): word(value, FACT_CHARS) for key, value in list(found.facts.items())[:MAX_FACTS]}
+    if len(found.pools) > len(pools):
+        facts["pools_not_kept"] = str(len(found.pools) - len(pools))
+    return dataclasses.replace(
+        found,
+        version=None if found.version is None else word(found.version),
+        disaggregation_mode=None if (mode := found.disaggregation_mode) is None else word(mode, 32),
+        pools=pools,
+        facts=facts,
+    )
 
 
 def apply_overrides(found: ServerCapacity, options: dict[str, Any]) -> ServerCapacity:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from probes.target import Completion, CompletionRequest
+from probes.untrusted import plain
 
 #: How much of an error body is kept: enough for any engine's message, not a second copy of a prompt.
 ERROR_BODY_BYTES = 4096
@@ -104,7 +105,8 @@ def error_message(raw: str) -> str | None:
         message = data.get("message") or data.get("detail")
     if isinstance(message, list | dict):
         message = json.dumps(message)
-    return str(message)[:_MESSAGE_CHARS] if message else None
+    # The engine's words: shown in results, titles and logs, so made plain (probes/untrusted.py).
+    return plain(message, _MESSAGE_CHARS) if message else None
 
 
 def _describe_llamacpp(err: dict[str, Any]) -> str | None:
