@@ -4,10 +4,11 @@ Not an engine: it echoes what a healthy engine would (the canary's nonce, the pl
 refusal for a prompt over its pool) with the least work possible, so that the monitor, not the
 target, is what a benchmark measures. HTTP/1.1 with keep-alive on asyncio's low-level protocol API.
 
-    python bench/stub_engine.py PORT [--pool-tokens 4096] [--noise]
+    python bench/stub_engine.py PORT [--pool-tokens 4096] [--noise] [--delay SECONDS]
 
 ``--noise`` adds benign variation a real engine shows (a prefix before the answer, quotes, jitter
 of a few ms, one 503 in fifty): a soak against it must never produce a leak or a mismatch.
+``--delay`` holds every answer that long: a slow engine (5), or one that hangs (3600).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ MARKER = re.compile(rb"KVC-[0-9a-f]{8}-[0-9a-f]{32}")
 
 
 class Engine:
-    def __init__(self, pool_tokens: int, noise: bool):
+    def __init__(self, pool_tokens: int, noise: bool, delay: float = 0.0):
         self.pool = pool_tokens
         self.noise = noise
+        self.delay = delay
         self.info = json.dumps(
             {
                 "context_length": 8192,
@@ -129,7 +131,7 @@ class Protocol(asyncio.Protocol):
             self.buffer = self.buffer[head_end + 4 + length :]
             method, path = head.split(b" ", 2)[:2]
             status, ctype, out = self.engine.answer(method, path, body)
-            delay = random.uniform(0, 0.005) if self.engine.noise else 0
+            delay = self.engine.delay + (random.uniform(0, 0.005) if self.engine.noise else 0)
             self._send(status, ctype, out, delay)
 
     def _send(self, status: int, ctype: bytes, body: bytes, delay: float) -> None:
@@ -142,13 +144,17 @@ class Protocol(asyncio.Protocol):
             body,
         )
         if delay:
-            asyncio.get_running_loop().call_later(delay, self.transport.write, raw)  # type: ignore[attr-defined]
+            asyncio.get_running_loop().call_later(delay, self._write, raw)
         else:
+            self._write(raw)
+
+    def _write(self, raw: bytes) -> None:
+        if not self.transport.is_closing():  # the monitor gave up on a delayed answer
             self.transport.write(raw)  # type: ignore[attr-defined]
 
 
-async def serve(port: int, pool_tokens: int, noise: bool) -> None:
-    engine = Engine(pool_tokens, noise)
+async def serve(port: int, pool_tokens: int, noise: bool, delay: float = 0.0) -> None:
+    engine = Engine(pool_tokens, noise, delay)
     server = await asyncio.get_running_loop().create_server(
         lambda: Protocol(engine), "127.0.0.1", port, backlog=4096
     )
@@ -161,8 +167,9 @@ def main() -> None:
     parser.add_argument("port", type=int)
     parser.add_argument("--pool-tokens", type=int, default=4096)
     parser.add_argument("--noise", action="store_true")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds every answer waits")
     args = parser.parse_args()
-    asyncio.run(serve(args.port, args.pool_tokens, args.noise))
+    asyncio.run(serve(args.port, args.pool_tokens, args.noise, args.delay))
 
 
 if __name__ == "__main__":

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
-import hashlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -21,18 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from apscheduler.events import EVENT_JOB_SUBMITTED, JobSubmissionEvent
+from apscheduler.jobstores.base import JobLookupError
 from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.api.main import build_http_app
 from monitor.api.state import ApiState
+from monitor.config.reload import plan, restart_needed
 from monitor.config.secrets import alertmanager_headers, api_token, marker_key, tenant_keys
-from monitor.config.settings import Settings
+from monitor.config.settings import ConfigError, Settings, load_settings
 from monitor.config.targets import TargetConfig
 from monitor.metrics.registry import MonitorMetrics
 from monitor.paging.pager import Delivery, Pager
 from monitor.recording.recorder import Recorder
-from monitor.recording.spool import Spool, SpoolBusy
+from monitor.recording.spool import open_spool
 from monitor.recording.writer import BatchWriter
 from monitor.runs.replicas import HEARTBEAT_SECONDS, Membership
 from monitor.runs.run_now import RunNow
@@ -40,6 +41,7 @@ from monitor.runs.runner import ProbeRunner, RunSummary, run_keys
 from monitor.runs.scheduler import (
     PRUNE_INTERVAL_SECONDS,
     REPLAY_INTERVAL_SECONDS,
+    add_probe_jobs,
     assign,
     build_scheduler,
     probe_job_id,
@@ -48,6 +50,7 @@ from monitor.storage import outbox
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.queries import open_incident_counts
 from monitor.storage.retention import prune_expired, purge_excerpts
+from monitor.storage.sqlite_file import sqlite_file_of
 from monitor.targets.http import HttpClient
 from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
@@ -57,6 +60,8 @@ log = logging.getLogger("kvcanary")
 
 #: Rows deleted (or purged) per transaction: short write locks, even on a big backlog.
 PRUNE_BATCH = 1000
+#: How often a SQLite file is checked for having been deleted or replaced under the process.
+FILE_CHECK_SECONDS = 2
 #: What a node's configuration change re-runs at once (the capacity audit that saw it has just run).
 REAUDIT_KINDS = ("version", "boundary")
 
@@ -73,32 +78,41 @@ class Monitor:
         *,
         metrics: MonitorMetrics | None = None,
         on_summary: Callable[[RunSummary], None] | None = None,
+        config_path: Path | None = None,
     ):
         self.settings = settings
+        #: The file SIGHUP and POST /-/reload read again (None: nothing to reload from).
+        self.config_path = config_path
+        #: Called with the new settings after each successful reload (the HTTP app's state).
+        self.on_reload: list[Callable[[Settings], None]] = []
         self.token = api_token(settings)
         keys = tenant_keys(settings)
         am_headers = alertmanager_headers(settings)
         self.engine = make_engine(settings.database_url)
         check_migrated(self.engine)
+        self.sqlite = sqlite_file_of(settings.database_url)
+        if self.sqlite is not None:
+            self.sqlite.lock()  # raises DatabaseInUse: SQLite is one process
+            self.sqlite.guard(self.engine)
         self.session_factory: sessionmaker[Session] = make_session_factory(self.engine)
         self.read_session_factory = make_session_factory(self.engine, read_only=True)
         self.metrics = metrics or MonitorMetrics()
-        self.metrics.watch_incidents(self._open_incident_counts, lambda: run_keys(settings))
         self.markers = MarkerBook(
             ttl_seconds=settings.marker_ttl_seconds, key=marker_key(settings, self.token)
         )
         limits = Limits(**settings.limits.model_dump())
-        # One connection pool and TLS context for every target (not one per target).
-        self.http = HttpClient(max(64, settings.scheduler.max_concurrency * 4))
-        self.clients = {
-            t.name: OpenAIHttpTarget(
-                t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants}, limits=limits, client=self.http
-            )
-            for t in settings.targets
-        }
+        # One connection pool and TLS context for every target (not one per target). Runs in
+        # overtime keep their connections: the pool must not become a first-come semaphore again.
+        scheduler = settings.scheduler
+        self.http = HttpClient(max(64, (scheduler.max_concurrency + scheduler.max_overtime_runs) * 4))
+        self._limits = limits
+        self.clients = {t.name: self._client(t, keys) for t in settings.targets}
         self.spool = open_spool(settings)
         self.metrics.watch_spool(self.spool)
         self.recorder = Recorder(settings, self.session_factory, self.spool)
+        self.metrics.watch_incidents(
+            self._open_incident_counts, lambda: run_keys(self.settings), self.recorder.health
+        )
         self.on_summary = on_summary
         self._stop_asked_at: float | None = None  # time.monotonic() of the signal; set: stopping
         self.writer = BatchWriter(self.recorder)
@@ -127,6 +141,7 @@ class Monitor:
                 ("prune", self.prune, PRUNE_INTERVAL_SECONDS),
                 ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
                 ("heartbeat", self.heartbeat, HEARTBEAT_SECONDS),
+                *([("database-file", self.watch_database_file, FILE_CHECK_SECONDS)] if self.sqlite else []),
             ],
             owns=self.membership.owns,
         )
@@ -202,6 +217,21 @@ class Monitor:
         owned = sum(self.membership.owns(t.name, k) for t in self.settings.targets for k in t.probes)
         return len(self.membership.live), owned
 
+    async def watch_database_file(self) -> None:
+        """Notice a SQLite file deleted or replaced under the process: save what it held, spool the rest."""
+        if self.sqlite is None or self.recorder.health.lost or not (lost := self.sqlite.check()):
+            return
+        saved = await asyncio.to_thread(self.sqlite.save_orphan)
+        kept = f"what it held is saved as {saved}" if saved else "what it held could not be saved"
+        self.recorder.health.lost = f"{lost}; {kept}"
+        log.critical(
+            "%s; %s. Results are spooled from now on: put a migrated database at %s (the saved copy "
+            "is one) and restart kvcanary",
+            lost,
+            kept,
+            self.sqlite.path,
+        )
+
     async def replay(self) -> None:
         if len(self.spool):
             await asyncio.to_thread(self.recorder.replay)
@@ -211,6 +241,7 @@ class Monitor:
             "scheduler": "running" if self.scheduler.running else "stopped",
             "targets": len(self.clients),
             "spooled_results": len(self.spool),
+            "writes": self.recorder.health.report(),
         }
         if self.pager is not None:
             report["alerting"] = self._alerting_health()
@@ -224,6 +255,48 @@ class Monitor:
             return {"status": "unknown"}
         status = "stalled" if oldest > 3 * self.settings.alerting.resend_interval_seconds else "ok"
         return {"status": status, "outbox_events": events, "oldest_age_seconds": round(oldest, 1)}
+
+    def _client(self, target: TargetConfig, keys: dict[tuple[str, str], str | None]) -> OpenAIHttpTarget:
+        tenants = {tn.name: keys[(target.name, tn.name)] for tn in target.tenants}
+        return OpenAIHttpTarget(target, tenants, limits=self._limits, client=self.http)
+
+    async def reload(self, why: str) -> str | None:
+        """Read the config file again and take it up; return None, or why it was refused (logged,
+        and the settings in force stay). Runs in flight, open incidents, states and the spool stay."""
+        try:
+            if self.config_path is None:
+                raise ConfigError("no config file to reload from")
+            new = load_settings(self.config_path)
+            if restart := restart_needed(self.settings, new):
+                raise ConfigError(f"{self.config_path}: {restart[0]}: cannot change on reload; restart")
+            keys = tenant_keys(new)
+        except ConfigError as exc:
+            self.metrics.reload_ok.set(0)
+            log.error("reload (%s) refused, the configuration in force stays: %s", why, exc)
+            return str(exc)
+        change = plan(self.settings, new)
+        old_clients = {n: self.clients.pop(n) for n in change.removed + change.changed}
+        for name in change.added + change.changed:
+            self.clients[name] = self._client(new.target(name), keys)  # type: ignore[arg-type]
+        for name in change.removed + change.changed:
+            self.metrics.forget(name)
+        self.settings = self.runner.settings = self.recorder.settings = new
+        if self.pager is not None:
+            self.pager.settings = new
+        self.runner.take_up(new)
+        for target, kind in change.jobs_removed:
+            with contextlib.suppress(JobLookupError):
+                self.scheduler.remove_job(probe_job_id(target, kind))
+        add_probe_jobs(self.scheduler, new, self.runner, change.jobs_added, self.membership.owns)
+        await asyncio.to_thread(self.recorder.ensure_targets, new.targets)
+        for client in old_clients.values():  # closed once their runs in flight are over
+            asyncio.get_running_loop().create_task(self.runner.close_when_idle(client))
+        for listener in self.on_reload:
+            listener(new)
+        self.metrics.reload_ok.set(1)
+        self.metrics.reload_ok_at.set(time.time())
+        log.info("reloaded %s (%s): %s", self.config_path, why, change.summary())
+        return None
 
     def start(self) -> None:
         if self._stop_asked_at is not None:  # SIGTERM came during start-up: start nothing
@@ -272,6 +345,8 @@ class Monitor:
         self.spool.close()
         await asyncio.to_thread(self.membership.leave)
         self.engine.dispose()
+        if self.sqlite is not None:
+            self.sqlite.close()
         log.info("kvcanary stopped cleanly")
 
     async def _stop_pager(self) -> None:
@@ -284,31 +359,6 @@ class Monitor:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.pager.drain(), timeout=self.settings.alerting.timeout_seconds)
         await self.pager.delivery.aclose()
-
-
-def state_dir() -> Path:
-    """Return where kvcanary keeps local state: $KVCANARY_STATE_DIR, else the XDG state folder."""
-    if explicit := os.environ.get("KVCANARY_STATE_DIR"):
-        return Path(explicit)
-    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(xdg) / "kvcanary"
-
-
-def open_spool(settings: Settings) -> Spool:
-    """Return the spool the settings ask for; in memory when its folder is held by another process."""
-    config = settings.spool
-    if config.in_memory:
-        return Spool(None, config.max_entries)
-    # One folder per database: two configs on one machine must not replay into each other's database.
-    named = hashlib.sha256(settings.database_url.encode()).hexdigest()[:12]
-    path = config.path or state_dir() / f"spool-{named}"
-    try:
-        return Spool(path, config.max_entries)
-    except SpoolBusy as exc:
-        log.warning("%s: this process spools in memory", exc)
-    except OSError as exc:
-        log.warning("cannot use spool folder %s (%s): this process spools in memory", path, exc.strerror)
-    return Spool(None, config.max_entries)
 
 
 def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
@@ -334,5 +384,11 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
         run_now=RunNow(monitor.runner.run_target, monitor.settings.api.run_now_min_interval_seconds),
         health=monitor.health,
         metrics_page=monitor.metrics.exposition,
+        reload=monitor.reload,
     )
-    return build_http_app(state, lifespan=lifespan)
+    app = build_http_app(state, lifespan=lifespan)
+    # Routers read the settings in force: a reload hands them the new ones.
+    monitor.on_reload.append(
+        lambda new: setattr(app.state, "api", dataclasses.replace(app.state.api, settings=new))
+    )
+    return app

@@ -68,6 +68,7 @@ def test_every_monitor_metric_is_documented_and_every_documented_one_exported() 
     metrics.watch_outbox(lambda: (0, 0.0))
     metrics.declare_alertmanagers(["http://127.0.0.1:9093"])
     metrics.watch_replicas(lambda: (1, 1))
+    metrics.watch_slots(lambda: (0, 0, 0, 0))
     exported = set()
     for family in metrics.registry.collect():
         exported.add(family.name + ("_total" if family.type == "counter" else ""))

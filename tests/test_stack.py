@@ -52,6 +52,7 @@ QUIET_RULES = {
     "KVCanaryNotProbing": "both monitors probe every pair on time",
     "KVCanaryAlertDeliveryFailing": "Alertmanager accepts every post",
     "KVCanaryResultsDropped": "the database is up: nothing is spooled, nothing dropped",
+    "KVCanarySpoolNotDraining": "every result is written: the spool stays empty",
     "KVCanaryDatabaseDown": "the database is up",
     "KVCanaryOwnershipViolation": "no worker verifies ownership here (tests/probes/test_counters.py does)",
     "KVCanaryDirtyPageReuse": "no worker here is configured to zero freed pages",

@@ -1,7 +1,11 @@
-"""``GET /healthz``: unauthenticated liveness for load balancers and Kubernetes.
+"""``GET /healthz``: unauthenticated health for load balancers, Kubernetes and people.
 
-200 while the database answers, 503 when it does not. The body also carries what the monitor
-reports through ``ApiState.health()`` (the scheduler's state, the number of targets).
+200 while results are being written: the database answers and the last write of results landed.
+503 when the database does not answer (``database: unreachable``) or answers reads while writes
+fail (``database: unwritable``: a full disk, a primary demoted to read-only, a SQLite file deleted
+under the process); results then wait in the spool. The body also carries what the monitor reports
+through ``ApiState.health()``: the scheduler's state, the number of targets, the spool, and the
+last write (``writes.status``, ``writes.last_success_age_seconds``, ``writes.last_error``).
 """
 
 from __future__ import annotations
@@ -23,16 +27,20 @@ router = APIRouter(tags=["health"])
 
 @router.get(
     "/healthz",
-    summary="Is the monitor up and its database reachable",
-    responses={503: {"model": HealthOut, "description": "The database is unreachable."}},
+    summary="Is the monitor up and are its results being written",
+    responses={503: {"model": HealthOut, "description": "Results are not being written."}},
 )
 def healthz(request: Request, response: Response) -> HealthOut:
     """Return status ``ok`` (200) when the database answers, ``unhealthy`` (503) when it does not."""
     report = _monitor_report(request)
-    if _database_answers(request):
-        return HealthOut(status="ok", database="ok", **report)
-    response.status_code = 503
-    return HealthOut(status="unhealthy", database="unreachable", **report)
+    if not _database_answers(request):
+        response.status_code = 503
+        return HealthOut(status="unhealthy", database="unreachable", **report)
+    writes = report.get("writes")
+    if isinstance(writes, dict) and writes.get("status") == "failing":
+        response.status_code = 503
+        return HealthOut(status="unhealthy", database="unwritable", **report)
+    return HealthOut(status="ok", database="ok", **report)
 
 
 def _database_answers(request: Request) -> bool:

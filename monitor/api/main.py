@@ -3,7 +3,8 @@ and ``/metrics``, all reading one :class:`~monitor.api.state.ApiState`."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, FastAPI, Response
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Lifespan
 
@@ -11,7 +12,7 @@ from monitor.api import health, incidents, outage, pages, probe_results, runbook
 from monitor.api.deps import require_token
 from monitor.api.docs import serve_docs
 from monitor.api.schemas import Problem
-from monitor.api.state import ApiState
+from monitor.api.state import ApiState, api_state
 
 api_router = APIRouter(
     prefix="/api/v1",
@@ -46,5 +47,21 @@ def build_http_app(
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
         return Response(state.metrics_page(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post(
+        "/-/reload",
+        dependencies=[Depends(require_token)],
+        summary="Reload the configuration file (as SIGHUP does)",
+        responses={400: {"model": Problem, "description": "The file was refused; the one in force stays."}},
+        tags=["health"],
+    )
+    async def reload(request: Request) -> JSONResponse:
+        run = api_state(request).reload
+        refused = (
+            "this app has no configuration file to reload" if run is None else await run("POST /-/reload")
+        )
+        if refused:
+            return JSONResponse({"detail": refused}, status_code=400)
+        return JSONResponse({"status": "reloaded"})
 
     return app

@@ -163,5 +163,5 @@ class HealthOut(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     status: Literal["ok", "unhealthy"]
-    database: Literal["ok", "unreachable"]
+    database: Literal["ok", "unreachable", "unwritable"]
     scheduler: str | None = None

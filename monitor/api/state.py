@@ -7,7 +7,7 @@ app a test talks to has every router, page and ``/metrics`` the service has.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,8 @@ class ApiState:
     health: Callable[[], dict[str, Any]]
     #: The ``/metrics`` page in the text format.
     metrics_page: Callable[[], bytes]
+    #: Reload the configuration (``POST /-/reload``): None when it was taken up, else why not.
+    reload: Callable[[str], Awaitable[str | None]] | None = None
 
 
 def api_state(request: Request) -> ApiState:

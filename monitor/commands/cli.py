@@ -87,15 +87,16 @@ def serve(
     """Run the scheduler, the REST API and /metrics until SIGTERM or Ctrl-C."""
     from monitor.commands.serve import serve_forever
     from monitor.storage.db import DatabaseNotMigrated
+    from monitor.storage.sqlite_file import DatabaseInUse
 
     settings = _settings(config)
     _logging(log_level.value)
     try:
         with _database_errors(settings.database_url):
-            serve_forever(settings)
+            serve_forever(settings, config)
     except ConfigError as exc:
         raise _fail(f"config error: {exc}") from None
-    except DatabaseNotMigrated as exc:
+    except (DatabaseNotMigrated, DatabaseInUse) as exc:
         raise _fail(str(exc)) from None
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import resource
+import signal
+import socket
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -13,12 +18,15 @@ from monitor.config.settings import Settings
 log = logging.getLogger("kvcanary")
 
 
-def serve_forever(settings: Settings) -> None:
-    """Run the scheduler, REST API and /metrics until SIGTERM/SIGINT.
+def serve_forever(settings: Settings, config_path: Path | None = None) -> None:
+    """Run the scheduler, REST API and /metrics until SIGTERM/SIGINT; SIGHUP reloads ``config_path``.
 
     Raises ConfigError (missing secrets) or DatabaseNotMigrated before anything listens.
     """
-    monitor = Monitor(settings)
+    # Until the loop's own handler is in place (startup), a SIGHUP must not end the process.
+    signal.signal(signal.SIGHUP, lambda *_: log.warning("SIGHUP while starting: ignored; send it again"))
+    monitor = Monitor(settings, config_path=config_path)
+    _raise_open_file_limit(monitor.http.max_connections + 256)  # the pool, the database, the API
     app = create_app(monitor)
     api = settings.api
     log.info(
@@ -40,12 +48,32 @@ def serve_forever(settings: Settings) -> None:
     _Server(config, monitor).run()
 
 
+def _raise_open_file_limit(wanted: int) -> None:
+    """Raise the soft limit on open files towards ``wanted`` (as Go programs such as Prometheus do):
+    the common default of 1,024 is below what the connection pool may hold with many hung targets."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            log.warning(
+                "open files limited to %d (hard limit); %d may be needed: raise LimitNOFILE", new, wanted
+            )
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the monitor the moment a signal asks it to stop."""
 
     def __init__(self, config: uvicorn.Config, monitor: Monitor):
         super().__init__(config)
         self._monitor = monitor
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # SIGHUP reloads the configuration, as Prometheus and Alertmanager do (systemd's ExecReload,
+        # logrotate's postrotate send it); without a handler it would end the process.
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._monitor.reload("SIGHUP")))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Stop scheduling at once: uvicorn first waits for open requests, and probes must not go on.

@@ -83,6 +83,15 @@ class SchedulerConfig(Strict):
     # Runs in flight at once, across targets. A run mostly waits on the network: thousands of
     # targets need dozens in flight (5,000 canaries at 30 s are ~170 runs a second).
     max_concurrency: int = Field(32, ge=1, le=1024)
+    # At most this many of them on one target (a node-scoped kind runs its nodes within it).
+    max_concurrency_per_target: int = Field(4, ge=1, le=1024)
+    # A run still waiting on its target after this long (or its timeout, when shorter) gives its
+    # slot to the next run and waits on in overtime, of which at most max_overtime_runs at once.
+    slot_lease_seconds: float = Field(1.0, gt=0, le=3600)
+    # Targets not known to be quick (their last run outlived its lease or timed out, or they have
+    # not run yet) share at most this part of the slots, so quick ones never wait behind them.
+    slow_share: float = Field(0.5, gt=0, le=1)
+    max_overtime_runs: int = Field(1024, ge=0, le=100_000)
     jitter_seconds: float = Field(2.0, ge=0, le=3600)
 
 
@@ -156,6 +165,9 @@ class AlertingConfig(Strict):
     # How often the outbox is checked when no incident change nudged it.
     poll_interval_seconds: float = Field(2, gt=0, le=60)
     timeout_seconds: float = Field(10, gt=0, le=120)
+    # While no Alertmanager accepts, the wait between rounds doubles from poll_interval_seconds
+    # up to this (with jitter); the first acceptance ends it.
+    backoff_max_seconds: float = Field(60, gt=0, le=3600)
     # Where runbook links point; default: <api.public_url>/runbooks (the monitor serves alerts/runbooks).
     runbook_base_url: str | None = Field(None, max_length=2048)
 

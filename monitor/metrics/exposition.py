@@ -90,6 +90,14 @@ class PairSeries(Collector):
             pair = self._pair(target, probe)
             pair.interval = float(interval)
 
+    def forget(self, target: str, kinds: Iterable[str] | None = None) -> None:
+        """Stop exporting the pairs of ``target`` (only ``kinds``, when given): a reload removed them."""
+        for key in [k for k in self._pairs if k[0] == target and (kinds is None or k[1] in kinds)]:
+            del self._pairs[key]
+        if kinds is None:
+            self._leaks.pop(target, None)
+            self._target_labels.pop(target, None)
+
     def observe(
         self,
         target: str,

@@ -7,6 +7,7 @@ time, so it is right across restarts and across replicas that share one PostgreS
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
+from monitor.recording.health import WriteHealth
 from probes.base import ProbeResult, Verdict
 
 if TYPE_CHECKING:
@@ -45,7 +47,18 @@ READ_AT = (
     "kvcanary_incidents_open_read_timestamp_seconds",
     "Unix time the open incident counts were last read from the database.",
 )
-DB_UP = ("kvcanary_database_up", "1 when the database answered the last scrape, else 0.")  # fmt: skip
+DB_UP = (
+    "kvcanary_database_up",
+    "1 when results are being written: the last write landed and the database answered this scrape.",
+)
+WRITTEN_AT = (
+    "kvcanary_database_last_write_success_timestamp_seconds",
+    "Unix time a result last landed in the database; 0 before the first.",
+)
+FAILED_AT = (
+    "kvcanary_database_last_write_failure_timestamp_seconds",
+    "Unix time a write of results last failed (spooled); 0 when none has.",
+)
 
 OpenIncidentCounts = Callable[[], Iterable[tuple[str, str, str, str, int]]]
 #: Every (target, probe, node) the config makes: their series are exported at 0.
@@ -60,9 +73,10 @@ class OpenIncidentsCollector(Collector):
     ``kvcanary_incidents_open_read_timestamp_seconds`` says how old the counts are.
     """
 
-    def __init__(self, counts: OpenIncidentCounts, pairs: Pairs):
+    def __init__(self, counts: OpenIncidentCounts, pairs: Pairs, writes: WriteHealth | None = None):
         self._counts = counts
         self._pairs = pairs
+        self._writes = writes or WriteHealth()
         self._last: dict[tuple[str, str, str, str], int] = {}
         self._read_at = 0.0
 
@@ -75,7 +89,7 @@ class OpenIncidentsCollector(Collector):
             self._last, self._read_at = values, time.time()
         except Exception:  # a database hiccup must not break the scrape: serve the last known counts
             return 0
-        return 1
+        return 0 if self._writes.failing else 1
 
     def collect(self) -> Iterator[Metric]:
         up = self._read()
@@ -85,6 +99,8 @@ class OpenIncidentsCollector(Collector):
         yield family
         yield GaugeMetricFamily(READ_AT[0], READ_AT[1], value=self._read_at)
         yield GaugeMetricFamily(DB_UP[0], DB_UP[1], value=up)
+        yield GaugeMetricFamily(*WRITTEN_AT, value=self._writes.last_success_at)
+        yield GaugeMetricFamily(*FAILED_AT, value=self._writes.last_failure_at)
 
     def render(self) -> str:
         """The same families in the text format, written directly (thousands of rows at scale)."""
@@ -97,6 +113,8 @@ class OpenIncidentsCollector(Collector):
             render_gauge(*OPEN, rows)
             + render_gauge(*READ_AT, [("", self._read_at)])
             + render_gauge(*DB_UP, [("", up)])
+            + render_gauge(*WRITTEN_AT, [("", self._writes.last_success_at)])
+            + render_gauge(*FAILED_AT, [("", self._writes.last_failure_at)])
         )
 
 
@@ -111,6 +129,11 @@ class SpoolCollector(Collector):
             "kvcanary_spool_results",
             "Probe results waiting in the local spool for the database to come back.",
             value=len(self._spool),
+        )
+        yield GaugeMetricFamily(
+            "kvcanary_spool_max_results",
+            "Results the spool holds at most (spool.max_entries); past it, the least news is dropped.",
+            value=self._spool.max_entries,
         )
         dropped = CounterMetricFamily(
             "kvcanary_results_dropped",
@@ -161,6 +184,30 @@ class ReplicaCollector(Collector):
         )
 
 
+class SlotsCollector(Collector):
+    """Export the run slots in use, the runs waiting for one, and the targets known to hang."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int, int, int]]):
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        in_use, overtime, waiting, hanging = self._counts()
+        yield GaugeMetricFamily("kvcanary_run_slots_in_use", "Probe runs holding a slot now.", value=in_use)
+        yield GaugeMetricFamily(
+            "kvcanary_runs_in_overtime",
+            "Probe runs past their slot lease, still waiting on their target without a slot.",
+            value=overtime,
+        )
+        yield GaugeMetricFamily(
+            "kvcanary_run_slots_waiting", "Probe runs due and waiting for a slot.", value=waiting
+        )
+        yield GaugeMetricFamily(
+            "kvcanary_targets_hanging",
+            "Targets whose last run waited out a timeout (their runs share a bounded part of the slots).",
+            value=hanging,
+        )
+
+
 class MonitorMetrics:
     """The monitor's own metrics. One instance per process (tests make their own).
 
@@ -191,6 +238,16 @@ class MonitorMetrics:
             ["alertmanager", "outcome"],
             registry=self._general,
         )
+        self.alert_backoff = Gauge(
+            "kvcanary_alert_delivery_backoff_seconds",
+            "Seconds the pager waits before its next try while no Alertmanager accepts; 0 when delivering.",
+            registry=self._general,
+        )
+        self.alert_failures = Gauge(
+            "kvcanary_alert_delivery_failures",
+            "Delivery rounds in a row in which no Alertmanager accepted what was due.",
+            registry=self._general,
+        )
         self.node_pool = Gauge(
             "kvcanary_node_kv_pool_tokens",
             "KV pool capacity a node reported at its last capacity audit.",
@@ -203,6 +260,19 @@ class MonitorMetrics:
             ["target", "node"],
             registry=self._general,
         )
+        self._node_pools: dict[tuple[str, str], set[str]] = {}
+        self.reload_ok = Gauge(
+            "kvcanary_config_last_reload_successful",
+            "1 when the last configuration reload (SIGHUP, POST /-/reload) succeeded, else 0.",
+            registry=self._general,
+        )
+        self.reload_ok_at = Gauge(
+            "kvcanary_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last successful configuration load (the start, or a reload).",
+            registry=self._general,
+        )
+        self.reload_ok.set(1)
+        self.reload_ok_at.set(time.time())
         self.schedule_lag = Histogram(
             "kvcanary_schedule_lag_seconds",
             "Seconds from when a scheduled run was due to when it started (after waiting for a slot).",
@@ -216,8 +286,20 @@ class MonitorMetrics:
         for probe in intervals:
             self.probe_duration.labels(probe)
 
-    def watch_incidents(self, counts: OpenIncidentCounts, pairs: Pairs) -> None:
-        self._incidents = OpenIncidentsCollector(counts, pairs)
+    def forget(self, target: str, kinds: Iterable[str] | None = None) -> None:
+        """Drop the series of a target (or some of its kinds) a reload removed, node facts included."""
+        self.pairs.forget(target, kinds)
+        if kinds is None or "capacity" in kinds:
+            for t, node in [key for key in self._node_pools if key[0] == target]:
+                for pool in self._node_pools.pop((t, node)):
+                    self.node_pool.remove(t, node, pool)
+                with contextlib.suppress(KeyError):
+                    self.node_window.remove(t, node)
+
+    def watch_incidents(
+        self, counts: OpenIncidentCounts, pairs: Pairs, writes: WriteHealth | None = None
+    ) -> None:
+        self._incidents = OpenIncidentsCollector(counts, pairs, writes)
         self.registry.register(self._incidents)
 
     def watch_spool(self, spool: Spool) -> None:
@@ -225,6 +307,9 @@ class MonitorMetrics:
 
     def watch_replicas(self, counts: Callable[[], tuple[int, int]]) -> None:
         self._general.register(ReplicaCollector(counts))
+
+    def watch_slots(self, counts: Callable[[], tuple[int, int, int, int]]) -> None:
+        self._general.register(SlotsCollector(counts))
 
     def watch_outbox(self, backlog: Callable[[], tuple[int, float]]) -> None:
         self._general.register(OutboxCollector(backlog))
@@ -250,15 +335,33 @@ class MonitorMetrics:
         }
         self.pairs.observe(target, probe, result.verdict.value, duration, finished_at, tokens)
         self.probe_duration.labels(probe).observe(duration)
-        self._node_capacity(target, node, result.measurements)
+        if probe == "capacity":
+            self._node_capacity(target, node, result)
 
-    def _node_capacity(self, target: str, node: str, measurements: Mapping[str, float]) -> None:
-        """Keep the figures of a capacity audit (``context_window_tokens``, ``pool_tokens.<pool>``)."""
-        if "context_window_tokens" in measurements:
+    def _node_capacity(self, target: str, node: str, result: ProbeResult) -> None:
+        """Export what the node's capacity audit read (``context_window_tokens``, ``pool_tokens.<pool>``)
+        and only that: a pool it no longer publishes is dropped, so an engine naming new pools at
+        every audit cannot grow series (the names are bounded per node where they are read). A node
+        that could not be asked (unreachable, timeout) keeps its last figures: alerts on them hold."""
+        measurements = result.measurements
+        published = "context_window_tokens" in measurements
+        if not published and result.reason != "capacity_unknown":
+            return
+        pools = {
+            key.removeprefix("pool_tokens."): value
+            for key, value in measurements.items()
+            if key.startswith("pool_tokens.")
+        }
+        for gone in self._node_pools.pop((target, node), set()) - set(pools):
+            self.node_pool.remove(target, node, gone)
+        for pool, value in pools.items():
+            self.node_pool.labels(target, node, pool).set(value)
+        self._node_pools[(target, node)] = set(pools)
+        if published:
             self.node_window.labels(target, node).set(measurements["context_window_tokens"])
-        for key, value in measurements.items():
-            if key.startswith("pool_tokens."):
-                self.node_pool.labels(target, node, key.removeprefix("pool_tokens.")).set(value)
+        else:
+            with contextlib.suppress(KeyError):
+                self.node_window.remove(target, node)
 
     def exposition(self) -> bytes:
         """Return the whole page ``/metrics`` serves, in the text format (version 0.0.4)."""

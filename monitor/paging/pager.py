@@ -15,6 +15,12 @@ alert of the old severity and fires the new one (their names differ). Labels are
 stable: ``alertname``, ``target``, ``probe``, ``severity`` and, for node-scoped probes, ``node``.
 Descriptions carry figures (tokens sent and reported, pool and window, marker ids), never text a
 target returned.
+
+While no Alertmanager accepts, rounds back off: the wait doubles from ``poll_interval_seconds`` up
+to ``backoff_max_seconds``, each wait drawn between half and all of it (jitter, so replicas and
+monitors restarted together do not retry in step), and a new incident does not cut it short. The
+first acceptance ends it. ``kvcanary_alert_delivery_backoff_seconds`` says how long the current
+wait is, ``kvcanary_alert_delivery_failures`` how many rounds failed in a row.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import socket
 import time
@@ -111,23 +118,47 @@ class Pager:
         self.claimer = f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(3)}"
         self._wake = asyncio.Event()
         self._last_resend: datetime | None = None
+        #: Rounds in a row in which no Alertmanager accepted what was due (0: delivering).
+        self.failures = 0
+        self._round_failed = False
 
     def nudge(self) -> None:
         """Ask for a drain now (an incident changed) instead of at the next poll."""
         self._wake.set()
 
     async def run_forever(self) -> None:
-        """Drain and resend until cancelled; a failure is logged and retried at the next poll."""
-        poll = self.settings.alerting.poll_interval_seconds
+        """Drain and resend until cancelled; failed rounds back off (module docstring)."""
         while True:
+            self._round_failed = False
             try:
                 await self.drain()
-                await self.resend_if_due()
+                if not self._round_failed:  # no re-sending to Alertmanagers that just failed
+                    await self.resend_if_due()
             except Exception:  # a database or network hiccup must not end paging
-                log.exception("alert delivery round failed; retrying in %.0fs", poll)
+                log.exception("alert delivery round failed")
+                self._round_failed = True
+            wait = self._next_wait()
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=poll)
+            if self.failures:
+                await asyncio.sleep(wait)  # a nudge does not shorten a backoff
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=wait)
+
+    def _next_wait(self) -> float:
+        """Return the wait before the next round: the poll, or a jittered, bounded backoff."""
+        alerting = self.settings.alerting
+        self.failures = self.failures + 1 if self._round_failed else 0
+        wait = alerting.poll_interval_seconds
+        if self.failures:
+            ceiling = min(alerting.backoff_max_seconds, wait * 2 ** min(self.failures - 1, 20))
+            wait = ceiling * random.uniform(0.5, 1.0)
+            log.warning(
+                "no Alertmanager took the alerts due (%d round(s)); next try in %.1fs", self.failures, wait
+            )
+        self.delivery.metrics.alert_backoff.set(wait if self.failures else 0)
+        self.delivery.metrics.alert_failures.set(self.failures)
+        return wait
 
     async def drain(self) -> int:
         """Deliver claimed events in order; return how many were delivered."""
@@ -151,6 +182,7 @@ class Pager:
             accepted, _, why = await self.delivery.post(alerts)
             if not accepted:
                 log.warning("could not re-send %d alert(s): %s", len(alerts), why)
+                self._round_failed = True
                 return False
         self._last_resend = now
         return True
@@ -174,6 +206,7 @@ class Pager:
                 await asyncio.to_thread(self._mark, [event.id], None if accepted else why)
                 continue
             log.warning("alert delivery failed (%s); %d event(s) wait", why, len(batch) - i)
+            self._round_failed = True
             await asyncio.to_thread(self._give_back, [event.id], why)  # the one tried: an attempt
             if batch[i + 1 :]:
                 await asyncio.to_thread(self._release, [e.id for e in batch[i + 1 :]])  # never tried

@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from monitor.config.settings import Settings
 from monitor.config.targets import TargetConfig
 from monitor.incidents import RecordOutcome, note_config_change, record_result
+from monitor.recording.health import WriteHealth
 from monitor.recording.pending import PendingResult
 from monitor.recording.spool import Spool
 from monitor.storage.db import utcnow
@@ -63,22 +64,26 @@ class Recorder:
         self.session_factory = session_factory
         self.spool = spool
         self.unstorable = 0
+        #: Whether results are landing (``/healthz``, ``kvcanary_database_up``).
+        self.health = WriteHealth()
         self._replaying = threading.Lock()
         # Target rows by (name, engine, base_url, model): the upsert's SELECT is not paid on every run.
         self._target_ids: dict[tuple[str, str, str, str], int] = {}
 
     def record(self, item: PendingResult) -> RecordOutcome | None:
         """Record one result; return what it did to incidents, or None when it was spooled (or dropped)."""
-        if len(self.spool):
+        if len(self.spool) or self.health.lost:
             # Older results wait: this one queues behind them, so each pair stays in order.
             self.spool.append(item)
             self.replay()
             return None
         try:
-            return self._write(item)
+            outcome = self._write(item)
         except _UNAVAILABLE as exc:
             self._spool(item, exc)
             return None
+        self.health.succeeded()
+        return outcome
 
     def record_many(self, items: list[PendingResult]) -> list[RecordOutcome | None]:
         """Record ``items`` in order in one transaction (one commit for many results).
@@ -86,7 +91,7 @@ class Recorder:
         Behind a non-empty spool they queue there; when the database is away they are spooled; when
         one of them is refused, each is recorded on its own (:meth:`record`'s rules).
         """
-        if len(self.spool):
+        if len(self.spool) or self.health.lost:
             for item in items:
                 self.spool.append(item)
             self.replay()
@@ -100,6 +105,7 @@ class Recorder:
             return [None] * len(items)
         except Exception:  # one row refused: each on its own (a stale cached target id is retried there)
             return [self.record(item) for item in items]
+        self.health.succeeded()
         for item, outcome in zip(items, outcomes, strict=True):
             self._target_ids[item.target_key] = outcome.target_id
         return list(outcomes)
@@ -161,15 +167,17 @@ class Recorder:
 
         Return how many were recorded. A replay already running in another thread makes this a no-op.
         """
-        if not self._replaying.acquire(blocking=False):
-            return 0
+        if self.health.lost or not self._replaying.acquire(blocking=False):
+            return 0  # a database file gone: nothing is written into what remains of it
         done = 0
         try:
             while (item := self.spool.head()) is not None:
                 try:
                     self._write(item)
-                except _UNAVAILABLE:
+                except _UNAVAILABLE as exc:
+                    self.health.failed(type(exc).__name__)
                     break
+                self.health.succeeded()
                 self.spool.remove(item)
                 done += 1
         finally:
@@ -179,6 +187,7 @@ class Recorder:
         return done
 
     def _spool(self, item: PendingResult, exc: Exception) -> None:
+        self.health.failed(type(exc).__name__)
         kept = self.spool.append(item)
         log.warning(
             "database unavailable (%s): %s %s/%s %s",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from monitor.config.settings import Settings
 from monitor.recording.pending import PendingResult
 
 log = logging.getLogger("kvcanary.spool")
@@ -156,3 +158,28 @@ def _load(file: Path) -> PendingResult | None:
         return PendingResult.from_stored(data)
     except (OSError, ValueError, TypeError):
         return None
+
+
+def state_dir() -> Path:
+    """Return where kvcanary keeps local state: $KVCANARY_STATE_DIR, else the XDG state folder."""
+    if explicit := os.environ.get("KVCANARY_STATE_DIR"):
+        return Path(explicit)
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(xdg) / "kvcanary"
+
+
+def open_spool(settings: Settings) -> Spool:
+    """Return the spool the settings ask for; in memory when its folder is held by another process."""
+    config = settings.spool
+    if config.in_memory:
+        return Spool(None, config.max_entries)
+    # One folder per database: two configs on one machine must not replay into each other's database.
+    named = hashlib.sha256(settings.database_url.encode()).hexdigest()[:12]
+    path = config.path or state_dir() / f"spool-{named}"
+    try:
+        return Spool(path, config.max_entries)
+    except SpoolBusy as exc:
+        log.warning("%s: this process spools in memory", exc)
+    except OSError as exc:
+        log.warning("cannot use spool folder %s (%s): this process spools in memory", path, exc.strerror)
+    return Spool(None, config.max_entries)

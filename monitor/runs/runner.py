@@ -9,9 +9,11 @@ Probes only compute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -22,12 +24,22 @@ from monitor.incidents import RecordOutcome
 from monitor.metrics.registry import MonitorMetrics
 from monitor.recording.pending import PendingResult
 from monitor.recording.writer import BatchWriter
+from monitor.runs.slots import FairSlots
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult, Verdict, judge
 from probes.markers import MarkerBook
 from probes.target import Node, TargetClient
+from probes.untrusted import plain, word
 
 log = logging.getLogger("kvcanary.runner")
+
+#: A result's detail, as stored (``monitor/storage/result_rows.py`` keeps as many).
+DETAIL_CHARS = 2000
+
+#: Reasons that say a run waited out a timeout: its target is known to hang until a run ends otherwise.
+HUNG_REASONS = frozenset({"timeout", "probe_timeout"})
+#: A run on a target known to hang ends this many of its timeouts in (its first timeout, and slack).
+HUNG_BUDGET_TIMEOUTS = 1.25
 
 
 @dataclass(frozen=True)
@@ -87,16 +99,19 @@ async def execute_probe(
     node: Node | None = None,
     state: dict[str, Any] | None = None,
     on_cancelled: Callable[[ProbeResult, float], None] | None = None,
+    budget: float | None = None,
 ) -> tuple[ProbeResult, float]:
     """Run probe ``kind`` once (on ``node`` for node-scoped kinds); return its judged result and its
     duration. Never raise, except CancelledError: then ``on_cancelled`` gets what the run had found
     before it was cancelled (a leak or a dropped prompt is judged from the answers already read).
-    The tokens the run spent are added to the result's measurements."""
+    The tokens the run spent are added to the result's measurements. ``budget`` (seconds) replaces
+    the kind's own (``budget_timeouts`` times the target's timeout)."""
     probe = REGISTRY[kind]()
     ctx = ProbeContext(client, markers, options=target.options.get(kind, {}), node=node, state=state)
     started = time.monotonic()
     try:
-        budget = target.timeout_seconds * probe.budget_timeouts
+        if budget is None:
+            budget = target.timeout_seconds * probe.budget_timeouts
         result = await asyncio.wait_for(probe.run(ctx), timeout=budget)
     except asyncio.CancelledError:
         if on_cancelled is not None:
@@ -109,6 +124,9 @@ async def execute_probe(
         log.exception("probe %s crashed on %s", kind, target.name)
         result = ProbeResult.error("probe_crashed", f"{type(exc).__name__} in the {kind} probe")
     result = judge(result, ctx)
+    # A detail may quote what the engine wrote; every sink after this one (rows, titles, pages,
+    # annotations, the terminal, logs) gets it plain and bounded.
+    result.reason, result.detail = word(result.reason), plain(result.detail, DETAIL_CHARS)
     result.measurements.update(
         prompt_tokens_spent=ctx.tokens["prompt"], completion_tokens_spent=ctx.tokens["completion"]
     )
@@ -117,6 +135,9 @@ async def execute_probe(
 
 class ProbeRunner:
     """Runs probes with bounded concurrency, never two runs of one (target, kind, node) at once.
+
+    Slots are shared fairly (``monitor/runs/slots.py``): a hung or slow target costs its own runs,
+    and a target known to hang gets one timeout per run, not the kind's whole budget.
 
     ``writer`` is the one way results are recorded (and stored states read); without one (a
     dry run) nothing is recorded and every run starts from an empty state.
@@ -143,10 +164,26 @@ class ProbeRunner:
         #: Whether this replica runs (target, kind) on its clock (``monitor/runs/replicas.py``);
         #: all by default.
         self.owns: Callable[[str, str], bool] = lambda target, kind: True
-        self._slots = asyncio.Semaphore(settings.scheduler.max_concurrency)
+        scheduler = settings.scheduler
+        self.slots = FairSlots(
+            scheduler.max_concurrency,
+            scheduler.max_concurrency_per_target,
+            scheduler.slow_share,
+            overtime=scheduler.max_overtime_runs,
+            unknown_cost=scheduler.slot_lease_seconds,
+        )
+        self.lease_seconds = scheduler.slot_lease_seconds
+        #: Targets whose last run ended within its slot lease (``quick``; any other counts as slow,
+        #: a target never seen to run too), and those whose last run waited out a timeout (``hanging``).
+        self.quick: set[str] = set()
+        self.hanging: set[str] = set()
+        metrics.watch_slots(
+            lambda: (self.slots.in_use, self.slots.in_overtime, self.slots.waiting, len(self.hanging))
+        )
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
         self._states: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._in_flight: set[asyncio.Task[Any]] = set()
+        self._client_runs: Counter[int] = Counter()  # runs in flight by client (a reload replaces them)
         # When each scheduled run was due, noted by the scheduler as it submits the run.
         self._due: dict[tuple[str, str], datetime] = {}
         for target in settings.targets:
@@ -160,8 +197,9 @@ class ProbeRunner:
 
     async def run_scheduled(self, target_name: str, kind: str) -> list[RunSummary]:
         """Run (target, kind) when the clock says so, if it is this replica's to run (``owns``)."""
-        if not self.owns(target_name, kind):
-            self._due.pop((target_name, kind), None)
+        target = self.settings.target(target_name)
+        if not self.owns(target_name, kind) or target is None or kind not in target.probes:
+            self._due.pop((target_name, kind), None)  # not ours, or a reload has just removed it
             return []
         return await self.run(target_name, kind)
 
@@ -187,7 +225,11 @@ class ProbeRunner:
         # The pair's lock keeps its runs, and their recordings, in order; a slot bounds the runs
         # talking to targets at once, and is given back before the (batched) recording.
         async with self._locks.setdefault(key, asyncio.Lock()):
-            async with self._slots:
+            async with self.slots.hold(target.name, slow=target.name not in self.quick) as lease:
+                # Past its lease a run waiting on the network gives its slot to the next one.
+                lease_ends = asyncio.get_running_loop().call_later(
+                    min(self.lease_seconds, target.timeout_seconds), lease.overtime
+                )
                 if due is not None:
                     self.metrics.schedule_lag.observe(max(0.0, (datetime.now(UTC) - due).total_seconds()))
                 state = await self._state(key)
@@ -198,10 +240,15 @@ class ProbeRunner:
                 def keep(cut: ProbeResult, took: float) -> None:
                     self._keep_finding(PendingResult.of(target, kind, cut, started_at, took, node=key[2]))
 
-                client = self.clients[target.name]
-                result, duration = await execute_probe(
-                    kind, client, self.markers, target, node=node, state=state, on_cancelled=keep
-                )
+                hung = target.name in self.hanging
+                budget = target.timeout_seconds * HUNG_BUDGET_TIMEOUTS if hung else None
+                with self._using(self.clients[target.name]) as client:
+                    result, duration = await execute_probe(
+                        kind, client, self.markers, target, node=node, state=state, on_cancelled=keep,
+                        budget=budget,
+                    )  # fmt: skip
+                lease_ends.cancel()
+            self._note_pace(target.name, result, lease.expired)
             if unread or (result.state is not None and result.state == state):
                 # Unchanged (a capacity audit's fingerprint): nothing to write. Unread (the database
                 # was away): what a run from an empty state leaves must not replace what is stored.
@@ -210,7 +257,9 @@ class ProbeRunner:
                 self._states[key] = result.state
             item = PendingResult.of(target, kind, result, started_at, duration, node=key[2])
             outcome = await self._record(item)
-        self.metrics.observe(target.name, kind, result, duration, time.time(), key[2])
+        now_target = self.settings.target(target.name)
+        if now_target is not None and kind in now_target.probes:  # a reload may have removed it meanwhile
+            self.metrics.observe(target.name, kind, result, duration, time.time(), key[2])
         summary = RunSummary(target.name, kind, key[2], result, started_at, duration, outcome)
         where = f"{target.name}/{kind}" + (f"@{key[2]}" if key[2] else "")
         log.info("%s: %s (%s) in %.2fs", where, result.verdict.value, result.reason, duration)
@@ -219,6 +268,47 @@ class ProbeRunner:
         if result.measurements.get("config_changed") and self.on_config_change is not None:
             self.on_config_change(target, key[2])
         return summary
+
+    def take_up(self, settings: Settings) -> None:
+        """Take up reloaded settings: declare new pairs, name new tenants, forget removed targets."""
+        self.settings = settings
+        names = {t.name for t in settings.targets}
+        for target in settings.targets:
+            self.metrics.declare(target.name, {kind: target.interval_for(kind) for kind in target.probes})
+            for tenant in target.tenants:
+                self.markers.register(target.name, tenant.name)
+        keys = set(run_keys(settings))
+        for key in [k for k in self._states if k not in keys]:
+            del self._states[key]
+        self.slots.forget(names)
+        self.quick &= names
+        self.hanging &= names
+
+    @contextlib.contextmanager
+    def _using(self, client: TargetClient) -> Iterator[TargetClient]:
+        self._client_runs[id(client)] += 1
+        try:
+            yield client
+        finally:
+            self._client_runs[id(client)] -= 1
+
+    async def close_when_idle(self, client: TargetClient) -> None:
+        """Close a client a reload replaced, once no run in flight uses it."""
+        while self._client_runs[id(client)]:
+            await asyncio.sleep(0.5)
+        self._client_runs.pop(id(client), None)
+        if (close := getattr(client, "aclose", None)) is not None:  # HTTP targets hold connections
+            await close()
+
+    def _note_pace(self, target: str, result: ProbeResult, outlived_lease: bool) -> None:
+        quick = not outlived_lease and result.reason not in HUNG_REASONS
+        (self.quick.add if quick else self.quick.discard)(target)
+        if result.reason in HUNG_REASONS:
+            if target not in self.hanging:
+                log.warning("%s: a run waited out its timeout; its next runs get one timeout each", target)
+            self.hanging.add(target)
+        else:
+            self.hanging.discard(target)
 
     def _keep_finding(self, item: PendingResult) -> None:
         """Record what a cancelled run had already found, if it is a leak or a mismatch: a marker read

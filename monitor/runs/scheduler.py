@@ -68,24 +68,8 @@ def build_scheduler(
     """
     scheduler = AsyncIOScheduler(timezone=UTC, job_defaults={"misfire_grace_time": 30})
     now = datetime.now(UTC)
-    jitter = settings.scheduler.jitter_seconds
-    for target in settings.targets:
-        for kind in target.probes:
-            interval = target.interval_for(kind)
-            first = next_in_phase(now + timedelta(seconds=0.2), interval, spread(target.name, kind))
-            trigger = IntervalTrigger(
-                seconds=interval, start_date=first, jitter=min(jitter, interval / 4) or None
-            )
-            scheduler.add_job(
-                runner.run_scheduled,
-                trigger,
-                args=[target.name, kind],
-                id=probe_job_id(target.name, kind),
-                name=f"{kind} on {target.name}",
-                coalesce=True,
-                max_instances=1,
-                next_run_time=first if owns(target.name, kind) else None,  # None: paused
-            )
+    pairs = [(target.name, kind) for target in settings.targets for kind in target.probes]
+    add_probe_jobs(scheduler, settings, runner, pairs, owns)
     for name, func, interval in housekeeping:
         scheduler.add_job(
             func,
@@ -98,6 +82,35 @@ def build_scheduler(
             next_run_time=now + timedelta(seconds=min(interval, FIRST_HOUSEKEEPING_SECONDS)),
         )
     return scheduler
+
+
+def add_probe_jobs(
+    scheduler: AsyncIOScheduler,
+    settings: Settings,
+    runner: ProbeRunner,
+    pairs: Sequence[tuple[str, str]],
+    owns: Owns,
+) -> None:
+    """Add the job of each (target, kind) in ``pairs``, placed in its interval by its spread."""
+    now = datetime.now(UTC)
+    jitter = settings.scheduler.jitter_seconds
+    for name, kind in pairs:
+        target = settings.target(name)
+        assert target is not None, name
+        interval = target.interval_for(kind)
+        first = next_in_phase(now + timedelta(seconds=0.2), interval, spread(name, kind))
+        spread_out = min(jitter, interval / 4) or None
+        trigger = IntervalTrigger(seconds=interval, start_date=first, jitter=spread_out)
+        scheduler.add_job(
+            runner.run_scheduled,
+            trigger,
+            args=[name, kind],
+            id=probe_job_id(name, kind),
+            name=f"{kind} on {name}",
+            coalesce=True,
+            max_instances=1,
+            next_run_time=first if owns(name, kind) else None,  # None: paused
+        )
 
 
 def probe_job_id(target: str, kind: str) -> str:

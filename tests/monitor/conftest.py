@@ -31,6 +31,7 @@ from monitor.runs.run_now import RunNow
 from monitor.storage.db import make_engine, make_session_factory, upgrade
 from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
 from probes.base import ProbeResult, Verdict
+from tests.monitor.served import served  # noqa: F401 (a fixture: `kvcanary serve` as a process)
 from tests.services import Alertmanager, start_alertmanager
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -8,6 +8,8 @@ back what Alertmanager holds (``GET /api/v2/alerts``) and what the outbox rows s
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -28,6 +30,7 @@ from monitor.paging.links import link_signature
 from monitor.paging.pager import ALERTNAMES, Delivery, Pager
 from monitor.storage import outbox
 from monitor.storage.models import IncidentEvent
+from tests.loopback import Loopback
 from tests.monitor.conftest import minutes, record
 from tests.services import Alertmanager, start_alertmanager
 
@@ -293,3 +296,57 @@ def test_a_relapse_is_never_resent_as_resolved(session_factory: Factory, alertma
 def test_every_pushed_alert_has_a_runbook_the_monitor_serves() -> None:
     for name in ALERTNAMES.values():
         assert (RUNBOOKS_DIR / f"{name}.md").is_file(), name
+
+
+def test_a_failing_alertmanager_is_retried_with_a_bounded_jittered_backoff(session_factory: Factory) -> None:
+    """On main one event was posted 40 times in 30 s to an Alertmanager answering 503."""
+    posts: list[float] = []
+    healthy_after = 14.0
+
+    def alertmanager(request: httpx.Request) -> httpx.Response:
+        posts.append(time.monotonic())
+        return httpx.Response(200 if time.monotonic() - started > healthy_after else 503, json={})
+
+    started = time.monotonic()
+    server = Loopback(alertmanager)
+    record(session_factory, "leak", at=minutes(0), target="a")
+    settings = parse_settings(
+        {
+            "alertmanagers": [server.url],
+            "api": {"public_url": PUBLIC},
+            "alerting": {
+                "resend_interval_seconds": 1,
+                "poll_interval_seconds": 0.5,
+                "backoff_max_seconds": 4,
+            },
+        }
+    )
+    metrics = MonitorMetrics(CollectorRegistry())
+    pager = Pager(
+        settings, session_factory, Delivery({server.url: {}}, metrics, timeout=5), link_key=LINK_KEY
+    )
+    seen: list[float] = []
+
+    async def run() -> None:
+        task = asyncio.create_task(pager.run_forever())
+        for _ in range(40):  # nudges (new incidents) must not cut a backoff short
+            pager.nudge()
+            await asyncio.sleep(0.25)
+            seen.append(metrics.registry.get_sample_value("kvcanary_alert_delivery_backoff_seconds") or 0)
+        await asyncio.sleep(healthy_after + 4 - 10)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await pager.delivery.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.close()
+    failing = [t - started for t in posts if t - started <= healthy_after]
+    gaps = [b - a for a, b in itertools.pairwise(failing)]
+    assert len(failing) <= 9, failing  # 0.5, 1, 2, 4, 4, 4 s apart at most, jittered down to half
+    assert max(gaps) <= 4.5 and max(seen) <= 4 and max(seen) > 1  # bounded, and said on /metrics
+    assert min(gaps[-3:]) < 3.9  # jittered: capped waits are drawn between 2 and 4 s, not all 4
+    assert events(session_factory)[0].processed_at is not None  # delivered once it answered
+    assert metrics.registry.get_sample_value("kvcanary_alert_delivery_failures") == 0
