@@ -165,7 +165,7 @@ class MarkerBook:
             return None
         planted = int.from_bytes(payload[_OWNER_BYTES:], "big")
         age_minutes = (now_minute - planted) % (1 << _MINUTE_BITS)
-        if age_minutes > (1 << _MINUTE_BITS) - _SKEW_MINUTES:
+        if age_minutes >= (1 << _MINUTE_BITS) - _SKEW_MINUTES:
             age_minutes = 0  # planted "in the future": a replica whose clock runs ahead of ours
         # The minute a marker was planted in counts as age 0: allow one minute of rounding.
         if age_minutes * 60 > self.ttl_seconds + 60:

@@ -19,7 +19,7 @@ configuration facts, see ``monitor/targets/capacity.py``) with entries that each
   nothing: a stale configuration must not hide a published old release.
 - Defects the operator accepted (``ignore``) are recorded in the evidence, not judged.
 - The check cannot see a backported fix (use ``ignore``) nor a gateway that drops vLLM's
-  ``cache_salt`` on a fixed release (the cross_tenant probe must).
+  ``cache_salt`` on a fixed release (the prefix_cache probe's salt check does).
 """
 
 from __future__ import annotations

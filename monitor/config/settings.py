@@ -30,7 +30,7 @@ class ConfigError(Exception):
 
 class ApiConfig(Strict):
     listen: str = "127.0.0.1:8600"
-    token_env: str = "KVCANARY_API_TOKEN"
+    token_env: EnvName = "KVCANARY_API_TOKEN"
     token_file: Path | None = None
     # Serve /api/v1 without a token. Only allowed on a loopback address.
     local_only: bool = False
@@ -192,7 +192,7 @@ class Settings(Strict):
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
     # The secret that seals markers, so replicas and a restarted monitor recognise each other's;
     # without one it is derived from the API token (see monitor/config/secrets.py: marker_key).
-    marker_key_env: str = "KVCANARY_MARKER_KEY"
+    marker_key_env: EnvName = "KVCANARY_MARKER_KEY"
     marker_key_file: Path | None = None
     _by_name: dict[str, TargetConfig] = PrivateAttr(default_factory=dict)
 

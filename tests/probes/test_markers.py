@@ -76,6 +76,16 @@ def test_a_marker_from_a_replica_whose_clock_runs_ahead_is_live() -> None:
     assert not book.is_live(marker)
 
 
+def test_a_clock_up_to_five_minutes_ahead_is_skew_and_six_is_not() -> None:
+    """The allowance said five minutes and accepted four: a marker planted 5 minutes ahead was refused."""
+    key = secrets.token_bytes(32)
+    for minutes_ahead, live in ((4, True), (5, True), (6, False)):
+        ahead, here = Clock(), Clock()
+        ahead.now += minutes_ahead * 60
+        _, marker = MarkerBook(key=key, clock=ahead).plant("glm", "alice")
+        assert MarkerBook(key=key, clock=here).is_live(marker) is live, minutes_ahead
+
+
 def test_no_live_marker_is_forgotten_however_many_are_planted_and_memory_stays_flat() -> None:
     # The old book kept a hash per marker and, past 200,000, evicted live ones (a leak of an evicted
     # marker went unseen). Sealed markers cost nothing to keep: plant far more than that and check
