@@ -87,6 +87,8 @@ class Monitor:
         self.on_reload: list[Callable[[Settings], None]] = []
         self.token = api_token(settings)
         keys = tenant_keys(settings)
+        self._keys = keys  # what a reload compares: a rotated key file replaces the target's client
+        self._reloading = asyncio.Lock()
         am_headers = alertmanager_headers(settings)
         self.engine = make_engine(settings.database_url)
         check_migrated(self.engine)
@@ -221,9 +223,12 @@ class Monitor:
         """Notice a SQLite file deleted or replaced under the process: save what it held, spool the rest."""
         if self.sqlite is None or self.recorder.health.lost or not (lost := self.sqlite.check()):
             return
+        # Results go to the spool from now on, before the copy: none lands after its snapshot.
+        self.recorder.health.lost = lost
         saved = await asyncio.to_thread(self.sqlite.save_orphan)
         kept = f"what it held is saved as {saved}" if saved else "what it held could not be saved"
         self.recorder.health.lost = f"{lost}; {kept}"
+        self.engine.dispose()  # pooled connections into the gone file: new ones meet the guard
         log.critical(
             "%s; %s. Results are spooled from now on: put a migrated database at %s (the saved copy "
             "is one) and restart kvcanary",
@@ -263,6 +268,10 @@ class Monitor:
     async def reload(self, why: str) -> str | None:
         """Read the config file again and take it up; return None, or why it was refused (logged,
         and the settings in force stay). Runs in flight, open incidents, states and the spool stay."""
+        async with self._reloading:  # a SIGHUP and a POST at once: one after the other, in order
+            return await self._reload(why)
+
+    async def _reload(self, why: str) -> str | None:
         try:
             if self.config_path is None:
                 raise ConfigError("no config file to reload from")
@@ -274,7 +283,9 @@ class Monitor:
             self.metrics.reload_ok.set(0)
             log.error("reload (%s) refused, the configuration in force stays: %s", why, exc)
             return str(exc)
-        change = plan(self.settings, new)
+        rekeyed = frozenset(t for (t, tenant), key in keys.items() if self._keys.get((t, tenant), key) != key)
+        change = plan(self.settings, new, rekeyed)
+        self._keys = keys
         old_clients = {n: self.clients.pop(n) for n in change.removed + change.changed}
         for name in change.added + change.changed:
             self.clients[name] = self._client(new.target(name), keys)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from probes.canary import CanaryProbe
 from probes.capacity import CapacityProbe
 from probes.counters import CountersProbe
 from probes.cross_tenant import CrossTenantProbe
+from probes.duplicate_ids import DuplicateIdsProbe
 from probes.needle import NeedleProbe
 from probes.prefix_cache import PrefixCacheProbe
 from probes.replay import ReplayProbe
@@ -26,4 +27,5 @@ REGISTRY: dict[str, type[Probe]] = {
     "needle": NeedleProbe,
     "replay": ReplayProbe,
     "prefix_cache": PrefixCacheProbe,
+    "duplicate_ids": DuplicateIdsProbe,
 }

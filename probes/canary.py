@@ -146,11 +146,11 @@ class CanaryProbe(Probe):
             seed=0,
         )
         c = await ctx.complete(tenant, request, sent_tokens=sent)
-        verdict, reason, detail = _judge_answer(c, prompt, marker, sent)
+        verdict, reason, detail = judge_answer(c, prompt, marker, sent)
         return TenantCheck(tenant, marker_id, marker_hash(marker), sent, c, verdict, reason, detail)
 
 
-def _judge_answer(c: Completion, prompt: str, marker: str, sent: int | None) -> tuple[Verdict, str, str]:
+def judge_answer(c: Completion, prompt: str, marker: str, sent: int | None) -> tuple[Verdict, str, str]:
     if (why := unjudgeable(c)) is not None:
         said = redact_markers(c.error or f"HTTP {c.status}")
         return Verdict.ERROR, why, f"no answer to judge ({c.error_kind or 'http'}: {said})"

@@ -26,6 +26,9 @@ class CompletionRequest:
     system: str | None = None
     #: vLLM's per-request prefix-cache salt (sent only when set): same salt shares, different does not.
     cache_salt: str | None = None
+    #: A client request id (sent only when set): as ``X-Request-Id``, the body's ``user`` and, to
+    #: engines that take one (SGLang, the reference worker), SGLang's ``rid``.
+    request_id: str | None = None
 
 
 @dataclass

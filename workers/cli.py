@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 
 from workers.auth import load_keys_file, parse_key_spec
-from workers.config import ADMISSIONS, DEPRECATED_MODES, MODES, PREFIX_CACHE_MODES, WorkerConfig
+from workers.config import ADMISSIONS, BUGS, DEPRECATED_MODES, MODES, PREFIX_CACHE_MODES, WorkerConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -129,6 +129,16 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "pages (the finding a cross-tenant audit must detect), 'per-tenant' salts every page with the "
         "tenant of the API key (the fix); a request's cache_salt applies in both (default: %(default)s)",
     )
+    add(
+        "--bug",
+        action="append",
+        choices=BUGS,
+        default=[],
+        metavar="NAME",
+        help="turn on a defect of a real engine (repeatable): 'rid-collision' routes a request's output "
+        "by the client's request id (SGLang's rid, X-Request-Id, the body's user), so a second "
+        "request with the same id takes the first one's tokens (sgl-project/sglang#24223)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -158,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         verify_ownership=args.verify_ownership,
         zero_freed_pages=args.zero_freed_pages,
         prefix_cache=args.prefix_cache,
+        bugs=frozenset(args.bug),
         log_level=args.log_level,
     )
 

@@ -18,6 +18,9 @@ UNIFIED_POOL = "unified"
 ADMISSIONS = ("reject", "placeholder")
 DEVICES = ("cpu", "cuda")
 PREFIX_CACHE_MODES = ("off", "shared", "per-tenant")
+#: The bug zoo: defects of real engines, each behind ``--bug NAME`` and fixed without it
+#: (``docs/architecture.md`` lists them with the cases they follow).
+BUGS = ("rid-collision",)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class WorkerConfig:
     verify_ownership: bool = False
     zero_freed_pages: bool = False
     prefix_cache: str = "off"
+    bugs: frozenset[str] = frozenset()
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -55,6 +59,10 @@ class WorkerConfig:
         _require(
             self.prefix_cache in PREFIX_CACHE_MODES,
             f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_MODES)}, got {self.prefix_cache!r}",
+        )
+        unknown = sorted(self.bugs - set(BUGS))
+        _require(
+            not unknown, f"--bug must be one of {', '.join(BUGS)}, got {unknown[0]!r}" if unknown else ""
         )
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")

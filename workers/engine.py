@@ -107,6 +107,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._request_ids = itertools.count(1)
         self._tenants: dict[str, int] = {}
+        # --bug rid-collision (sgl-project/sglang#24223): output is routed by the client's request id,
+        # as SGLang's tokenizer manager kept one state per rid; a second request with the same id
+        # overwrote the first's, and the first's tokens went to the second's client.
+        self._rid_collision = "rid-collision" in config.bugs
+        self._routes: dict[str, Request] = {}
         self.largest_batch = 0  # most requests ever decoded in one step (continuous batching at work)
 
     # --- thread-safe entry points -----------------------------------------------------------------
@@ -119,6 +124,7 @@ class Engine:
         tenant: str,
         emit: Callable[[Event], None],
         cache_salt: str | None = None,
+        client_id: str | None = None,
     ) -> Request:
         """Plan admission and queue the request; raise ``AdmissionRejected`` (HTTP 400) without queueing.
 
@@ -145,7 +151,10 @@ class Engine:
                 plan=plan,
                 emit=emit,
                 cache_salt=cache_salt,
+                client_id=client_id,
             )
+            if self._rid_collision and client_id is not None:
+                self._routes[client_id] = request  # THE DEFECT: the newest request takes the id over
             self._waiting.append(request)
             self._wakeup.notify()
         return request
@@ -343,8 +352,11 @@ class Engine:
 
     def _emit(self, request: Request, event: Event) -> None:
         """Hand ``event`` to the request's submitter; a submitter that cannot take it aborts its request."""
+        to = request
+        if self._rid_collision and request.client_id is not None:
+            to = self._routes.get(request.client_id, request)
         try:
-            request.emit(event)
+            to.emit(event)
         except Exception:
             # E.g. the handler's event loop has closed: nobody waits for this request any more.
             log.exception("could not deliver an event of request %d; aborting it", request.request_id)
@@ -352,7 +364,10 @@ class Engine:
 
     def _retire(self, rows: list[int]) -> None:
         for row in rows:
-            self.decode_pages.release(self.batch.requests[row].pages)
+            request = self.batch.requests[row]
+            self.decode_pages.release(request.pages)
+            if request.client_id is not None and self._routes.get(request.client_id) is request:
+                del self._routes[request.client_id]
         self.batch.remove(rows)
 
     def _fail_running(self, error: ErrorEvent) -> None:

@@ -50,13 +50,24 @@ def _error_of(event: ErrorEvent) -> WorkerError:
 
 
 async def generate(
-    engine: Engine, shape: ResponseShape, prompt_ids: list[int], body: GenerationRequest, *, tenant: str
+    engine: Engine,
+    shape: ResponseShape,
+    prompt_ids: list[int],
+    body: GenerationRequest,
+    *,
+    tenant: str,
+    client_id: str | None = None,
 ) -> Response:
     """Return the response for ``prompt_ids``; raise ``WorkerError`` for a rejection or an early failure."""
     channel = EventChannel()
     try:
         request = engine.submit(
-            prompt_ids, body.token_budget(), tenant=tenant, emit=channel.emit, cache_salt=body.cache_salt
+            prompt_ids,
+            body.token_budget(),
+            tenant=tenant,
+            emit=channel.emit,
+            cache_salt=body.cache_salt,
+            client_id=body.rid or client_id or body.user,  # the client's id for it, if it gave one
         )
     except AdmissionRejected as rejected:
         raise WorkerError(400, rejected.message, type="BadRequestError", code=400) from None

@@ -36,7 +36,12 @@ def _tenant(request: Request, authorization: Annotated[str | None, Header()] = N
     return resolve_tenant(authorization, _config(request).api_keys)
 
 
+def _client_id(x_request_id: Annotated[str | None, Header()] = None) -> str | None:
+    return x_request_id
+
+
 ConfigDep = Annotated[WorkerConfig, Depends(_config)]
+ClientIdDep = Annotated[str | None, Depends(_client_id)]
 EngineDep = Annotated[Engine, Depends(_engine)]
 TenantDep = Annotated[str, Depends(_tenant)]
 
@@ -62,22 +67,28 @@ def _chat_prompt(messages: list[Any]) -> list[int]:
 
 @router.post("/v1/completions")
 async def completions(
-    body: CompletionRequest, tenant: TenantDep, config: ConfigDep, engine: EngineDep
+    body: CompletionRequest, tenant: TenantDep, config: ConfigDep, engine: EngineDep, client_id: ClientIdDep
 ) -> Response:
     """Complete ``prompt``: the CopyModel echoes the prompt as its KV cache holds it."""
     _check_model(config, body.model)
     shape = ResponseShape("completion", config.served_model_name)
-    return await generate(engine, shape, encode(body.prompt), body, tenant=tenant)
+    return await generate(engine, shape, encode(body.prompt), body, tenant=tenant, client_id=client_id)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(
-    body: ChatCompletionRequest, tenant: TenantDep, config: ConfigDep, engine: EngineDep
+    body: ChatCompletionRequest,
+    tenant: TenantDep,
+    config: ConfigDep,
+    engine: EngineDep,
+    client_id: ClientIdDep,
 ) -> Response:
     """Answer ``messages``: the reply echoes the rendered chat prompt (see ``workers.tokenizer``)."""
     _check_model(config, body.model)
     shape = ResponseShape("chat", config.served_model_name)
-    return await generate(engine, shape, _chat_prompt(body.messages), body, tenant=tenant)
+    return await generate(
+        engine, shape, _chat_prompt(body.messages), body, tenant=tenant, client_id=client_id
+    )
 
 
 @router.get("/v1/models")

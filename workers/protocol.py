@@ -37,6 +37,9 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     cache_salt: str | None = None
+    #: SGLang's client request id; OpenAI's end-user id. Only the ``rid-collision`` bug reads them.
+    rid: str | None = None
+    user: str | None = None
 
     @field_validator("cache_salt", mode="before")
     @classmethod

@@ -63,6 +63,8 @@ class Request:
     plan: AdmissionPlan
     emit: Callable[[Event], None]
     cache_salt: str | None = None
+    #: The id the client gave the request (SGLang's ``rid``, ``X-Request-Id``, the body's ``user``).
+    client_id: str | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     pages: list[int] = field(default_factory=list)
     shared_words: dict[int, int] = field(default_factory=dict)

@@ -22,6 +22,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 #: What a client is told to wait before asking again.
 RETRY_AFTER_SECONDS = 5
+#: Routes whose 2xx means the database answered a query (run-now answers from memory).
+READ_PATHS = ("/api/v1/incidents", "/api/v1/probe-results", "/incidents/")
 #: Errors that mean the database cannot answer now (down, restarting, locked, pool exhausted).
 UNAVAILABLE = (OperationalError, DisconnectionError, PoolTimeout)
 
@@ -79,9 +81,9 @@ def install(app: FastAPI) -> OutageLog:
     @app.middleware("http")
     async def note_recovery(request: Request, call_next: Endpoint) -> Response:
         response = await call_next(request)
-        # Only routes that always read the database say it is back (not /runbooks or /docs).
-        read = 200 <= response.status_code < 300 or response.status_code == 404
-        if read and request.url.path.startswith(("/api/", "/incidents/")):
+        # Only routes that read the database say it is back (not /runbooks, /docs or a run-now).
+        read = 200 <= response.status_code < 300
+        if read and request.method == "GET" and request.url.path.startswith(READ_PATHS):
             outage.success()
         return response
 

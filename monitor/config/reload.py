@@ -24,6 +24,11 @@ RESTART_KEYS = (
     "scheduler",
     "marker_key_env",
     "marker_key_file",
+    "marker_ttl_seconds",
+    "limits",
+    "alertmanagers",
+    "alerting.timeout_seconds",
+    "api.run_now_min_interval_seconds",
 )
 
 
@@ -54,14 +59,15 @@ def restart_needed(old: Settings, new: Settings) -> list[str]:
     return [key for key in RESTART_KEYS if _value(old, key) != _value(new, key)]
 
 
-def plan(old: Settings, new: Settings) -> ReloadPlan:
-    """Return what taking ``new`` in place of ``old`` changes, target by target and job by job."""
+def plan(old: Settings, new: Settings, rekeyed: frozenset[str] = frozenset()) -> ReloadPlan:
+    """Return what taking ``new`` in place of ``old`` changes, target by target and job by job;
+    ``rekeyed`` targets have the same config but a tenant key that changed (a rotated key file)."""
     before = {t.name: t for t in old.targets}
     after = {t.name: t for t in new.targets}
     out = ReloadPlan(
         added=[n for n in after if n not in before],
         removed=[n for n in before if n not in after],
-        changed=[n for n in after if n in before and after[n] != before[n]],
+        changed=[n for n in after if n in before and (after[n] != before[n] or n in rekeyed)],
     )
     jobs_before = {(t.name, k): t.interval_for(k) for t in old.targets for k in t.probes}
     jobs_after = {(t.name, k): t.interval_for(k) for t in new.targets for k in t.probes}

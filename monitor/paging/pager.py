@@ -132,8 +132,9 @@ class Pager:
             self._round_failed = False
             try:
                 await self.drain()
-                if not self._round_failed:  # no re-sending to Alertmanagers that just failed
-                    await self.resend_if_due()
+                # Re-sent even when one event is refused again and again (a 413): the other open
+                # incidents' alerts must not expire in Alertmanager behind it. Backoff bounds both.
+                await self.resend_if_due()
             except Exception:  # a database or network hiccup must not end paging
                 log.exception("alert delivery round failed")
                 self._round_failed = True
@@ -151,8 +152,8 @@ class Pager:
         self.failures = self.failures + 1 if self._round_failed else 0
         wait = alerting.poll_interval_seconds
         if self.failures:
-            ceiling = min(alerting.backoff_max_seconds, wait * 2 ** min(self.failures - 1, 20))
-            wait = ceiling * random.uniform(0.5, 1.0)
+            ceiling = min(alerting.backoff_max_seconds, wait * 2 ** min(self.failures, 20))
+            wait = max(wait, ceiling * random.uniform(0.5, 1.0))  # never sooner than a plain poll
             log.warning(
                 "no Alertmanager took the alerts due (%d round(s)); next try in %.1fs", self.failures, wait
             )

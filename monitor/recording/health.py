@@ -21,17 +21,19 @@ class WriteHealth:
     last_error: str = ""
     #: Set when the database file itself is gone or replaced (SQLite): nothing written lands.
     lost: str = ""
+    #: Whether the last write attempt failed (not a comparison of times: a clock may step back).
+    last_failed: bool = False
 
     def succeeded(self) -> None:
-        self.last_success_at = time.time()
+        self.last_success_at, self.last_failed = time.time(), False
 
     def failed(self, error: str) -> None:
-        self.last_failure_at, self.last_error = time.time(), error
+        self.last_failure_at, self.last_error, self.last_failed = time.time(), error, True
 
     @property
     def failing(self) -> bool:
         """True while the last write attempt failed, or the database file is lost."""
-        return bool(self.lost) or self.last_failure_at > self.last_success_at
+        return bool(self.lost) or self.last_failed
 
     def report(self) -> dict[str, object]:
         now = time.time()

@@ -67,6 +67,16 @@ class RunSummary:
         }
 
 
+@dataclass(frozen=True)
+class _Run:
+    result: ProbeResult
+    started_at: datetime
+    duration: float
+
+
+StateKey = tuple[str, str, str]
+
+
 class RunKey(NamedTuple):
     """One (target, kind, node) the configuration runs; ``node`` is "" for a target-wide run."""
 
@@ -176,9 +186,14 @@ class ProbeRunner:
         #: Targets whose last run ended within its slot lease (``quick``; any other counts as slow,
         #: a target never seen to run too), and those whose last run waited out a timeout (``hanging``).
         self.quick: set[str] = set()
-        self.hanging: set[str] = set()
+        self.hanging: set[tuple[str, str]] = set()
         metrics.watch_slots(
-            lambda: (self.slots.in_use, self.slots.in_overtime, self.slots.waiting, len(self.hanging))
+            lambda: (
+                self.slots.in_use,
+                self.slots.in_overtime,
+                self.slots.waiting,
+                len({target for target, _ in self.hanging}),
+            )
         )
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
         self._states: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -214,60 +229,80 @@ class ProbeRunner:
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
         due = self._due.pop((target_name, kind), None)
-        return list(
-            await asyncio.gather(*(self._run_one(target, kind, n, due) for n in nodes_of_run(target, kind)))
-        )
+        # The client of the settings the run started under, held until it ends: a reload that
+        # replaces or removes the target meanwhile closes it only once its runs are over.
+        with self._using(self.clients[target_name]) as client:
+            runs = (self._run_one(target, kind, n, client, due) for n in nodes_of_run(target, kind))
+            return list(await asyncio.gather(*runs))
 
     async def _run_one(
-        self, target: TargetConfig, kind: str, node: Node | None, due: datetime | None = None
+        self,
+        target: TargetConfig,
+        kind: str,
+        node: Node | None,
+        client: TargetClient,
+        due: datetime | None = None,
     ) -> RunSummary:
         key = (target.name, kind, node.name if node else "")
         # The pair's lock keeps its runs, and their recordings, in order; a slot bounds the runs
         # talking to targets at once, and is given back before the (batched) recording.
         async with self._locks.setdefault(key, asyncio.Lock()):
-            async with self.slots.hold(target.name, slow=target.name not in self.quick) as lease:
-                # Past its lease a run waiting on the network gives its slot to the next one.
-                lease_ends = asyncio.get_running_loop().call_later(
-                    min(self.lease_seconds, target.timeout_seconds), lease.overtime
-                )
-                if due is not None:
-                    self.metrics.schedule_lag.observe(max(0.0, (datetime.now(UTC) - due).total_seconds()))
-                state = await self._state(key)
-                unread = state is None
-                state = {} if state is None else state
-                started_at = datetime.now(UTC)
-
-                def keep(cut: ProbeResult, took: float) -> None:
-                    self._keep_finding(PendingResult.of(target, kind, cut, started_at, took, node=key[2]))
-
-                hung = target.name in self.hanging
-                budget = target.timeout_seconds * HUNG_BUDGET_TIMEOUTS if hung else None
-                with self._using(self.clients[target.name]) as client:
-                    result, duration = await execute_probe(
-                        kind, client, self.markers, target, node=node, state=state, on_cancelled=keep,
-                        budget=budget,
-                    )  # fmt: skip
-                lease_ends.cancel()
-            self._note_pace(target.name, result, lease.expired)
-            if unread or (result.state is not None and result.state == state):
-                # Unchanged (a capacity audit's fingerprint): nothing to write. Unread (the database
-                # was away): what a run from an empty state leaves must not replace what is stored.
-                result.state = None
-            elif result.state is not None:
-                self._states[key] = result.state
-            item = PendingResult.of(target, kind, result, started_at, duration, node=key[2])
+            run = await self._in_slot(target, kind, node, client, key, due)
+            item = PendingResult.of(target, kind, run.result, run.started_at, run.duration, node=key[2])
             outcome = await self._record(item)
+        result = run.result
         now_target = self.settings.target(target.name)
         if now_target is not None and kind in now_target.probes:  # a reload may have removed it meanwhile
-            self.metrics.observe(target.name, kind, result, duration, time.time(), key[2])
-        summary = RunSummary(target.name, kind, key[2], result, started_at, duration, outcome)
+            self.metrics.observe(target.name, kind, result, run.duration, time.time(), key[2])
+        summary = RunSummary(target.name, kind, key[2], result, run.started_at, run.duration, outcome)
         where = f"{target.name}/{kind}" + (f"@{key[2]}" if key[2] else "")
-        log.info("%s: %s (%s) in %.2fs", where, result.verdict.value, result.reason, duration)
+        log.info("%s: %s (%s) in %.2fs", where, result.verdict.value, result.reason, run.duration)
         if self.on_summary:
             self.on_summary(summary)
         if result.measurements.get("config_changed") and self.on_config_change is not None:
             self.on_config_change(target, key[2])
         return summary
+
+    async def _in_slot(
+        self,
+        target: TargetConfig,
+        kind: str,
+        node: Node | None,
+        client: TargetClient,
+        key: StateKey,
+        due: datetime | None,
+    ) -> _Run:
+        """Run the probe holding a fair slot; return its judged result (the state to keep set)."""
+        async with self.slots.hold(target.name, slow=target.name not in self.quick) as lease:
+            # Past its lease a run waiting on the network gives its slot to the next one.
+            lease_ends = asyncio.get_running_loop().call_later(
+                min(self.lease_seconds, target.timeout_seconds), lease.overtime
+            )
+            try:
+                if due is not None:
+                    self.metrics.schedule_lag.observe(max(0.0, (datetime.now(UTC) - due).total_seconds()))
+                state = await self._state(key)
+                started_at = datetime.now(UTC)
+
+                def keep(cut: ProbeResult, took: float) -> None:
+                    self._keep_finding(PendingResult.of(target, kind, cut, started_at, took, node=key[2]))
+
+                hung = (target.name, kind) in self.hanging
+                budget = target.timeout_seconds * HUNG_BUDGET_TIMEOUTS if hung else None
+                result, duration = await execute_probe(
+                    kind, client, self.markers, target, node=node, state={} if state is None else state,
+                    on_cancelled=keep, budget=budget,
+                )  # fmt: skip
+            finally:
+                lease_ends.cancel()
+        self._note_pace(target.name, kind, result, lease.expired, cut=hung)
+        if state is None or (result.state is not None and result.state == state):
+            # Unchanged (a capacity audit's fingerprint): nothing to write. Unread (the database
+            # was away): what a run from an empty state leaves must not replace what is stored.
+            result.state = None
+        elif result.state is not None:
+            self._states[key] = result.state
+        return _Run(result, started_at, duration)
 
     def take_up(self, settings: Settings) -> None:
         """Take up reloaded settings: declare new pairs, name new tenants, forget removed targets."""
@@ -282,7 +317,7 @@ class ProbeRunner:
             del self._states[key]
         self.slots.forget(names)
         self.quick &= names
-        self.hanging &= names
+        self.hanging = {(t, k) for t, k in self.hanging if t in names}
 
     @contextlib.contextmanager
     def _using(self, client: TargetClient) -> Iterator[TargetClient]:
@@ -300,15 +335,17 @@ class ProbeRunner:
         if (close := getattr(client, "aclose", None)) is not None:  # HTTP targets hold connections
             await close()
 
-    def _note_pace(self, target: str, result: ProbeResult, outlived_lease: bool) -> None:
+    def _note_pace(
+        self, target: str, kind: str, result: ProbeResult, outlived_lease: bool, cut: bool
+    ) -> None:
+        """Note whether the target is quick, and whether (target, kind) hangs: a request of its own
+        timed out. A run cut by the shortened budget itself says nothing (it would re-arm forever)."""
         quick = not outlived_lease and result.reason not in HUNG_REASONS
         (self.quick.add if quick else self.quick.discard)(target)
-        if result.reason in HUNG_REASONS:
-            if target not in self.hanging:
-                log.warning("%s: a run waited out its timeout; its next runs get one timeout each", target)
-            self.hanging.add(target)
-        else:
-            self.hanging.discard(target)
+        hangs = result.reason == "timeout" or (result.reason == "probe_timeout" and not cut)
+        if hangs and (target, kind) not in self.hanging:
+            log.warning("%s/%s: a run waited out its timeout; next runs get one timeout each", target, kind)
+        (self.hanging.add if hangs else self.hanging.discard)((target, kind))
 
     def _keep_finding(self, item: PendingResult) -> None:
         """Record what a cancelled run had already found, if it is a leak or a mismatch: a marker read

@@ -64,9 +64,12 @@ class Lease:
         self.started = started
         self.in_overtime = False
         self.expired = False
+        self.released = False
 
     def overtime(self) -> None:
         """The lease is over: give the slot back while the run goes on, if an overtime place is free."""
+        if self.released:  # a timer that outlived its run: nothing to give back
+            return
         self.expired = True
         self._slots._to_overtime(self)
 
@@ -128,7 +131,8 @@ class FairSlots:
             if waiter.granted.done() and not waiter.granted.cancelled():
                 self._release(waiter.granted.result())  # granted as it was cancelled
             else:
-                self._waiters.remove(waiter)
+                if waiter in self._waiters:  # a dispatch may have dropped it already
+                    self._waiters.remove(waiter)
                 self._dispatch()  # it may have been the one that kept an eligible waiter back
             raise
 
@@ -145,6 +149,9 @@ class FairSlots:
         self._dispatch()
 
     def _release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
         if lease.in_overtime:
             self._overtime -= 1
         else:
@@ -165,6 +172,8 @@ class FairSlots:
 
     def _dispatch(self) -> None:
         """Grant free slots to the eligible waiters whose targets used the least, oldest first."""
+        # Waiters cancelled but not yet woken hold no claim: a grant to them would be lost.
+        self._waiters = [w for w in self._waiters if not w.granted.done()]
         while self._held < self.total and self._waiters:
             now = self._clock()
             ready = [w for w in self._waiters if self._eligible(w)]

@@ -81,6 +81,8 @@ class SqliteFile:
             os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))  # evidence: 0600
             with contextlib.closing(sqlite3.connect(str(target))) as copy:
                 self._anchor.backup(copy)
+                # One self-contained file, no WAL of its own to lose when it is moved back in place.
+                copy.execute("PRAGMA journal_mode=DELETE").fetchall()
             with contextlib.suppress(FileNotFoundError):  # the copy's own (empty) WAL: not needed
                 target.with_name(target.name + "-wal").unlink()
             self._empty_wal()
@@ -102,7 +104,9 @@ class SqliteFile:
     def _empty_wal(self) -> None:
         """Fold the WAL into the deleted file and truncate it: a WAL left at the path would be
         replayed over whatever database is put back there."""
-        self._anchor.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        busy, _, _ = self._anchor.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            log.warning("the WAL of %s is held by a reader: it is removed at exit", self.path)
 
     def close(self) -> None:
         gone = self.check()

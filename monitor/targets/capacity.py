@@ -21,6 +21,7 @@ the audit care about), so nothing it writes reaches a title, a page or a metric 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -55,6 +56,8 @@ def _int(value: Any) -> int | None:
         try:
             number = float(value)
         except ValueError:
+            return None
+        if not math.isfinite(number):  # "inf" or 1e999 from a hostile engine is no size
             return None
         return int(number) if number > 0 and number == int(number) else None
     return None

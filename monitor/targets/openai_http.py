@@ -51,6 +51,10 @@ __all__ = ["ERROR_BODY_BYTES", "OpenAIHttpTarget"]
 _MIN_SCRUB_LEN = 8
 
 
+#: Engines that take SGLang's ``rid`` (a client request id) in the body.
+RID_ENGINES = frozenset({"sglang", "reference"})
+
+
 class OpenAIHttpTarget:
     """A serving endpoint reached over HTTP; call :meth:`aclose`.
 
@@ -102,11 +106,11 @@ class OpenAIHttpTarget:
 
     async def complete(self, tenant: str, request: CompletionRequest) -> Completion:
         """Send one completion as ``tenant`` and return what came back; never raise (see module doc)."""
-        path, body = request_body(request, self._config.model)
+        path, body = request_body(request, self._config.model, takes_rid=self.engine in RID_ENGINES)
         state = StreamState(chat=request.chat, started=time.monotonic())
         try:
             async with asyncio.timeout(self._timeout):
-                await self._exchange(tenant, path, body, request.stream, state)
+                await self._exchange(tenant, path, body, request.stream, state, request.request_id)
         except TimeoutError:
             state.fail("timeout", f"no complete answer within {self._timeout:g}s")
         except CONNECT_ERRORS as exc:
@@ -123,13 +127,22 @@ class OpenAIHttpTarget:
         return completion
 
     async def _exchange(
-        self, tenant: str, path: str, body: dict[str, Any], stream: bool, state: StreamState
+        self,
+        tenant: str,
+        path: str,
+        body: dict[str, Any],
+        stream: bool,
+        state: StreamState,
+        request_id: str | None = None,
     ) -> None:
         session = await self._client.session()
+        headers = self._headers.get(tenant) or self._request_headers(tenant)
+        if request_id is not None:
+            headers = {**headers, "X-Request-Id": request_id}
         async with session.post(
             self._url(path),
             data=json.dumps(body).encode(),
-            headers=self._headers.get(tenant) or self._request_headers(tenant),
+            headers=headers,
             allow_redirects=False,
         ) as response:
             state.status = response.status

@@ -61,8 +61,11 @@ async def sse_lines(body: AsyncIterator[bytes], limits: Limits) -> AsyncIterator
 _MESSAGE_CHARS = 500
 
 
-def request_body(request: CompletionRequest, model: str) -> tuple[str, dict[str, Any]]:
-    """Return ``(path, json_body)`` for ``request``: chat messages or a raw prompt."""
+def request_body(
+    request: CompletionRequest, model: str, *, takes_rid: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """Return ``(path, json_body)`` for ``request``: chat messages or a raw prompt. ``takes_rid``:
+    the engine accepts SGLang's ``rid`` field (others may refuse a field they do not know)."""
     body: dict[str, Any] = {"model": model}
     if request.chat:
         path = "/v1/chat/completions"
@@ -76,6 +79,10 @@ def request_body(request: CompletionRequest, model: str) -> tuple[str, dict[str,
         body["seed"] = request.seed
     if request.cache_salt is not None:
         body["cache_salt"] = request.cache_salt
+    if request.request_id is not None:
+        body["user"] = request.request_id
+        if takes_rid:
+            body["rid"] = request.request_id
     if request.stream:
         # Without this no engine sends usage in a stream, and prompt_tokens is the incident's tell.
         body["stream_options"] = {"include_usage": True}

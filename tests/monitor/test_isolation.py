@@ -60,7 +60,7 @@ def test_healthy_targets_keep_their_schedule_beside_many_hung_ones(
         # Due once a second: a healthy target that waited for hung neighbours runs a few times at most.
         assert all(n >= window - 3 for n in done.values()), (done, monitor.log()[-3000:])
         assert monitor.value("kvcanary_run_slots_in_use") <= 4
-        assert monitor.value("kvcanary_targets_hanging") >= HUNG / 2
+        assert "waited out its timeout; next runs get one timeout each" in monitor.log()
     finally:
         hung.released.set()
         monitor.stop()

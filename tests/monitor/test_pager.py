@@ -344,8 +344,10 @@ def test_a_failing_alertmanager_is_retried_with_a_bounded_jittered_backoff(sessi
     finally:
         server.close()
     failing = [t - started for t in posts if t - started <= healthy_after]
-    gaps = [b - a for a, b in itertools.pairwise(failing)]
-    assert len(failing) <= 9, failing  # 0.5, 1, 2, 4, 4, 4 s apart at most, jittered down to half
+    # A round posts the event, then re-sends the open alerts: posts 0.2 s apart or less are one round.
+    rounds = [t for i, t in enumerate(failing) if i == 0 or t - failing[i - 1] > 0.2]
+    gaps = [b - a for a, b in itertools.pairwise(rounds)]
+    assert len(rounds) <= 8, rounds  # 1, 2, 4, 4, 4 s apart at most, jittered down to half
     assert max(gaps) <= 4.5 and max(seen) <= 4 and max(seen) > 1  # bounded, and said on /metrics
     assert min(gaps[-3:]) < 3.9  # jittered: capped waits are drawn between 2 and 4 s, not all 4
     assert events(session_factory)[0].processed_at is not None  # delivered once it answered

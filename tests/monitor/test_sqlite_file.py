@@ -65,7 +65,11 @@ def test_a_sqlite_file_deleted_under_serve_is_noticed_saved_and_nothing_is_lost(
             lambda: (r := httpx.get(monitor.url + "/healthz", timeout=10)).status_code == 503 and r.json(),
             timeout=10,
         )
-        assert lost["database"] == "unwritable" and "was deleted" in lost["writes"]["last_error"], lost
+        # Unreachable once the pool is let go (no connection is opened to a path that is not the file).
+        assert (
+            lost["database"] in ("unwritable", "unreachable")
+            and "was deleted" in lost["writes"]["last_error"]
+        )
         assert monitor.value("kvcanary_database_up") == 0
         saved = sorted(db.parent.glob(db.name + ".orphaned-*"))
         assert len(saved) == 1 and saved[0].stat().st_mode & 0o777 == 0o600

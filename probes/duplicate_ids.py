@@ -1,0 +1,61 @@
+"""Duplicate request ids: tenants that send the same client request id at once each get their own answer.
+
+Targets: an engine or gateway that keys a request's state or output by the id the client gave it.
+SGLang's tokenizer manager kept one state per ``rid`` (sgl-project/sglang#24223): a second request
+with an id already in flight overwrote the first's state, and the first request's tokens were
+streamed to the second client, which answered HTTP 200 with another tenant's text; the first
+client waited for an answer that never came. Clients reuse ids more than one would think: retries
+with the same id, SDKs that derive ids from a session, gateways that forward ``X-Request-Id``.
+
+Each run sends, concurrently, one canary request per tenant (``probes/canary.py``: repeat a sealed
+nonce) carrying the same fresh id in every place engines read one: the ``X-Request-Id`` header,
+the body's ``user`` and, to SGLang and the reference worker, the body's ``rid``. Judged as the
+canary: a foreign marker in any answer is a ``leak`` (``probes.base.judge``), a 200 without the
+tenant's own nonce a ``mismatch``; a tenant left without an answer is an ``error`` (the other
+tenant's answer then says whether it took that tenant's tokens).
+
+Cost: ``T`` tiny completions at once (the canary's prompt, at most 96 new tokens) per run; default
+interval 300 s (about 12 ``T`` requests an hour per target).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from probes.base import Probe, ProbeContext, ProbeResult
+from probes.canary import MAX_TOKENS, CanaryOptions, TenantCheck, combine, judge_answer, repeat_prompt
+from probes.markers import marker_hash
+from probes.target import CompletionRequest
+
+
+class DuplicateIdsProbe(Probe):
+    """Send every tenant's canary at once under one shared client request id."""
+
+    kind = "duplicate_ids"
+    options_model = CanaryOptions
+    default_interval_seconds = 300.0
+
+    async def probe(self, ctx: ProbeContext) -> ProbeResult:
+        shared = f"kvc-{secrets.token_hex(8)}"
+        checks = await asyncio.gather(*(self._check(ctx, tenant, shared) for tenant in ctx.tenants))
+        result = combine(list(checks))
+        result.evidence["request_id"] = shared
+        return result
+
+    async def _check(self, ctx: ProbeContext, tenant: str, shared: str) -> TenantCheck:
+        marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
+        prompt = repeat_prompt(marker)
+        request = CompletionRequest(
+            prompt=prompt,
+            max_tokens=int(ctx.options.get("max_tokens", MAX_TOKENS)),
+            chat=bool(ctx.options.get("chat", True)),
+            stream=bool(ctx.options.get("stream", True)),
+            temperature=0.0,
+            seed=0,
+            request_id=shared,
+        )
+        c = await ctx.complete(tenant, request)
+        # The prompt-token check is the canary's; here the question is whose answer came back.
+        verdict, reason, detail = judge_answer(c, prompt, marker, None)
+        return TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)

@@ -1,0 +1,78 @@
+"""duplicate_ids: tenants sending one client request id at once must each get their own answer.
+
+Against the reference worker with and without its ``rid-collision`` bug (output routed by the
+client's id, as SGLang kept one state per ``rid``), and at the network seam for what is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from monitor.runs.runner import execute_probe
+from monitor.targets.openai_http import OpenAIHttpTarget
+from probes.base import Verdict
+from probes.markers import MarkerBook
+from tests.probes.probe_harness import KEYS, TENANTS, FakeEngine, Reference, target_config
+
+BUGGY = ("--mode", "aggregated", "--bug", "rid-collision")
+
+
+def judged(worker: Reference, timeout: float = 5.0) -> tuple[Verdict, str, dict]:  # type: ignore[type-arg]
+    """Run the kind once as the runner does (judge() included) against ``worker``."""
+    config = target_config(worker.url).model_copy(
+        update={"timeout_seconds": timeout, "probes": ["canary", "duplicate_ids"]}
+    )
+
+    async def go() -> tuple[Verdict, str, dict]:  # type: ignore[type-arg]
+        async with OpenAIHttpTarget(config, {t: KEYS[t] for t in TENANTS}) as target:
+            result, _ = await execute_probe("duplicate_ids", target, MarkerBook(), config)
+        return result.verdict, result.reason, result.evidence
+
+    return asyncio.run(go())
+
+
+def test_a_worker_keeping_requests_apart_passes(shared_reference) -> None:  # type: ignore[no-untyped-def]
+    verdict, reason, evidence = judged(shared_reference("aggregated"))
+    assert (verdict, reason) == (Verdict.PASS, "nonce_intact")
+    assert [t["verdict"] for t in evidence["tenants"]] == ["pass", "pass"]
+
+
+def test_a_worker_routing_output_by_the_client_id_is_caught(reference) -> None:  # type: ignore[no-untyped-def]
+    verdict, reason, evidence = judged(reference(*BUGGY))
+    # One tenant's answer takes both tenants' tokens (interleaved: no nonce survives whole), the
+    # other's never comes: a wrong 200 and a hang, as with SGLang's overwritten rid state.
+    assert verdict.is_failure, (verdict, reason, evidence)
+    by_reason = sorted(t["reason"] for t in evidence["tenants"])
+    assert "nonce_missing" in by_reason or "foreign_marker" in by_reason, evidence
+    assert evidence["request_id"].startswith("kvc-")
+
+
+class Recording(FakeEngine):
+    """The reference worker's answers, keeping each completion's X-Request-Id header."""
+
+    headers: list[str | None] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("completions"):
+            self.headers.append(request.headers.get("x-request-id"))
+        return await super().__call__(request)
+
+
+def test_the_one_id_goes_in_the_header_the_user_field_and_rid_where_the_engine_takes_it() -> None:
+    for engine, takes_rid in (("reference", True), ("sglang", True), ("vllm", False)):
+        fake = Recording()
+        fake.headers = []
+
+        async def go(fake: Recording = fake, engine: str = engine) -> None:
+            async with fake.target(engine=engine) as target:
+                await execute_probe("duplicate_ids", target, MarkerBook(), target._config)
+
+        asyncio.run(go())
+        calls = [c for c in fake.calls if c.path.endswith("completions")]
+        ids = {c.body.get("user") for c in calls} | set(fake.headers)
+        assert len(calls) == 2 and len(ids) == 1, (engine, ids)
+        assert next(iter(ids)).startswith("kvc-")
+        assert all(("rid" in c.body) is takes_rid for c in calls), engine
+        assert {c.tenant for c in calls} == set(TENANTS)
