@@ -137,17 +137,22 @@ class CanaryProbe(Probe):
         marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
         prompt = repeat_prompt(marker)
         sent = counted if counted is not None else await ctx.target.count_tokens(prompt)
-        request = CompletionRequest(
-            prompt=prompt,
-            max_tokens=int(ctx.options.get("max_tokens", MAX_TOKENS)),
-            chat=bool(ctx.options.get("chat", True)),
-            stream=bool(ctx.options.get("stream", True)),
-            temperature=0.0,
-            seed=0,
-        )
-        c = await ctx.complete(tenant, request, sent_tokens=sent)
+        c = await ctx.complete(tenant, canary_request(ctx, prompt), sent_tokens=sent)
         verdict, reason, detail = judge_answer(c, prompt, marker, sent)
         return TenantCheck(tenant, marker_id, marker_hash(marker), sent, c, verdict, reason, detail)
+
+
+def canary_request(ctx: ProbeContext, prompt: str, request_id: str | None = None) -> CompletionRequest:
+    """Return the canary's request for ``prompt``: greedy, short, as the kind's options say."""
+    return CompletionRequest(
+        prompt=prompt,
+        max_tokens=int(ctx.options.get("max_tokens", MAX_TOKENS)),
+        chat=bool(ctx.options.get("chat", True)),
+        stream=bool(ctx.options.get("stream", True)),
+        temperature=0.0,
+        seed=0,
+        request_id=request_id,
+    )
 
 
 def judge_answer(c: Completion, prompt: str, marker: str, sent: int | None) -> tuple[Verdict, str, str]:

@@ -24,9 +24,8 @@ import asyncio
 import secrets
 
 from probes.base import Probe, ProbeContext, ProbeResult
-from probes.canary import MAX_TOKENS, CanaryOptions, TenantCheck, combine, judge_answer, repeat_prompt
+from probes.canary import CanaryOptions, TenantCheck, canary_request, combine, judge_answer, repeat_prompt
 from probes.markers import marker_hash
-from probes.target import CompletionRequest
 
 
 class DuplicateIdsProbe(Probe):
@@ -46,16 +45,7 @@ class DuplicateIdsProbe(Probe):
     async def _check(self, ctx: ProbeContext, tenant: str, shared: str) -> TenantCheck:
         marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
         prompt = repeat_prompt(marker)
-        request = CompletionRequest(
-            prompt=prompt,
-            max_tokens=int(ctx.options.get("max_tokens", MAX_TOKENS)),
-            chat=bool(ctx.options.get("chat", True)),
-            stream=bool(ctx.options.get("stream", True)),
-            temperature=0.0,
-            seed=0,
-            request_id=shared,
-        )
-        c = await ctx.complete(tenant, request)
+        c = await ctx.complete(tenant, canary_request(ctx, prompt, request_id=shared))
         # The prompt-token check is the canary's; here the question is whose answer came back.
         verdict, reason, detail = judge_answer(c, prompt, marker, None)
         return TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
