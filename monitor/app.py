@@ -48,8 +48,8 @@ from monitor.runs.scheduler import (
 )
 from monitor.storage import outbox
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
-from monitor.storage.queries import open_incident_counts
-from monitor.storage.retention import prune_expired, purge_excerpts
+from monitor.storage.incident_rows import open_incident_counts
+from monitor.storage.retention import in_batches, prune_expired, purge_excerpts
 from monitor.storage.sqlite_file import sqlite_file_of
 from monitor.targets.http import HttpClient
 from monitor.targets.openai_http import OpenAIHttpTarget
@@ -58,8 +58,6 @@ from probes.markers import MarkerBook
 
 log = logging.getLogger("kvcanary")
 
-#: Rows deleted (or purged) per transaction: short write locks, even on a big backlog.
-PRUNE_BATCH = 1000
 #: How often a SQLite file is checked for having been deleted or replaced under the process.
 FILE_CHECK_SECONDS = 2
 #: What a node's configuration change re-runs at once (the capacity audit that saw it has just run).
@@ -184,22 +182,10 @@ class Monitor:
 
     async def prune(self) -> None:
         """Delete expired results and purge expired excerpts, a batch per transaction."""
-        removed = await self._in_batches(prune_expired)
-        purged = await self._in_batches(purge_excerpts)
+        removed = await asyncio.to_thread(in_batches, self.session_factory, prune_expired)
+        purged = await asyncio.to_thread(in_batches, self.session_factory, purge_excerpts)
         if removed or purged:
             log.info("pruned %d expired probe results; purged the excerpts of %d", removed, purged)
-
-    async def _in_batches(self, step: Callable[..., int]) -> int:
-        def one() -> int:
-            with self.session_factory() as session, session.begin():
-                return step(session, now=datetime.now(UTC), batch=PRUNE_BATCH)
-
-        total = 0
-        while (done := await asyncio.to_thread(one)) > 0:
-            total += done
-            if done < PRUNE_BATCH:
-                break
-        return total
 
     async def heartbeat(self) -> None:
         before = self.membership.live

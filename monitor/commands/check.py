@@ -15,7 +15,8 @@ import typer
 from monitor.config.secrets import tenant_keys
 from monitor.config.settings import Settings
 from monitor.config.targets import TargetConfig
-from monitor.runs.runner import execute_probe, nodes_of_run
+from monitor.runs.execute import execute_probe
+from monitor.runs.runner import nodes_of_run
 from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
 from probes.base import ProbeResult, Verdict

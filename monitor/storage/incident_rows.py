@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Row, case, select, update
+from sqlalchemy import Row, case, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow
+from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
 from monitor.storage.result_rows import incident_title
 
 Change = Literal["opened", "escalated", "attached", "resolved"]
@@ -137,6 +137,21 @@ def open_incident_keys(session: Session, target_ids: Iterable[int]) -> set[tuple
         Incident.state == "open", Incident.target_id.in_(ids)
     )
     return {(t, p, n) for t, p, n in session.execute(query)}
+
+
+def open_incident_counts(session: Session) -> list[tuple[str, str, str, str, int]]:
+    """Return ``(target_name, probe, node, severity, count)`` for every open incident group.
+
+    Groups with nothing open are absent; the metrics collector exports them as 0.
+    """
+    query = (
+        select(Target.name, Incident.probe, Incident.node, Incident.severity, func.count())
+        .join(Target, Target.id == Incident.target_id)
+        .where(Incident.state == "open")
+        .group_by(Target.name, Incident.probe, Incident.node, Incident.severity)
+        .order_by(Target.name, Incident.probe, Incident.node, Incident.severity)
+    )
+    return [(name, probe, node, sev, int(count)) for name, probe, node, sev, count in session.execute(query)]
 
 
 def try_open(

@@ -28,7 +28,6 @@ from sqlalchemy import (
     Select,
     String,
     bindparam,
-    func,
     literal,
     select,
     tuple_,
@@ -273,21 +272,6 @@ def last_verdicts(
         if verdict is not None and (name, probe) in wanted:
             out.setdefault(name, {})[probe] = (verdict, started_at, reason)
     return out
-
-
-def open_incident_counts(session: Session) -> list[tuple[str, str, str, str, int]]:
-    """Return ``(target_name, probe, node, severity, count)`` for every open incident group.
-
-    Groups with nothing open are absent; the metrics collector exports them as 0.
-    """
-    query = (
-        select(Target.name, Incident.probe, Incident.node, Incident.severity, func.count())
-        .join(Target, Target.id == Incident.target_id)
-        .where(Incident.state == "open")
-        .group_by(Target.name, Incident.probe, Incident.node, Incident.severity)
-        .order_by(Target.name, Incident.probe, Incident.node, Incident.severity)
-    )
-    return [(name, probe, node, sev, int(count)) for name, probe, node, sev, count in session.execute(query)]
 
 
 def _keyset_page(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import delete, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.storage.db import as_utc
 from monitor.storage.models import Incident, ProbeResultRow
@@ -84,3 +85,19 @@ def prune_expired(session: Session, *, now: datetime, batch: int | None = None) 
         stmt = stmt.where(ProbeResultRow.id.in_(first))
     result = session.execute(stmt, execution_options={"synchronize_session": False})
     return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+#: Rows deleted (or purged) per transaction: short write locks, even on a big backlog.
+PRUNE_BATCH = 1000
+
+
+def in_batches(session_factory: sessionmaker[Session], step: Callable[..., int]) -> int:
+    """Run ``step`` (prune_expired, purge_excerpts) a batch per transaction until it is done;
+    return how many rows it touched."""
+    total = 0
+    while True:
+        with session_factory() as session, session.begin():
+            done = step(session, now=datetime.now(UTC), batch=PRUNE_BATCH)
+        total += done
+        if done < PRUNE_BATCH:
+            return total

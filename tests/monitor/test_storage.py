@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.storage import queries
 from monitor.storage.db import make_engine, upgrade
+from monitor.storage.incident_rows import open_incident_counts
 from monitor.storage.models import Incident, ProbeResultRow, Target, public_url
 from tests.monitor.conftest import T0, minutes, record
 
@@ -152,7 +153,7 @@ def test_last_verdicts_hold_each_pairs_latest_result(session_factory: Factory) -
 def test_open_incident_counts_group_the_open_ones(session_factory: Factory) -> None:
     seed(session_factory)
     with session_factory() as s:
-        counts = queries.open_incident_counts(s)
+        counts = open_incident_counts(s)
 
     assert counts == [
         ("glm-prod", "cross_tenant", "", "critical", 1),

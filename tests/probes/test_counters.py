@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from monitor.config.targets import TargetConfig
-from monitor.runs.runner import execute_probe
+from monitor.runs.execute import execute_probe
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import ProbeResult, Verdict
 from probes.counters import judge_counters

@@ -10,7 +10,7 @@ import asyncio
 
 import httpx
 
-from monitor.runs.runner import execute_probe
+from monitor.runs.execute import execute_probe
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import Verdict
 from probes.markers import MarkerBook

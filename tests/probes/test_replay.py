@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from scipy.stats import binomtest
 
 from monitor.config.targets import TargetConfig
-from monitor.runs.runner import execute_probe
+from monitor.runs.execute import execute_probe
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes import REGISTRY
 from probes.base import ProbeContext, ProbeResult, Verdict
