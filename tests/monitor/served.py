@@ -25,6 +25,19 @@ from tests.conftest import REPO, free_port, stop_process, wait_http
 from tests.probes.probe_harness import KEYS
 
 
+def spawn_serve(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``kvcanary serve --config CONFIG`` in its own session, appending its output to ``log``."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "monitor", "serve", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+        )
+
+
 def reference_target(name: str, url: str, **fields: Any) -> dict[str, Any]:
     """A target block for an engine that answers like the reference worker, as alice and bob."""
     tenants = [{"name": t, "api_key_env": f"KVC_KEY_{t.upper()}"} for t in ("alice", "bob")]
@@ -86,15 +99,7 @@ class Served:
             self.migrate()
         else:
             self.write_config()
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "monitor", "serve", "--config", str(self.config_path)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=self.env,
-                start_new_session=True,
-            )
+        self.proc = spawn_serve(self.config_path, self.env, self.log_path)
         if wait:
             wait_http(self.url + "/healthz", timeout=60, proc=self.proc)
         return self

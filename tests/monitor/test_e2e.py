@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, WorkerProcess, free_port, stop_process, wait_http
+from tests.monitor.served import spawn_serve
 
 DEFECTIVE = [
     "--mode",
@@ -130,15 +131,7 @@ class Deployment:
         )
 
     def serve(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "monitor", "serve", "--config", str(self.config)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=self.env,
-                start_new_session=True,
-            )
+        self.proc = spawn_serve(self.config, self.env, self.log)
         wait_http(self.url + "/healthz", timeout=60, proc=self.proc)
 
     def api(self, path: str, **params: Any) -> Any:
