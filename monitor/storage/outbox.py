@@ -182,7 +182,7 @@ def incident_views(session: Session, incident_ids: list[int]) -> dict[int, Incid
         .join(Target, Target.id == Incident.target_id)
         .where(Incident.id.in_(incident_ids))
     ).all()
-    latest = _latest_failures(session, incident_ids)
+    latest = _latest_failures(session, {incident.id: incident.severity for incident, _ in rows})
     return {
         incident.id: IncidentView(
             id=incident.id,
@@ -202,15 +202,25 @@ def incident_views(session: Session, incident_ids: list[int]) -> dict[int, Incid
     }
 
 
-def _latest_failures(session: Session, incident_ids: list[int]) -> dict[int, dict[str, Any]]:
-    """Return, per incident, the figures of its newest non-pass result (what the alert describes)."""
-    newest = (
-        select(ProbeResultRow.incident_id, func.max(ProbeResultRow.id).label("id"))
-        .where(ProbeResultRow.incident_id.in_(incident_ids), ProbeResultRow.verdict != "pass")
-        .group_by(ProbeResultRow.incident_id)
-        .subquery()
-    )
-    rows = session.scalars(select(ProbeResultRow).join(newest, newest.c.id == ProbeResultRow.id)).all()
+#: The verdict that gives an incident its severity (``monitor/incidents.py``).
+SEVERITY_VERDICT = {"critical": "leak", "high": "mismatch", "warning": "error"}
+
+
+def _latest_failures(session: Session, severities: dict[int, str]) -> dict[int, dict[str, Any]]:
+    """Return, per incident, the figures its alert describes: the newest result with the verdict of
+    the incident's severity (a leak for a critical one, though a mismatch came after it), else the
+    newest non-pass result."""
+    newest_by_verdict = session.execute(
+        select(ProbeResultRow.incident_id, ProbeResultRow.verdict, func.max(ProbeResultRow.id))
+        .where(ProbeResultRow.incident_id.in_(list(severities)), ProbeResultRow.verdict != "pass")
+        .group_by(ProbeResultRow.incident_id, ProbeResultRow.verdict)
+    ).all()
+    chosen: dict[int, tuple[bool, int]] = {}  # incident -> (its severity's verdict, result id)
+    for incident_id, verdict, result_id in newest_by_verdict:
+        rank = (verdict == SEVERITY_VERDICT.get(severities[int(incident_id)]), int(result_id))
+        chosen[int(incident_id)] = max(chosen.get(int(incident_id), rank), rank)
+    ids = [result_id for _, result_id in chosen.values()]
+    rows = session.scalars(select(ProbeResultRow).where(ProbeResultRow.id.in_(ids))).all() if ids else []
     return {
         int(r.incident_id or 0): {
             "verdict": r.verdict,

@@ -100,6 +100,21 @@ def test_a_leak_becomes_an_alert_with_its_figures_and_links(
     assert deliveries(metrics, alertmanager.url, "accepted") == 1
 
 
+def test_a_leak_alert_describes_the_leak_though_a_mismatch_came_after_it(
+    session_factory: Factory, alertmanager: Alertmanager
+) -> None:
+    """A critical incident's latest failure may be a mismatch (a boundary run whose stale pages held
+    no marker this time): the page must still say which markers crossed."""
+    opened = record(session_factory, "leak", at=minutes(0), detail="1 live marker(s) came back")
+    later = record(session_factory, "mismatch", at=minutes(1), detail="HTTP 200 over capacity")
+    assert later.incident_id == opened.incident_id
+    pager, _ = pager_for(session_factory, alertmanager.url)
+    assert drain(pager) >= 1
+    (alert,) = alertmanager.alerts(alertname="KVCanaryLeak")
+    assert "1 live marker(s) came back" in alert["annotations"]["description"]
+    assert alert["annotations"]["description"].startswith("leak on ")
+
+
 def test_a_resolved_incident_ends_its_alert(session_factory: Factory, alertmanager: Alertmanager) -> None:
     record(session_factory, "mismatch", at=minutes(0), probe="boundary")
     pager, _ = pager_for(session_factory, alertmanager.url)
