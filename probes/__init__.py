@@ -12,9 +12,11 @@ from probes.capacity import CapacityProbe
 from probes.counters import CountersProbe
 from probes.cross_tenant import CrossTenantProbe
 from probes.duplicate_ids import DuplicateIdsProbe
+from probes.hangup import HangupProbe
 from probes.needle import NeedleProbe
 from probes.prefix_cache import PrefixCacheProbe
 from probes.replay import ReplayProbe
+from probes.shared_prefix import SharedPrefixProbe
 from probes.version import VersionProbe
 
 REGISTRY: dict[str, type[Probe]] = {
@@ -28,4 +30,6 @@ REGISTRY: dict[str, type[Probe]] = {
     "replay": ReplayProbe,
     "prefix_cache": PrefixCacheProbe,
     "duplicate_ids": DuplicateIdsProbe,
+    "shared_prefix": SharedPrefixProbe,
+    "hangup": HangupProbe,
 }

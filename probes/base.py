@@ -184,13 +184,16 @@ def unjudgeable(completion: Completion) -> str | None:
     """Return why ``completion`` says nothing about the output (a bounded reason), or None if it does.
 
     Judgeable: a complete 2xx answer, or a refusal the engine chose (see :attr:`Completion.refused`).
-    Not judgeable: no answer (``unreachable``, ``timeout``), bad credentials (``auth_failed``),
-    ``rate_limited``, ``server_error`` (5xx), a 2xx whose body or stream broke (``protocol``,
-    ``stream_error``, ``timeout``), an answer from something in front of the engine
-    (``foreign_answer``), an engine's refusal that says nothing about the output (``refused``: 404
-    unknown model, 405), or any other status (``unexpected_status``).
+    Not judgeable: an answer the probe hung up on (``hung_up``), no answer (``unreachable``,
+    ``timeout``), bad credentials (``auth_failed``), ``rate_limited``, ``server_error`` (5xx), a
+    2xx whose body or stream broke (``protocol``, ``stream_error``, ``timeout``), an answer from
+    something in front of the engine (``foreign_answer``), an engine's refusal that says nothing
+    about the output (``refused``: 404 unknown model, 405), or any other status
+    (``unexpected_status``).
     """
     kind = completion.error_kind
+    if kind == "hung_up":
+        return "hung_up"
     if completion.status is None:
         return "timeout" if kind == "timeout" else "unreachable"
     if completion.status in (401, 403):

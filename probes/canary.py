@@ -81,11 +81,14 @@ class TenantCheck:
     verdict: Verdict
     reason: str
     detail: str
+    #: Which step of a run with several (a trigger kind's rounds) sent the request.
+    step: str | None = None
 
     def evidence(self) -> dict[str, Any]:
         c = self.completion
         out: dict[str, Any] = {
             "tenant": self.tenant,
+            **({"step": self.step} if self.step else {}),
             "marker_id": self.marker_id,
             "marker_sha256": self.digest,
             "verdict": self.verdict.value,

@@ -12,9 +12,11 @@ nonce) carrying the same fresh id in every place engines read one: the ``X-Reque
 the body's ``user`` and, to SGLang and the reference worker, the body's ``rid``. Judged as the
 canary: a foreign marker in any answer is a ``leak`` (``probes.base.judge``), a 200 without the
 tenant's own nonce a ``mismatch``; a tenant left without an answer is an ``error`` (the other
-tenant's answer then says whether it took that tenant's tokens).
+tenant's answer then says whether it took that tenant's tokens). Where the model does not repeat
+(a lone canary says so, :mod:`probes.triggers`), foreign markers alone are judged.
 
-Cost: ``T`` tiny completions at once (the canary's prompt, at most 96 new tokens) per run; default
+Cost: ``T`` tiny completions at once (the canary's prompt, at most 96 new tokens) per run, plus
+the lone canary every 10 minutes; default
 interval 300 s (about 12 ``T`` requests an hour per target).
 """
 
@@ -24,28 +26,30 @@ import asyncio
 import secrets
 
 from probes.base import Probe, ProbeContext, ProbeResult
-from probes.canary import CanaryOptions, TenantCheck, canary_request, combine, judge_answer, repeat_prompt
+from probes.canary import TenantCheck, canary_request, repeat_prompt
 from probes.markers import marker_hash
+from probes.triggers import TriggerOptions, conclude, judge_own, model_repeats
 
 
 class DuplicateIdsProbe(Probe):
     """Send every tenant's canary at once under one shared client request id."""
 
     kind = "duplicate_ids"
-    options_model = CanaryOptions
+    options_model = TriggerOptions
     default_interval_seconds = 300.0
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
+        repeats = await model_repeats(ctx)
         shared = f"kvc-{secrets.token_hex(8)}"
-        checks = await asyncio.gather(*(self._check(ctx, tenant, shared) for tenant in ctx.tenants))
-        result = combine(list(checks))
+        checks = await asyncio.gather(*(self._check(ctx, tenant, shared, repeats) for tenant in ctx.tenants))
+        result = conclude(list(checks), repeats, ctx)
         result.evidence["request_id"] = shared
         return result
 
-    async def _check(self, ctx: ProbeContext, tenant: str, shared: str) -> TenantCheck:
+    async def _check(self, ctx: ProbeContext, tenant: str, shared: str, repeats: bool | None) -> TenantCheck:
         marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
         prompt = repeat_prompt(marker)
         c = await ctx.complete(tenant, canary_request(ctx, prompt, request_id=shared))
         # The prompt-token check is the canary's; here the question is whose answer came back.
-        verdict, reason, detail = judge_answer(c, prompt, marker, None)
+        verdict, reason, detail = judge_own(c, prompt, marker, repeats)
         return TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)

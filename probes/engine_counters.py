@@ -124,3 +124,24 @@ def names_for(engine: str) -> dict[str, tuple[str, ...]]:
     """Return the canonical -> sample names map of ``engine`` (every canonical counter present)."""
     table = ENGINE_COUNTERS.get(engine, {})
     return {c.name: tuple(table.get(c.name, ())) for c in CANONICAL}
+
+
+#: engine family -> (sample name, label that must be in the series or None) counting requests aborted
+#: because their client went away. vLLM counts them among finished requests by reason; SGLang counts
+#: every abort (admission refusals too); llama.cpp and hosted APIs count none.
+ABORT_COUNTERS: dict[str, tuple[str, str | None]] = {
+    "reference": ("kvcanary_requests_aborted_total", None),
+    "vllm": ("vllm:request_success_total", 'finished_reason="abort"'),
+    "sglang": ("sglang:num_aborted_requests_total", None),
+}
+
+
+def aborted_requests(engine: str, samples: dict[str, float]) -> float | None:
+    """Return the aborts ``samples`` count for ``engine``, or None where the engine exports none."""
+    if engine not in ABORT_COUNTERS:
+        return None
+    name, label = ABORT_COUNTERS[engine]
+    if label is None:
+        return samples.get(name)
+    series = [v for k, v in samples.items() if k.startswith(name + "{") and label in k]
+    return sum(series) if series else None

@@ -29,6 +29,13 @@ class CompletionRequest:
     #: A client request id (sent only when set): as ``X-Request-Id``, the body's ``user`` and, to
     #: engines that take one (SGLang, the reference worker), SGLang's ``rid``.
     request_id: str | None = None
+    #: The model to ask for, when not the target's own: a LoRA adapter the target lists.
+    model: str | None = None
+    #: Hang up as a client that went away: after this many stream chunks (0: once the response's
+    #: headers came, before any of its body), or after this many seconds whatever came by then.
+    #: The completion's ``error_kind`` is then ``hung_up``, with what was read before.
+    hang_up_after_chunks: int | None = None
+    hang_up_after_seconds: float | None = None
 
 
 @dataclass

@@ -135,9 +135,12 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         choices=BUGS,
         default=[],
         metavar="NAME",
-        help="turn on a defect of a real engine (repeatable): 'rid-collision' routes a request's output "
-        "by the client's request id (SGLang's rid, X-Request-Id, the body's user), so a second "
-        "request with the same id takes the first one's tokens (sgl-project/sglang#24223)",
+        help="turn on a defect of a real engine, implemented in the engine (repeatable; "
+        "docs/architecture.md lists each with the real cases it follows): "
+        "'rid-collision' routes output by the client's request id (sglang#24223); "
+        "'prefix-key-partial' keys prefix-cache pages by the prompt's first pages only (llama.cpp#27422); "
+        "'abort-in-flight' lets a hung-up request decode on and hands its output to the next request "
+        "(redis-py#2624, the 2023 ChatGPT incident)",
     )
 
 

@@ -20,7 +20,7 @@ DEVICES = ("cpu", "cuda")
 PREFIX_CACHE_MODES = ("off", "shared", "per-tenant")
 #: The bug zoo: defects of real engines, each behind ``--bug NAME`` and fixed without it
 #: (``docs/architecture.md`` lists them with the cases they follow).
-BUGS = ("rid-collision",)
+BUGS = ("rid-collision", "prefix-key-partial", "abort-in-flight")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,10 @@ class WorkerConfig:
         unknown = sorted(self.bugs - set(BUGS))
         _require(
             not unknown, f"--bug must be one of {', '.join(BUGS)}, got {unknown[0]!r}" if unknown else ""
+        )
+        _require(
+            "prefix-key-partial" not in self.bugs or self.prefix_cache != "off",
+            "--bug prefix-key-partial needs a prefix cache: add --prefix-cache shared or per-tenant",
         )
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")

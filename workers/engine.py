@@ -41,6 +41,7 @@ from workers.model import HEAD_DIM, CopyModel
 from workers.prefix_cache import PageLease, PrefixCache
 from workers.request import OWNERSHIP_VIOLATION, ErrorEvent, Event, FinishEvent, Request, TokenEvent
 from workers.transfer import TransferManifest, transfer_kv
+from workers.zoo import Zoo
 
 log = logging.getLogger("workers.engine")
 INTERNAL_ERROR = ErrorEvent(500, "internal engine error", "internal_error", 500)
@@ -85,7 +86,11 @@ class Engine:
         # Pages are taken and given back through PrefixCache objects; an "off" one only passes through.
         cached_pool = config.prefix_cache_pool_name
         self.page_caches = {
-            name: PrefixCache(pool, config.prefix_cache if name == cached_pool else "off")
+            name: PrefixCache(
+                pool,
+                config.prefix_cache if name == cached_pool else "off",
+                partial_key="prefix-key-partial" in config.bugs,
+            )
             for name, pool in self.pools.items()
         }
         self.decode_pages = self.page_caches[config.decode_pool_name]
@@ -107,11 +112,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._request_ids = itertools.count(1)
         self._tenants: dict[str, int] = {}
-        # --bug rid-collision (sgl-project/sglang#24223): output is routed by the client's request id,
-        # as SGLang's tokenizer manager kept one state per rid; a second request with the same id
-        # overwrote the first's, and the first's tokens went to the second's client.
-        self._rid_collision = "rid-collision" in config.bugs
-        self._routes: dict[str, Request] = {}
+        # The bug zoo's defects in event delivery (workers.zoo); none unless --bug names one.
+        self.zoo = Zoo(config.bugs)
         self.largest_batch = 0  # most requests ever decoded in one step (continuous batching at work)
 
     # --- thread-safe entry points -----------------------------------------------------------------
@@ -153,8 +155,7 @@ class Engine:
                 cache_salt=cache_salt,
                 client_id=client_id,
             )
-            if self._rid_collision and client_id is not None:
-                self._routes[client_id] = request  # THE DEFECT: the newest request takes the id over
+            self.zoo.submitted(request)
             self._waiting.append(request)
             self._wakeup.notify()
         return request
@@ -162,7 +163,10 @@ class Engine:
     def abort(self, request: Request) -> None:
         """Stop ``request`` (its client went away): it gets no more events and its pages are freed."""
         with self._wakeup:
-            request.aborted = True
+            if not request.aborted:
+                self.metrics.requests_aborted.inc()
+            if not self.zoo.abort(request):
+                request.aborted = True
             self._wakeup.notify()
 
     def start(self) -> None:
@@ -211,6 +215,8 @@ class Engine:
             try:
                 self._prefill(request)
                 self.batch.add(request)
+                for to, event in self.zoo.joined(request):
+                    self._deliver(request, to, event)
             except PagesRefused as refused:
                 self._refuse_pages(request, refused)
                 continue
@@ -352,9 +358,10 @@ class Engine:
 
     def _emit(self, request: Request, event: Event) -> None:
         """Hand ``event`` to the request's submitter; a submitter that cannot take it aborts its request."""
-        to = request
-        if self._rid_collision and request.client_id is not None:
-            to = self._routes.get(request.client_id, request)
+        for to, routed in self.zoo.deliveries(request, event):
+            self._deliver(request, to, routed)
+
+    def _deliver(self, request: Request, to: Request, event: Event) -> None:
         try:
             to.emit(event)
         except Exception:
@@ -366,8 +373,7 @@ class Engine:
         for row in rows:
             request = self.batch.requests[row]
             self.decode_pages.release(request.pages)
-            if request.client_id is not None and self._routes.get(request.client_id) is request:
-                del self._routes[request.client_id]
+            self.zoo.retired(request)
         self.batch.remove(rows)
 
     def _fail_running(self, error: ErrorEvent) -> None:

@@ -5,16 +5,18 @@ before any token (an ownership violation at the first decode step, or an engine 
 JSON error with its status, even for ``stream: true``, and no content is ever sent with it. An error
 after tokens were streamed (not produced by this worker's checks, which run before the first token,
 but possible in principle) ends the stream with a ``data: {"error": ...}`` event and ``data: [DONE]``.
-A client that goes away aborts its request, which frees its pages.
+A client that goes away aborts its request, which frees its pages: a stream notices at its next
+write, a plain answer by watching for the client's disconnect while the engine works.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from workers.admission import AdmissionRejected
@@ -23,6 +25,9 @@ from workers.errors import WorkerError
 from workers.protocol import GenerationRequest, ResponseShape, Usage
 from workers.request import ErrorEvent, Event, FinishEvent, Request, TokenEvent
 from workers.tokenizer import StreamDecoder, decode
+
+#: How often a plain answer's handler looks whether its client is still there.
+DISCONNECT_POLL_SECONDS = 0.01
 
 
 class EventChannel:
@@ -57,6 +62,7 @@ async def generate(
     *,
     tenant: str,
     client_id: str | None = None,
+    http: HttpRequest | None = None,
 ) -> Response:
     """Return the response for ``prompt_ids``; raise ``WorkerError`` for a rejection or an early failure."""
     channel = EventChannel()
@@ -78,10 +84,41 @@ async def generate(
         if body.stream:
             events = _sse(engine, request, shape, channel, first, include_usage=body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await _collect(shape, channel, first))
+        answer = await _unless_gone(http, _collect(shape, channel, first))
+        if answer is None:  # nobody to answer; 499 as nginx logs a client that closed its request
+            engine.abort(request)
+            return Response(status_code=499)
+        return JSONResponse(answer)
     except BaseException:
         engine.abort(request)
         raise
+
+
+async def _unless_gone(
+    http: HttpRequest | None, answer: Coroutine[Any, Any, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Return ``answer``'s result, or None as soon as the client disconnects before it is ready.
+
+    Starlette cancels nothing when the client of a plain answer leaves, so the engine would decode
+    the whole answer for nobody (vLLM watches the same way: ``with_cancellation``).
+    """
+    work = asyncio.ensure_future(answer)
+    if http is None:
+        return await work
+    watch = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            return None
+        return work.result()
+    finally:
+        watch.cancel()
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
 
 
 async def _collect(shape: ResponseShape, channel: EventChannel, event: Event) -> dict[str, Any]:

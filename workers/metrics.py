@@ -57,6 +57,11 @@ class WorkerMetrics:
             "Over-capacity requests replaced by a one-token placeholder (--admission placeholder).",
             registry=r,
         )
+        self.requests_aborted = Counter(
+            "kvcanary_requests_aborted",
+            "Requests whose client went away before their answer was complete.",
+            registry=r,
+        )
         self.requests = Counter(
             "kvcanary_requests",
             "Completion and chat requests answered, by HTTP status.",

@@ -67,16 +67,24 @@ def _chat_prompt(messages: list[Any]) -> list[int]:
 
 @router.post("/v1/completions")
 async def completions(
-    body: CompletionRequest, tenant: TenantDep, config: ConfigDep, engine: EngineDep, client_id: ClientIdDep
+    http: Request,
+    body: CompletionRequest,
+    tenant: TenantDep,
+    config: ConfigDep,
+    engine: EngineDep,
+    client_id: ClientIdDep,
 ) -> Response:
     """Complete ``prompt``: the CopyModel echoes the prompt as its KV cache holds it."""
     _check_model(config, body.model)
     shape = ResponseShape("completion", config.served_model_name)
-    return await generate(engine, shape, encode(body.prompt), body, tenant=tenant, client_id=client_id)
+    return await generate(
+        engine, shape, encode(body.prompt), body, tenant=tenant, client_id=client_id, http=http
+    )
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(
+    http: Request,
     body: ChatCompletionRequest,
     tenant: TenantDep,
     config: ConfigDep,
@@ -87,7 +95,7 @@ async def chat_completions(
     _check_model(config, body.model)
     shape = ResponseShape("chat", config.served_model_name)
     return await generate(
-        engine, shape, _chat_prompt(body.messages), body, tenant=tenant, client_id=client_id
+        engine, shape, _chat_prompt(body.messages), body, tenant=tenant, client_id=client_id, http=http
     )
 
 

@@ -33,6 +33,12 @@ allocation, and counts in neither.
 
 Off (``--prefix-cache off``), the same object only passes allocations and frees through to the pool.
 Only the engine thread uses a cache.
+
+``--bug prefix-key-partial`` (the bug zoo): a page's key covers the prompt's first
+:data:`PARTIAL_KEY_PAGES` pages and the page's index only, as caches keyed on a prompt's prefix are
+(the two prompts of llama.cpp#27422 differed after a shared start; CVE-2025-25183 let different
+contents meet under one key). Two prompts that share those pages then share every later full page
+too, whatever tokens it held: the second request decodes the first one's text.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ import torch
 from workers.kv_cache import PagePool
 
 ROOT_DIGEST = bytes(32)
+#: With ``--bug prefix-key-partial``, the pages whose tokens a key still covers (64 tokens at page 16).
+PARTIAL_KEY_PAGES = 4
 
 
 def _field(tag: bytes, value: bytes) -> bytes:
@@ -116,11 +124,12 @@ class PrefixCache:
     ``evictions`` counts pages evicted so far (for tests and debugging).
     """
 
-    def __init__(self, pool: PagePool, mode: str = "off") -> None:
+    def __init__(self, pool: PagePool, mode: str = "off", *, partial_key: bool = False) -> None:
         if mode not in ("off", "shared", "per-tenant"):
             raise ValueError(f"unknown prefix cache mode {mode!r}")
         self.pool = pool
         self.mode = mode
+        self.partial_key = partial_key  # --bug prefix-key-partial
         self._by_digest: dict[bytes, CachedPage] = {}
         self._by_page: dict[int, CachedPage] = {}
         self._evictable: OrderedDict[int, CachedPage] = OrderedDict()  # front = evicted first
@@ -166,6 +175,8 @@ class PrefixCache:
         parent, sha256 = ROOT_DIGEST, hashlib.sha256
         for start in range(0, len(data), width):
             chunk, rest = data[start : start + width], start > 0
+            if self.partial_key and start >= PARTIAL_KEY_PAGES * width:
+                chunk = b""  # THE DEFECT: the page's own tokens are left out of its key
             digest = sha256(b"".join((parent, tokens_tag, chunk, tails[rest]))).digest()
             keys.append(PageKey(digest, parent, chunk, extras[rest]))
             parent = digest

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -53,6 +54,10 @@ _MIN_SCRUB_LEN = 8
 
 #: Engines that take SGLang's ``rid`` (a client request id) in the body.
 RID_ENGINES = frozenset({"sglang", "reference"})
+
+
+class HungUp(Exception):
+    """The probe hung up on purpose (``CompletionRequest.hang_up_after_*``): a client that went away."""
 
 
 class OpenAIHttpTarget:
@@ -110,7 +115,9 @@ class OpenAIHttpTarget:
         state = StreamState(chat=request.chat, started=time.monotonic())
         try:
             async with asyncio.timeout(self._timeout):
-                await self._exchange(tenant, path, body, request.stream, state, request.request_id)
+                await self._hang_up_in_time(request, self._exchange(tenant, path, body, request, state))
+        except HungUp as hung_up:
+            state.fail("hung_up", str(hung_up))
         except TimeoutError:
             state.fail("timeout", f"no complete answer within {self._timeout:g}s")
         except CONNECT_ERRORS as exc:
@@ -126,19 +133,24 @@ class OpenAIHttpTarget:
         completion.error = self._scrub(completion.error) if completion.error else None
         return completion
 
+    @staticmethod
+    async def _hang_up_in_time(request: CompletionRequest, exchange: Coroutine[Any, Any, None]) -> None:
+        """Await ``exchange``; with ``hang_up_after_seconds``, give up on it then (closing the socket)."""
+        if request.hang_up_after_seconds is None:
+            return await exchange
+        try:
+            async with asyncio.timeout(request.hang_up_after_seconds):
+                await exchange
+        except TimeoutError:
+            raise HungUp(f"hung up after {request.hang_up_after_seconds:g}s, as the probe asked") from None
+
     async def _exchange(
-        self,
-        tenant: str,
-        path: str,
-        body: dict[str, Any],
-        stream: bool,
-        state: StreamState,
-        request_id: str | None = None,
+        self, tenant: str, path: str, body: dict[str, Any], request: CompletionRequest, state: StreamState
     ) -> None:
         session = await self._client.session()
         headers = self._headers.get(tenant) or self._request_headers(tenant)
-        if request_id is not None:
-            headers = {**headers, "X-Request-Id": request_id}
+        if request.request_id is not None:
+            headers = {**headers, "X-Request-Id": request.request_id}
         async with session.post(
             self._url(path),
             data=json.dumps(body).encode(),
@@ -157,11 +169,18 @@ class OpenAIHttpTarget:
                     state.fail("http", message)
                 return
             content_type = response.headers.get("content-type", "")
-            if stream and "text/event-stream" in content_type:
+            after = request.hang_up_after_chunks
+            if after == 0:
+                response.close()
+                raise HungUp("hung up once the headers came, before the body, as the probe asked")
+            if request.stream and "text/event-stream" in content_type:
                 lines = sse_lines(chunks(response), self._limits)
                 async for line in lines:
                     if not state.feed_sse_line(line, time.monotonic()):
                         break
+                    if after is not None and state.chunks >= after:
+                        response.close()  # the connection is dropped, not kept for the pool
+                        raise HungUp(f"hung up after {state.chunks} chunks, as the probe asked")
                 state.finish_stream()
                 # Read what follows [DONE] (a blank line): a response closed unread cannot go
                 # back to the pool, and every run would pay a new connection. After a break, keep it.

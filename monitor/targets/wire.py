@@ -66,7 +66,7 @@ def request_body(
 ) -> tuple[str, dict[str, Any]]:
     """Return ``(path, json_body)`` for ``request``: chat messages or a raw prompt. ``takes_rid``:
     the engine accepts SGLang's ``rid`` field (others may refuse a field they do not know)."""
-    body: dict[str, Any] = {"model": model}
+    body: dict[str, Any] = {"model": request.model or model}
     if request.chat:
         path = "/v1/chat/completions"
         messages = [{"role": "system", "content": request.system}] if request.system else []

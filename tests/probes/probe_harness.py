@@ -18,9 +18,10 @@ from urllib.parse import urlsplit
 import httpx
 
 from monitor.config.targets import TargetConfig
+from monitor.runs.execute import execute_probe
 from monitor.targets.openai_http import OpenAIHttpTarget
 from probes import REGISTRY
-from probes.base import ProbeContext, ProbeResult
+from probes.base import ProbeContext, ProbeResult, Verdict
 from probes.markers import MARKER_RE, MarkerBook
 from tests.loopback import Handler, Loopback
 
@@ -85,6 +86,23 @@ def probe_once(kind: str, target_factory: Callable[[], OpenAIHttpTarget], **opti
     async def go() -> ProbeResult:
         async with target_factory() as target:
             return await run_probe(kind, target, **options)
+
+    return asyncio.run(go())
+
+
+def run_kind(
+    kind: str, worker: Reference, *, timeout: float | None = None, **options: Any
+) -> tuple[Verdict, str, dict[str, Any]]:
+    """Run ``kind`` once as the runner does (``judge()`` included) against ``worker``, with ``options``."""
+    update: dict[str, Any] = {"probes": ["canary", kind], "options": {kind: options}}
+    if timeout is not None:
+        update["timeout_seconds"] = timeout
+    config = target_config(worker.url).model_copy(update=update)
+
+    async def go() -> tuple[Verdict, str, dict[str, Any]]:
+        async with OpenAIHttpTarget(config, {t: KEYS[t] for t in TENANTS}) as target:
+            result, _ = await execute_probe(kind, target, MarkerBook(), config)
+        return result.verdict, result.reason, result.evidence
 
     return asyncio.run(go())
 

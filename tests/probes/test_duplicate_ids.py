@@ -11,26 +11,15 @@ import asyncio
 import httpx
 
 from monitor.runs.execute import execute_probe
-from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import Verdict
 from probes.markers import MarkerBook
-from tests.probes.probe_harness import KEYS, TENANTS, FakeEngine, Reference, target_config
+from tests.probes.probe_harness import TENANTS, FakeEngine, Reference, run_kind
 
 BUGGY = ("--mode", "aggregated", "--bug", "rid-collision")
 
 
 def judged(worker: Reference, timeout: float = 5.0) -> tuple[Verdict, str, dict]:  # type: ignore[type-arg]
-    """Run the kind once as the runner does (judge() included) against ``worker``."""
-    config = target_config(worker.url).model_copy(
-        update={"timeout_seconds": timeout, "probes": ["canary", "duplicate_ids"]}
-    )
-
-    async def go() -> tuple[Verdict, str, dict]:  # type: ignore[type-arg]
-        async with OpenAIHttpTarget(config, {t: KEYS[t] for t in TENANTS}) as target:
-            result, _ = await execute_probe("duplicate_ids", target, MarkerBook(), config)
-        return result.verdict, result.reason, result.evidence
-
-    return asyncio.run(go())
+    return run_kind("duplicate_ids", worker, timeout=timeout)
 
 
 def test_a_worker_keeping_requests_apart_passes(shared_reference) -> None:  # type: ignore[no-untyped-def]
@@ -70,9 +59,11 @@ def test_the_one_id_goes_in_the_header_the_user_field_and_rid_where_the_engine_t
                 await execute_probe("duplicate_ids", target, MarkerBook(), target._config)
 
         asyncio.run(go())
-        calls = [c for c in fake.calls if c.path.endswith("completions")]
-        ids = {c.body.get("user") for c in calls} | set(fake.headers)
-        assert len(calls) == 2 and len(ids) == 1, (engine, ids)
+        asked = [c for c in fake.calls if c.path.endswith("completions")]
+        calls = [c for c in asked if "user" in c.body]
+        ids = {c.body.get("user") for c in calls} | {h for h in fake.headers if h is not None}
+        # One lone canary first, with no id (does the model repeat?), then one request per tenant.
+        assert len(asked) == 3 and len(calls) == 2 and len(ids) == 1, (engine, ids)
         assert next(iter(ids)).startswith("kvc-")
         assert all(("rid" in c.body) is takes_rid for c in calls), engine
         assert {c.tenant for c in calls} == set(TENANTS)

@@ -1,0 +1,181 @@
+"""Client hang-up: after a tenant abandons a request mid-answer, every next answer is its own.
+
+Targets: an engine or a gateway that does not stop what a client abandoned, or stops it but hands
+on what it was still writing: the 2023 ChatGPT incident (redis-py#2624, #2665: a request cancelled
+after it was sent left its reply on a pooled connection, and the next, unrelated user read it: other
+users' chat titles and payment details), vllm#45357 (a step still in flight for a finished or
+preempted request wrote into blocks already handed to the next one), sglang#23392 and vllm#39146
+(cancel and retry: the retry diverged or replayed a stale answer).
+
+Each run hangs up three times, each time as the next tenant in turn, on a request whose answer
+carries that tenant's fresh marker (it comes before the question, so the rest of an echoing
+model's answer carries it too) and goes on for long (the code again on every line):
+1. ``mid_stream``: a streamed request, closed after its first ``chunks_before_hang_up`` chunks;
+2. ``before_body``: a streamed request, closed as soon as the response's headers came;
+3. ``client_timeout``: a non-streamed request whose client gives up after
+   ``client_timeout_seconds`` (0.02 s: before most answers are done).
+Right after each hang-up every other tenant sends a canary at once (:mod:`probes.canary`), and the
+tenant that hung up sends one 50 ms after them. Judged as the canary (:mod:`probes.triggers`):
+the abandoned marker, or any other tenant's, in an answer is a ``leak``; a canary that lost its
+own nonce (for instance to the rest of its own tenant's abandoned answer) a ``mismatch`` where
+the model repeats. The abandoned answers are scanned for foreign markers as well, never judged
+for their own.
+
+Where the engine counts aborted requests (the reference worker's ``kvcanary_requests_aborted_total``,
+vLLM's ``vllm:request_success_total{finished_reason="abort"}``, SGLang's
+``sglang:num_aborted_requests_total``), the count on the target's nodes must move after the run
+hung up on an unfinished answer: an engine that never saw the client go is still spending tokens
+on it (``abort_not_counted``, a ``mismatch``). llama.cpp exports no such counter: not judged.
+
+Cost: 3 abandoned requests (the engine stops each after a few tokens; at most ``abandoned_max_tokens``,
+512 by default, where it does not) and ``3 T`` canaries (at most 96 new tokens each), plus the lone
+canary every 10 minutes and two metric scrapes per node; default interval 600 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field
+
+from probes.base import Probe, ProbeContext, ProbeResult, Verdict
+from probes.canary import TenantCheck, canary_request, repeat_prompt
+from probes.engine_counters import aborted_requests
+from probes.markers import marker_hash
+from probes.target import Completion, CompletionRequest
+from probes.triggers import TriggerOptions, conclude, judge_own, model_repeats, step_check
+
+#: A long answer, so that it is still being written when the probe hangs up.
+ABANDONED_TEMPLATE = (
+    "Remember this code: {marker}\nRepeat the code exactly, then again once per line until stopped."
+)
+#: The tenant that hung up sends its canary this long after the others send theirs.
+FOLLOW_GAP_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class HangUp:
+    """One way a client goes away."""
+
+    step: str
+    stream: bool
+    after_chunks: int | None = None
+    after_seconds: float | None = None
+
+
+class HangupOptions(TriggerOptions):
+    # New tokens the abandoned request asks for: it must still be running when the probe hangs up.
+    abandoned_max_tokens: int = Field(512, ge=16, le=32768)
+    # Stream chunks read before hanging up mid-stream (a chat stream's first chunk is its role).
+    chunks_before_hang_up: int = Field(3, ge=1, le=64)
+    # How long the non-streamed client waits before it gives up: shorter than most answers take.
+    client_timeout_seconds: float = Field(0.02, gt=0, le=60)
+
+
+class HangupProbe(Probe):
+    """Hang up on a tenant's marker-carrying answer three ways; every next answer must be its own."""
+
+    kind = "hangup"
+    options_model = HangupOptions
+    default_interval_seconds = 600.0
+    budget_timeouts = 8.0
+
+    async def probe(self, ctx: ProbeContext) -> ProbeResult:
+        repeats = await model_repeats(ctx)
+        before = await _aborts(ctx)
+        capacity = await ctx.target.capacity()
+        limit = capacity.admission_limit if capacity else None
+        max_tokens = int(ctx.options.get("abandoned_max_tokens", 512))
+        max_tokens = min(max_tokens, limit // 2) if limit else max_tokens
+        checks: list[TenantCheck] = []
+        abandoned: list[dict[str, Any]] = []
+        for i, hang_up in enumerate(_hang_ups(ctx.options)):
+            tenant = ctx.tenants[i % len(ctx.tenants)]
+            c = await _abandon(ctx, tenant, hang_up, max_tokens)
+            abandoned.append({"step": hang_up.step, "tenant": tenant, "hung_up": c.error_kind == "hung_up",
+                              "chars_read": len(c.text), "status_code": c.status})  # fmt: skip
+            checks += await _followers(ctx, tenant, hang_up.step, repeats)
+        after = await _aborts(ctx)
+        result = conclude(checks, repeats, ctx)
+        result.evidence["abandoned"] = abandoned
+        return _judge_aborts(result, before, after, sum(a["hung_up"] for a in abandoned))
+
+
+def _hang_ups(options: dict[str, Any]) -> tuple[HangUp, ...]:
+    return (
+        HangUp("mid_stream", stream=True, after_chunks=int(options.get("chunks_before_hang_up", 3))),
+        HangUp("before_body", stream=True, after_chunks=0),
+        HangUp(
+            "client_timeout", stream=False, after_seconds=float(options.get("client_timeout_seconds", 0.02))
+        ),
+    )
+
+
+async def _abandon(ctx: ProbeContext, tenant: str, hang_up: HangUp, max_tokens: int) -> Completion:
+    """Send ``tenant`` a request whose answer carries its fresh marker, and hang up on it."""
+    _, marker = ctx.markers.plant(ctx.target.name, tenant)
+    request = CompletionRequest(
+        prompt=ABANDONED_TEMPLATE.format(marker=marker),
+        max_tokens=max_tokens,
+        chat=bool(ctx.options.get("chat", True)),
+        stream=hang_up.stream,
+        temperature=0.0,
+        seed=0,
+        hang_up_after_chunks=hang_up.after_chunks,
+        hang_up_after_seconds=hang_up.after_seconds,
+    )
+    return await ctx.complete(tenant, request)
+
+
+async def _followers(ctx: ProbeContext, abandoner: str, step: str, repeats: bool | None) -> list[TenantCheck]:
+    """Every tenant's canary right after a hang-up: the others at once, the one that hung up just
+    after them (what an engine hands on goes to whoever comes next: best another tenant)."""
+
+    async def same() -> TenantCheck:
+        await asyncio.sleep(FOLLOW_GAP_SECONDS)
+        return await _follow(ctx, abandoner, step, repeats)
+
+    others = [_follow(ctx, t, step, repeats) for t in ctx.tenants if t != abandoner]
+    return list(await asyncio.gather(*others, same()))
+
+
+async def _follow(ctx: ProbeContext, tenant: str, step: str, repeats: bool | None) -> TenantCheck:
+    """Send ``tenant``'s canary right after a hang-up and judge it."""
+    marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
+    prompt = repeat_prompt(marker)
+    c = await ctx.complete(tenant, canary_request(ctx, prompt))
+    verdict, reason, detail = judge_own(c, prompt, marker, repeats)
+    return step_check(
+        TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail), step
+    )
+
+
+async def _aborts(ctx: ProbeContext) -> float | None:
+    """Return the aborted requests the target's nodes count in all, or None where none counts them."""
+    counts = []
+    for node in ctx.target.nodes:
+        scraped = await ctx.target.scrape(node.metrics_url)
+        if scraped.samples is not None:
+            counts.append(aborted_requests(ctx.target.engine, scraped.samples))
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None
+
+
+def _judge_aborts(
+    result: ProbeResult, before: float | None, after: float | None, hung_up: int
+) -> ProbeResult:
+    """Add the abort count to ``result``; a count that stood still after a real hang-up is a mismatch."""
+    if before is None or after is None:
+        result.evidence["aborts_counted"] = None  # not exported here: not judged
+        return result
+    moved = after - before if after >= before else after  # a drop is a restart
+    result.evidence["aborts_counted"] = moved
+    if hung_up and moved < 1 and result.verdict in (Verdict.PASS, Verdict.ERROR):
+        result.verdict, result.reason = Verdict.MISMATCH, "abort_not_counted"
+        result.detail = (
+            f"the probe hung up on {hung_up} unfinished answer(s) and the engine's abort count did not "
+            "move: it did not see its clients go, and may still be writing their answers"
+        )
+    return result

@@ -1,0 +1,97 @@
+"""What the trigger kinds share: canary-shaped requests, judged as the canary judges, with a control.
+
+The trigger kinds (``duplicate_ids``, ``shared_prefix``, ``hangup``) recreate what customers did
+when real engines leaked (``../shared/docs/real-bugs.md``): every request asks its tenant's model to
+repeat a fresh sealed marker, and a foreign marker in any answer is a ``leak`` (``probes.base.judge``,
+whatever else the run concluded).
+
+Losing the tenant's *own* marker is a ``mismatch`` only where the model can repeat one. A model
+that cannot (a random-weight test model, a base model that rambles) would make every run a
+mismatch and teach operators to ignore the kind. So a run first asks a **lone canary** (one
+tenant, one request, nothing else in flight from this run): if it comes back without its nonce, the
+model does not repeat, and the run judges foreign markers only and says so (``judged:
+foreign_markers_only`` in the evidence, reason ``no_foreign_marker`` on a pass). The control's
+answer is kept for :data:`REPEATS_TTL_SECONDS` in the kind's state; an operator who knows may state
+``repeats: true`` or ``false`` and skip it. A lone canary that fails for the incident's reasons (a
+stale decode) also reads as "does not repeat": the ``canary`` kind reports that fault itself, and
+these kinds still catch what crosses tenants.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from probes.base import ProbeContext, ProbeResult, Verdict, unjudgeable
+from probes.canary import CanaryOptions, CanaryProbe, TenantCheck, combine, judge_answer
+from probes.target import Completion
+
+#: How long one lone canary's answer (does the model repeat?) is trusted: it changes with the model.
+REPEATS_TTL_SECONDS = 600.0
+#: The marker first, then the question: the rest of an answer abandoned after a few tokens still
+#: carries the marker, and a cache serving a request's leading pages from another request serves
+#: the whole marker (a prompt's last page is always computed, and the question fills it).
+QUESTION_TEMPLATE = "Remember this code: {marker}\nRepeat the code exactly, with nothing else."
+FOREIGN_ONLY = "foreign_markers_only"
+OWN_AND_FOREIGN = "own_and_foreign_markers"
+
+
+class TriggerOptions(CanaryOptions):
+    # Whether the model repeats a nonce when asked: None asks a lone canary (kept 10 minutes).
+    repeats: bool | None = None
+
+
+def _remembered(state: dict[str, Any], now: float) -> bool | None:
+    repeats, at = state.get("repeats"), state.get("repeats_checked_at")
+    if not isinstance(repeats, bool) or not isinstance(at, int | float):
+        return None
+    return repeats if 0 <= now - at < REPEATS_TTL_SECONDS else None
+
+
+async def model_repeats(ctx: ProbeContext) -> bool | None:
+    """Return whether the target's model repeats a nonce: stated, remembered, or asked of a lone
+    canary now. None when the lone canary got no answer to judge (the run then judges strictly)."""
+    stated = ctx.options.get("repeats")
+    if isinstance(stated, bool):
+        return stated
+    remembered = _remembered(ctx.state, time.time())
+    if remembered is not None:
+        return remembered
+    check = await CanaryProbe().check(ctx, ctx.tenants[0])
+    if check.verdict is Verdict.PASS:
+        return True
+    return False if check.reason == "nonce_missing" else None
+
+
+def judge_own(c: Completion, prompt: str, marker: str, repeats: bool | None) -> tuple[Verdict, str, str]:
+    """Judge one answer as the canary does; where the model does not repeat, only its foreign
+    markers count (``ctx.complete`` found those), so a judgeable 2xx passes, saying why."""
+    if repeats is False and unjudgeable(c) is None and c.ok:
+        return Verdict.PASS, "no_foreign_marker", "no foreign marker (the model does not repeat)"
+    return judge_answer(c, prompt, marker, None)
+
+
+def conclude(checks: list[TenantCheck], repeats: bool | None, ctx: ProbeContext) -> ProbeResult:
+    """Return the run's result: the worst check decides; the evidence says how answers were judged."""
+    result = combine(checks)
+    result.evidence["judged"] = FOREIGN_ONLY if repeats is False else OWN_AND_FOREIGN
+    if result.verdict is Verdict.PASS and repeats is False:
+        result.reason = "no_foreign_marker"
+        result.detail = (
+            "no foreign marker in any answer; own markers not judged: a lone canary came back "
+            "without its nonce, so this model does not repeat"
+        )
+    if (
+        repeats is not None
+        and ctx.options.get("repeats") is None
+        and _remembered(ctx.state, time.time()) is None
+    ):
+        result.state = {"repeats": repeats, "repeats_checked_at": time.time()}
+    return result
+
+
+def step_check(check: TenantCheck, step: str) -> TenantCheck:
+    """Return ``check`` labelled with the step of the run it belongs to (kept in its evidence)."""
+    check.step = step
+    check.detail = f"{step}: {check.detail}"
+    return check

@@ -1,0 +1,130 @@
+"""The bug zoo's defects in how the engine hands events to requests (``--bug NAME``).
+
+Each class is one real engine's defect, implemented as that engine had it, and wired into
+``workers.engine`` at four points: a request is submitted, joins the batch, is aborted by its
+client, and retires; and every event the engine emits goes through :meth:`Zoo.deliveries`. Without
+its flag a defect is not built, and events go to the request that produced them. The prefix-cache
+defect (``prefix-key-partial``) lives in ``workers.prefix_cache``; ``docs/architecture.md`` lists
+them all with the cases they follow and the probe kinds that catch them.
+
+Only the engine thread calls these, except :meth:`Zoo.abort` (an HTTP handler, under the engine's
+lock); the sets it touches are read by the engine thread one operation at a time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from workers.request import ErrorEvent, Event, FinishEvent, Request
+
+Delivery = tuple[Request, Event]
+
+
+class RidRoutes:
+    """``rid-collision`` (sgl-project/sglang#24223): output is routed by the client's request id, as
+    SGLang's tokenizer manager kept one state per ``rid``; a second request with an id in flight
+    overwrote the first one's state, and the first one's tokens went to the second one's client."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, Request] = {}
+
+    def submitted(self, request: Request) -> None:
+        if request.client_id is not None:
+            self._routes[request.client_id] = request  # THE DEFECT: the newest request takes the id over
+
+    def route(self, request: Request) -> Request:
+        return self._routes.get(request.client_id, request) if request.client_id is not None else request
+
+    def retired(self, request: Request) -> None:
+        if request.client_id is not None and self._routes.get(request.client_id) is request:
+            del self._routes[request.client_id]
+
+
+class OrphanedOutput:
+    """``abort-in-flight``: a request whose client hung up keeps decoding (its work was in flight),
+    and its output goes to the next request the engine admits, which answers with the rest of the
+    abandoned answer as if it were its own. As in the 2023 ChatGPT incident (redis-py#2624: a
+    request cancelled after it was sent left its reply on a pooled connection, and the next user
+    read it) and vllm#45357 (a step still in flight for a request whose slots were handed on).
+
+    An orphan's events wait until a request joins; that request then gets them, and its own events
+    wait until the orphan's last one (they go to a handler that has already answered).
+    """
+
+    def __init__(self) -> None:
+        self._orphans: set[int] = set()
+        self._unclaimed: deque[Request] = deque()
+        self._claimant: dict[int, Request] = {}  # orphan id -> the request that gets its output
+        self._serving: dict[int, Request] = {}  # claimant id -> the orphan it is answering for
+        self._held: dict[int, list[Event]] = {}  # request id -> events not delivered yet
+
+    def abort(self, request: Request) -> bool:
+        """Take ``request`` as an orphan (THE DEFECT: it is not stopped); always True."""
+        self._orphans.add(request.request_id)
+        return True
+
+    def joined(self, request: Request) -> list[Delivery]:
+        """Hand the oldest unclaimed orphan's output to ``request``, which just joined the batch."""
+        if request.request_id in self._orphans:
+            return []
+        if self._unclaimed:
+            orphan = self._unclaimed.popleft()
+            self._claimant[orphan.request_id] = request
+            self._serving[request.request_id] = orphan
+            held = self._held.pop(orphan.request_id, [])
+            return [d for event in held for d in self._to_claimant(orphan, request, event)]
+        return []
+
+    def route(self, request: Request, event: Event) -> list[Delivery]:
+        rid = request.request_id
+        if rid in self._orphans:
+            claimant = self._claimant.get(rid)
+            if claimant is None:
+                if rid not in self._held:
+                    self._unclaimed.append(request)
+                self._held.setdefault(rid, []).append(event)
+                return []
+            return self._to_claimant(request, claimant, event)
+        if rid in self._serving:
+            self._held.setdefault(rid, []).append(event)
+            return []
+        return [(request, event)]
+
+    def _to_claimant(self, orphan: Request, claimant: Request, event: Event) -> list[Delivery]:
+        out: list[Delivery] = [(claimant, event)]
+        if isinstance(event, FinishEvent | ErrorEvent):  # the orphan's answer is over
+            self._orphans.discard(orphan.request_id)
+            self._claimant.pop(orphan.request_id, None)
+            self._serving.pop(claimant.request_id, None)
+            out += [(claimant, own) for own in self._held.pop(claimant.request_id, [])]
+        return out
+
+
+class Zoo:
+    """The defects ``bugs`` names, behind one interface the engine calls."""
+
+    def __init__(self, bugs: frozenset[str]) -> None:
+        self.rid_routes = RidRoutes() if "rid-collision" in bugs else None
+        self.orphans = OrphanedOutput() if "abort-in-flight" in bugs else None
+
+    def submitted(self, request: Request) -> None:
+        if self.rid_routes is not None:
+            self.rid_routes.submitted(request)
+
+    def abort(self, request: Request) -> bool:
+        """Return True when a defect took the abort over (the request is then not stopped)."""
+        return self.orphans is not None and self.orphans.abort(request)
+
+    def joined(self, request: Request) -> list[Delivery]:
+        return self.orphans.joined(request) if self.orphans is not None else []
+
+    def deliveries(self, request: Request, event: Event) -> list[Delivery]:
+        """Return to whom ``event`` of ``request`` goes: ``request`` itself unless a defect says otherwise."""
+        to = self.rid_routes.route(request) if self.rid_routes is not None else request
+        if self.orphans is not None:
+            return [(to if r is request else r, e) for r, e in self.orphans.route(request, event)]
+        return [(to, event)]
+
+    def retired(self, request: Request) -> None:
+        if self.rid_routes is not None:
+            self.rid_routes.retired(request)
