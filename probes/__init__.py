@@ -16,6 +16,7 @@ from probes.hangup import HangupProbe
 from probes.needle import NeedleProbe
 from probes.prefix_cache import PrefixCacheProbe
 from probes.replay import ReplayProbe
+from probes.session import SessionProbe
 from probes.shared_prefix import SharedPrefixProbe
 from probes.version import VersionProbe
 
@@ -32,4 +33,5 @@ REGISTRY: dict[str, type[Probe]] = {
     "duplicate_ids": DuplicateIdsProbe,
     "shared_prefix": SharedPrefixProbe,
     "hangup": HangupProbe,
+    "session": SessionProbe,
 }

@@ -41,11 +41,10 @@ from typing import Any
 from pydantic import Field
 
 from probes.base import Probe, ProbeContext, ProbeResult, Verdict
-from probes.canary import TenantCheck, canary_request, repeat_prompt
+from probes.canary import TenantCheck
 from probes.engine_counters import aborted_requests
-from probes.markers import marker_hash
 from probes.target import Completion, CompletionRequest
-from probes.triggers import TriggerOptions, conclude, judge_own, model_repeats, step_check
+from probes.triggers import TriggerOptions, canary_check, conclude, model_repeats
 
 #: A long answer, so that it is still being written when the probe hangs up.
 ABANDONED_TEMPLATE = (
@@ -135,21 +134,10 @@ async def _followers(ctx: ProbeContext, abandoner: str, step: str, repeats: bool
 
     async def same() -> TenantCheck:
         await asyncio.sleep(FOLLOW_GAP_SECONDS)
-        return await _follow(ctx, abandoner, step, repeats)
+        return await canary_check(ctx, abandoner, step, repeats)
 
-    others = [_follow(ctx, t, step, repeats) for t in ctx.tenants if t != abandoner]
+    others = [canary_check(ctx, t, step, repeats) for t in ctx.tenants if t != abandoner]
     return list(await asyncio.gather(*others, same()))
-
-
-async def _follow(ctx: ProbeContext, tenant: str, step: str, repeats: bool | None) -> TenantCheck:
-    """Send ``tenant``'s canary right after a hang-up and judge it."""
-    marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
-    prompt = repeat_prompt(marker)
-    c = await ctx.complete(tenant, canary_request(ctx, prompt))
-    verdict, reason, detail = judge_own(c, prompt, marker, repeats)
-    return step_check(
-        TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail), step
-    )
 
 
 async def _aborts(ctx: ProbeContext) -> float | None:

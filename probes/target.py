@@ -24,6 +24,9 @@ class CompletionRequest:
     temperature: float = 0.0
     seed: int | None = 0
     system: str | None = None
+    #: Earlier turns of a conversation, ``(role, content)`` pairs between the system message and
+    #: ``prompt`` (a raw completion joins them before the prompt, one per line).
+    history: tuple[tuple[str, str], ...] = ()
     #: vLLM's per-request prefix-cache salt (sent only when set): same salt shares, different does not.
     cache_salt: str | None = None
     #: A client request id (sent only when set): as ``X-Request-Id``, the body's ``user`` and, to

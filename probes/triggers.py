@@ -8,13 +8,15 @@ whatever else the run concluded).
 Losing the tenant's *own* marker is a ``mismatch`` only where the model can repeat one. A model
 that cannot (a random-weight test model, a base model that rambles) would make every run a
 mismatch and teach operators to ignore the kind. So a run first asks a **lone canary** (one
-tenant, one request, nothing else in flight from this run): if it comes back without its nonce, the
-model does not repeat, and the run judges foreign markers only and says so (``judged:
+tenant, one request, nothing else in flight from this run): if it comes back without its nonce,
+the model does not repeat, and the run judges foreign markers only and says so (``judged:
 foreign_markers_only`` in the evidence, reason ``no_foreign_marker`` on a pass). The control's
-answer is kept for :data:`REPEATS_TTL_SECONDS` in the kind's state; an operator who knows may state
-``repeats: true`` or ``false`` and skip it. A lone canary that fails for the incident's reasons (a
-stale decode) also reads as "does not repeat": the ``canary`` kind reports that fault itself, and
-these kinds still catch what crosses tenants.
+answer is kept for :data:`REPEATS_TTL_SECONDS` in the kind's state; an answer holding some other
+marker than its own shows a model that repeats (something else went wrong: judging stays
+strict). An operator who knows may state ``repeats: true`` or ``false`` and skip the control. A
+lone canary that fails for the incident's reasons (a stale decode) also reads as "does not
+repeat": the ``canary`` kind reports that fault itself, and these kinds still catch what crosses
+tenants.
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ import time
 from typing import Any
 
 from probes.base import ProbeContext, ProbeResult, Verdict, unjudgeable
-from probes.canary import CanaryOptions, CanaryProbe, TenantCheck, combine, judge_answer
+from probes.canary import (
+    CanaryOptions,
+    CanaryProbe,
+    TenantCheck,
+    canary_request,
+    combine,
+    judge_answer,
+    repeat_prompt,
+)
+from probes.markers import MARKER_RE, marker_hash
 from probes.target import Completion
 
 #: How long one lone canary's answer (does the model repeat?) is trusted: it changes with the model.
@@ -58,14 +69,23 @@ async def model_repeats(ctx: ProbeContext) -> bool | None:
     if remembered is not None:
         return remembered
     check = await CanaryProbe().check(ctx, ctx.tenants[0])
-    if check.verdict is Verdict.PASS:
+    # A model that cannot repeat writes nothing shaped like a marker; one that wrote another marker
+    # than its own repeats, and something else went wrong: judge strictly.
+    if check.verdict is Verdict.PASS or MARKER_RE.search(check.completion.text):
         return True
     return False if check.reason == "nonce_missing" else None
 
 
 def judge_own(c: Completion, prompt: str, marker: str, repeats: bool | None) -> tuple[Verdict, str, str]:
-    """Judge one answer as the canary does; where the model does not repeat, only its foreign
-    markers count (``ctx.complete`` found those), so a judgeable 2xx passes, saying why."""
+    """Judge one answer as the canary does, and more strictly: an answer must carry no marker but
+    its own. Another tenant's is a leak (``ctx.complete`` found it); another of its own tenant's
+    markers (one given to another request) a ``mismatch``: another request's K/V or answer came
+    back, within the tenant. Where the model does not repeat, a judgeable 2xx with no such marker
+    passes, saying why."""
+    others = {m.group(0) for m in MARKER_RE.finditer(c.text)} - {marker}
+    if others and unjudgeable(c) is None:
+        detail = f"the answer carries {len(others)} marker(s) given to other requests"
+        return Verdict.MISMATCH, "other_request_marker", detail
     if repeats is False and unjudgeable(c) is None and c.ok:
         return Verdict.PASS, "no_foreign_marker", "no foreign marker (the model does not repeat)"
     return judge_answer(c, prompt, marker, None)
@@ -88,6 +108,17 @@ def conclude(checks: list[TenantCheck], repeats: bool | None, ctx: ProbeContext)
     ):
         result.state = {"repeats": repeats, "repeats_checked_at": time.time()}
     return result
+
+
+async def canary_check(ctx: ProbeContext, tenant: str, step: str, repeats: bool | None) -> TenantCheck:
+    """Send ``tenant`` a canary (:mod:`probes.canary`'s request) as ``step`` of a run and judge it."""
+    marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
+    prompt = repeat_prompt(marker)
+    c = await ctx.complete(tenant, canary_request(ctx, prompt))
+    verdict, reason, detail = judge_own(c, prompt, marker, repeats)
+    return step_check(
+        TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail), step
+    )
 
 
 def step_check(check: TenantCheck, step: str) -> TenantCheck:

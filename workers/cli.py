@@ -130,6 +130,15 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "tenant of the API key (the fix); a request's cache_salt applies in both (default: %(default)s)",
     )
     add(
+        "--session-cache",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the K/V of the last N finished sequences in host memory and restore a returning "
+        "conversation's from it, as llama.cpp's --cache-ram (aggregated mode, prefix cache off; "
+        "default: %(default)s, off)",
+    )
+    add(
         "--bug",
         action="append",
         choices=BUGS,
@@ -140,7 +149,8 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "'rid-collision' routes output by the client's request id (sglang#24223); "
         "'prefix-key-partial' keys prefix-cache pages by the prompt's first pages only (llama.cpp#27422); "
         "'abort-in-flight' lets a hung-up request decode on and hands its output to the next request "
-        "(redis-py#2624, the 2023 ChatGPT incident)",
+        "(redis-py#2624, the 2023 ChatGPT incident); 'session-restore' leaves a reused session-cache "
+        "slot's old entry visible, so a returning conversation gets another one's K/V (llama.cpp#27148)",
     )
 
 
@@ -171,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         verify_ownership=args.verify_ownership,
         zero_freed_pages=args.zero_freed_pages,
         prefix_cache=args.prefix_cache,
+        session_cache=args.session_cache,
         bugs=frozenset(args.bug),
         log_level=args.log_level,
     )

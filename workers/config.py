@@ -20,7 +20,7 @@ DEVICES = ("cpu", "cuda")
 PREFIX_CACHE_MODES = ("off", "shared", "per-tenant")
 #: The bug zoo: defects of real engines, each behind ``--bug NAME`` and fixed without it
 #: (``docs/architecture.md`` lists them with the cases they follow).
-BUGS = ("rid-collision", "prefix-key-partial", "abort-in-flight")
+BUGS = ("rid-collision", "prefix-key-partial", "abort-in-flight", "session-restore")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class WorkerConfig:
     verify_ownership: bool = False
     zero_freed_pages: bool = False
     prefix_cache: str = "off"
+    session_cache: int = 0
     bugs: frozenset[str] = frozenset()
     log_level: str = "info"
 
@@ -67,6 +68,16 @@ class WorkerConfig:
         _require(
             "prefix-key-partial" not in self.bugs or self.prefix_cache != "off",
             "--bug prefix-key-partial needs a prefix cache: add --prefix-cache shared or per-tenant",
+        )
+        _require(self.session_cache >= 0, f"--session-cache must be 0 or more, got {self.session_cache}")
+        _require(
+            not self.session_cache or (self.prefix_cache == "off" and not self.disaggregated),
+            "--session-cache needs --mode aggregated and --prefix-cache off (restores are the request's "
+            "own writes, never shared pages)",
+        )
+        _require(
+            "session-restore" not in self.bugs or self.session_cache > 0,
+            "--bug session-restore needs a session cache: add --session-cache N",
         )
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")

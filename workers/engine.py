@@ -40,6 +40,7 @@ from workers.metrics import WorkerMetrics
 from workers.model import HEAD_DIM, CopyModel
 from workers.prefix_cache import PageLease, PrefixCache
 from workers.request import OWNERSHIP_VIOLATION, ErrorEvent, Event, FinishEvent, Request, TokenEvent
+from workers.session_cache import SessionCache, restore_into, save_from
 from workers.transfer import TransferManifest, transfer_kv
 from workers.zoo import Zoo
 
@@ -114,6 +115,13 @@ class Engine:
         self._tenants: dict[str, int] = {}
         # The bug zoo's defects in event delivery (workers.zoo); none unless --bug names one.
         self.zoo = Zoo(config.bugs)
+        self.sessions = (
+            SessionCache(
+                config.session_cache, config.page_size, stale_entries="session-restore" in config.bugs
+            )
+            if config.session_cache
+            else None
+        )
         self.largest_batch = 0  # most requests ever decoded in one step (continuous batching at work)
 
     # --- thread-safe entry points -----------------------------------------------------------------
@@ -252,12 +260,14 @@ class Engine:
             lease = self._lease(request, self.decode_pool.pages_for(request.plan.reserve_tokens))
             request.pages, request.shared_words = lease.pages, lease.shared
             self.batch.refuse_shared(request.request_id, request.pages, lease.shared)
-            self._compute(self.decode_pool, lease, request)
+            if self.sessions is not None:  # the prefix cache is off: the lease holds no hit
+                request.cached_tokens = restore_into(self.sessions, self.decode_pool, request)
+            self._compute(self.decode_pool, lease, request, request.cached_tokens)
             return
         prefill_pool = self.prefill_pool
         lease = self._lease(request, prefill_pool.pages_for(len(request.plan.input_ids)))
         try:
-            self._compute(prefill_pool, lease, request)
+            self._compute(prefill_pool, lease, request, lease.cached_tokens)
             self._transfer(request, lease, prefill_pool)
         finally:
             self.prompt_pages.release(lease.pages)
@@ -278,15 +288,15 @@ class Engine:
             self.metrics.prefix_cache_hits.inc(lease.cached_tokens)
         return lease
 
-    def _compute(self, pool: PagePool, lease: PageLease, request: Request) -> None:
-        """Prefill the positions the cache did not serve, then publish the full pages computed."""
+    def _compute(self, pool: PagePool, lease: PageLease, request: Request, start: int) -> None:
+        """Prefill positions from ``start`` (those no cache served); publish the full pages computed."""
         self.model.prefill(
             pool,
             lease.pages,
             list(request.plan.input_ids),
             request_id=request.request_id,
             tenant_index=request.tenant_index,
-            start=lease.cached_tokens,
+            start=start,
         )
         self.prompt_pages.publish(lease)
 
@@ -352,7 +362,8 @@ class Engine:
         reason = request.finish_reason(self.config.page_size)
         if reason is None:
             return False
-        cached = request.cached_tokens if self.prompt_pages.enabled else None
+        request.finished = True
+        cached = request.cached_tokens if self.prompt_pages.enabled or self.sessions is not None else None
         self._emit(request, FinishEvent(reason, request.plan.prompt_tokens, len(request.generated), cached))
         return True
 
@@ -372,6 +383,8 @@ class Engine:
     def _retire(self, rows: list[int]) -> None:
         for row in rows:
             request = self.batch.requests[row]
+            if self.sessions is not None and request.finished:
+                save_from(self.sessions, self.decode_pool, request)
             self.decode_pages.release(request.pages)
             self.zoo.retired(request)
         self.batch.remove(rows)

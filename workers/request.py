@@ -71,6 +71,8 @@ class Request:
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     aborted: bool = False
+    #: True once the request ended normally (its FinishEvent was emitted).
+    finished: bool = False
 
     @property
     def seq_len(self) -> int:

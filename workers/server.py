@@ -51,6 +51,7 @@ def server_info(config: WorkerConfig) -> dict[str, Any]:
         "verify_ownership": config.verify_ownership,
         "zero_freed_pages": config.zero_freed_pages,
         "prefix_cache": config.prefix_cache,
+        "session_cache": config.session_cache,
         "status": "ready",
     }
 

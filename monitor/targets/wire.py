@@ -70,10 +70,11 @@ def request_body(
     if request.chat:
         path = "/v1/chat/completions"
         messages = [{"role": "system", "content": request.system}] if request.system else []
+        messages += [{"role": role, "content": content} for role, content in request.history]
         body["messages"] = [*messages, {"role": "user", "content": request.prompt}]
     else:
         path = "/v1/completions"
-        body["prompt"] = request.prompt
+        body["prompt"] = "\n".join([*(content for _, content in request.history), request.prompt])
     body.update(max_tokens=request.max_tokens, temperature=request.temperature, stream=request.stream)
     if request.seed is not None:
         body["seed"] = request.seed

@@ -56,11 +56,11 @@ def test_a_prefix_key_covering_the_first_pages_only_leaks_the_other_tenants_mark
 
 def test_the_per_tenant_cache_with_the_same_bug_keeps_tenants_apart_but_not_requests(reference) -> None:  # type: ignore[no-untyped-def]
     # Per-tenant salting stops the leak across tenants; the bug still serves a tenant its own
-    # earlier request's text, which loses the fresh marker: a mismatch, not a leak.
+    # earlier request's text, marker and all: a mismatch, not a leak.
     worker = reference("--mode", "aggregated", "--kv-pool-tokens", "4096", "--prefix-cache", "per-tenant",
                        "--bug", "prefix-key-partial")  # fmt: skip
     verdict, reason, evidence = judged(worker)
-    assert (verdict, reason) == (Verdict.MISMATCH, "nonce_missing"), evidence
+    assert (verdict, reason) == (Verdict.MISMATCH, "other_request_marker"), evidence
 
 
 def test_the_bug_needs_a_prefix_cache(start_worker) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,147 @@
+"""Session revisited: a conversation that comes back after other traffic carries only its own markers.
+
+Targets: a tier that keeps finished conversations' K/V and restores it when they return, restoring
+the wrong one: llama.cpp#27148 (``--cache-ram``: a fresh slot restored an unrelated finished
+conversation and continued it, 20 of 20 rounds, ``cached_tokens`` 0; about one trigger a day in
+production), LMCache#4385 (a long session paged to disk came back answering with facts from another
+conversation), LMCache#4991 (failed stores stayed visible to lookups), TensorRT-LLM#8813 (host KV
+offload: "output includes tokens from other prompts").
+
+Each run opens one conversation per tenant, its fresh marker in the first turn (``first_turn``,
+all tenants at once), then makes traffic the conversations must survive: one canary per tenant
+(``other_traffic``) and a **churn burst** of marker-carrying prompts from every tenant in turn,
+``concurrency`` at a time, sized from the node's KV pool (``churn_tokens``, default the pool,
+at most ``max_churn_tokens``; 0 sends none), so that a cache that holds the conversations must
+evict, offload or overwrite them. Then every conversation continues at once (``revisit``): the
+whole history sent back, as clients do, and the question "what was the code?". Judged as the
+canary (:mod:`probes.triggers`): any foreign marker is a ``leak``; a continued answer without its
+own marker a ``mismatch`` where the model repeats, foreign markers only where it does not.
+
+Cost: ``3 T`` chat requests (the revisit's prompt holds the first turn and its answer: a few
+hundred tokens), the burst (the pool's size in prompt tokens, one new token each: 4,096 prompt
+tokens on the test worker, at most 262,144 by default), plus the lone canary every 10 minutes;
+default interval 3,600 s, since the burst is sized to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import NamedTuple
+
+from pydantic import Field
+
+from probes.base import Probe, ProbeContext, ProbeResult
+from probes.canary import TenantCheck
+from probes.markers import marker_hash
+from probes.prefix_cache.prompts import fresh_text
+from probes.target import CompletionRequest
+from probes.triggers import (
+    QUESTION_TEMPLATE,
+    TriggerOptions,
+    canary_check,
+    conclude,
+    judge_own,
+    model_repeats,
+    step_check,
+)
+
+FIRST_TURN = "Remember this code for later: {marker}\nSay OK."
+REVISIT = "What was the code I asked you to remember? Repeat it exactly, with nothing else."
+#: Letters of noise after each burst prompt's marker (about 256 tokens: two per letter on byte tokenizers).
+BURST_LETTERS = 128
+BURST_TOKENS = 256
+#: The model's first answer goes back in the history, as clients send it, cut to this many characters.
+ANSWER_CHARS = 2_000
+
+
+class Turn(NamedTuple):
+    """A tenant's opened conversation: its marker and the history to send back."""
+
+    marker_id: str
+    marker: str
+    history: tuple[tuple[str, str], ...]
+
+
+class SessionOptions(TriggerOptions):
+    # Prompt tokens of the churn burst: None sizes it from the node's KV pool; 0 sends none.
+    churn_tokens: int | None = Field(None, ge=0, le=10_000_000)
+    max_churn_tokens: int = Field(262_144, ge=0, le=10_000_000)
+    # Burst requests in flight at once.
+    concurrency: int = Field(4, ge=1, le=64)
+
+
+class SessionProbe(Probe):
+    """Open a marked conversation per tenant, churn the cache, continue them all; each keeps its own."""
+
+    kind = "session"
+    options_model = SessionOptions
+    default_interval_seconds = 3600.0
+    budget_timeouts = 12.0
+
+    async def probe(self, ctx: ProbeContext) -> ProbeResult:
+        repeats = await model_repeats(ctx)
+        firsts = await asyncio.gather(*(_first_turn(ctx, t, repeats) for t in ctx.tenants))
+        checks = [check for check, _ in firsts]
+        checks += [await canary_check(ctx, t, "other_traffic", repeats) for t in ctx.tenants]
+        burst = await _churn(ctx, await _churn_tokens(ctx))
+        checks += await asyncio.gather(
+            *(_revisit(ctx, t, turn, repeats) for (_, turn), t in zip(firsts, ctx.tenants, strict=True))
+        )
+        result = conclude(checks, repeats, ctx)
+        result.evidence["churn"] = burst
+        return result
+
+
+async def _first_turn(ctx: ProbeContext, tenant: str, repeats: bool | None) -> tuple[TenantCheck, Turn]:
+    marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
+    prompt = FIRST_TURN.format(marker=marker)
+    c = await ctx.complete(tenant, _chat(ctx, prompt))
+    verdict, reason, detail = judge_own(c, prompt, marker, repeats)
+    check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
+    turn = Turn(marker_id, marker, (("user", prompt), ("assistant", c.text[:ANSWER_CHARS] if c.ok else "OK")))
+    return step_check(check, "first_turn"), turn
+
+
+async def _revisit(ctx: ProbeContext, tenant: str, turn: Turn, repeats: bool | None) -> TenantCheck:
+    """Continue ``tenant``'s conversation: its history back, and the question about its marker."""
+    c = await ctx.complete(tenant, _chat(ctx, REVISIT, history=turn.history))
+    verdict, reason, detail = judge_own(c, REVISIT, turn.marker, repeats)
+    check = TenantCheck(tenant, turn.marker_id, marker_hash(turn.marker), None, c, verdict, reason, detail)
+    return step_check(check, "revisit")
+
+
+def _chat(ctx: ProbeContext, prompt: str, history: tuple[tuple[str, str], ...] = ()) -> CompletionRequest:
+    # Room for an echoing model to answer with the whole conversation; a real one stops at the code.
+    budget = int(ctx.options.get("max_tokens", 96)) + sum(len(text) for _, text in history) + len(prompt)
+    return CompletionRequest(
+        prompt=prompt, max_tokens=budget, chat=bool(ctx.options.get("chat", True)),
+        stream=bool(ctx.options.get("stream", True)), temperature=0.0, seed=0, history=history,
+    )  # fmt: skip
+
+
+async def _churn_tokens(ctx: ProbeContext) -> int:
+    stated = ctx.options.get("churn_tokens")
+    cap = int(ctx.options.get("max_churn_tokens", 262_144))
+    if stated is not None:
+        return min(int(stated), cap)
+    capacity = await ctx.target.capacity()
+    pool = capacity.kv_pool_tokens if capacity else None
+    return min(pool or 0, cap)
+
+
+async def _churn(ctx: ProbeContext, tokens: int) -> dict[str, int]:
+    """Send marker-carrying prompts of about BURST_TOKENS each, every tenant in turn, ``tokens`` in all."""
+    count = math.ceil(tokens / BURST_TOKENS) if tokens > 0 else 0
+    gate = asyncio.Semaphore(int(ctx.options.get("concurrency", 4)))
+
+    async def one(i: int) -> bool:
+        tenant = ctx.tenants[i % len(ctx.tenants)]
+        _, marker = ctx.markers.plant(ctx.target.name, tenant)
+        prompt = f"{QUESTION_TEMPLATE.format(marker=marker)}\n{fresh_text(BURST_LETTERS)}"
+        request = CompletionRequest(prompt=prompt, max_tokens=1, chat=False, stream=False, temperature=0.0)
+        async with gate:
+            return (await ctx.complete(tenant, request)).ok
+
+    answered = await asyncio.gather(*(one(i) for i in range(count)))
+    return {"requests": count, "answered": sum(answered), "tokens_asked": tokens}
