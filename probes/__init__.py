@@ -12,6 +12,7 @@ from probes.capacity import CapacityProbe
 from probes.counters import CountersProbe
 from probes.cross_tenant import CrossTenantProbe
 from probes.duplicate_ids import DuplicateIdsProbe
+from probes.full_batch import FullBatchProbe
 from probes.hangup import HangupProbe
 from probes.needle import NeedleProbe
 from probes.prefix_cache import PrefixCacheProbe
@@ -34,4 +35,5 @@ REGISTRY: dict[str, type[Probe]] = {
     "shared_prefix": SharedPrefixProbe,
     "hangup": HangupProbe,
     "session": SessionProbe,
+    "full_batch": FullBatchProbe,
 }

@@ -7,7 +7,7 @@ the monitor and the serving engines meet in one place (``probes/base.py`` has th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 #: Statuses with which engines refuse a request they will not serve (SGLang, vLLM, llama.cpp: 400).
 REFUSAL_STATUSES = frozenset({400, 413, 422})
@@ -37,6 +37,8 @@ class CompletionRequest:
     #: Hang up as a client that went away: after this many stream chunks (0: once the response's
     #: headers came, before any of its body), or after this many seconds whatever came by then.
     #: The completion's ``error_kind`` is then ``hung_up``, with what was read before.
+    #: More body fields for engines that take them (``repetition_penalty``, ``stop``, ``n``).
+    extra: dict[str, Any] = field(default_factory=dict)
     hang_up_after_chunks: int | None = None
     hang_up_after_seconds: float | None = None
 
@@ -94,6 +96,8 @@ class ServerCapacity:
     disaggregation_mode: str | None = None
     version: str | None = None
     pools: dict[str, int] = field(default_factory=dict)
+    #: The most requests the node runs in one batch (SGLang's ``max_running_requests``).
+    max_running_requests: int | None = None
     source: str = ""
     #: Other configuration the node states, as strings (``enable_prefix_caching``, ``verify_ownership``,
     #: ``model``, ``tp_size``...): what a known defect may require, and what a change of it fingerprints.

@@ -150,7 +150,8 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "'prefix-key-partial' keys prefix-cache pages by the prompt's first pages only (llama.cpp#27422); "
         "'abort-in-flight' lets a hung-up request decode on and hands its output to the next request "
         "(redis-py#2624, the 2023 ChatGPT incident); 'session-restore' leaves a reused session-cache "
-        "slot's old entry visible, so a returning conversation gets another one's K/V (llama.cpp#27148)",
+        "slot's old entry visible, so a returning conversation gets another one's K/V (llama.cpp#27148); "
+        "'batch-crossed' hands each row of a full, mixed batch another row's tokens (vllm#5607, mlx-lm#965)",
     )
 
 

@@ -20,7 +20,7 @@ DEVICES = ("cpu", "cuda")
 PREFIX_CACHE_MODES = ("off", "shared", "per-tenant")
 #: The bug zoo: defects of real engines, each behind ``--bug NAME`` and fixed without it
 #: (``docs/architecture.md`` lists them with the cases they follow).
-BUGS = ("rid-collision", "prefix-key-partial", "abort-in-flight", "session-restore")
+BUGS = ("rid-collision", "prefix-key-partial", "abort-in-flight", "session-restore", "batch-crossed")
 
 
 @dataclass(frozen=True)

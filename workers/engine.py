@@ -334,7 +334,7 @@ class Engine:
         """Run one decode step for the whole batch, emit its tokens and retire whoever is done."""
         self.largest_batch = max(self.largest_batch, len(self.batch))
         step = self.batch.decode_step()
-        tokens = self.model.decode(self.decode_pool, step).tolist()
+        tokens = self.zoo.step_tokens(self.batch.requests, self.model.decode(self.decode_pool, step).tolist())
         now = time.monotonic()
         done: list[int] = []
         for row, (request, token) in enumerate(zip(self.batch.requests, tokens, strict=True)):

@@ -43,6 +43,7 @@ def server_info(config: WorkerConfig) -> dict[str, Any]:
         "max_total_num_tokens": config.admission_pool_tokens,
         "max_req_input_len": config.max_req_input_len,
         "page_size": config.page_size,
+        "max_running_requests": config.max_batch,
         "disaggregation_mode": "prefill" if config.disaggregated else "null",
         "version": f"kvcanary-reference {__version__}",
         "served_model_name": config.served_model_name,

@@ -1,8 +1,9 @@
 """The bug zoo's defects in how the engine hands events to requests (``--bug NAME``).
 
 Each class is one real engine's defect, implemented as that engine had it, and wired into
-``workers.engine`` at four points: a request is submitted, joins the batch, is aborted by its
-client, and retires; and every event the engine emits goes through :meth:`Zoo.deliveries`. Without
+``workers.engine`` at five points: a request is submitted, joins the batch, is aborted by its
+client, gets its token of a decode step, and retires; and every event the engine emits goes
+through :meth:`Zoo.deliveries`. Without
 its flag a defect is not built, and events go to the request that produced them. The prefix-cache
 defect (``prefix-key-partial``) lives in ``workers.prefix_cache``; ``docs/architecture.md`` lists
 them all with the cases they follow and the probe kinds that catch them.
@@ -100,12 +101,33 @@ class OrphanedOutput:
         return out
 
 
+class CrossedRows:
+    """``batch-crossed``: with a full batch of mixed sampling parameters, each row gets another row's
+    token. The sampler handles rows grouped by their parameters (here the new-token budget) and
+    writes the tokens back in group order, not batch order, as vllm#5607 (penalties computed per
+    batch), vllm#14645 (batch order inferred from dict keys with mixed speculative lengths) and
+    mlx-lm#965 (answers to other prompts at 16 concurrent requests, 15 of 20 runs) went wrong. The
+    grouping is stable while the batch is, so one request streams another's whole answer."""
+
+    #: Rows from which the batch counts as full enough to be grouped (mlx-lm#965: 16).
+    MIN_ROWS = 8
+
+    def scatter(self, requests: list[Request], tokens: list[int]) -> list[int]:
+        """Return the token each row gets from a step that computed ``tokens`` in batch order."""
+        budgets = [r.plan.max_new_tokens for r in requests]
+        if len(requests) < self.MIN_ROWS or len(set(budgets)) < 2:
+            return tokens
+        grouped = sorted(range(len(requests)), key=budgets.__getitem__)
+        return [tokens[row] for row in grouped]  # THE DEFECT: group order read as batch order
+
+
 class Zoo:
     """The defects ``bugs`` names, behind one interface the engine calls."""
 
     def __init__(self, bugs: frozenset[str]) -> None:
         self.rid_routes = RidRoutes() if "rid-collision" in bugs else None
         self.orphans = OrphanedOutput() if "abort-in-flight" in bugs else None
+        self.crossed_rows = CrossedRows() if "batch-crossed" in bugs else None
 
     def submitted(self, request: Request) -> None:
         if self.rid_routes is not None:
@@ -124,6 +146,10 @@ class Zoo:
         if self.orphans is not None:
             return [(to if r is request else r, e) for r, e in self.orphans.route(request, event)]
         return [(to, event)]
+
+    def step_tokens(self, requests: list[Request], tokens: list[int]) -> list[int]:
+        """Return the token each row of a decode step gets (``tokens``, in batch order, unless crossed)."""
+        return self.crossed_rows.scatter(requests, tokens) if self.crossed_rows is not None else tokens
 
     def retired(self, request: Request) -> None:
         if self.rid_routes is not None:

@@ -59,6 +59,8 @@ async def sse_lines(body: AsyncIterator[bytes], limits: Limits) -> AsyncIterator
 
 
 _MESSAGE_CHARS = 500
+#: Choices of one body read at most (``n`` asks for several; more than this is no engine's answer).
+MAX_CHOICES = 16
 
 
 def request_body(
@@ -84,6 +86,7 @@ def request_body(
         body["user"] = request.request_id
         if takes_rid:
             body["rid"] = request.request_id
+    body.update(request.extra)
     if request.stream:
         # Without this no engine sends usage in a stream, and prompt_tokens is the incident's tell.
         body["stream_options"] = {"include_usage": True}
@@ -253,8 +256,9 @@ class StreamState:
         if choices is not None and not isinstance(choices, list):
             self.fail("protocol", "choices is not a list")
             return False
-        if choices:
-            choice = choices[0]
+        # A stream's chunk carries one choice; a whole body may carry several (``n``), and every one
+        # is output a tenant sees: all are kept (one per line), so all are scanned.
+        for index, choice in enumerate((choices or [])[: 1 if key == "delta" else MAX_CHOICES]):
             if not isinstance(choice, dict):
                 self.fail("protocol", "a choice is not an object")
                 return False
@@ -262,12 +266,12 @@ class StreamState:
             if thought:
                 self.reasoning.append(thought)
             if piece:
-                self.parts.append(piece)
+                self.parts.append(f"\n{piece}" if index else piece)
                 # Time to first token means something only for a stream.
                 if self.first_token_at is None and key == "delta":
                     self.first_token_at = now
             reason = choice.get("finish_reason")
-            if isinstance(reason, str):
+            if isinstance(reason, str) and index == 0:
                 self.finish_reason = reason
         self._absorb_usage(chunk.get("usage"))
         return True
