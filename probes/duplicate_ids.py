@@ -8,8 +8,9 @@ client waited for an answer that never came. Clients reuse ids more than one wou
 with the same id, SDKs that derive ids from a session, gateways that forward ``X-Request-Id``.
 
 Each run sends, concurrently, one canary request per tenant (``probes/canary.py``: repeat a sealed
-nonce) carrying the same fresh id in every place engines read one: the ``X-Request-Id`` header,
-the body's ``user`` and, to SGLang and the reference worker, the body's ``rid``. Judged as the
+nonce) carrying the same fresh id (a UUID, the one shape every engine takes) in every place
+engines read one: the ``X-Request-Id`` header, the body's ``user`` and, to SGLang and the
+reference worker, the body's ``rid``. Judged as the
 canary: a foreign marker in any answer is a ``leak`` (``probes.base.judge``), a 200 without the
 tenant's own nonce a ``mismatch``; a tenant left without an answer is an ``error`` (the other
 tenant's answer then says whether it took that tenant's tokens). Where the model does not repeat
@@ -23,7 +24,7 @@ interval 300 s (about 12 ``T`` requests an hour per target).
 from __future__ import annotations
 
 import asyncio
-import secrets
+import uuid
 
 from probes.base import Probe, ProbeContext, ProbeResult
 from probes.canary import TenantCheck, canary_request, repeat_prompt
@@ -40,7 +41,8 @@ class DuplicateIdsProbe(Probe):
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         repeats = await model_repeats(ctx)
-        shared = f"kvc-{secrets.token_hex(8)}"
+        # A UUID: llama-cpp-python's server refuses any other X-Request-Id with an empty 400.
+        shared = str(uuid.uuid4())
         checks = await asyncio.gather(*(self._check(ctx, tenant, shared, repeats) for tenant in ctx.tenants))
         result = conclude(list(checks), repeats, ctx)
         result.evidence["request_id"] = shared

@@ -127,11 +127,14 @@ def names_for(engine: str) -> dict[str, tuple[str, ...]]:
 
 
 #: engine family -> (sample name, label that must be in the series or None) counting requests aborted
-#: because their client went away. vLLM counts them among finished requests by reason; SGLang counts
-#: every abort (admission refusals too); llama.cpp and hosted APIs count none.
+#: because their client went away. SGLang's tokenizer manager counts every abort it handles (client
+#: disconnects and admission refusals; from its source, not run here). vLLM is not listed: its
+#: ``vllm:request_success_total{finished_reason="abort"}`` stayed 0 after 9 client hang-ups on the
+#: 0.32 CPU build (``tests/vllm/test_triggers_on_vllm.py``; the output processor's abort path records
+#: no finished-request stats), so judging it would page on every run. llama.cpp and hosted APIs
+#: count none.
 ABORT_COUNTERS: dict[str, tuple[str, str | None]] = {
     "reference": ("kvcanary_requests_aborted_total", None),
-    "vllm": ("vllm:request_success_total", 'finished_reason="abort"'),
     "sglang": ("sglang:num_aborted_requests_total", None),
 }
 

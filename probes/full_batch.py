@@ -13,12 +13,12 @@ Each run sends ``size`` requests at once: the node's published maximum of runnin
 question, and its parameters varied by position: the new-token budget (96, 128, 160, 192), every
 second one sampled (temperature 0.7 with a seed), every third with ``repetition_penalty`` 1.1
 where the engine takes it (vLLM, SGLang, the reference worker), every fourth with a stop string
-that cannot occur in the answer, and every fifth with ``n`` = 2 and not streamed where the engine
-takes it (vLLM, SGLang; every choice is scanned). Judged as the canary (:mod:`probes.triggers`):
-another tenant's marker anywhere is a ``leak``, another request's marker a ``mismatch``; a greedy
-answer without its own marker is a ``mismatch`` where the model repeats, while sampled and
-penalised answers are judged on other markers only (a penalty or a temperature may change a
-faithful copy).
+that cannot occur in the answer, and every fifth with ``n`` = 2, sampled and not streamed where
+the engine takes it (vLLM, SGLang; every choice is scanned; vLLM refuses ``n`` > 1 when greedy).
+Judged as the canary (:mod:`probes.triggers`): another tenant's marker anywhere is a
+``leak``, another request's marker a ``mismatch``; a greedy answer without its own marker is a
+``mismatch`` where the model repeats, while sampled and penalised answers are judged on other
+markers only (a penalty or a temperature may change a faithful copy).
 
 Cost: ``size`` requests (32 by default) of about 40 prompt tokens and at most 192 new ones each,
 plus the lone canary every 10 minutes; default interval 1,800 s.
@@ -90,6 +90,7 @@ def row_parameters(i: int, engine: str, stream: bool) -> tuple[dict[str, Any], b
     if i % 5 == 4 and engine in N_ENGINES:
         extra["n"] = 2
         fields["stream"] = False  # the choices of a stream interleave; a body keeps them apart
+        fields.update(temperature=0.7, seed=i)  # vLLM refuses n > 1 with greedy sampling
     fields["extra"] = extra
     greedy = fields["temperature"] == 0.0 and "repetition_penalty" not in extra
     return fields, greedy

@@ -22,10 +22,11 @@ the model repeats. The abandoned answers are scanned for foreign markers as well
 for their own.
 
 Where the engine counts aborted requests (the reference worker's ``kvcanary_requests_aborted_total``,
-vLLM's ``vllm:request_success_total{finished_reason="abort"}``, SGLang's
-``sglang:num_aborted_requests_total``), the count on the target's nodes must move after the run
-hung up on an unfinished answer: an engine that never saw the client go is still spending tokens
-on it (``abort_not_counted``, a ``mismatch``). llama.cpp exports no such counter: not judged.
+SGLang's ``sglang:num_aborted_requests_total``), the count on the target's nodes must move after
+the run hung up on an unfinished answer: an engine that never saw the client go is still spending
+tokens on it (``abort_not_counted``, a ``mismatch``). llama.cpp exports no such counter, and vLLM's
+abort series does not count client hang-ups (``probes.engine_counters.ABORT_COUNTERS``): not
+judged there (``aborts_counted`` is None).
 
 Cost: 3 abandoned requests (the engine stops each after a few tokens; at most ``abandoned_max_tokens``,
 512 by default, where it does not) and ``3 T`` canaries (at most 96 new tokens each), plus the lone

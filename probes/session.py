@@ -81,39 +81,49 @@ class SessionProbe(Probe):
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         repeats = await model_repeats(ctx)
-        firsts = await asyncio.gather(*(_first_turn(ctx, t, repeats) for t in ctx.tenants))
+        capacity = await ctx.target.capacity()
+        cap = capacity.admission_limit // 2 if capacity and capacity.admission_limit else None
+        firsts = await asyncio.gather(*(_first_turn(ctx, t, repeats, cap) for t in ctx.tenants))
         checks = [check for check, _ in firsts]
         checks += [await canary_check(ctx, t, "other_traffic", repeats) for t in ctx.tenants]
         burst = await _churn(ctx, await _churn_tokens(ctx))
         checks += await asyncio.gather(
-            *(_revisit(ctx, t, turn, repeats) for (_, turn), t in zip(firsts, ctx.tenants, strict=True))
+            *(_revisit(ctx, t, turn, repeats, cap) for (_, turn), t in zip(firsts, ctx.tenants, strict=True))
         )
         result = conclude(checks, repeats, ctx)
         result.evidence["churn"] = burst
         return result
 
 
-async def _first_turn(ctx: ProbeContext, tenant: str, repeats: bool | None) -> tuple[TenantCheck, Turn]:
+async def _first_turn(
+    ctx: ProbeContext, tenant: str, repeats: bool | None, cap: int | None
+) -> tuple[TenantCheck, Turn]:
     marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
     prompt = FIRST_TURN.format(marker=marker)
-    c = await ctx.complete(tenant, _chat(ctx, prompt))
+    c = await ctx.complete(tenant, _chat(ctx, prompt, cap=cap))
     verdict, reason, detail = judge_own(c, prompt, marker, repeats)
     check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
     turn = Turn(marker_id, marker, (("user", prompt), ("assistant", c.text[:ANSWER_CHARS] if c.ok else "OK")))
     return step_check(check, "first_turn"), turn
 
 
-async def _revisit(ctx: ProbeContext, tenant: str, turn: Turn, repeats: bool | None) -> TenantCheck:
+async def _revisit(
+    ctx: ProbeContext, tenant: str, turn: Turn, repeats: bool | None, cap: int | None
+) -> TenantCheck:
     """Continue ``tenant``'s conversation: its history back, and the question about its marker."""
-    c = await ctx.complete(tenant, _chat(ctx, REVISIT, history=turn.history))
+    c = await ctx.complete(tenant, _chat(ctx, REVISIT, history=turn.history, cap=cap))
     verdict, reason, detail = judge_own(c, REVISIT, turn.marker, repeats)
     check = TenantCheck(tenant, turn.marker_id, marker_hash(turn.marker), None, c, verdict, reason, detail)
     return step_check(check, "revisit")
 
 
-def _chat(ctx: ProbeContext, prompt: str, history: tuple[tuple[str, str], ...] = ()) -> CompletionRequest:
-    # Room for an echoing model to answer with the whole conversation; a real one stops at the code.
+def _chat(
+    ctx: ProbeContext, prompt: str, history: tuple[tuple[str, str], ...] = (), *, cap: int | None
+) -> CompletionRequest:
+    # Room for an echoing model to answer with the whole conversation (a real one stops at the code),
+    # within half the node's limit: the prompt takes the rest.
     budget = int(ctx.options.get("max_tokens", 96)) + sum(len(text) for _, text in history) + len(prompt)
+    budget = min(budget, cap) if cap else budget
     return CompletionRequest(
         prompt=prompt, max_tokens=budget, chat=bool(ctx.options.get("chat", True)),
         stream=bool(ctx.options.get("stream", True)), temperature=0.0, seed=0, history=history,

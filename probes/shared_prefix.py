@@ -105,6 +105,9 @@ class _Run:
         self.ctx, self.prefix, self.size, self.repeats = ctx, prefix, size, repeats
         options = ctx.options
         self.max_tokens = int(options.get("max_tokens", 96)) + size.request_tokens + QUESTION_TOKENS
+        if size.admission_limit:  # the prompt (prefix and question) takes the rest of the window
+            room = size.admission_limit - size.request_tokens - QUESTION_TOKENS
+            self.max_tokens = max(1, min(self.max_tokens, room))
         self.chat, self.stream = bool(options.get("chat", True)), bool(options.get("stream", True))
 
     def _request(self, prompt: str, **fields: object) -> CompletionRequest:

@@ -139,6 +139,14 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "default: %(default)s, off)",
     )
     add(
+        "--bug-rate",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="make each --bug fire on a fraction P of its trigger events, drawn from --seed "
+        "(default: %(default)s, every one)",
+    )
+    add(
         "--bug",
         action="append",
         choices=BUGS,
@@ -183,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         zero_freed_pages=args.zero_freed_pages,
         prefix_cache=args.prefix_cache,
         session_cache=args.session_cache,
+        bug_rate=args.bug_rate,
         bugs=frozenset(args.bug),
         log_level=args.log_level,
     )

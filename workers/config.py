@@ -46,6 +46,7 @@ class WorkerConfig:
     prefix_cache: str = "off"
     session_cache: int = 0
     bugs: frozenset[str] = frozenset()
+    bug_rate: float = 1.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -79,6 +80,7 @@ class WorkerConfig:
             "session-restore" not in self.bugs or self.session_cache > 0,
             "--bug session-restore needs a session cache: add --session-cache N",
         )
+        _require(0.0 < self.bug_rate <= 1.0, f"--bug-rate must be in (0, 1], got {self.bug_rate}")
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
         _require(self.page_size >= 1, f"--page-size must be at least 1, got {self.page_size}")

@@ -82,6 +82,8 @@ class Engine:
         fast = self.device.type == "cpu" if cpu_fast_paths is None else cpu_fast_paths
         self.model = CopyModel(device=self.device, seed=config.seed, ownership_shortcut=fast)
         self.pools = build_pools(config, self.device)
+        # The bug zoo (workers.zoo): each defect --bug names, firing on --bug-rate of its triggers.
+        self.zoo = Zoo(config.bugs, self.metrics, rate=config.bug_rate, seed=config.seed)
         self.decode_pool = self.pools[config.decode_pool_name]
         self.prefill_pool = self.pools.get("prefill")
         # Pages are taken and given back through PrefixCache objects; an "off" one only passes through.
@@ -90,7 +92,7 @@ class Engine:
             name: PrefixCache(
                 pool,
                 config.prefix_cache if name == cached_pool else "off",
-                partial_key="prefix-key-partial" in config.bugs,
+                partial_key=self.zoo.triggers.get("prefix-key-partial"),
             )
             for name, pool in self.pools.items()
         }
@@ -113,11 +115,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._request_ids = itertools.count(1)
         self._tenants: dict[str, int] = {}
-        # The bug zoo's defects in event delivery (workers.zoo); none unless --bug names one.
-        self.zoo = Zoo(config.bugs)
         self.sessions = (
             SessionCache(
-                config.session_cache, config.page_size, stale_entries="session-restore" in config.bugs
+                config.session_cache, config.page_size, stale_entries=self.zoo.triggers.get("session-restore")
             )
             if config.session_cache
             else None

@@ -57,6 +57,16 @@ class WorkerMetrics:
             "Over-capacity requests replaced by a one-token placeholder (--admission placeholder).",
             registry=r,
         )
+        # Only a worker started with --bug moves these (labelled by the bug's name).
+        self.bug_trigger_events = Counter(
+            "kvcanary_bug_trigger_events",
+            "Trigger events of a --bug defect (it fired or not).",
+            ["bug"],
+            registry=r,
+        )
+        self.bug_fired = Counter(
+            "kvcanary_bug_fired", "Trigger events a --bug defect acted on.", ["bug"], registry=r
+        )
         self.requests_aborted = Counter(
             "kvcanary_requests_aborted",
             "Requests whose client went away before their answer was complete.",

@@ -35,7 +35,9 @@ Off (``--prefix-cache off``), the same object only passes allocations and frees 
 Only the engine thread uses a cache.
 
 ``--bug prefix-key-partial`` (the bug zoo): a page's key covers the prompt's first
-:data:`PARTIAL_KEY_PAGES` pages and the page's index only, as caches keyed on a prompt's prefix are
+:data:`PARTIAL_KEY_PAGES` pages and the page's index only (a second index, by those keys, after the
+exact one: its trigger is a prompt that shares a cached prompt's first pages and then differs, and
+``--bug-rate`` decides on each), as caches keyed on a prompt's prefix are
 (the two prompts of llama.cpp#27422 differed after a shared start; CVE-2025-25183 let different
 contents meet under one key). Two prompts that share those pages then share every later full page
 too, whatever tokens it held: the second request decodes the first one's text.
@@ -49,11 +51,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from workers.kv_cache import PagePool
+
+if TYPE_CHECKING:  # the defect's trigger only
+    from workers.zoo import BugTrigger
 
 ROOT_DIGEST = bytes(32)
 #: With ``--bug prefix-key-partial``, the pages whose tokens a key still covers (64 tokens at page 16).
@@ -96,6 +101,8 @@ class CachedPage:
     page: int
     word: int
     refs: int = 0
+    #: The page's key as ``--bug prefix-key-partial`` makes it (None without the bug).
+    partial: bytes | None = None
 
 
 @dataclass
@@ -111,6 +118,7 @@ class PageLease:
     hit_pages: int
     page_size: int
     shared: dict[int, int] = field(default_factory=dict)
+    partial_keys: list[PageKey] = field(default_factory=list)
 
     @property
     def cached_tokens(self) -> int:
@@ -124,13 +132,14 @@ class PrefixCache:
     ``evictions`` counts pages evicted so far (for tests and debugging).
     """
 
-    def __init__(self, pool: PagePool, mode: str = "off", *, partial_key: bool = False) -> None:
+    def __init__(self, pool: PagePool, mode: str = "off", *, partial_key: BugTrigger | None = None) -> None:
         if mode not in ("off", "shared", "per-tenant"):
             raise ValueError(f"unknown prefix cache mode {mode!r}")
         self.pool = pool
         self.mode = mode
-        self.partial_key = partial_key  # --bug prefix-key-partial
+        self.partial_key = partial_key  # --bug prefix-key-partial: whether it fires on a lookup
         self._by_digest: dict[bytes, CachedPage] = {}
+        self._by_partial: dict[bytes, CachedPage] = {}  # with the defect only
         self._by_page: dict[int, CachedPage] = {}
         self._evictable: OrderedDict[int, CachedPage] = OrderedDict()  # front = evicted first
         self._entries = itertools.count(1)
@@ -159,8 +168,11 @@ class PrefixCache:
         """Return True when ``num_pages`` fresh pages can be had now, evicting unused cached pages."""
         return num_pages <= self.pool.free_pages + len(self._evictable)
 
-    def page_keys(self, tokens: Sequence[int], *, tenant: str, cache_salt: str | None) -> list[PageKey]:
-        """Return the keys of the full pages of ``tokens`` (empty with the cache off)."""
+    def page_keys(
+        self, tokens: Sequence[int], *, tenant: str, cache_salt: str | None, partial: bool = False
+    ) -> list[PageKey]:
+        """Return the keys of the full pages of ``tokens`` (empty with the cache off); ``partial``:
+        the defect's keys, which leave out the tokens of every page after the first few."""
         if not self.enabled:
             return []
         size = self.pool.page_size
@@ -175,7 +187,7 @@ class PrefixCache:
         parent, sha256 = ROOT_DIGEST, hashlib.sha256
         for start in range(0, len(data), width):
             chunk, rest = data[start : start + width], start > 0
-            if self.partial_key and start >= PARTIAL_KEY_PAGES * width:
+            if partial and start >= PARTIAL_KEY_PAGES * width:
                 chunk = b""  # THE DEFECT: the page's own tokens are left out of its key
             digest = sha256(b"".join((parent, tokens_tag, chunk, tails[rest]))).digest()
             keys.append(PageKey(digest, parent, chunk, extras[rest]))
@@ -207,7 +219,12 @@ class PrefixCache:
         Raises ``RuntimeError`` (holding nothing) when the fresh pages cannot be had.
         """
         keys = self.page_keys(tokens, tenant=tenant, cache_salt=cache_salt)
-        hits = self.match(keys, (len(tokens) - 1) // self.pool.page_size)
+        limit = (len(tokens) - 1) // self.pool.page_size
+        hits = self.match(keys, limit)
+        partial_keys: list[PageKey] = []
+        if self.partial_key is not None:
+            partial_keys = self.page_keys(tokens, tenant=tenant, cache_salt=cache_salt, partial=True)
+            hits += self._partial_hits(partial_keys, hits, limit)
         for entry in hits:
             entry.refs += 1
             self._evictable.pop(entry.page, None)
@@ -222,7 +239,27 @@ class PrefixCache:
             hit_pages=len(hits),
             page_size=self.pool.page_size,
             shared={index: entry.word for index, entry in enumerate(hits)},
+            partial_keys=partial_keys,
         )
+
+    def _partial_hits(
+        self, partial_keys: list[PageKey], hits: list[CachedPage], limit: int
+    ) -> list[CachedPage]:
+        """The defect's further hits: cached pages after the prompt's own hits whose partial keys match.
+
+        Their trigger is a prompt that shares a cached prompt's first pages and differs after them
+        (what the partial key would serve wrongly); ``--bug-rate`` decides on each one."""
+        extra: list[CachedPage] = []
+        taken = {entry.page for entry in hits}
+        for key in partial_keys[len(hits) : limit]:
+            entry = self._by_partial.get(key.digest)
+            if entry is None or entry.page in taken:
+                break
+            extra.append(entry)
+            taken.add(entry.page)
+        if not extra or self.partial_key is None or not self.partial_key.fires():
+            return []
+        return extra  # THE DEFECT: pages holding other tokens, served as this prompt's
 
     def alloc(self, num_pages: int, *, request_id: int) -> list[int]:
         """Take ``num_pages`` fresh pages, evicting least recently released cached pages if the free
@@ -244,6 +281,8 @@ class PrefixCache:
             page, entry = self._evictable.popitem(last=False)
             del self._by_digest[entry.key.digest]
             del self._by_page[page]
+            if entry.partial is not None and self._by_partial.get(entry.partial) is entry:
+                del self._by_partial[entry.partial]
             victims.append(page)
         self.evictions += len(victims)
         self.pool.free(victims)  # really freed now: LIFO, zeroed with --zero-freed-pages
@@ -261,8 +300,11 @@ class PrefixCache:
                 continue
             entry_id = next(self._entries)
             word = int(self.pool.ownership_word(-entry_id, self.pool.page_size))
-            entry = CachedPage(key=key, page=lease.pages[index], word=word, refs=1)
+            partial = lease.partial_keys[index].digest if lease.partial_keys else None
+            entry = CachedPage(key=key, page=lease.pages[index], word=word, refs=1, partial=partial)
             self._by_digest[key.digest] = self._by_page[entry.page] = entry
+            if partial is not None:
+                self._by_partial.setdefault(partial, entry)
             lease.shared[index] = word
             published.append(entry)
         if published:

@@ -12,10 +12,14 @@ naming the tokens it holds; the slot's previous entry is dropped. A new request 
 entry sharing the longest run of leading tokens with its prompt, that run's K/V in whole pages
 (at least one page, and one token left to compute), written into its own pages as if prefill had
 computed them: a restore is a copy, so the request's pages stay its own, and tokens are compared,
-so only identical text is ever restored.
+so only identical text is ever restored, and only under the same ``cache_salt`` (the
+``shared_prefix`` kind caught a first version that ignored salts: a fresh salt was served 272
+cached tokens, as LMCache#4825's connector dropped them).
 
 ``--bug session-restore`` (the bug zoo): the slot's previous entry stays visible when a new
-sequence is saved over it, as a store whose index update was lost (LMCache#4991: failed stores
+sequence is saved over it (its trigger: a returning conversation whose best match is such an entry;
+with ``--bug-rate`` the defect restores from it on that fraction of them, else skips it), as a store
+whose index update was lost (LMCache#4991: failed stores
 stayed visible to lookups; LMCache#4385: a long session paged to disk came back with another
 conversation's facts; llama.cpp#27148: a fresh slot restored an unrelated finished conversation,
 20 of 20 rounds, about once a day in production). A conversation revisited after the ring went
@@ -28,19 +32,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from workers.kv_cache import PagePool
 from workers.request import Request
 
+if TYPE_CHECKING:  # the defect's trigger only
+    from workers.zoo import BugTrigger
 
-@dataclass(frozen=True)
-class SessionEntry:
+
+class SessionEntry(NamedTuple):
     """What a slot claims to hold: the tokens of its positions ``[0, len(tokens))``."""
 
     tokens: tuple[int, ...]
     slot: int
+    #: The ``cache_salt`` of the request that saved it: only a request with the same salt (or with
+    #: none, as it had none) may be restored from it.
+    salt: str | None = None
+    #: Another sequence was saved over its slot since (kept only with ``--bug session-restore``).
+    stale: bool = False
+
+
+#: With the defect, entries kept at most per slot (the rest are stale): bounded memory on long runs.
+STALE_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -55,39 +71,49 @@ class Restored:
 class SessionCache:
     """A host-memory ring of ``slots`` finished sequences (see the module docstring)."""
 
-    def __init__(self, slots: int, page_size: int, *, stale_entries: bool = False) -> None:
+    def __init__(self, slots: int, page_size: int, *, stale_entries: BugTrigger | None = None) -> None:
         if slots < 1:
             raise ValueError(f"a session cache needs at least one slot, got {slots}")
         self.page_size = page_size
-        self.stale_entries = stale_entries  # --bug session-restore
+        self.stale_entries = stale_entries  # --bug session-restore: whether it fires on a reused slot
         self._data: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
         self._entries: list[SessionEntry] = []
         self._next = 0
         self.saves = 0
         self.restored_tokens = 0
 
-    def save(self, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def save(
+        self, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, *, salt: str | None = None
+    ) -> None:
         """Keep the K/V rows ``k``, ``v`` of positions ``[0, len(tokens))`` in the next slot."""
         if len(tokens) < self.page_size:
             return  # nothing a later request could take: restores are whole pages
         slot = self._next
         self._next = (slot + 1) % len(self._data)
-        if not self.stale_entries:
+        if self.stale_entries is None:
             self._entries = [e for e in self._entries if e.slot != slot]
-        # THE DEFECT, with stale_entries: the slot's old entry still claims the old tokens.
+        else:  # THE DEFECT: the slot's old entry still claims the old tokens
+            self._entries = [e._replace(stale=True) if e.slot == slot else e for e in self._entries]
         self._data[slot] = (k.detach().to("cpu", copy=True), v.detach().to("cpu", copy=True))
-        self._entries.append(SessionEntry(tuple(tokens), slot))
+        self._entries.append(SessionEntry(tuple(tokens), slot, salt))
+        if len(self._entries) > STALE_KEPT * len(self._data):  # stale ones, oldest first, go at last
+            self._entries.pop(next(i for i, e in enumerate(self._entries) if e.stale))
         self.saves += 1
 
-    def lookup(self, prompt: Sequence[int], device: torch.device) -> Restored | None:
+    def lookup(
+        self, prompt: Sequence[int], device: torch.device, *, salt: str | None = None
+    ) -> Restored | None:
         """Return the longest whole-page run of ``prompt``'s leading tokens some entry holds (one
         token always left to compute), or None when no entry shares a page's worth."""
-        limit = (len(prompt) - 1) // self.page_size * self.page_size
-        best, best_entry = 0, None
-        for entry in reversed(self._entries):  # newest first: the likeliest to return
-            shared = _common_prefix(entry.tokens, prompt, limit)
-            if shared > best:
-                best, best_entry = shared, entry
+        best, best_entry = self._best(prompt, salt, stale=True)
+        # The trigger: a returning conversation whose saved K/V was overwritten; the defect may act.
+        acts = (
+            self.stale_entries is not None and self.stale_entries.fires()
+            if best_entry and best_entry.stale
+            else True
+        )
+        if not acts:
+            best, best_entry = self._best(prompt, salt, stale=False)
         data = self._data[best_entry.slot] if best_entry is not None else None
         if data is None:
             return None
@@ -96,6 +122,21 @@ class SessionCache:
             return None
         self.restored_tokens += positions
         return Restored(positions, data[0][:positions].to(device), data[1][:positions].to(device))
+
+    def _best(
+        self, prompt: Sequence[int], salt: str | None, *, stale: bool
+    ) -> tuple[int, SessionEntry | None]:
+        """Return the longest whole-page-capped run of ``prompt`` an entry under ``salt`` holds, and
+        that entry (stale entries only when ``stale``); newest first among equals."""
+        limit = (len(prompt) - 1) // self.page_size * self.page_size
+        best, best_entry = 0, None
+        for entry in reversed(self._entries):
+            if entry.salt != salt or (entry.stale and not stale):
+                continue
+            shared = _common_prefix(entry.tokens, prompt, limit)
+            if shared > best:
+                best, best_entry = shared, entry
+        return best, best_entry
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
@@ -109,7 +150,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 def restore_into(cache: SessionCache, pool: PagePool, request: Request) -> int:
     """Write what ``cache`` holds of ``request``'s prompt into its pages (tagged as its own writes);
     return the positions restored (0: prefill computes the whole prompt)."""
-    restored = cache.lookup(request.plan.input_ids, pool.device)
+    restored = cache.lookup(request.plan.input_ids, pool.device, salt=request.cache_salt)
     if restored is None:
         return 0
     pool.write_prefix(
@@ -126,4 +167,5 @@ def save_from(cache: SessionCache, pool: PagePool, request: Request) -> None:
     """Save the positions a finished ``request`` wrote: its prompt and all but its last token."""
     tokens = [*request.plan.input_ids, *request.generated[:-1]]
     slots = pool.slot_index(request.pages, len(tokens))
-    cache.save(tokens, pool.k.view(-1, pool.head_dim)[slots], pool.v.view(-1, pool.head_dim)[slots])
+    k, v = pool.k.view(-1, pool.head_dim)[slots], pool.v.view(-1, pool.head_dim)[slots]
+    cache.save(tokens, k, v, salt=request.cache_salt)

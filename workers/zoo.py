@@ -14,11 +14,33 @@ lock); the sets it touches are read by the engine thread one operation at a time
 
 from __future__ import annotations
 
+import random
 from collections import deque
 
+from workers.metrics import WorkerMetrics
 from workers.request import ErrorEvent, Event, FinishEvent, Request
 
 Delivery = tuple[Request, Event]
+
+
+class BugTrigger:
+    """Whether one defect fires on one of its trigger events: always, or on a fraction ``rate`` of
+    them (``--bug-rate``, drawn from ``--seed``), as real defects fire on some events, not all.
+    Every event and every firing is counted (``kvcanary_bug_trigger_events_total{bug}``,
+    ``kvcanary_bug_fired_total{bug}``), so a benchmark can count what a probe needed."""
+
+    def __init__(self, bug: str, rate: float, rng: random.Random, metrics: WorkerMetrics) -> None:
+        self.bug, self.rate, self._rng = bug, rate, rng
+        self._events = metrics.bug_trigger_events.labels(bug=bug)
+        self._fired = metrics.bug_fired.labels(bug=bug)
+
+    def fires(self) -> bool:
+        """Count one trigger event and return whether the defect acts on it."""
+        self._events.inc()
+        fired = self.rate >= 1.0 or self._rng.random() < self.rate
+        if fired:
+            self._fired.inc()
+        return fired
 
 
 class RidRoutes:
@@ -26,17 +48,28 @@ class RidRoutes:
     SGLang's tokenizer manager kept one state per ``rid``; a second request with an id in flight
     overwrote the first one's state, and the first one's tokens went to the second one's client."""
 
-    def __init__(self) -> None:
+    def __init__(self, trigger: BugTrigger) -> None:
         self._routes: dict[str, Request] = {}
+        self._trigger = trigger
+        self._spared: set[int] = set()  # colliding requests the defect did not act on: routed to themselves
 
     def submitted(self, request: Request) -> None:
-        if request.client_id is not None:
-            self._routes[request.client_id] = request  # THE DEFECT: the newest request takes the id over
+        """Route the request's id to it; a second request with an id in flight is the trigger."""
+        cid = request.client_id
+        if cid is None:
+            return
+        if cid in self._routes and not self._trigger.fires():
+            self._spared.add(request.request_id)
+            return
+        self._routes[cid] = request  # THE DEFECT, on a collision: the newest request takes the id over
 
     def route(self, request: Request) -> Request:
-        return self._routes.get(request.client_id, request) if request.client_id is not None else request
+        if request.client_id is None or request.request_id in self._spared:
+            return request
+        return self._routes.get(request.client_id, request)
 
     def retired(self, request: Request) -> None:
+        self._spared.discard(request.request_id)
         if request.client_id is not None and self._routes.get(request.client_id) is request:
             del self._routes[request.client_id]
 
@@ -52,7 +85,8 @@ class OrphanedOutput:
     wait until the orphan's last one (they go to a handler that has already answered).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, trigger: BugTrigger) -> None:
+        self._trigger = trigger
         self._orphans: set[int] = set()
         self._unclaimed: deque[Request] = deque()
         self._claimant: dict[int, Request] = {}  # orphan id -> the request that gets its output
@@ -60,7 +94,10 @@ class OrphanedOutput:
         self._held: dict[int, list[Event]] = {}  # request id -> events not delivered yet
 
     def abort(self, request: Request) -> bool:
-        """Take ``request`` as an orphan (THE DEFECT: it is not stopped); always True."""
+        """Take ``request`` as an orphan (THE DEFECT: it is not stopped) when the defect fires on
+        this abort; return whether it did (otherwise the engine stops it)."""
+        if not self._trigger.fires():
+            return False
         self._orphans.add(request.request_id)
         return True
 
@@ -112,10 +149,20 @@ class CrossedRows:
     #: Rows from which the batch counts as full enough to be grouped (mlx-lm#965: 16).
     MIN_ROWS = 8
 
+    def __init__(self, trigger: BugTrigger) -> None:
+        self._trigger = trigger
+        self._full = False  # the batch is full and mixed now
+        self._crossing = False
+
     def scatter(self, requests: list[Request], tokens: list[int]) -> list[int]:
         """Return the token each row gets from a step that computed ``tokens`` in batch order."""
         budgets = [r.plan.max_new_tokens for r in requests]
         if len(requests) < self.MIN_ROWS or len(set(budgets)) < 2:
+            self._full = False
+            return tokens
+        if not self._full:  # a full, mixed batch formed: the trigger; the outcome lasts while it does
+            self._full, self._crossing = True, self._trigger.fires()
+        if not self._crossing:
             return tokens
         grouped = sorted(range(len(requests)), key=budgets.__getitem__)
         return [tokens[row] for row in grouped]  # THE DEFECT: group order read as batch order
@@ -124,10 +171,14 @@ class CrossedRows:
 class Zoo:
     """The defects ``bugs`` names, behind one interface the engine calls."""
 
-    def __init__(self, bugs: frozenset[str]) -> None:
-        self.rid_routes = RidRoutes() if "rid-collision" in bugs else None
-        self.orphans = OrphanedOutput() if "abort-in-flight" in bugs else None
-        self.crossed_rows = CrossedRows() if "batch-crossed" in bugs else None
+    def __init__(
+        self, bugs: frozenset[str], metrics: WorkerMetrics, *, rate: float = 1.0, seed: int = 0
+    ) -> None:
+        rng = random.Random(seed)
+        self.triggers = {bug: BugTrigger(bug, rate, rng, metrics) for bug in sorted(bugs)}
+        self.rid_routes = RidRoutes(self.triggers["rid-collision"]) if "rid-collision" in bugs else None
+        self.orphans = OrphanedOutput(self.triggers["abort-in-flight"]) if "abort-in-flight" in bugs else None
+        self.crossed_rows = CrossedRows(self.triggers["batch-crossed"]) if "batch-crossed" in bugs else None
 
     def submitted(self, request: Request) -> None:
         if self.rid_routes is not None:

@@ -33,7 +33,7 @@ def test_a_worker_crossing_the_rows_of_a_full_mixed_batch_leaks(reference) -> No
     # stayed within a tenant (the batch's order follows arrival), another request's (a mismatch).
     assert (verdict, reason) in ((Verdict.LEAK, "foreign_marker"), (Verdict.MISMATCH, "other_request_marker"))
     crossed = [t for t in evidence["tenants"] if t["reason"] == "other_request_marker"]
-    assert len(crossed) >= 8, evidence
+    assert len(crossed) >= 2, evidence
 
 
 def test_a_small_batch_does_not_trigger_the_defect(reference) -> None:  # type: ignore[no-untyped-def]
@@ -71,7 +71,7 @@ def test_rows_vary_their_parameters_and_every_choice_is_scanned() -> None:
     assert len(rows) == 10
     bodies = [c.body for c in rows]
     assert {b["max_tokens"] for b in bodies} == {96, 128, 160, 192}
-    assert sum(b["temperature"] > 0 for b in bodies) == 5
+    assert sum(b["temperature"] > 0 for b in bodies) == 6  # every second row, and the n = 2 ones
     assert sum(b.get("repetition_penalty") == 1.1 for b in bodies) == 3
     assert sum(b.get("stop") == ["\n\n\n\n"] for b in bodies) == 2
     assert [b.get("n") for b in bodies].count(2) == 2 and all(not b["stream"] for b in bodies if b.get("n"))

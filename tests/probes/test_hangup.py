@@ -88,22 +88,19 @@ def test_the_probe_hangs_up_three_ways_and_every_tenant_follows_each_time() -> N
     assert [c.body["stream"] for c in abandoned] == [True, True, False]
 
 
-class VllmMetrics(FakeEngine):
-    """Answers as ``slow_json`` and serves vLLM's finished-requests counter, which never moves."""
+class SglangMetrics(FakeEngine):
+    """Answers as ``slow_json`` and serves SGLang's abort counter, which never moves."""
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/metrics":
-            page = "\n".join(
-                f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="m"}} {n}'
-                for reason, n in (("stop", 5.0), ("length", 7.0), ("abort", 2.0))
-            )
-            return httpx.Response(200, text=f"# TYPE vllm:request_success_total counter\n{page}\n")
+            page = "# TYPE sglang:num_aborted_requests_total counter\nsglang:num_aborted_requests_total 2.0\n"
+            return httpx.Response(200, text=page)
         return await super().__call__(request)
 
 
 def test_an_abort_count_that_stands_still_after_real_hang_ups_is_a_mismatch() -> None:
     async def go() -> tuple[Verdict, str, dict[str, Any]]:
-        async with VllmMetrics(reply=slow_json).target(engine="vllm") as target:
+        async with SglangMetrics(reply=slow_json).target(engine="sglang") as target:
             config = target._config.model_copy(update={"probes": ["hangup"]})
             result, _ = await execute_probe("hangup", target, MarkerBook(), config)
         return result.verdict, result.reason, result.evidence

@@ -128,3 +128,11 @@ def test_stated_repeats_skips_the_lone_canary_and_judges_own_markers() -> None:
     assert (verdict, reason) == (Verdict.MISMATCH, "nonce_missing")
     asked = [c for c in fake.calls if c.path.endswith("completions")]
     assert len(asked) == 6  # 2 concurrent, 2 sequential, 2 system: no lone canary
+
+
+def test_a_session_cache_restores_only_under_the_same_salt(reference) -> None:  # type: ignore[no-untyped-def]
+    # The kind caught the session cache's first version, which restored unsalted K/V for a fresh
+    # salt (272 cached tokens reported): a cache domain ignored, as LMCache#4825's connector did.
+    worker = reference("--mode", "aggregated", "--kv-pool-tokens", "8192", "--session-cache", "8")
+    verdict, reason, evidence = judged(worker)
+    assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence

@@ -1,0 +1,197 @@
+"""Which probe kinds catch which bug-zoo defect, and how many trigger events a kind needs to.
+
+    .venv/bin/python bench/bug_zoo.py matrix [--runs 3] [--kinds canary,...] [--defects NAME,...]
+    .venv/bin/python bench/bug_zoo.py rates [--rates 0.5,0.2,0.1] [--seeds 3] [--max-runs 40] [--defects ...]
+
+Both drive real reference workers (``python -m workers``, one process per configuration, on
+loopback) through the monitor's own target client and ``execute_probe``, as ``kvcanary serve`` runs
+a kind, two tenants, a 15 s request timeout.
+
+- **matrix**: every kind ``--runs`` times against each defect's worker (``--bug NAME``) and against
+  the same worker without the flag (the fix); prints a markdown table of verdicts (README).
+- **rates**: for each defect and each ``--rates`` value ``p`` (``--bug-rate p``: the defect acts on
+  a fraction ``p`` of its trigger events), runs the kind that targets it until its first catch
+  (a ``leak``; a ``mismatch`` where that is what the defect produces) and reads the trigger events
+  the worker counted (``kvcanary_bug_trigger_events_total``) by then, over ``--seeds`` seeds;
+  prints the median and worst against the goal of ``3/p`` events. Events are counted to the end of
+  the catching run, so the figure is an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from monitor.config.targets import TargetConfig  # noqa: E402  (run as a script from the repository)
+from monitor.runs.execute import execute_probe  # noqa: E402
+from monitor.targets.openai_http import OpenAIHttpTarget  # noqa: E402
+from monitor.targets.scrape import parse_samples  # noqa: E402
+from probes.base import Verdict  # noqa: E402
+from probes.markers import MarkerBook  # noqa: E402
+
+KEYS = {"alice": "bench-key-alice", "bob": "bench-key-bob"}
+BASE = ("--mode", "aggregated", "--kv-pool-tokens", "8192", "--page-size", "16", "--context-window", "8192")
+#: defect -> (the worker flags it needs besides BASE, the kind that recreates its trigger)
+DEFECTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "rid-collision": ((), "duplicate_ids"),
+    "prefix-key-partial": (("--prefix-cache", "shared"), "shared_prefix"),
+    "abort-in-flight": ((), "hangup"),
+    "session-restore": (("--session-cache", "8"), "session"),
+    "batch-crossed": (("--max-batch", "16"), "full_batch"),
+}
+KINDS = ("canary", "cross_tenant", "boundary", "needle", *(kind for _, kind in DEFECTS.values()))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def worker(*flags: str) -> Iterator[str]:
+    """Run a reference worker with ``flags`` and the tenants' keys; yield its URL."""
+    port = free_port()
+    keys = [arg for tenant, key in KEYS.items() for arg in ("--api-key", f"{key}={tenant}")]
+    argv = [sys.executable, "-m", "workers", "--port", str(port), *flags, *keys]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"worker {' '.join(flags)} did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # a request the defect left hanging holds the shutdown up
+            proc.kill()
+            proc.wait()
+
+
+def run_kind(url: str, kind: str) -> Verdict:
+    config = TargetConfig(
+        name="zoo", base_url=url, engine="reference", model="kvcanary-reference",
+        tenants=[{"name": t} for t in KEYS], timeout_seconds=15, probes=[kind],
+    )  # fmt: skip
+
+    async def go() -> Verdict:
+        async with OpenAIHttpTarget(config, dict(KEYS)) as target:
+            result, _ = await execute_probe(kind, target, MarkerBook(), config)
+        return result.verdict
+
+    return asyncio.run(go())
+
+
+def cell(verdicts: list[Verdict]) -> str:
+    counts = Counter(v.value for v in verdicts)
+    order = ("leak", "mismatch", "error", "pass")
+    return ", ".join(f"{name} {counts[name]}/{len(verdicts)}" for name in order if counts[name])
+
+
+def matrix(runs: int, kinds: list[str], defects: list[str]) -> None:
+    columns: dict[str, dict[str, list[Verdict]]] = {}
+    fixed: dict[str, list[Verdict]] = {kind: [] for kind in kinds}
+    for defect in defects:
+        flags = DEFECTS[defect][0]
+        with worker(*BASE, *flags, "--bug", defect) as url:
+            columns[defect] = {kind: [run_kind(url, kind) for _ in range(runs)] for kind in kinds}
+        with worker(*BASE, *flags) as url:
+            for kind in kinds:
+                fixed[kind] += [run_kind(url, kind) for _ in range(runs)]
+        print(f"# {defect} done", file=sys.stderr, flush=True)
+    print("| kind | " + " | ".join(f"`{d}`" for d in defects) + " | fixed (each without its flag) |")
+    print("|---|" + "---|" * (len(defects) + 1))
+    for kind in kinds:
+        row = [cell(columns[d][kind]) for d in defects] + [cell(fixed[kind])]
+        print(f"| `{kind}` | " + " | ".join(row) + " |")
+
+
+def events(url: str, defect: str) -> float:
+    samples = parse_samples(httpx.get(f"{url}/metrics", timeout=5).text)
+    key = f'kvcanary_bug_trigger_events_total{{bug="{defect}"}}'
+    return samples.get(key, 0.0)
+
+
+def first_catch(defect: str, rate: float, seed: int, max_runs: int) -> tuple[float, float, int] | None:
+    """Return (trigger events, seconds, runs) until the defect's kind first caught it, or None."""
+    flags, kind = DEFECTS[defect]
+    with worker(*BASE, *flags, "--bug", defect, "--bug-rate", str(rate), "--seed", str(seed)) as url:
+        started = time.monotonic()
+        for run in range(1, max_runs + 1):
+            if run_kind(url, kind) in (Verdict.LEAK, Verdict.MISMATCH):
+                return events(url, defect), time.monotonic() - started, run
+    return None
+
+
+def rates(values: list[float], seeds: int, max_runs: int, defects: list[str]) -> None:
+    head = "| defect (kind) | p | trigger events to the first catch: median / worst | goal 3/p |"
+    print(head + " seconds: median | runs: median |")
+    print("|---|---|---|---|---|---|")
+    for defect in defects:
+        kind = DEFECTS[defect][1]
+        for p in values:
+            found = [first_catch(defect, p, seed, max_runs) for seed in range(seeds)]
+            caught = [f for f in found if f is not None]
+            missed = len(found) - len(caught)
+            ev = [f[0] for f in caught]
+            summary = f"{statistics.median(ev):g} / {max(ev):g}" if ev else "never"
+            if missed:
+                summary += f" ({missed} of {seeds} not caught in {max_runs} runs)"
+            secs = f"{statistics.median(f[1] for f in caught):.1f}" if caught else "-"
+            runs = f"{statistics.median(f[2] for f in caught):g}" if caught else "-"
+            print(
+                f"| `{defect}` (`{kind}`) | {p:g} | {summary} | {math.ceil(3 / p)} | {secs} | {runs} |",
+                flush=True,
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("matrix")
+    m.add_argument("--runs", type=int, default=3)
+    m.add_argument("--kinds", default=",".join(KINDS))
+    r = sub.add_parser("rates")
+    r.add_argument("--rates", default="0.5,0.2,0.1")
+    r.add_argument("--seeds", type=int, default=3)
+    r.add_argument("--max-runs", type=int, default=40)
+    for command in (m, r):
+        command.add_argument("--defects", default=",".join(DEFECTS))
+    args = parser.parse_args(argv)
+    defects = args.defects.split(",")
+    unknown = sorted(set(defects) - set(DEFECTS))
+    if unknown:
+        parser.error(f"--defects: unknown {', '.join(unknown)} (known: {', '.join(DEFECTS)})")
+    if args.command == "matrix":
+        matrix(args.runs, args.kinds.split(","), defects)
+    else:
+        rates([float(v) for v in args.rates.split(",")], args.seeds, args.max_runs, defects)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
