@@ -44,15 +44,20 @@ from probes.markers import MarkerBook  # noqa: E402
 
 KEYS = {"alice": "bench-key-alice", "bob": "bench-key-bob"}
 BASE = ("--mode", "aggregated", "--kv-pool-tokens", "8192", "--page-size", "16", "--context-window", "8192")
+ADAPTERS = ("sql-lora", "chat-lora")
 #: defect -> (the worker flags it needs besides BASE, the kind that recreates its trigger)
 DEFECTS: dict[str, tuple[tuple[str, ...], str]] = {
     "rid-collision": ((), "duplicate_ids"),
     "prefix-key-partial": (("--prefix-cache", "shared"), "shared_prefix"),
+    "prefix-key-no-adapter": (
+        ("--prefix-cache", "shared", *(arg for name in ADAPTERS for arg in ("--lora-adapter", name))),
+        "shared_prefix",
+    ),
     "abort-in-flight": ((), "hangup"),
     "session-restore": (("--session-cache", "8"), "session"),
     "batch-crossed": (("--max-batch", "16"), "full_batch"),
 }
-KINDS = ("canary", "cross_tenant", "boundary", "needle", *(kind for _, kind in DEFECTS.values()))
+KINDS = ("canary", "cross_tenant", "boundary", "needle", *dict.fromkeys(kind for _, kind in DEFECTS.values()))
 
 
 def free_port() -> int:
@@ -92,10 +97,12 @@ def worker(*flags: str) -> Iterator[str]:
             proc.wait()
 
 
-def run_kind(url: str, kind: str) -> Verdict:
+def run_kind(url: str, kind: str, adapters: bool = False) -> Verdict:
+    """Run ``kind`` once; ``adapters``: the worker serves :data:`ADAPTERS` and shared_prefix asks them."""
     config = TargetConfig(
         name="zoo", base_url=url, engine="reference", model="kvcanary-reference",
         tenants=[{"name": t} for t in KEYS], timeout_seconds=15, probes=[kind],
+        options={"shared_prefix": {"adapters": list(ADAPTERS)}} if adapters else {},
     )  # fmt: skip
 
     async def go() -> Verdict:
@@ -117,13 +124,14 @@ def matrix(runs: int, kinds: list[str], defects: list[str]) -> None:
     fixed: dict[str, list[Verdict]] = {kind: [] for kind in kinds}
     for defect in defects:
         flags = DEFECTS[defect][0]
+        adapters = "--lora-adapter" in flags
         with worker(*BASE, *flags, "--bug", defect) as url:
-            columns[defect] = {kind: [run_kind(url, kind) for _ in range(runs)] for kind in kinds}
+            columns[defect] = {kind: [run_kind(url, kind, adapters) for _ in range(runs)] for kind in kinds}
         with worker(*BASE, *flags) as url:
             for kind in kinds:
-                fixed[kind] += [run_kind(url, kind) for _ in range(runs)]
+                fixed[kind] += [run_kind(url, kind, adapters) for _ in range(runs)]
         print(f"# {defect} done", file=sys.stderr, flush=True)
-    print("| kind | " + " | ".join(f"`{d}`" for d in defects) + " | fixed (each without its flag) |")
+    print("| kind | " + " | ".join(f"`{d}`" for d in defects) + " | fixed (each worker without its flag) |")
     print("|---|" + "---|" * (len(defects) + 1))
     for kind in kinds:
         row = [cell(columns[d][kind]) for d in defects] + [cell(fixed[kind])]
@@ -142,7 +150,7 @@ def first_catch(defect: str, rate: float, seed: int, max_runs: int) -> tuple[flo
     with worker(*BASE, *flags, "--bug", defect, "--bug-rate", str(rate), "--seed", str(seed)) as url:
         started = time.monotonic()
         for run in range(1, max_runs + 1):
-            if run_kind(url, kind) in (Verdict.LEAK, Verdict.MISMATCH):
+            if run_kind(url, kind, "--lora-adapter" in flags) in (Verdict.LEAK, Verdict.MISMATCH):
                 return events(url, defect), time.monotonic() - started, run
     return None
 

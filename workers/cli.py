@@ -130,6 +130,15 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "tenant of the API key (the fix); a request's cache_salt applies in both (default: %(default)s)",
     )
     add(
+        "--lora-adapter",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="serve NAME as a LoRA adapter of the model, as vLLM's --lora-modules (repeatable): its "
+        "own model name and its own prefix-cache domain (the copy model's weights do not change, so "
+        "only cache keys tell adapters apart)",
+    )
+    add(
         "--session-cache",
         type=int,
         default=0,
@@ -156,6 +165,7 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "docs/architecture.md lists each with the real cases it follows): "
         "'rid-collision' routes output by the client's request id (sglang#24223); "
         "'prefix-key-partial' keys prefix-cache pages by the prompt's first pages only (llama.cpp#27422); "
+        "'prefix-key-no-adapter' leaves the LoRA adapter out of them (vllm#44701); "
         "'abort-in-flight' lets a hung-up request decode on and hands its output to the next request "
         "(redis-py#2624, the 2023 ChatGPT incident); 'session-restore' leaves a reused session-cache "
         "slot's old entry visible, so a returning conversation gets another one's K/V (llama.cpp#27148); "
@@ -191,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         zero_freed_pages=args.zero_freed_pages,
         prefix_cache=args.prefix_cache,
         session_cache=args.session_cache,
+        lora_adapters=tuple(args.lora_adapter),
         bug_rate=args.bug_rate,
         bugs=frozenset(args.bug),
         log_level=args.log_level,

@@ -20,7 +20,14 @@ DEVICES = ("cpu", "cuda")
 PREFIX_CACHE_MODES = ("off", "shared", "per-tenant")
 #: The bug zoo: defects of real engines, each behind ``--bug NAME`` and fixed without it
 #: (``docs/architecture.md`` lists them with the cases they follow).
-BUGS = ("rid-collision", "prefix-key-partial", "abort-in-flight", "session-restore", "batch-crossed")
+BUGS = (
+    "rid-collision",
+    "prefix-key-partial",
+    "prefix-key-no-adapter",
+    "abort-in-flight",
+    "session-restore",
+    "batch-crossed",
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class WorkerConfig:
     zero_freed_pages: bool = False
     prefix_cache: str = "off"
     session_cache: int = 0
+    lora_adapters: tuple[str, ...] = ()
     bugs: frozenset[str] = frozenset()
     bug_rate: float = 1.0
     log_level: str = "info"
@@ -66,10 +74,20 @@ class WorkerConfig:
         _require(
             not unknown, f"--bug must be one of {', '.join(BUGS)}, got {unknown[0]!r}" if unknown else ""
         )
+        for bug in ("prefix-key-partial", "prefix-key-no-adapter"):
+            _require(
+                bug not in self.bugs or self.prefix_cache != "off",
+                f"--bug {bug} needs a prefix cache: add --prefix-cache shared or per-tenant",
+            )
         _require(
-            "prefix-key-partial" not in self.bugs or self.prefix_cache != "off",
-            "--bug prefix-key-partial needs a prefix cache: add --prefix-cache shared or per-tenant",
+            "prefix-key-no-adapter" not in self.bugs or bool(self.lora_adapters),
+            "--bug prefix-key-no-adapter needs an adapter: add --lora-adapter NAME",
         )
+        for name in self.lora_adapters:
+            _require(
+                bool(name.strip()) and name != self.served_model_name,
+                f"--lora-adapter must be a non-empty name other than the served model's, got {name!r}",
+            )
         _require(self.session_cache >= 0, f"--session-cache must be 0 or more, got {self.session_cache}")
         _require(
             not self.session_cache or (self.prefix_cache == "off" and not self.disaggregated),

@@ -93,6 +93,7 @@ class Engine:
                 pool,
                 config.prefix_cache if name == cached_pool else "off",
                 partial_key=self.zoo.triggers.get("prefix-key-partial"),
+                no_adapter=self.zoo.triggers.get("prefix-key-no-adapter"),
             )
             for name, pool in self.pools.items()
         }
@@ -135,6 +136,7 @@ class Engine:
         emit: Callable[[Event], None],
         cache_salt: str | None = None,
         client_id: str | None = None,
+        adapter: str | None = None,
     ) -> Request:
         """Plan admission and queue the request; raise ``AdmissionRejected`` (HTTP 400) without queueing.
 
@@ -162,6 +164,7 @@ class Engine:
                 emit=emit,
                 cache_salt=cache_salt,
                 client_id=client_id,
+                adapter=adapter,
             )
             self.zoo.submitted(request)
             self._waiting.append(request)
@@ -281,6 +284,7 @@ class Engine:
             request_id=request.request_id,
             tenant=request.tenant,
             cache_salt=request.cache_salt,
+            adapter=request.adapter,
         )
         request.cached_tokens = lease.cached_tokens
         if cache.enabled:

@@ -63,6 +63,7 @@ async def generate(
     tenant: str,
     client_id: str | None = None,
     http: HttpRequest | None = None,
+    adapter: str | None = None,
 ) -> Response:
     """Return the response for ``prompt_ids``; raise ``WorkerError`` for a rejection or an early failure."""
     channel = EventChannel()
@@ -73,6 +74,7 @@ async def generate(
             tenant=tenant,
             emit=channel.emit,
             cache_salt=body.cache_salt,
+            adapter=adapter,
             client_id=body.rid or client_id or body.user,  # the client's id for it, if it gave one
         )
     except AdmissionRejected as rejected:

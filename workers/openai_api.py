@@ -46,7 +46,10 @@ EngineDep = Annotated[Engine, Depends(_engine)]
 TenantDep = Annotated[str, Depends(_tenant)]
 
 
-def _check_model(config: WorkerConfig, model: str) -> None:
+def _check_model(config: WorkerConfig, model: str) -> str | None:
+    """Return the LoRA adapter ``model`` names (None: the base model); 404 for any other name."""
+    if model in config.lora_adapters:
+        return model
     if model != config.served_model_name:
         raise WorkerError(
             404,
@@ -54,6 +57,7 @@ def _check_model(config: WorkerConfig, model: str) -> None:
             code="model_not_found",
             param="model",
         )
+    return None
 
 
 def _chat_prompt(messages: list[Any]) -> list[int]:
@@ -75,10 +79,17 @@ async def completions(
     client_id: ClientIdDep,
 ) -> Response:
     """Complete ``prompt``: the CopyModel echoes the prompt as its KV cache holds it."""
-    _check_model(config, body.model)
-    shape = ResponseShape("completion", config.served_model_name)
+    adapter = _check_model(config, body.model)
+    shape = ResponseShape("completion", body.model)
     return await generate(
-        engine, shape, encode(body.prompt), body, tenant=tenant, client_id=client_id, http=http
+        engine,
+        shape,
+        encode(body.prompt),
+        body,
+        tenant=tenant,
+        client_id=client_id,
+        http=http,
+        adapter=adapter,
     )
 
 
@@ -92,16 +103,24 @@ async def chat_completions(
     client_id: ClientIdDep,
 ) -> Response:
     """Answer ``messages``: the reply echoes the rendered chat prompt (see ``workers.tokenizer``)."""
-    _check_model(config, body.model)
-    shape = ResponseShape("chat", config.served_model_name)
+    adapter = _check_model(config, body.model)
+    shape = ResponseShape("chat", body.model)
     return await generate(
-        engine, shape, _chat_prompt(body.messages), body, tenant=tenant, client_id=client_id, http=http
+        engine,
+        shape,
+        _chat_prompt(body.messages),
+        body,
+        tenant=tenant,
+        client_id=client_id,
+        http=http,
+        adapter=adapter,
     )
 
 
 @router.get("/v1/models")
 async def models(tenant: TenantDep, config: ConfigDep) -> dict[str, Any]:
-    """List the one served model; ``max_model_len`` is the advertised context window, not the pool."""
+    """List the served model and its LoRA adapters (``parent``: the base, as vLLM lists them);
+    ``max_model_len`` is the advertised context window, not the pool."""
     card = {
         "id": config.served_model_name,
         "object": "model",
@@ -110,7 +129,11 @@ async def models(tenant: TenantDep, config: ConfigDep) -> dict[str, Any]:
         "root": config.served_model_name,
         "max_model_len": config.context_window,
     }
-    return {"object": "list", "data": [card]}
+    adapters = [
+        {**card, "id": name, "root": name, "parent": config.served_model_name}
+        for name in config.lora_adapters
+    ]
+    return {"object": "list", "data": [card, *adapters]}
 
 
 @router.post("/tokenize")

@@ -132,12 +132,20 @@ class PrefixCache:
     ``evictions`` counts pages evicted so far (for tests and debugging).
     """
 
-    def __init__(self, pool: PagePool, mode: str = "off", *, partial_key: BugTrigger | None = None) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        mode: str = "off",
+        *,
+        partial_key: BugTrigger | None = None,
+        no_adapter: BugTrigger | None = None,
+    ) -> None:
         if mode not in ("off", "shared", "per-tenant"):
             raise ValueError(f"unknown prefix cache mode {mode!r}")
         self.pool = pool
         self.mode = mode
         self.partial_key = partial_key  # --bug prefix-key-partial: whether it fires on a lookup
+        self.no_adapter = no_adapter  # --bug prefix-key-no-adapter: whether it fires on an adapter's lookup
         self._by_digest: dict[bytes, CachedPage] = {}
         self._by_partial: dict[bytes, CachedPage] = {}  # with the defect only
         self._by_page: dict[int, CachedPage] = {}
@@ -169,7 +177,13 @@ class PrefixCache:
         return num_pages <= self.pool.free_pages + len(self._evictable)
 
     def page_keys(
-        self, tokens: Sequence[int], *, tenant: str, cache_salt: str | None, partial: bool = False
+        self,
+        tokens: Sequence[int],
+        *,
+        tenant: str,
+        cache_salt: str | None,
+        partial: bool = False,
+        adapter: str | None = None,
     ) -> list[PageKey]:
         """Return the keys of the full pages of ``tokens`` (empty with the cache off); ``partial``:
         the defect's keys, which leave out the tokens of every page after the first few."""
@@ -177,6 +191,8 @@ class PrefixCache:
             return []
         size = self.pool.page_size
         tenant_key = _field(b"tenant", tenant.encode()) if self.mode == "per-tenant" else b""
+        # The adapter on every page: K/V computed under one adapter is not another's (vLLM's LoRA id).
+        tenant_key += _field(b"lora", adapter.encode()) if adapter else b""
         salt_key = _field(b"cache_salt", cache_salt.encode()) if cache_salt else b""
         data, width = token_bytes(tokens[: len(tokens) // size * size]), 8 * size
         # page_digest inlined, its constant fields built once: hashing is most of what a hit costs.
@@ -212,18 +228,25 @@ class PrefixCache:
         request_id: int,
         tenant: str,
         cache_salt: str | None,
+        adapter: str | None = None,
     ) -> PageLease:
         """Return ``num_pages`` pages for a prompt: its cached leading pages, then fresh ones.
 
         At most ``(len(tokens) - 1) // page_size`` pages hit, so at least one token is computed.
         Raises ``RuntimeError`` (holding nothing) when the fresh pages cannot be had.
         """
-        keys = self.page_keys(tokens, tenant=tenant, cache_salt=cache_salt)
+        if adapter is not None and self.no_adapter is not None and self.no_adapter.fires():
+            adapter = (
+                None  # THE DEFECT (prefix-key-no-adapter): the adapter's pages keyed as the base model's
+            )
+        keys = self.page_keys(tokens, tenant=tenant, cache_salt=cache_salt, adapter=adapter)
         limit = (len(tokens) - 1) // self.pool.page_size
         hits = self.match(keys, limit)
         partial_keys: list[PageKey] = []
         if self.partial_key is not None:
-            partial_keys = self.page_keys(tokens, tenant=tenant, cache_salt=cache_salt, partial=True)
+            partial_keys = self.page_keys(
+                tokens, tenant=tenant, cache_salt=cache_salt, partial=True, adapter=adapter
+            )
             hits += self._partial_hits(partial_keys, hits, limit)
         for entry in hits:
             entry.refs += 1

@@ -63,6 +63,8 @@ class Request:
     plan: AdmissionPlan
     emit: Callable[[Event], None]
     cache_salt: str | None = None
+    #: The LoRA adapter the request asked for (None: the base model).
+    adapter: str | None = None
     #: The id the client gave the request (SGLang's ``rid``, ``X-Request-Id``, the body's ``user``).
     client_id: str | None = None
     submitted_at: float = field(default_factory=time.monotonic)

@@ -150,7 +150,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 def restore_into(cache: SessionCache, pool: PagePool, request: Request) -> int:
     """Write what ``cache`` holds of ``request``'s prompt into its pages (tagged as its own writes);
     return the positions restored (0: prefill computes the whole prompt)."""
-    restored = cache.lookup(request.plan.input_ids, pool.device, salt=request.cache_salt)
+    restored = cache.lookup(request.plan.input_ids, pool.device, salt=_domain(request))
     if restored is None:
         return 0
     pool.write_prefix(
@@ -168,4 +168,11 @@ def save_from(cache: SessionCache, pool: PagePool, request: Request) -> None:
     tokens = [*request.plan.input_ids, *request.generated[:-1]]
     slots = pool.slot_index(request.pages, len(tokens))
     k, v = pool.k.view(-1, pool.head_dim)[slots], pool.v.view(-1, pool.head_dim)[slots]
-    cache.save(tokens, k, v, salt=request.cache_salt)
+    cache.save(tokens, k, v, salt=_domain(request))
+
+
+def _domain(request: Request) -> str | None:
+    """The cache domain a sequence belongs to: its ``cache_salt`` and LoRA adapter, tagged apart."""
+    if request.cache_salt is None and request.adapter is None:
+        return None
+    return f"salt={request.cache_salt!r};lora={request.adapter!r}"

@@ -11,24 +11,19 @@ must find none in :data:`RUNS` runs each.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from monitor.config.targets import TargetConfig
-from monitor.runs.execute import execute_probe
-from monitor.targets.openai_http import OpenAIHttpTarget
 from probes.base import ProbeResult, Verdict
-from probes.markers import MarkerBook
+from tests.engine_runs import repeated_runs
 from tests.llamacpp.conftest import LlamaCppServer
 
 pytestmark = pytest.mark.llamacpp
 
 RUNS = 3
 N_CTX = 2048
-TENANTS = ("tenant-a", "tenant-b")
 OPTIONS: dict[str, dict[str, Any]] = {
     "boundary": {"context_window": N_CTX},
     "session": {"churn_tokens": 2048},  # no pool is published: a stated burst
@@ -37,22 +32,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
 
 
 def runs(server: LlamaCppServer, kind: str) -> list[ProbeResult]:
-    config = TargetConfig(
-        name="llamacpp-cpu", base_url=server.url, engine="llamacpp", model=server.model_name,
-        tenants=[{"name": t} for t in TENANTS], timeout_seconds=60, probes=[kind], options=OPTIONS,
-    )  # fmt: skip
-
-    async def go() -> list[ProbeResult]:
-        results: list[ProbeResult] = []
-        state: dict[str, Any] = {}
-        async with OpenAIHttpTarget(config, dict.fromkeys(TENANTS)) as target:
-            for _ in range(RUNS):
-                result, _ = await execute_probe(kind, target, MarkerBook(), config, state=state)
-                state = result.state if result.state is not None else state
-                results.append(result)
-        return results
-
-    return asyncio.run(go())
+    return repeated_runs(server.url, "llamacpp", server.model_name, kind, RUNS, OPTIONS)
 
 
 @pytest.mark.parametrize("kind", ["duplicate_ids", "shared_prefix", "hangup", "session", "full_batch"])

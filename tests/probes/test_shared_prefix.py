@@ -17,6 +17,7 @@ from monitor.runs.execute import execute_probe
 from probes.base import Verdict
 from probes.markers import MarkerBook
 from tests.probes.probe_harness import (
+    KEYS,
     MODEL,
     TENANTS,
     Call,
@@ -136,3 +137,29 @@ def test_a_session_cache_restores_only_under_the_same_salt(reference) -> None:  
     worker = reference("--mode", "aggregated", "--kv-pool-tokens", "8192", "--session-cache", "8")
     verdict, reason, evidence = judged(worker)
     assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence
+
+
+ADAPTERS = ("--lora-adapter", "sql-lora", "--lora-adapter", "chat-lora")
+
+
+def test_adapters_keep_their_own_cache_domain(reference) -> None:  # type: ignore[no-untyped-def]
+    worker = reference(*CACHED, *ADAPTERS)
+    listed = httpx.get(f"{worker.url}/v1/models", headers={"Authorization": f"Bearer {KEYS['alice']}"}).json()
+    assert [(m["id"], m.get("parent")) for m in listed["data"]] == [
+        (MODEL, None),
+        ("sql-lora", MODEL),
+        ("chat-lora", MODEL),
+    ]
+    verdict, reason, evidence = judged(worker, adapters=["sql-lora", "chat-lora"])
+    assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence
+    assert [t["step"] for t in evidence["tenants"]].count("adapter sql-lora") == 1
+
+
+def test_a_prefix_key_leaving_out_the_adapter_is_caught_by_the_adapters_first_request(reference) -> None:  # type: ignore[no-untyped-def]
+    # The K/V is the same bytes (the copy model has no adapter weights), so no text changes: the
+    # cache's own count says the adapter's first request was served the base model's pages.
+    worker = reference(*CACHED, *ADAPTERS, "--bug", "prefix-key-no-adapter")
+    verdict, reason, evidence = judged(worker, adapters=["sql-lora", "chat-lora"])
+    assert (verdict, reason) == (Verdict.MISMATCH, "cache_domain_ignored"), evidence
+    flagged = {t["step"] for t in evidence["tenants"] if t["reason"] == "cache_domain_ignored"}
+    assert flagged == {"adapter sql-lora", "adapter chat-lora"}, evidence

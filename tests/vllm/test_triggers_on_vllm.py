@@ -13,45 +13,25 @@ it on vLLM. Each kind runs :data:`RUNS` times, its state carried as the runner d
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx
 import pytest
 
-from monitor.config.targets import TargetConfig
-from monitor.runs.execute import execute_probe
-from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.scrape import parse_samples
 from probes.base import ProbeResult, Verdict
-from probes.markers import MarkerBook
+from tests.engine_runs import repeated_runs
 from tests.vllm.conftest import VllmServer
 
 pytestmark = pytest.mark.vllm
 
 RUNS = 3
-TENANTS = ("tenant-a", "tenant-b")
 #: The session's churn, bounded here: sized from vLLM's pool it would be 262,144 tokens on the CPU.
 OPTIONS: dict[str, dict[str, Any]] = {"session": {"churn_tokens": 4096}}
 
 
 def runs(server: VllmServer, kind: str) -> list[ProbeResult]:
-    config = TargetConfig(
-        name="vllm-cpu", base_url=server.url, engine="vllm", model=server.model_name,
-        tenants=[{"name": t} for t in TENANTS], timeout_seconds=60, probes=[kind], options=OPTIONS,
-    )  # fmt: skip
-
-    async def go() -> list[ProbeResult]:
-        results: list[ProbeResult] = []
-        state: dict[str, Any] = {}
-        async with OpenAIHttpTarget(config, dict.fromkeys(TENANTS)) as target:
-            for _ in range(RUNS):
-                result, _ = await execute_probe(kind, target, MarkerBook(), config, state=state)
-                state = result.state if result.state is not None else state
-                results.append(result)
-        return results
-
-    return asyncio.run(go())
+    return repeated_runs(server.url, "vllm", server.model_name, kind, RUNS, OPTIONS)
 
 
 def abort_series(server: VllmServer) -> float:
