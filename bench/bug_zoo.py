@@ -13,8 +13,9 @@ a kind, two tenants, a 15 s request timeout.
   a fraction ``p`` of its trigger events), runs the kind that targets it until its first catch
   (a ``leak``; a ``mismatch`` where that is what the defect produces) and reads the trigger events
   the worker counted (``kvcanary_bug_trigger_events_total``) by then, over ``--seeds`` seeds;
-  prints the median and worst against the goal of ``3/p`` events. Events are counted to the end of
-  the catching run, so the figure is an upper bound.
+  prints the median and worst against the goal of ``3/p`` events, and how many of them the defect
+  acted on (``kvcanary_bug_fired_total``: 1 means the first firing was caught). Events are counted
+  to the end of the catching run, so the figure is an upper bound.
 """
 
 from __future__ import annotations
@@ -138,27 +139,31 @@ def matrix(runs: int, kinds: list[str], defects: list[str]) -> None:
         print(f"| `{kind}` | " + " | ".join(row) + " |")
 
 
-def events(url: str, defect: str) -> float:
+def events(url: str, defect: str) -> tuple[float, float]:
+    """Return the trigger events the worker counted for ``defect`` and those the defect acted on."""
     samples = parse_samples(httpx.get(f"{url}/metrics", timeout=5).text)
-    key = f'kvcanary_bug_trigger_events_total{{bug="{defect}"}}'
-    return samples.get(key, 0.0)
+    label = f'{{bug="{defect}"}}'
+    return (
+        samples.get(f"kvcanary_bug_trigger_events_total{label}", 0.0),
+        samples.get(f"kvcanary_bug_fired_total{label}", 0.0),
+    )
 
 
-def first_catch(defect: str, rate: float, seed: int, max_runs: int) -> tuple[float, float, int] | None:
-    """Return (trigger events, seconds, runs) until the defect's kind first caught it, or None."""
+def first_catch(defect: str, rate: float, seed: int, max_runs: int) -> tuple[float, float, float, int] | None:
+    """Return (trigger events, firings, seconds, runs) until the defect's kind first caught it, or None."""
     flags, kind = DEFECTS[defect]
     with worker(*BASE, *flags, "--bug", defect, "--bug-rate", str(rate), "--seed", str(seed)) as url:
         started = time.monotonic()
         for run in range(1, max_runs + 1):
             if run_kind(url, kind, "--lora-adapter" in flags) in (Verdict.LEAK, Verdict.MISMATCH):
-                return events(url, defect), time.monotonic() - started, run
+                return (*events(url, defect), time.monotonic() - started, run)
     return None
 
 
 def rates(values: list[float], seeds: int, max_runs: int, defects: list[str]) -> None:
     head = "| defect (kind) | p | trigger events to the first catch: median / worst | goal 3/p |"
-    print(head + " seconds: median | runs: median |")
-    print("|---|---|---|---|---|---|")
+    print(head + " firings by then: median / worst | seconds: median | runs: median |")
+    print("|---|---|---|---|---|---|---|")
     for defect in defects:
         kind = DEFECTS[defect][1]
         for p in values:
@@ -169,12 +174,12 @@ def rates(values: list[float], seeds: int, max_runs: int, defects: list[str]) ->
             summary = f"{statistics.median(ev):g} / {max(ev):g}" if ev else "never"
             if missed:
                 summary += f" ({missed} of {seeds} not caught in {max_runs} runs)"
-            secs = f"{statistics.median(f[1] for f in caught):.1f}" if caught else "-"
-            runs = f"{statistics.median(f[2] for f in caught):g}" if caught else "-"
-            print(
-                f"| `{defect}` (`{kind}`) | {p:g} | {summary} | {math.ceil(3 / p)} | {secs} | {runs} |",
-                flush=True,
-            )
+            fired = [f[1] for f in caught]
+            firings = f"{statistics.median(fired):g} / {max(fired):g}" if fired else "-"
+            secs = f"{statistics.median(f[2] for f in caught):.1f}" if caught else "-"
+            runs = f"{statistics.median(f[3] for f in caught):g}" if caught else "-"
+            cells = (f"`{defect}` (`{kind}`)", f"{p:g}", summary, str(math.ceil(3 / p)), firings, secs, runs)
+            print("| " + " | ".join(cells) + " |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,13 +108,10 @@ class SessionCache:
         """Return the longest whole-page run of ``prompt``'s leading tokens some entry holds (one
         token always left to compute), or None when no entry shares a page's worth."""
         best, best_entry = self._best(prompt, salt, stale=True)
-        # The trigger: a returning conversation whose saved K/V was overwritten; the defect may act.
-        acts = (
-            self.stale_entries is not None and self.stale_entries.fires()
-            if best_entry and best_entry.stale
-            else True
-        )
-        if not acts:
+        # The trigger: a returning conversation whose saved K/V was overwritten by other text (a
+        # stale entry whose slot now holds the same leading tokens restores them rightly).
+        wrong = best_entry is not None and best_entry.stale and self._overwritten(best_entry, prompt, best)
+        if wrong and (self.stale_entries is None or not self.stale_entries.fires()):
             best, best_entry = self._best(prompt, salt, stale=False)
         data = self._data[best_entry.slot] if best_entry is not None else None
         if data is None:
@@ -124,6 +121,13 @@ class SessionCache:
             return None
         self.restored_tokens += positions
         return Restored(positions, data[0][:positions].to(device), data[1][:positions].to(device))
+
+    def _overwritten(self, entry: SessionEntry, prompt: Sequence[int], shared: int) -> bool:
+        """Return True when ``entry``'s slot now holds other tokens than ``prompt`` in its first
+        ``shared`` positions (whole pages): restoring from it would restore another text."""
+        current = next((e for e in reversed(self._entries) if e.slot == entry.slot and not e.stale), None)
+        positions = shared // self.page_size * self.page_size
+        return current is None or tuple(current.tokens[:positions]) != tuple(prompt[:positions])
 
     def _best(
         self, prompt: Sequence[int], salt: str | None, *, stale: bool

@@ -28,7 +28,7 @@ def test_rates_finds_a_defect_firing_on_half_its_triggers(capsys: pytest.Capture
     argv = ["rates", "--defects", "abort-in-flight", "--rates", "0.5", "--seeds", "1", "--max-runs", "10"]
     assert load_bench().main(argv) == 0
     row = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.match(r"\| `abort-in-flight` \(`hangup`\) \| 0\.5 \| \d+ / \d+ \| 6 \|", row), row
+    assert re.match(r"\| `abort-in-flight` \(`hangup`\) \| 0\.5 \| \d+ / \d+ \| 6 \| \d+ / \d+ \|", row), row
 
 
 def test_an_unknown_defect_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
