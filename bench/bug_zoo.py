@@ -5,7 +5,8 @@
 
 Both drive real reference workers (``python -m workers``, one process per configuration, on
 loopback) through the monitor's own target client and ``execute_probe``, as ``kvcanary serve`` runs
-a kind, two tenants, a 15 s request timeout.
+a kind, two tenants, a 15 s request timeout (5 s for ``duplicate_ids``: ``rid-collision`` leaves
+one request hanging until it).
 
 - **matrix**: every kind ``--runs`` times against each defect's worker (``--bug NAME``) and against
   the same worker without the flag (the fix); prints a markdown table of verdicts (README).
@@ -58,6 +59,8 @@ DEFECTS: dict[str, tuple[tuple[str, ...], str]] = {
     "session-restore": (("--session-cache", "8"), "session"),
     "batch-crossed": (("--max-batch", "16"), "full_batch"),
 }
+#: Request timeouts: 15 s, but 5 s where the defect leaves a request hanging until it (rid-collision).
+TIMEOUTS = {"duplicate_ids": 5.0}
 KINDS = ("canary", "cross_tenant", "boundary", "needle", *dict.fromkeys(kind for _, kind in DEFECTS.values()))
 
 
@@ -102,7 +105,7 @@ def run_kind(url: str, kind: str, adapters: bool = False) -> Verdict:
     """Run ``kind`` once; ``adapters``: the worker serves :data:`ADAPTERS` and shared_prefix asks them."""
     config = TargetConfig(
         name="zoo", base_url=url, engine="reference", model="kvcanary-reference",
-        tenants=[{"name": t} for t in KEYS], timeout_seconds=15, probes=[kind],
+        tenants=[{"name": t} for t in KEYS], timeout_seconds=TIMEOUTS.get(kind, 15), probes=[kind],
         options={"shared_prefix": {"adapters": list(ADAPTERS)}} if adapters else {},
     )  # fmt: skip
 
