@@ -15,7 +15,10 @@ and publishes the full pages it computed (see ``workers.prefix_cache``). The cac
 prefill writes into: the unified pool, or the prefill pool in disaggregated mode, where the transfer
 copies cached and computed positions alike into the request's own decode pages (decode pages are
 never shared). Before that copy, with ``--verify-ownership``, the prefill pages must hold exactly
-the words the request expects, as decode pages must before each decode read.
+the words the request expects, as decode pages must before each decode read. With
+``--session-cache N`` (aggregated, prefix cache off) step 2 restores what ``workers.session_cache``
+holds of the prompt, and step 4 saves every finished sequence there. ``--bug`` defects hook in
+through ``workers.zoo``.
 
 ``admit_waiting`` and ``decode_once`` are public so that the benchmark can drive the engine without
 the thread.
@@ -116,13 +119,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._request_ids = itertools.count(1)
         self._tenants: dict[str, int] = {}
-        self.sessions = (
-            SessionCache(
-                config.session_cache, config.page_size, stale_entries=self.zoo.triggers.get("session-restore")
-            )
-            if config.session_cache
-            else None
-        )
+        self.sessions = SessionCache.configured(config, self.zoo.triggers.get("session-restore"))
         self.largest_batch = 0  # most requests ever decoded in one step (continuous batching at work)
 
     # --- thread-safe entry points -----------------------------------------------------------------

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from workers.config import WorkerConfig
 from workers.kv_cache import PagePool
 from workers.request import Request
 
@@ -83,6 +84,13 @@ class SessionCache:
         self._next = 0
         self.saves = 0
         self.restored_tokens = 0
+
+    @classmethod
+    def configured(cls, config: WorkerConfig, stale_entries: BugTrigger | None) -> SessionCache | None:
+        """Return the cache ``--session-cache`` asks for (None when it is 0: off)."""
+        if not config.session_cache:
+            return None
+        return cls(config.session_cache, config.page_size, stale_entries=stale_entries)
 
     def save(
         self, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, *, salt: str | None = None
