@@ -53,5 +53,5 @@ class DuplicateIdsProbe(Probe):
         prompt = repeat_prompt(marker)
         c = await ctx.complete(tenant, canary_request(ctx, prompt, request_id=shared))
         # The prompt-token check is the canary's; here the question is whose answer came back.
-        verdict, reason, detail = judge_own(c, prompt, marker, repeats)
+        verdict, reason, detail = judge_own(c, prompt, marker, repeats, ctx.markers)
         return TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)

@@ -104,6 +104,6 @@ async def _row(ctx: ProbeContext, i: int, repeats: bool | None) -> TenantCheck:
     request = CompletionRequest(prompt=prompt, chat=bool(ctx.options.get("chat", True)), **fields)
     c = await ctx.complete(tenant, request)
     # A sampled or penalised answer may change a faithful copy: only other markers count there.
-    verdict, reason, detail = judge_own(c, prompt, marker, repeats if greedy else False)
+    verdict, reason, detail = judge_own(c, prompt, marker, repeats if greedy else False, ctx.markers)
     check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
     return step_check(check, f"row {i}")

@@ -94,7 +94,9 @@ class HangupProbe(Probe):
         for i, hang_up in enumerate(_hang_ups(ctx.options)):
             tenant = ctx.tenants[i % len(ctx.tenants)]
             c = await _abandon(ctx, tenant, hang_up, max_tokens)
-            abandoned.append({"step": hang_up.step, "tenant": tenant, "hung_up": c.error_kind == "hung_up",
+            # A hang-up counts when the answer was not over by then (no finish came before it).
+            hung_up = c.error_kind == "hung_up" and c.finish_reason is None
+            abandoned.append({"step": hang_up.step, "tenant": tenant, "hung_up": hung_up,
                               "chars_read": len(c.text), "status_code": c.status})  # fmt: skip
             checks += await _followers(ctx, tenant, hang_up.step, repeats)
         after = await _aborts(ctx)

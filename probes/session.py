@@ -101,7 +101,7 @@ async def _first_turn(
     marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
     prompt = FIRST_TURN.format(marker=marker)
     c = await ctx.complete(tenant, _chat(ctx, prompt, cap=cap))
-    verdict, reason, detail = judge_own(c, prompt, marker, repeats)
+    verdict, reason, detail = judge_own(c, prompt, marker, repeats, ctx.markers)
     check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
     turn = Turn(marker_id, marker, (("user", prompt), ("assistant", c.text[:ANSWER_CHARS] if c.ok else "OK")))
     return step_check(check, "first_turn"), turn
@@ -112,7 +112,7 @@ async def _revisit(
 ) -> TenantCheck:
     """Continue ``tenant``'s conversation: its history back, and the question about its marker."""
     c = await ctx.complete(tenant, _chat(ctx, REVISIT, history=turn.history, cap=cap))
-    verdict, reason, detail = judge_own(c, REVISIT, turn.marker, repeats)
+    verdict, reason, detail = judge_own(c, REVISIT, turn.marker, repeats, ctx.markers)
     check = TenantCheck(tenant, turn.marker_id, marker_hash(turn.marker), None, c, verdict, reason, detail)
     return step_check(check, "revisit")
 

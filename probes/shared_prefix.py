@@ -124,7 +124,7 @@ class _Run:
         marker_id, marker = self.ctx.markers.plant(self.ctx.target.name, tenant)
         prompt = f"{self.prefix}\n{QUESTION_TEMPLATE.format(marker=marker)}"
         c = await self.ctx.complete(tenant, self._request(prompt, cache_salt=cache_salt, model=model))
-        verdict, reason, detail = judge_own(c, prompt, marker, self.repeats)
+        verdict, reason, detail = judge_own(c, prompt, marker, self.repeats, self.ctx.markers)
         fresh_domain = cache_salt is not None or model is not None
         if verdict is Verdict.PASS and fresh_domain and cached(c) >= self.size.hit_tokens:
             domain = "cache_salt" if cache_salt is not None else "adapter"
@@ -145,6 +145,6 @@ class _Run:
         if not self.chat:  # a raw completion has no system message: the marker leads the prompt
             request = self._request(f"{system}\n{self.prefix}\n{SYSTEM_QUESTION}")
         c = await self.ctx.complete(tenant, request)
-        verdict, reason, detail = judge_own(c, request.prompt, marker, self.repeats)
+        verdict, reason, detail = judge_own(c, request.prompt, marker, self.repeats, self.ctx.markers)
         check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
         return step_check(check, "system")

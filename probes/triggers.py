@@ -34,7 +34,7 @@ from probes.canary import (
     judge_answer,
     repeat_prompt,
 )
-from probes.markers import MARKER_RE, marker_hash
+from probes.markers import MARKER_RE, MarkerBook, marker_hash
 from probes.target import Completion
 
 #: How long one lone canary's answer (does the model repeat?) is trusted: it changes with the model.
@@ -52,11 +52,18 @@ class TriggerOptions(CanaryOptions):
     repeats: bool | None = None
 
 
-def _remembered(state: dict[str, Any], now: float) -> bool | None:
+def _remembered(state: dict[str, Any], now: float, *, any_age: bool = False) -> bool | None:
     repeats, at = state.get("repeats"), state.get("repeats_checked_at")
     if not isinstance(repeats, bool) or not isinstance(at, int | float):
         return None
-    return repeats if 0 <= now - at < REPEATS_TTL_SECONDS else None
+    return repeats if any_age or 0 <= now - at < REPEATS_TTL_SECONDS else None
+
+
+def live_markers(text: str, book: MarkerBook) -> set[str]:
+    """Return the live markers of ``book`` in ``text``, lower-cased: a copy a model got wrong, or
+    text merely shaped like a marker, is none (only a sealed, unexpired marker came from a request)."""
+    found = {"KVC-" + m.group(0)[4:].lower() for m in MARKER_RE.finditer(text)}
+    return {m for m in found if book.is_live(m)}
 
 
 async def model_repeats(ctx: ProbeContext) -> bool | None:
@@ -69,26 +76,35 @@ async def model_repeats(ctx: ProbeContext) -> bool | None:
     if remembered is not None:
         return remembered
     check = await CanaryProbe().check(ctx, ctx.tenants[0])
-    # A model that cannot repeat writes nothing shaped like a marker; one that wrote another marker
-    # than its own repeats, and something else went wrong: judge strictly.
-    if check.verdict is Verdict.PASS or MARKER_RE.search(check.completion.text):
+    # A model that cannot repeat writes no live marker; one that wrote another live marker than its
+    # own repeats, and something else went wrong: judge strictly.
+    if check.verdict is Verdict.PASS or live_markers(check.completion.text, ctx.markers):
         return True
-    return False if check.reason == "nonce_missing" else None
+    if check.reason == "nonce_missing":
+        return False
+    # No answer to judge (a timeout, a 5xx): the last answer, however old, rather than none.
+    return _remembered(ctx.state, time.time(), any_age=True)
 
 
-def judge_own(c: Completion, prompt: str, marker: str, repeats: bool | None) -> tuple[Verdict, str, str]:
+def judge_own(
+    c: Completion, prompt: str, marker: str, repeats: bool | None, book: MarkerBook
+) -> tuple[Verdict, str, str]:
     """Judge one answer as the canary does, and more strictly: an answer must carry no marker but
     its own. Another tenant's is a leak (``ctx.complete`` found it); another of its own tenant's
     markers (one given to another request) a ``mismatch``: another request's K/V or answer came
     back, within the tenant. Where the model does not repeat, a judgeable 2xx with no such marker
-    passes, saying why."""
-    others = {m.group(0) for m in MARKER_RE.finditer(c.text)} - {marker}
+    passes, saying why; where nobody knows (the lone canary got no answer and none was kept), a
+    missing own marker is an ``error``, not a mismatch."""
+    others = live_markers(c.text, book) - {"KVC-" + marker[4:].lower()}
     if others and unjudgeable(c) is None:
         detail = f"the answer carries {len(others)} marker(s) given to other requests"
         return Verdict.MISMATCH, "other_request_marker", detail
     if repeats is False and unjudgeable(c) is None and c.ok:
         return Verdict.PASS, "no_foreign_marker", "no foreign marker (the model does not repeat)"
-    return judge_answer(c, prompt, marker, None)
+    verdict, reason, detail = judge_answer(c, prompt, marker, None)
+    if repeats is None and reason == "nonce_missing":
+        return Verdict.ERROR, "repeats_unknown", "no own marker, and whether this model repeats is unknown"
+    return verdict, reason, detail
 
 
 def conclude(checks: list[TenantCheck], repeats: bool | None, ctx: ProbeContext) -> ProbeResult:
@@ -115,7 +131,7 @@ async def canary_check(ctx: ProbeContext, tenant: str, step: str, repeats: bool 
     marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
     prompt = repeat_prompt(marker)
     c = await ctx.complete(tenant, canary_request(ctx, prompt))
-    verdict, reason, detail = judge_own(c, prompt, marker, repeats)
+    verdict, reason, detail = judge_own(c, prompt, marker, repeats, ctx.markers)
     return step_check(
         TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail), step
     )

@@ -15,10 +15,8 @@ and publishes the full pages it computed (see ``workers.prefix_cache``). The cac
 prefill writes into: the unified pool, or the prefill pool in disaggregated mode, where the transfer
 copies cached and computed positions alike into the request's own decode pages (decode pages are
 never shared). Before that copy, with ``--verify-ownership``, the prefill pages must hold exactly
-the words the request expects, as decode pages must before each decode read. With
-``--session-cache N`` (aggregated, prefix cache off) step 2 restores what ``workers.session_cache``
-holds of the prompt, and step 4 saves every finished sequence there. ``--bug`` defects hook in
-through ``workers.zoo``.
+the words the request expects, as decode pages must before each decode read. ``--session-cache``
+restores in step 2 and saves in step 4 (``workers.session_cache``); ``--bug`` hooks in via ``workers.zoo``.
 
 ``admit_waiting`` and ``decode_once`` are public so that the benchmark can drive the engine without
 the thread.
@@ -171,8 +169,9 @@ class Engine:
     def abort(self, request: Request) -> None:
         """Stop ``request`` (its client went away): it gets no more events and its pages are freed."""
         with self._wakeup:
-            if not request.aborted:
-                self.metrics.requests_aborted.inc()
+            if request.aborted or request.finished or request.retired:
+                return  # over already (an error, or a client leaving as the last chunk went out)
+            self.metrics.requests_aborted.inc()
             if not self.zoo.abort(request):
                 request.aborted = True
             self._wakeup.notify()
@@ -219,6 +218,7 @@ class Engine:
                     break
                 self._waiting.popleft()
             if request.aborted:
+                self._let_go(request)
                 continue
             try:
                 self._prefill(request)
@@ -232,6 +232,7 @@ class Engine:
                 log.exception("request %d could not join the batch", request.request_id)
                 self.decode_pages.release(request.pages)
                 self._emit(request, INTERNAL_ERROR)
+                self._let_go(request)
                 continue
             joined += 1
         return joined
@@ -243,6 +244,7 @@ class Engine:
         held = set(refused.held)
         self.decode_pages.release([page for page in dict.fromkeys(request.pages) if page not in held])
         self._emit(request, OWNERSHIP_VIOLATION)
+        self._let_go(request)
 
     def _fits(self, plan: AdmissionPlan) -> bool:
         """Return True when the request's pages can be had now, counting none of its hits (a hit
@@ -387,8 +389,12 @@ class Engine:
             if self.sessions is not None and request.finished:
                 save_from(self.sessions, self.decode_pool, request)
             self.decode_pages.release(request.pages)
-            self.zoo.retired(request)
+            self._let_go(request)
         self.batch.remove(rows)
+
+    def _let_go(self, request: Request) -> None:
+        request.retired = True
+        self.zoo.retired(request)
 
     def _fail_running(self, error: ErrorEvent) -> None:
         rows = list(range(len(self.batch)))

@@ -75,6 +75,8 @@ class Request:
     aborted: bool = False
     #: True once the request ended normally (its FinishEvent was emitted).
     finished: bool = False
+    #: True once the engine let go of it: retired from the batch, or refused before it joined.
+    retired: bool = False
 
     @property
     def seq_len(self) -> int:

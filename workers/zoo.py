@@ -92,13 +92,18 @@ class OrphanedOutput:
         self._claimant: dict[int, Request] = {}  # orphan id -> the request that gets its output
         self._serving: dict[int, Request] = {}  # claimant id -> the orphan it is answering for
         self._held: dict[int, list[Event]] = {}  # request id -> events not delivered yet
+        self._queued: set[int] = set()  # orphans waiting in _unclaimed
 
     def abort(self, request: Request) -> bool:
         """Take ``request`` as an orphan (THE DEFECT: it is not stopped) when the defect fires on
         this abort; return whether it did (otherwise the engine stops it)."""
+        if request.request_id in self._orphans:
+            return True
         if not self._trigger.fires():
             return False
         self._orphans.add(request.request_id)
+        self._queued.add(request.request_id)
+        self._unclaimed.append(request)  # the next request to join gets its output
         return True
 
     def joined(self, request: Request) -> list[Delivery]:
@@ -107,6 +112,7 @@ class OrphanedOutput:
             return []
         if self._unclaimed:
             orphan = self._unclaimed.popleft()
+            self._queued.discard(orphan.request_id)
             self._claimant[orphan.request_id] = request
             self._serving[request.request_id] = orphan
             held = self._held.pop(orphan.request_id, [])
@@ -118,8 +124,6 @@ class OrphanedOutput:
         if rid in self._orphans:
             claimant = self._claimant.get(rid)
             if claimant is None:
-                if rid not in self._held:
-                    self._unclaimed.append(request)
                 self._held.setdefault(rid, []).append(event)
                 return []
             return self._to_claimant(request, claimant, event)
@@ -134,8 +138,18 @@ class OrphanedOutput:
             self._orphans.discard(orphan.request_id)
             self._claimant.pop(orphan.request_id, None)
             self._serving.pop(claimant.request_id, None)
-            out += [(claimant, own) for own in self._held.pop(claimant.request_id, [])]
+            if claimant.request_id not in self._orphans:  # else its own events wait for its claimant
+                out += [(claimant, own) for own in self._held.pop(claimant.request_id, [])]
         return out
+
+    def retired(self, request: Request) -> None:
+        """Forget an orphan that ended with no event to hand on (it never ran)."""
+        rid = request.request_id
+        if rid in self._orphans and rid not in self._held and rid not in self._claimant:
+            self._orphans.discard(rid)
+            self._queued.discard(rid)
+            if request in self._unclaimed:
+                self._unclaimed.remove(request)
 
 
 class CrossedRows:
@@ -205,3 +219,5 @@ class Zoo:
     def retired(self, request: Request) -> None:
         if self.rid_routes is not None:
             self.rid_routes.retired(request)
+        if self.orphans is not None:
+            self.orphans.retired(request)

@@ -139,9 +139,11 @@ class OpenAIHttpTarget:
         if request.hang_up_after_seconds is None:
             return await exchange
         try:
-            async with asyncio.timeout(request.hang_up_after_seconds):
+            async with asyncio.timeout(request.hang_up_after_seconds) as deadline:
                 await exchange
         except TimeoutError:
+            if not deadline.expired():  # aiohttp's own timeout: a failure, not the probe's hang-up
+                raise
             raise HungUp(f"hung up after {request.hang_up_after_seconds:g}s, as the probe asked") from None
 
     async def _exchange(
