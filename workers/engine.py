@@ -36,7 +36,7 @@ import torch
 from workers.admission import AdmissionPlan, AdmissionRejected, plan_admission
 from workers.batch import ForeignPages, PagesRefused, RunningBatch
 from workers.config import WorkerConfig
-from workers.kv_cache import PagePool
+from workers.kv_cache import PagePool, build_pools
 from workers.metrics import WorkerMetrics
 from workers.model import HEAD_DIM, CopyModel
 from workers.prefix_cache import PageLease, PrefixCache
@@ -47,21 +47,6 @@ from workers.zoo import Zoo
 
 log = logging.getLogger("workers.engine")
 INTERNAL_ERROR = ErrorEvent(500, "internal engine error", "internal_error", 500)
-
-
-def build_pools(config: WorkerConfig, device: torch.device) -> dict[str, PagePool]:
-    """Return the configured pools by name (``single``, or ``prefill`` and ``decode``)."""
-    return {
-        name: PagePool(
-            name=name,
-            num_pages=tokens // config.page_size,
-            page_size=config.page_size,
-            head_dim=HEAD_DIM,
-            device=device,
-            zero_freed_pages=config.zero_freed_pages,
-        )
-        for name, tokens in config.pool_tokens.items()
-    }
 
 
 class Engine:
@@ -82,7 +67,7 @@ class Engine:
         self.device = torch.device(config.device)
         fast = self.device.type == "cpu" if cpu_fast_paths is None else cpu_fast_paths
         self.model = CopyModel(device=self.device, seed=config.seed, ownership_shortcut=fast)
-        self.pools = build_pools(config, self.device)
+        self.pools = build_pools(config, self.device, HEAD_DIM)
         # The bug zoo (workers.zoo): each defect --bug names, firing on --bug-rate of its triggers.
         self.zoo = Zoo(config.bugs, self.metrics, rate=config.bug_rate, seed=config.seed)
         self.decode_pool = self.pools[config.decode_pool_name]

@@ -29,7 +29,12 @@ page therefore counts as dirty too.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # the pools a configuration asks for
+    from workers.config import WorkerConfig
 
 SCRATCH_PAGE = 0
 
@@ -205,3 +210,18 @@ class PagePool:
             request_id=request_id,
             tenant_index=tenant_index,
         )
+
+
+def build_pools(config: WorkerConfig, device: torch.device, head_dim: int) -> dict[str, PagePool]:
+    """Return the pools ``config`` asks for by name (``unified``, or ``prefill`` and ``decode``)."""
+    return {
+        name: PagePool(
+            name=name,
+            num_pages=tokens // config.page_size,
+            page_size=config.page_size,
+            head_dim=head_dim,
+            device=device,
+            zero_freed_pages=config.zero_freed_pages,
+        )
+        for name, tokens in config.pool_tokens.items()
+    }
