@@ -126,25 +126,20 @@ def names_for(engine: str) -> dict[str, tuple[str, ...]]:
     return {c.name: tuple(table.get(c.name, ())) for c in CANONICAL}
 
 
-#: engine family -> (sample name, label that must be in the series or None) counting requests aborted
-#: because their client went away. SGLang's tokenizer manager counts every abort it handles (client
-#: disconnects and admission refusals; from its source, not run here). vLLM is not listed: its
+#: engine family -> the sample counting requests aborted because their client went away. SGLang's
+#: tokenizer manager counts every abort it handles (client disconnects and admission refusals;
+#: from its source, not run here). vLLM is not listed: its
 #: ``vllm:request_success_total{finished_reason="abort"}`` stayed 0 after 9 client hang-ups on the
 #: 0.32 CPU build (``tests/vllm/test_triggers_on_vllm.py``; the output processor's abort path records
 #: no finished-request stats), so judging it would page on every run. llama.cpp and hosted APIs
 #: count none.
-ABORT_COUNTERS: dict[str, tuple[str, str | None]] = {
-    "reference": ("kvcanary_requests_aborted_total", None),
-    "sglang": ("sglang:num_aborted_requests_total", None),
+ABORT_COUNTERS: dict[str, str] = {
+    "reference": "kvcanary_requests_aborted_total",
+    "sglang": "sglang:num_aborted_requests_total",
 }
 
 
 def aborted_requests(engine: str, samples: dict[str, float]) -> float | None:
     """Return the aborts ``samples`` count for ``engine``, or None where the engine exports none."""
-    if engine not in ABORT_COUNTERS:
-        return None
-    name, label = ABORT_COUNTERS[engine]
-    if label is None:
-        return samples.get(name)
-    series = [v for k, v in samples.items() if k.startswith(name + "{") and label in k]
-    return sum(series) if series else None
+    name = ABORT_COUNTERS.get(engine)
+    return samples.get(name) if name is not None else None

@@ -35,7 +35,15 @@ from probes.base import Probe, ProbeContext, ProbeResult
 from probes.canary import TenantCheck
 from probes.markers import marker_hash
 from probes.target import CompletionRequest
-from probes.triggers import QUESTION_TEMPLATE, TriggerOptions, conclude, judge_own, model_repeats, step_check
+from probes.triggers import (
+    QUESTION_TEMPLATE,
+    TriggerOptions,
+    conclude,
+    judge_own,
+    model_repeats,
+    sizing_capacity,
+    step_check,
+)
 
 DEFAULT_SIZE = 32
 BUDGETS = (96, 128, 160, 192)
@@ -70,7 +78,7 @@ class FullBatchProbe(Probe):
 async def _size(ctx: ProbeContext) -> int:
     stated = ctx.options.get("size")
     if stated is None:
-        capacity = await ctx.target.capacity()
+        capacity = await sizing_capacity(ctx)
         stated = (capacity.max_running_requests if capacity else None) or DEFAULT_SIZE
     return min(int(stated), int(ctx.options.get("max_requests", 64)))
 

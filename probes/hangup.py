@@ -45,7 +45,7 @@ from probes.base import Probe, ProbeContext, ProbeResult, Verdict
 from probes.canary import TenantCheck
 from probes.engine_counters import aborted_requests
 from probes.target import Completion, CompletionRequest
-from probes.triggers import TriggerOptions, canary_check, conclude, model_repeats
+from probes.triggers import TriggerOptions, canary_check, conclude, model_repeats, sizing_capacity
 
 #: A long answer, so that it is still being written when the probe hangs up.
 ABANDONED_TEMPLATE = (
@@ -85,7 +85,7 @@ class HangupProbe(Probe):
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         repeats = await model_repeats(ctx)
         before = await _aborts(ctx)
-        capacity = await ctx.target.capacity()
+        capacity = await sizing_capacity(ctx)
         limit = capacity.admission_limit if capacity else None
         max_tokens = int(ctx.options.get("abandoned_max_tokens", 512))
         max_tokens = min(max_tokens, limit // 2) if limit else max_tokens

@@ -35,7 +35,7 @@ from probes.base import Probe, ProbeContext, ProbeResult
 from probes.canary import TenantCheck
 from probes.markers import marker_hash
 from probes.prefix_cache.prompts import fresh_text
-from probes.target import CompletionRequest
+from probes.target import CompletionRequest, ServerCapacity
 from probes.triggers import (
     QUESTION_TEMPLATE,
     TriggerOptions,
@@ -43,6 +43,7 @@ from probes.triggers import (
     conclude,
     judge_own,
     model_repeats,
+    sizing_capacity,
     step_check,
 )
 
@@ -81,12 +82,12 @@ class SessionProbe(Probe):
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         repeats = await model_repeats(ctx)
-        capacity = await ctx.target.capacity()
+        capacity = await sizing_capacity(ctx)
         cap = capacity.admission_limit // 2 if capacity and capacity.admission_limit else None
         firsts = await asyncio.gather(*(_first_turn(ctx, t, repeats, cap) for t in ctx.tenants))
         checks = [check for check, _ in firsts]
         checks += [await canary_check(ctx, t, "other_traffic", repeats) for t in ctx.tenants]
-        burst = await _churn(ctx, await _churn_tokens(ctx))
+        burst = await _churn(ctx, _churn_tokens(ctx, capacity))
         checks += await asyncio.gather(
             *(_revisit(ctx, t, turn, repeats, cap) for (_, turn), t in zip(firsts, ctx.tenants, strict=True))
         )
@@ -130,14 +131,12 @@ def _chat(
     )  # fmt: skip
 
 
-async def _churn_tokens(ctx: ProbeContext) -> int:
+def _churn_tokens(ctx: ProbeContext, capacity: ServerCapacity | None) -> int:
     stated = ctx.options.get("churn_tokens")
     cap = int(ctx.options.get("max_churn_tokens", 262_144))
     if stated is not None:
         return min(int(stated), cap)
-    capacity = await ctx.target.capacity()
-    pool = capacity.kv_pool_tokens if capacity else None
-    return min(pool or 0, cap)
+    return min((capacity.kv_pool_tokens if capacity else None) or 0, cap)
 
 
 async def _churn(ctx: ProbeContext, tokens: int) -> dict[str, int]:

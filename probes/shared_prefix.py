@@ -46,7 +46,15 @@ from probes.markers import marker_hash
 from probes.prefix_cache import SALT_ENGINES
 from probes.prefix_cache.prompts import PromptSize, cached, fresh_text, salt, size_prefix
 from probes.target import CompletionRequest
-from probes.triggers import QUESTION_TEMPLATE, TriggerOptions, conclude, judge_own, model_repeats, step_check
+from probes.triggers import (
+    QUESTION_TEMPLATE,
+    TriggerOptions,
+    conclude,
+    judge_own,
+    model_repeats,
+    sizing_capacity,
+    step_check,
+)
 
 #: A shared start shorter than this would say little about keys that cover "the first few hundred".
 MIN_SHARED_TOKENS = 256
@@ -76,10 +84,10 @@ class SharedPrefixProbe(Probe):
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         repeats = await model_repeats(ctx)
-        capacity = await ctx.target.capacity()
+        capacity = await sizing_capacity(ctx)
         page = (capacity.page_size if capacity else None) or DEFAULT_PAGE_SIZE
         asked = max(MIN_SHARED_TOKENS, int(ctx.options.get("prefix_pages", 8)) * page)
-        size = await size_prefix(ctx, asked)
+        size = await size_prefix(ctx, asked, capacity)
         if isinstance(size, str):
             return ProbeResult.error("prefix_does_not_fit", size)
         run = _Run(ctx, fresh_text(size.letters), size, repeats)

@@ -37,10 +37,10 @@ class CompletionRequest:
     #: Hang up as a client that went away: after this many stream chunks (0: once the response's
     #: headers came, before any of its body), or after this many seconds whatever came by then.
     #: The completion's ``error_kind`` is then ``hung_up``, with what was read before.
-    #: More body fields for engines that take them (``repetition_penalty``, ``stop``, ``n``).
-    extra: dict[str, Any] = field(default_factory=dict)
     hang_up_after_chunks: int | None = None
     hang_up_after_seconds: float | None = None
+    #: More body fields for engines that take them (``repetition_penalty``, ``stop``, ``n``).
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -34,8 +34,9 @@ from probes.canary import (
     judge_answer,
     repeat_prompt,
 )
+from probes.cross_tenant import CAPACITY_MAX_AGE_SECONDS
 from probes.markers import MARKER_RE, MarkerBook, marker_hash
-from probes.target import Completion
+from probes.target import Completion, ServerCapacity
 
 #: How long one lone canary's answer (does the model repeat?) is trusted: it changes with the model.
 REPEATS_TTL_SECONDS = 600.0
@@ -50,6 +51,12 @@ OWN_AND_FOREIGN = "own_and_foreign_markers"
 class TriggerOptions(CanaryOptions):
     # Whether the model repeats a nonce when asked: None asks a lone canary (kept 10 minutes).
     repeats: bool | None = None
+
+
+async def sizing_capacity(ctx: ProbeContext) -> ServerCapacity | None:
+    """Return the node's capacity as the trigger kinds size their requests by it: one reading, up
+    to :data:`~probes.cross_tenant.CAPACITY_MAX_AGE_SECONDS` old (the audits read it afresh)."""
+    return await ctx.target.capacity(max_age=CAPACITY_MAX_AGE_SECONDS)
 
 
 def _remembered(state: dict[str, Any], now: float, *, any_age: bool = False) -> bool | None:

@@ -82,8 +82,6 @@ class SessionCache:
         self._data: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
         self._entries: list[SessionEntry] = []
         self._next = 0
-        self.saves = 0
-        self.restored_tokens = 0
 
     @classmethod
     def configured(cls, config: WorkerConfig, stale_entries: BugTrigger | None) -> SessionCache | None:
@@ -108,7 +106,6 @@ class SessionCache:
         self._entries.append(SessionEntry(tuple(tokens), slot, salt))
         if len(self._entries) > STALE_KEPT * len(self._data):  # stale ones, oldest first, go at last
             self._entries.pop(next(i for i, e in enumerate(self._entries) if e.stale))
-        self.saves += 1
 
     def lookup(
         self, prompt: Sequence[int], device: torch.device, *, salt: str | None = None
@@ -127,7 +124,6 @@ class SessionCache:
         positions = min(best, data[0].shape[0]) // self.page_size * self.page_size
         if positions < self.page_size:
             return None
-        self.restored_tokens += positions
         return Restored(positions, data[0][:positions].to(device), data[1][:positions].to(device))
 
     def _overwritten(self, entry: SessionEntry, prompt: Sequence[int], shared: int) -> bool:

@@ -25,7 +25,7 @@ from string import ascii_lowercase
 from typing import Any
 
 from probes.base import ProbeContext, unjudgeable
-from probes.target import Completion, CompletionRequest
+from probes.target import Completion, CompletionRequest, ServerCapacity
 
 #: Fresh letters after the shared prefix: enough to make each request unique, too few to matter.
 TAIL_LETTERS = 4
@@ -92,7 +92,9 @@ class PromptSize:
         }
 
 
-async def size_prefix(ctx: ProbeContext, asked: int) -> PromptSize | str:
+async def size_prefix(
+    ctx: ProbeContext, asked: int, capacity: ServerCapacity | None = None
+) -> PromptSize | str:
     """Return the prefix size for ``asked`` tokens on this target, or why none fits (a sentence).
 
     The prefix spans at least :data:`MIN_PAGES` pages of the node's ``page_size`` when known, and
@@ -100,7 +102,8 @@ async def size_prefix(ctx: ProbeContext, asked: int) -> PromptSize | str:
     output too). Tokens per letter come from the engine's tokenizer; without one (hosted APIs) a
     letter counts as one token, as on the BPE tokenizers Gu et al. audited.
     """
-    capacity = await ctx.target.capacity()
+    if capacity is None:  # a caller that read it already passes it
+        capacity = await ctx.target.capacity()
     page = capacity.page_size if capacity else None
     limit = capacity.admission_limit if capacity else None
     floor = max(MIN_PREFIX_TOKENS, MIN_PAGES * (page or 1))
