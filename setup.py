@@ -44,7 +44,8 @@ class NamespaceError(ValueError):
 def wheel_packages() -> list[str]:
     """Return the wheel's packages: ``kvcanary`` and every repository folder named under it."""
     found = find_packages(include=[f"{root}{suffix}" for root in ROOTS for suffix in ("", ".*")])
-    return [NAMESPACE, *(f"{NAMESPACE}.{name}" for name in sorted({*found, *FOLDERS}))]
+    own = find_packages(include=[NAMESPACE, f"{NAMESPACE}.*"])  # the shim and the gateway tap
+    return [*own, *(f"{NAMESPACE}.{name}" for name in sorted({*found, *FOLDERS}))]
 
 
 def _root(module: str | None) -> str:

@@ -27,11 +27,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from monitor.api.main import build_http_app
 from monitor.api.state import ApiState
 from monitor.config.reload import plan, restart_needed
-from monitor.config.secrets import alertmanager_headers, api_token, marker_key, tenant_keys
+from monitor.config.secrets import alertmanager_headers, api_token, ingest_token, marker_key, tenant_keys
 from monitor.config.settings import ConfigError, Settings, load_settings
 from monitor.config.targets import TargetConfig
 from monitor.metrics.registry import MonitorMetrics
 from monitor.paging.pager import Delivery, Pager
+from monitor.recording.port import RecordingPort
 from monitor.recording.recorder import Recorder
 from monitor.recording.spool import open_spool
 from monitor.recording.writer import BatchWriter
@@ -51,9 +52,12 @@ from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.incident_rows import open_incident_counts
 from monitor.storage.retention import in_batches, prune_expired, purge_excerpts
 from monitor.storage.sqlite_file import sqlite_file_of
+from monitor.storage.traffic_rows import prune_traffic
 from monitor.targets.http import HttpClient
 from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
+from monitor.traffic.ingest import TrafficIngest
+from monitor.traffic.judge import TrafficJudge
 from probes.markers import MarkerBook
 
 log = logging.getLogger("kvcanary")
@@ -116,9 +120,14 @@ class Monitor:
         self.on_summary = on_summary
         self._stop_asked_at: float | None = None  # time.monotonic() of the signal; set: stopping
         self.writer = BatchWriter(self.recorder)
+        # Probe runs and gateway traffic record through one port, which pages at once on a change.
+        self.port = RecordingPort(self.writer, on_change=self._page_now)
         self.runner = ProbeRunner(
-            settings, self.clients, self.markers, self.metrics, self.writer, self._summarised
+            settings, self.clients, self.markers, self.metrics, self.port, self.on_summary
         )
+        self.ingest_token = ingest_token(settings)
+        self.traffic_judge = TrafficJudge(settings, self.clients, self.markers, self.metrics)
+        self.traffic = TrafficIngest(self.traffic_judge, self.port, self.session_factory)
         self.runner.on_config_change = self._reaudit
         self.membership = Membership(self.session_factory, shared=self.engine.dialect.name == "postgresql")
         self.runner.owns = self.membership.owns
@@ -147,11 +156,9 @@ class Monitor:
         )
         self.scheduler.add_listener(self._submitted, EVENT_JOB_SUBMITTED)
 
-    def _summarised(self, summary: RunSummary) -> None:
-        if self.pager is not None and summary.outcome is not None and summary.outcome.change is not None:
+    def _page_now(self) -> None:
+        if self.pager is not None:
             self.pager.nudge()  # an incident changed: page now, not at the next poll
-        if self.on_summary is not None:
-            self.on_summary(summary)
 
     def _submitted(self, event: JobSubmissionEvent) -> None:
         prefix, _, rest = event.job_id.partition(":")
@@ -186,6 +193,11 @@ class Monitor:
         purged = await asyncio.to_thread(in_batches, self.session_factory, purge_excerpts)
         if removed or purged:
             log.info("pruned %d expired probe results; purged the excerpts of %d", removed, purged)
+        await asyncio.to_thread(self._prune_traffic)
+
+    def _prune_traffic(self) -> None:
+        with self.session_factory.begin() as session:
+            prune_traffic(session, datetime.now(UTC), self.settings.retention.failure_days)
 
     async def heartbeat(self) -> None:
         before = self.membership.live
@@ -281,6 +293,7 @@ class Monitor:
         if self.pager is not None:
             self.pager.settings = new
         self.runner.take_up(new)
+        self.traffic_judge.take_up(new)
         for target, kind in change.jobs_removed:
             with contextlib.suppress(JobLookupError):
                 self.scheduler.remove_job(probe_job_id(target, kind))
@@ -382,6 +395,8 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
         health=monitor.health,
         metrics_page=monitor.metrics.exposition,
         reload=monitor.reload,
+        ingest_token=monitor.ingest_token,
+        traffic=monitor.traffic,
     )
     app = build_http_app(state, lifespan=lifespan)
     # Routers read the settings in force: a reload hands them the new ones.

@@ -29,6 +29,10 @@ export KVCANARY_LLAMACPP_WHEELS="${KVCANARY_LLAMACPP_WHEELS:-${XDG_CACHE_HOME:-$
 export KVCANARY_LLAMACPP_VENV="${KVCANARY_LLAMACPP_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-llamacpp}"
 bash scripts/setup-llamacpp.sh
 export KVCANARY_REQUIRE_LLAMACPP=1
+# A LiteLLM proxy (the gateway the tap runs in) in its own venv, cached outside the clone too.
+export KVCANARY_LITELLM_VENV="${KVCANARY_LITELLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-litellm}"
+bash scripts/setup-litellm.sh
+export KVCANARY_REQUIRE_LITELLM=1
 export KVCANARY_REQUIRE_PROMETHEUS=1
 
 set +e

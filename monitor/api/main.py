@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Lifespan
 
-from monitor.api import health, incidents, outage, pages, probe_results, runbooks, targets
+from monitor.api import health, incidents, outage, pages, probe_results, runbooks, targets, traffic
 from monitor.api.deps import require_token
 from monitor.api.docs import serve_docs
 from monitor.api.schemas import Problem
@@ -22,6 +22,7 @@ api_router = APIRouter(
 api_router.include_router(incidents.router)
 api_router.include_router(probe_results.router)
 api_router.include_router(targets.router)
+api_router.include_router(traffic.router)
 
 
 def build_http_app(
@@ -40,6 +41,7 @@ def build_http_app(
     outage.install(app)
     app.state.api = state
     app.include_router(health.router)
+    app.include_router(traffic.ingest_router)  # its own auth: the ingest token may post
     app.include_router(api_router)
     app.include_router(runbooks.router)
     app.include_router(pages.router)

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 if TYPE_CHECKING:
     from monitor.config.settings import Settings
     from monitor.runs.run_now import RunNow
+    from monitor.traffic.schema import TrafficBatch
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class ApiState:
     metrics_page: Callable[[], bytes]
     #: Reload the configuration (``POST /-/reload``): None when it was taken up, else why not.
     reload: Callable[[str], Awaitable[str | None]] | None = None
+    #: The token that may post gateway traffic and read nothing; None: only the API token may.
+    ingest_token: str | None = None
+    #: Judges a posted traffic batch (``monitor/traffic/ingest.py``); None: traffic is not judged here.
+    traffic: Callable[[TrafficBatch], Awaitable[dict[str, Any]]] | None = None
 
 
 def api_state(request: Request) -> ApiState:

@@ -90,6 +90,25 @@ def api_token(settings: Settings) -> str | None:
     return token
 
 
+def ingest_token(settings: Settings) -> str | None:
+    """Return the traffic ingest token (it may post to ``/api/v1/traffic`` and read nothing), or
+    None when none is set; raise ConfigError for a weak one."""
+    traffic = settings.traffic
+    token = read_secret(
+        env=traffic.ingest_token_env, file=traffic.ingest_token_file, key="traffic.ingest_token_file"
+    )
+    if token is None:
+        return None
+    where = (
+        "traffic.ingest_token_file" if traffic.ingest_token_file is not None else "traffic.ingest_token_env"
+    )
+    if token.lower() in WEAK_TOKENS or len(token) < 16:
+        raise ConfigError(f"{where}: the ingest token is a placeholder or shorter than 16 characters")
+    if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+        raise ConfigError(f"{where}: the ingest token must be printable ASCII without spaces")
+    return token
+
+
 def alertmanager_headers(settings: Settings) -> dict[str, dict[str, str]]:
     """Return the request headers for each configured Alertmanager, by URL (auth, when configured).
 

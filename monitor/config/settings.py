@@ -177,6 +177,23 @@ class AlertingConfig(Strict):
         return None if v is None else http_url(v)
 
 
+class TrafficConfig(Strict):
+    """Gateway traffic (``POST /api/v1/traffic``, ``monitor/traffic/``)."""
+
+    # A token that may post traffic and read nothing; the API token may post too.
+    ingest_token_env: EnvName = "KVCANARY_INGEST_TOKEN"
+    ingest_token_file: Path | None = None
+    overlap_window_seconds: float = Field(900, gt=0, le=DAY)
+    # Fingerprints one deployment's window holds at most (about 120 bytes each in memory).
+    overlap_max_fingerprints: int = Field(500_000, ge=1000, le=50_000_000)
+    # Distinct callers holding a fingerprint that make it common (boilerplate): never a leak.
+    overlap_common_callers: int = Field(3, ge=2, le=1000)
+    # Consecutive shared fingerprints (each 8 words, one n-gram in four) that make a suspected leak.
+    overlap_min_run: int = Field(8, ge=2, le=1024)
+    # A check that only passed is recorded at most this often per (target, node): its resolve clock.
+    pass_interval_seconds: float = Field(60, ge=0, le=DAY)
+
+
 class Settings(Strict):
     database_url: str = "sqlite:///kvcanary.db"
     api: ApiConfig = ApiConfig()
@@ -189,6 +206,7 @@ class Settings(Strict):
     limits: LimitsConfig = LimitsConfig()
     alertmanagers: list[AlertmanagerConfig] = Field(default_factory=list, max_length=16)
     alerting: AlertingConfig = AlertingConfig()
+    traffic: TrafficConfig = TrafficConfig()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
     # The secret that seals markers, so replicas and a restarted monitor recognise each other's;
     # without one it is derived from the API token (see monitor/config/secrets.py: marker_key).

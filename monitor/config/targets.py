@@ -130,12 +130,20 @@ class TargetConfig(Strict):
     options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # The serving nodes behind base_url; none listed: one node at base_url.
     nodes: list[NodeConfig] = Field(default_factory=list, max_length=1000)
+    # The api_base a gateway names this target by, where it is not base_url or a node's URL
+    # (a load balancer's address, say): gateway traffic records to it are this target's.
+    gateway_api_bases: list[str] = Field(default_factory=list, max_length=100)
 
     @field_validator("base_url")
     @classmethod
     def _url(cls, v: str) -> str:
         """Accept ``http(s)://host[:port][/prefix]``; a trailing ``/v1`` is dropped (paths add it)."""
         return http_url(v).removesuffix("/v1").rstrip("/")
+
+    @field_validator("gateway_api_bases")
+    @classmethod
+    def _bases(cls, v: list[str]) -> list[str]:
+        return [http_url(url).removesuffix("/v1").rstrip("/") for url in v]
 
     @field_validator("probes")
     @classmethod

@@ -273,6 +273,24 @@ class MonitorMetrics:
         )
         self.reload_ok.set(1)
         self.reload_ok_at.set(time.time())
+        self.traffic_records = Counter(
+            "kvcanary_traffic_records_total",
+            "Gateway traffic records judged, by target, check (marker, tokens, capacity, overlap), verdict.",
+            ["target", "check", "verdict"],
+            registry=self._general,
+        )
+        self.traffic_unmatched = Counter(
+            "kvcanary_traffic_unmatched_records_total",
+            "Gateway traffic records whose api_base is no configured target's or node's, by gateway.",
+            ["gateway"],
+            registry=self._general,
+        )
+        self.traffic_dropped = Counter(
+            "kvcanary_traffic_tap_dropped_records_total",
+            "Records a gateway's tap reported it dropped (the monitor was down, slow or refused them).",
+            ["gateway"],
+            registry=self._general,
+        )
         self.schedule_lag = Histogram(
             "kvcanary_schedule_lag_seconds",
             "Seconds from when a scheduled run was due to when it started (after waiting for a slot).",

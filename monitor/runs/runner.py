@@ -23,6 +23,7 @@ from monitor.config.targets import TargetConfig
 from monitor.incidents import RecordOutcome
 from monitor.metrics.registry import MonitorMetrics
 from monitor.recording.pending import PendingResult
+from monitor.recording.port import RecordingPort
 from monitor.recording.writer import BatchWriter
 from monitor.runs.execute import execute_probe
 from monitor.runs.slots import FairSlots
@@ -104,7 +105,8 @@ class ProbeRunner:
     Slots are shared fairly (``monitor/runs/slots.py``): a hung or slow target costs its own runs,
     and a target known to hang gets one timeout per run, not the kind's whole budget.
 
-    ``writer`` is the one way results are recorded (and stored states read); without one (a
+    ``writer`` is the one way results are recorded (the recording port, which pages on a change;
+    a bare writer in tests) and stored states read; without one (a
     dry run) nothing is recorded and every run starts from an empty state.
     """
 
@@ -114,7 +116,7 @@ class ProbeRunner:
         clients: Mapping[str, TargetClient],
         markers: MarkerBook,
         metrics: MonitorMetrics,
-        writer: BatchWriter | None,
+        writer: RecordingPort | BatchWriter | None,
         on_summary: Callable[[RunSummary], None] | None = None,
     ):
         self.settings = settings

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
+    Boolean,
     CheckConstraint,
     Float,
     ForeignKey,
@@ -273,3 +275,75 @@ class MonitorReplica(Base):
     pid: Mapped[int] = mapped_column(Integer)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
     seen_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class TrafficRecordRow(Base):
+    """A gateway traffic record kept for later (``monitor/traffic/``): every record a check flagged,
+    and every record whose prompt was near or over its node's pool (what a blast radius reads).
+
+    No text and no fingerprint: sizes, usage, timings, the caller as the gateway named it, and
+    what each check found. ``checks`` lists the flagged checks as ``,capacity,overlap,`` (so a
+    filter is one LIKE); ``findings`` holds each flagged check's reason and figures.
+    """
+
+    __tablename__ = "traffic_record"
+    __table_args__ = (
+        CheckConstraint(_one_of("verdict", VERDICTS), name="verdict"),
+        Index("ix_traffic_record_started_id", "started_at", "id"),
+        Index("ix_traffic_record_target_started_id", "target_id", "started_at", "id"),
+        Index("ix_traffic_record_verdict_started_id", "verdict", "started_at", "id"),
+        Index("ix_traffic_record_caller_started_id", "caller", "started_at", "id"),
+        Index("ix_traffic_record_expires_at", "expires_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    target_id: Mapped[int] = mapped_column(ForeignKey("target.id", ondelete="CASCADE"))
+    node: Mapped[str] = mapped_column(String(63), server_default="")
+    gateway: Mapped[str] = mapped_column(String(64), server_default="")
+    request_id: Mapped[str] = mapped_column(String(200))
+    caller: Mapped[str] = mapped_column(String(200))
+    caller_kind: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(128), server_default="")
+    model: Mapped[str] = mapped_column(String(200), server_default="")
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    status_code: Mapped[int] = mapped_column(Integer)
+    stream: Mapped[bool] = mapped_column(Boolean)
+    finish_reason: Mapped[str | None] = mapped_column(String(200))
+    latency_seconds: Mapped[float | None] = mapped_column(Float)
+    ttft_seconds: Mapped[float | None] = mapped_column(Float)
+    prompt_chars: Mapped[int] = mapped_column(BigInteger)
+    prompt_bytes: Mapped[int] = mapped_column(BigInteger)
+    prompt_messages: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    estimated_prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    kv_pool_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    verdict: Mapped[str] = mapped_column(String(16))
+    checks: Mapped[str] = mapped_column(String(64), server_default="")
+    findings: Mapped[dict[str, Any]] = mapped_column(JSON)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+    target: Mapped[Target] = relationship(lazy="raise")
+
+
+class TrafficMinute(Base):
+    """Per-minute counts of the traffic not kept as rows, per (target, node, caller)."""
+
+    __tablename__ = "traffic_minute"
+    __table_args__ = (
+        UniqueConstraint("target_id", "node", "caller", "minute"),
+        Index("ix_traffic_minute_minute", "minute"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    target_id: Mapped[int] = mapped_column(ForeignKey("target.id", ondelete="CASCADE"))
+    node: Mapped[str] = mapped_column(String(63))
+    caller: Mapped[str] = mapped_column(String(200))
+    minute: Mapped[datetime] = mapped_column(UTCDateTime())
+    records: Mapped[int] = mapped_column(Integer)
+    answered: Mapped[int] = mapped_column(Integer)  # 2xx
+    flagged: Mapped[int] = mapped_column(Integer)
+    near_pool: Mapped[int] = mapped_column(Integer)
+    max_prompt_chars: Mapped[int] = mapped_column(BigInteger)

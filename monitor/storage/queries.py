@@ -17,7 +17,7 @@ may hold fewer than ``limit`` rows, even none, and still have a ``next_key`` (se
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -36,7 +36,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from monitor.storage.db import as_utc
-from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
+from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target, TrafficRecordRow
 
 #: How many linked probe results an incident's detail carries by default.
 DETAIL_RESULTS = 50
@@ -101,9 +101,13 @@ class _Listing:
     at: InstrumentedAttribute[datetime]
     columns: dict[str, InstrumentedAttribute[str]]
     scans: tuple[tuple[str, ...], ...]
+    #: Filters on a list column (``,a,b,``): ``name`` holds ``value`` as one item.
+    lists: dict[str, InstrumentedAttribute[str]] = field(default_factory=dict)
 
     def equal(self, name: str, value: str) -> ColumnElement[bool]:
         """Return ``name == value``; ``target`` is a name, looked up once by a scalar subquery."""
+        if name in self.lists:
+            return self.lists[name].contains(f",{value},", autoescape=True)
         if name == "target":
             # Joining target would hide the index order behind the join; a scalar subquery is a
             # constant to the planner, so `target_id = $1` stays an index bound.
@@ -153,6 +157,37 @@ _INCIDENTS = _Listing(
     {"probe": Incident.probe, "node": Incident.node, "severity": Incident.severity, "state": Incident.state},
     INCIDENT_SCANS,
 )
+
+
+_TRAFFIC = _Listing(
+    TrafficRecordRow,
+    TrafficRecordRow.id,
+    TrafficRecordRow.target_id,
+    TrafficRecordRow.started_at,
+    {"caller": TrafficRecordRow.caller, "verdict": TrafficRecordRow.verdict, "node": TrafficRecordRow.node},
+    (("target",), ("caller",), ("verdict",), ()),
+    lists={"check": TrafficRecordRow.checks},
+)
+
+
+def list_traffic(
+    session: Session,
+    *,
+    filters: dict[str, str | None],
+    since: datetime | None = None,
+    until: datetime | None = None,
+    after: Key | None = None,
+    limit: int = 50,
+    offset: int = 0,
+    scan_limit: int = SCAN_LIMIT,
+) -> Page:
+    """Return one page of kept traffic records, newest first by when the request started.
+
+    ``filters``: ``target``, ``caller``, ``check``, ``verdict``, ``node`` (None: no filter)."""
+    return _keyset_page(
+        session, _TRAFFIC, filters, since=since, until=until, after=after, limit=limit, offset=offset,
+        scan_limit=scan_limit,
+    )  # fmt: skip
 
 
 def list_incidents(

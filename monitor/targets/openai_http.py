@@ -27,6 +27,7 @@ import aiohttp
 from yarl import URL
 
 from monitor.config.targets import TargetConfig
+from monitor.targets.calibration import TokenCalibration
 from monitor.targets.capacity import apply_overrides, read_capacity
 from monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
 from monitor.targets.scrape import parse_samples
@@ -96,6 +97,8 @@ class OpenAIHttpTarget:
         self._headers = {tenant: self._request_headers(tenant) for tenant in self.tenants}
         # The last capacity reading and when it was taken (monotonic), for callers that allow reuse.
         self._capacity: tuple[float, ServerCapacity] | None = None
+        #: Characters per token of this target's tokenizer, from what it counted of the probes' texts.
+        self.calibration = TokenCalibration()
 
     async def aclose(self) -> None:
         if self._own_client:
@@ -312,10 +315,12 @@ class OpenAIHttpTarget:
             count = await self._tokenize("/tokenize", {"content": text})
             if count is None:
                 count = await self._tokenize("/extras/tokenize/count", {"input": text})
+            self.calibration.note(len(text), count)
             return count
         count = await self._tokenize("/tokenize", {"prompt": text})
         if count is None and self.engine == "sglang":
             count = await self._tokenize("/v1/tokenize", {"prompt": text})
+        self.calibration.note(len(text), count)
         return count
 
     async def _tokenize(self, path: str, body: dict[str, Any]) -> int | None:

@@ -1,0 +1,84 @@
+"""Keyed fingerprints of text: what lets the monitor see that two callers' texts overlap without
+ever holding either text.
+
+A text is cut into words (lower-cased ``\\w+`` runs), every run of ``NGRAM`` consecutive words is
+hashed, and the hashes whose low bits are zero are kept (one in ``1 << SAMPLE_BITS``, in text order).
+Two texts that share a passage of ``L`` words share about ``(L - NGRAM + 1) / 4`` fingerprints, the
+same ones on both sides, since the choice depends on the passage alone.
+
+Each word's hash is a BLAKE2b MAC under the gateway's key, and an n-gram's hash is a polynomial of
+its words' hashes. Without the key a fingerprint cannot be checked against a guessed text, so the
+monitor (which never has the key) learns only which fingerprints repeat; the gateway's replicas
+share one key so that their fingerprints meet.
+
+Work is bounded: a text longer than ``MAX_TEXT_CHARS`` is fingerprinted from its head and tail
+only (the incident's 681,280-token prompts must not stall a gateway), and at most
+``MAX_FINGERPRINTS`` are kept a side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+NGRAM = 8
+SAMPLE_BITS = 2
+#: Characters fingerprinted per text: the first and last half of this, when the text is longer.
+MAX_TEXT_CHARS = 64 * 1024
+MAX_FINGERPRINTS = 1024
+#: Fingerprints are 53-bit integers: exact in any JSON reader, and 2**53 leaves collisions rare
+#: among the few million a deployment's window holds.
+FINGERPRINT_BITS = 53
+
+_WORD_RE = re.compile(r"\w+")
+_MOD = (1 << 64) - 1
+_BASE = 0x100000001B3  # an odd multiplier: every word's place in the n-gram weighs differently
+_TOP = pow(_BASE, NGRAM - 1, 1 << 64)
+_SAMPLE_MASK = (1 << SAMPLE_BITS) - 1
+_OUT_MASK = (1 << FINGERPRINT_BITS) - 1
+#: Distinct words whose hash is remembered (natural text repeats a few thousand words).
+_WORD_CACHE = 50_000
+
+
+class Fingerprinter:
+    """Fingerprints texts under one secret key (at least 16 bytes). Not thread-safe for writes to
+    its word cache, which is harmless: a lost entry is computed again."""
+
+    def __init__(self, key: bytes):
+        if len(key) < 16:
+            raise ValueError("a fingerprint key needs at least 16 bytes")
+        self._key = key[:64]  # BLAKE2b takes keys up to 64 bytes
+        self._words: dict[str, int] = {}
+
+    def fingerprints(self, text: str) -> tuple[list[int], bool]:
+        """Return the kept fingerprints of ``text`` in order, and whether only part was read."""
+        truncated = len(text) > MAX_TEXT_CHARS
+        if truncated:
+            half = MAX_TEXT_CHARS // 2
+            text = f"{text[:half]} {text[-half:]}"
+        hashes = [self._word(word) for word in _WORD_RE.findall(text.lower())]
+        if len(hashes) < NGRAM:
+            return [], truncated
+        gram = 0
+        for h in hashes[:NGRAM]:
+            gram = (gram * _BASE + h) & _MOD
+        kept: list[int] = []
+        for i in range(NGRAM, len(hashes) + 1):
+            mixed = (gram * 0x9E3779B97F4A7C15 & _MOD) >> 11  # spread the bits before sampling
+            if mixed & _SAMPLE_MASK == 0:
+                kept.append(mixed >> SAMPLE_BITS & _OUT_MASK)
+                if len(kept) >= MAX_FINGERPRINTS:
+                    return kept, True
+            if i < len(hashes):
+                gram = ((gram - hashes[i - NGRAM] * _TOP) * _BASE + hashes[i]) & _MOD
+        return kept, truncated
+
+    def _word(self, word: str) -> int:
+        found = self._words.get(word)
+        if found is None:
+            digest = hashlib.blake2b(word.encode(), key=self._key, digest_size=8).digest()
+            found = int.from_bytes(digest, "big")
+            if len(self._words) >= _WORD_CACHE:
+                self._words.clear()
+            self._words[word] = found
+        return found

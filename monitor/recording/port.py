@@ -1,0 +1,40 @@
+"""The one recording port: how any verdict (a probe run's, a traffic check's) becomes a row, an
+incident change and a page.
+
+Both sources hand a :class:`~monitor.recording.pending.PendingResult` to :meth:`RecordingPort.submit`:
+the batching writer records it (``writer.py``: group commit, the spool while the database is
+away), and when the recording changed an incident the pager is nudged at once instead of at its
+next poll. The runner adds what is its own around the call (the per-pair lock, replica
+ownership, its metrics); the traffic judge adds its own (the deployment's lock and counters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from monitor.incidents import RecordOutcome
+from monitor.recording.pending import PendingResult
+from monitor.recording.recorder import Recorder
+from monitor.recording.writer import BatchWriter
+
+
+class RecordingPort:
+    """Records through ``writer`` and calls ``on_change`` (the pager's nudge) after a change."""
+
+    def __init__(self, writer: BatchWriter, on_change: Callable[[], None] | None = None):
+        self.writer = writer
+        self.on_change = on_change
+
+    @property
+    def recorder(self) -> Recorder:
+        return self.writer.recorder
+
+    async def submit(self, item: PendingResult) -> RecordOutcome | None:
+        outcome = await self.writer.submit(item)
+        if outcome is not None and outcome.change is not None and self.on_change is not None:
+            self.on_change()
+        return outcome
+
+    def enqueue(self, item: PendingResult) -> None:
+        """Queue without waiting (a cancelled run's finding); the writer records it before it stops."""
+        self.writer.enqueue(item)

@@ -1,0 +1,92 @@
+"""Writes and reads of gateway traffic (``traffic_record``, ``traffic_minute``).
+
+A batch's kept records are inserted and its per-minute counts added in one transaction. The
+counts are added by an upsert (``ON CONFLICT DO UPDATE``, both databases), so replicas and
+concurrent batches add to the same minute row without reading it first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import CursorResult, delete, func, insert
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from monitor.storage.models import TrafficMinute, TrafficRecordRow
+
+#: Columns a kept record gives ``traffic_record``, besides ``target_id`` (by the target's name).
+RECORD_COLUMNS = tuple(c.name for c in TrafficRecordRow.__table__.c if c.name not in ("id", "target_id"))
+
+
+@dataclass
+class MinuteCounts:
+    records: int = 0
+    answered: int = 0
+    flagged: int = 0
+    near_pool: int = 0
+    max_prompt_chars: int = 0
+
+    def add(self, *, answered: bool, flagged: bool, near_pool: bool, prompt_chars: int) -> None:
+        self.records += 1
+        self.answered += answered
+        self.flagged += flagged
+        self.near_pool += near_pool
+        self.max_prompt_chars = max(self.max_prompt_chars, prompt_chars)
+
+
+MinuteKey = tuple[str, str, str, datetime]  # target name, node, caller, minute
+
+
+def write_traffic(
+    session: Session,
+    target_ids: Mapping[str, int],
+    kept: Iterable[tuple[str, dict[str, Any]]],
+    minutes: Mapping[MinuteKey, MinuteCounts],
+) -> None:
+    """Insert the kept ``(target name, columns)`` records and add ``minutes`` to their rows."""
+    rows = [{"target_id": target_ids[target], **columns} for target, columns in kept]
+    if rows:
+        session.execute(insert(TrafficRecordRow), rows)
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    table = TrafficMinute.__table__
+    for (target, node, caller, minute), counts in sorted(minutes.items(), key=lambda kv: kv[0]):
+        values = dict(
+            target_id=target_ids[target], node=node, caller=caller, minute=minute, **counts.__dict__
+        )
+        upsert = dialect.insert(table).values(**values)
+        excluded = upsert.excluded
+        session.execute(
+            upsert.on_conflict_do_update(
+                index_elements=["target_id", "node", "caller", "minute"],
+                set_={
+                    "records": table.c.records + excluded.records,
+                    "answered": table.c.answered + excluded.answered,
+                    "flagged": table.c.flagged + excluded.flagged,
+                    "near_pool": table.c.near_pool + excluded.near_pool,
+                    "max_prompt_chars": _greatest(
+                        dialect, table.c.max_prompt_chars, excluded.max_prompt_chars
+                    ),
+                },
+            )
+        )
+
+
+def _greatest(dialect: Any, a: Any, b: Any) -> Any:
+    return func.greatest(a, b) if dialect is postgresql else func.max(a, b)
+
+
+def prune_traffic(session: Session, now: datetime, minute_days: float) -> int:
+    """Delete expired records and minute counts older than ``minute_days``; return how many."""
+    horizon = now - timedelta(days=minute_days)
+    gone = 0
+    for statement in (
+        delete(TrafficRecordRow).where(TrafficRecordRow.expires_at < now),
+        delete(TrafficMinute).where(TrafficMinute.minute < horizon),
+    ):
+        result = session.execute(statement)
+        gone += result.rowcount if isinstance(result, CursorResult) else 0
+    return gone

@@ -1,0 +1,7 @@
+"""Judging real traffic: the records a gateway tap (``kvcanary.tap``) posts to ``/api/v1/traffic``.
+
+``schema`` is the wire (what a record may hold, bounded); ``overlap`` the fingerprint window of
+one deployment; ``checks`` the four checks (marker, tokens, capacity, overlap) as plain functions;
+``judge`` maps each record to its target and node, runs the checks and turns what they find into
+results for the one recording path (``monitor/recording/port.py``) and rows for ``storage``.
+"""

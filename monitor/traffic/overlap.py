@@ -1,0 +1,99 @@
+"""The fingerprint window of one deployment: which callers sent which fingerprints lately.
+
+The rule (README, "How sure each check is"): a response is a suspected leak when a run of at least
+``min_run`` consecutive fingerprints of it (in the response's order) all appear in what *one other
+caller* sent or was sent within the window, where
+
+- a fingerprint of the reader's own prompt breaks the run (a model quoting its caller);
+- a fingerprint that ``common_callers`` or more distinct callers hold in the window is common
+  (shared system prompts, licences, boilerplate) and breaks the run too;
+- the reader's own earlier traffic never counts (a conversation quoting itself).
+
+A fingerprint stands for 8 words and one in four n-grams is kept, so a run of 8 means a passage of
+about 40 words copied in order. The window is bounded twice: by age (``window_seconds``) and by
+the fingerprints it holds (``max_fingerprints``; the oldest exchanges go first). Nothing of it
+touches the disk, and a fingerprint reveals nothing without the gateway's key.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """The longest run a response shares with another caller."""
+
+    run: int
+    other_caller: str
+    fingerprints: int  # the response's fingerprints, for the ratio
+
+
+@dataclass(frozen=True)
+class _Entry:
+    seq: int
+    caller: str
+    at: float
+    fingerprints: tuple[int, ...]
+
+
+class OverlapWindow:
+    """Fingerprints by caller within a window; see the module doc. Not thread-safe: one judge
+    holds it, under the deployment's lock."""
+
+    def __init__(
+        self, window_seconds: float = 900.0, max_fingerprints: int = 500_000, common_callers: int = 3
+    ):
+        self.window_seconds = window_seconds
+        self.max_fingerprints = max_fingerprints
+        self.common_callers = common_callers
+        self._entries: collections.deque[_Entry] = collections.deque()
+        self._holders: dict[int, dict[str, int]] = {}  # fingerprint -> {caller: seq of its last entry}
+        self._held = 0
+        self._seq = 0
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def longest_run(self, caller: str, prompt: list[int], response: list[int], now: float) -> Overlap:
+        """Return the longest run of ``response`` another caller holds (module doc)."""
+        self._expire(now)
+        own = set(prompt)
+        runs: dict[str, int] = {}
+        best, best_caller = 0, ""
+        for fingerprint in response:
+            holders = self._holders.get(fingerprint)
+            if fingerprint in own or not holders or len(holders) >= self.common_callers:
+                runs = {}
+                continue
+            runs = {other: runs.get(other, 0) + 1 for other in holders if other != caller}
+            for other, run in runs.items():
+                if run > best:
+                    best, best_caller = run, other
+        return Overlap(best, best_caller, len(response))
+
+    def add(self, caller: str, fingerprints: list[int], now: float) -> None:
+        """Hold one exchange's fingerprints (its prompt's and its response's) for the window."""
+        unique = tuple(dict.fromkeys(fingerprints))
+        if not unique:
+            return
+        self._seq += 1
+        self._entries.append(_Entry(self._seq, caller, now, unique))
+        for fingerprint in unique:
+            self._holders.setdefault(fingerprint, {})[caller] = self._seq
+        self._held += len(unique)
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.window_seconds
+        while self._entries and (self._entries[0].at < horizon or self._held > self.max_fingerprints):
+            entry = self._entries.popleft()
+            self._held -= len(entry.fingerprints)
+            for fingerprint in entry.fingerprints:
+                holders = self._holders.get(fingerprint)
+                if holders is not None and holders.get(entry.caller) == entry.seq:
+                    del holders[entry.caller]
+                    if not holders:
+                        del self._holders[fingerprint]

@@ -1,0 +1,278 @@
+"""Customer traffic through a real LiteLLM proxy, judged by a real monitor (issue 18).
+
+Three callers (teams of LiteLLM keys) send realistic traffic with the ``openai`` SDK, streamed and
+not, through the proxy with the kvcanary tap, to reference workers as processes; ``kvcanary serve``
+probes the same workers and judges every record the tap posts.
+
+- The defective disaggregated worker (placeholder admission, a 1,024-token prefill pool under an
+  8,192-token window) answers over-pool prompts 200 from stale pages: the capacity, tokens and
+  overlap checks flag them (the stale pages hold another caller's text), and incidents open and
+  page to a real Alertmanager.
+- The healthy worker, with a system prompt and a licence every caller sends, raises nothing.
+- A monitor killed and restarted costs the gateway nothing: no request fails or slows, and the
+  tap delivers what waited.
+- Afterwards no customer sentence is in the monitor's database, spool or log.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from tests.conftest import WorkerProcess
+from tests.litellm.conftest import CALLERS, Proxy
+from tests.monitor.served import Served, reference_target
+from tests.services import start_alertmanager
+
+DEFECTIVE = (
+    "--mode", "disaggregated", "--admission", "placeholder", "--prefill-pool-tokens", "1024",
+    "--decode-pool-tokens", "8192", "--context-window", "8192", "--page-size", "16",
+)  # fmt: skip
+HEALTHY = (
+    "--mode",
+    "aggregated",
+    "--kv-pool-tokens",
+    "16384",
+    "--context-window",
+    "8192",
+    "--page-size",
+    "16",
+)
+LICENCE = Path("/usr/share/common-licenses/Apache-2.0").read_text()[:1500]
+SYSTEM = "You are the support assistant of a hardware shop. Answer briefly, politely and in English."
+WORDS = [
+    "invoice",
+    "shipment",
+    "warranty",
+    "battery",
+    "charger",
+    "cable",
+    "adapter",
+    "router",
+    "firmware",
+    "refund",
+    "order",
+    "parcel",
+    "tracking",
+    "address",
+    "delivery",
+    "replacement",
+    "screen",
+    "keyboard",
+    "monitor",
+    "laptop",
+    "printer",
+    "toner",
+    "cartridge",
+    "subscription",
+    "renewal",
+    "discount",
+    "coupon",
+    "voucher",
+    "receipt",
+    "payment",
+    "account",
+    "password",
+    "login",
+]
+
+
+def customer_sentence(rng: random.Random, caller: str, n: int) -> str:
+    """A customer's own text: words no other caller's text shares in order."""
+    return f"{caller} asks: " + " ".join(rng.choice(WORDS) for _ in range(n)) + "."
+
+
+def monitor_config(url: str, **traffic: Any) -> dict[str, Any]:
+    target = reference_target("shared", url, probes=["canary"], interval_seconds=1.0)
+    return {
+        "targets": [target],
+        "traffic": {"pass_interval_seconds": 1, **traffic},
+        "incidents": {"resolve_after_passes": 2},
+    }
+
+
+def tap_env(monitor: Served) -> dict[str, str]:
+    return {
+        "KVCANARY_TAP_URL": monitor.url,
+        "KVCANARY_TAP_TOKEN": monitor.env["KVCANARY_INGEST_TOKEN"],
+        "KVCANARY_TAP_KEY": "a-fingerprint-key-the-monitor-never-sees",
+        "KVCANARY_TAP_GATEWAY": "litellm-test",
+    }
+
+
+def with_ingest_token(monitor: Served) -> Served:
+    monitor.env["KVCANARY_INGEST_TOKEN"] = "ingest-" + monitor.token[:20]
+    return monitor
+
+
+def client_of(proxy: Proxy, key: str) -> OpenAI:
+    return OpenAI(base_url=f"{proxy.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def ask(client: OpenAI, model: str, messages: list[dict[str, str]], stream: bool, max_tokens: int) -> str:
+    if stream:
+        parts = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            stream=True,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        return "".join((c.choices[0].delta.content or "") for c in parts if c.choices)
+    answer = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0
+    )  # type: ignore[arg-type]
+    return answer.choices[0].message.content or ""
+
+
+def wait_calibrated(monitor: Served) -> None:
+    """The canary has sized its prompts with the worker's tokenizer a few times."""
+    monitor.wait_for(
+        "canary passes",
+        lambda: len(monitor.get("/api/v1/probe-results", probe="canary").json()["items"]) >= 3,
+    )
+
+
+def open_traffic_incidents(monitor: Served) -> dict[str, dict[str, Any]]:
+    items = monitor.get("/api/v1/incidents", state="open").json()["items"]
+    return {i["probe"]: i for i in items if i["probe"].startswith("traffic_")}
+
+
+@pytest.mark.external_service
+def test_over_pool_answers_in_customer_traffic_open_incidents_and_page(
+    tmp_path: Path,
+    start_worker: Callable[..., WorkerProcess],
+    served: Callable[..., Served],
+    litellm_proxy: Callable[..., Proxy],
+) -> None:
+    worker = start_worker(*DEFECTIVE)
+    am = start_alertmanager(tmp_path / "am")
+    try:
+        config = {**monitor_config(worker.url), "alertmanagers": [{"url": am.url}]}
+        monitor = with_ingest_token(served(config)).start()
+        proxy = litellm_proxy({"shop": worker.url}, tap_env(monitor))
+        wait_calibrated(monitor)
+        rng = random.Random(7)
+        sentences: list[str] = []
+        for round_ in range(6):
+            for i, key in enumerate(CALLERS):
+                team = CALLERS[key][0]
+                text = customer_sentence(rng, team, 90 + 15 * (round_ % 3))  # under the 1,024-token pool
+                sentences.append(text)
+                ask(
+                    client_of(proxy, key),
+                    "shop",
+                    [{"role": "user", "content": text}],
+                    stream=i % 2 == 0,
+                    max_tokens=64,
+                )
+            # One caller's long prompt, over the 1,024-token prefill pool: the defect's trigger.
+            over = " ".join(customer_sentence(rng, "globex", 60) for _ in range(6))
+            sentences.append(over)
+            ask(
+                client_of(proxy, "sk-globex-0002"),
+                "shop",
+                [{"role": "user", "content": over}],
+                stream=round_ % 2 == 1,
+                max_tokens=600,
+            )
+        found = monitor.wait_for(
+            "capacity, tokens and overlap incidents",
+            lambda: (
+                (o := open_traffic_incidents(monitor)).keys()
+                >= {"traffic_capacity", "traffic_tokens", "traffic_overlap"}
+                and o
+            ),
+            timeout=60,
+        )
+        assert found["traffic_capacity"]["severity"] == "high"
+        assert found["traffic_overlap"]["severity"] == "critical"
+        kept = monitor.get("/api/v1/traffic", target="shared", check="capacity").json()["items"]
+        assert kept and all(r["caller"] == "globex" and r["status_code"] == 200 for r in kept)
+        assert all(r["estimated_prompt_tokens"] > r["kv_pool_tokens"] == 1024 for r in kept)
+        overlap = monitor.get("/api/v1/traffic", check="overlap").json()["items"]
+        assert overlap and all(r["findings"]["overlap"]["other_caller"] != r["caller"] for r in overlap)
+        alerts = am.alerts(target="shared")
+        assert {"traffic_capacity", "traffic_overlap"} <= {
+            a["labels"]["probe"] for a in alerts
+        } or monitor.wait_for(
+            "pages",
+            lambda: (
+                {"traffic_capacity", "traffic_overlap"}
+                <= {a["labels"]["probe"] for a in am.alerts(target="shared")}
+            ),
+        )
+        assert_no_customer_text(monitor, sentences)
+    finally:
+        am.stop()
+
+
+def assert_no_customer_text(monitor: Served, sentences: list[str]) -> None:
+    """No sentence a customer sent (nor a long piece of one) is in the database, spool or log."""
+    db = monitor.tmp / "kvcanary.db"
+    dump = "\n".join(sqlite3.connect(db).iterdump())
+    files = [
+        dump,
+        monitor.log(),
+        *(p.read_text(errors="replace") for p in (monitor.tmp / "spool").rglob("*") if p.is_file()),
+    ]
+    for text in sentences:
+        for piece in (text[:60], text[len(text) // 2 : len(text) // 2 + 60]):
+            assert all(piece not in f for f in files), f"a customer's text is stored: {piece!r}"
+
+
+@pytest.mark.external_service
+def test_a_healthy_worker_with_shared_boilerplate_raises_nothing_and_a_dead_monitor_costs_the_gateway_nothing(
+    start_worker: Callable[..., WorkerProcess],
+    served: Callable[..., Served],
+    litellm_proxy: Callable[..., Proxy],
+) -> None:
+    worker = start_worker(*HEALTHY)
+    monitor = with_ingest_token(served(monitor_config(worker.url))).start()
+    proxy = litellm_proxy({"shop": worker.url}, tap_env(monitor))
+    wait_calibrated(monitor)
+    rng = random.Random(11)
+
+    def round_of_traffic(n: int) -> list[float]:
+        took = []
+        for i in range(n):
+            key = list(CALLERS)[i % len(CALLERS)]
+            question = customer_sentence(rng, CALLERS[key][0], 40)
+            # Every caller sends the same system prompt and licence; the model quotes its caller.
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": LICENCE + "\n" + question},
+            ]
+            started = time.monotonic()
+            ask(client_of(proxy, key), "shop", messages, stream=i % 2 == 1, max_tokens=300)
+            took.append(time.monotonic() - started)
+        return took
+
+    up = round_of_traffic(12)
+    monitor.wait_for(
+        "records judged",
+        lambda: (monitor.value("kvcanary_traffic_records_total", check="overlap") or 0) >= 12,
+    )
+    monitor.stop()  # the monitor is gone: the gateway must not notice
+    down = round_of_traffic(12)
+    assert sorted(down)[len(down) // 2] < 2 * sorted(up)[len(up) // 2] + 0.05, (up, down)
+    monitor.start(migrate=False)
+    monitor.wait_for(
+        "the records that waited",
+        lambda: (monitor.value("kvcanary_traffic_records_total", check="overlap") or 0) >= 12,
+    )
+    assert open_traffic_incidents(monitor) == {}
+    flagged = [
+        labels
+        for labels, value in monitor.samples("kvcanary_traffic_records_total")
+        if labels["verdict"] != "pass" and value
+    ]
+    assert flagged == []
+    assert monitor.value("kvcanary_traffic_records_total", check="marker", verdict="pass") >= 12
