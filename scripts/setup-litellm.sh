@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install a LiteLLM proxy into its own venv, for the gateway-tap tests in tests/litellm and
-# bench/tap_litellm.py: $KVCANARY_LITELLM_VENV, or .venv-litellm in the repo. scripts/test.sh points it
+# Install a LiteLLM proxy into its own venv, for the gateway-tap tests in tests/litellm:
+# $KVCANARY_LITELLM_VENV, or .venv-litellm in the repo. scripts/test.sh points it
 # at a cache outside the clone, so fresh clones on one machine share one ~800 MB install.
 #
 #   bash scripts/setup-litellm.sh          # idempotent: a second run only checks the stamp

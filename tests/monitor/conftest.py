@@ -29,7 +29,14 @@ from monitor.incidents import RecordOutcome, record_result
 from monitor.metrics.registry import MonitorMetrics
 from monitor.runs.run_now import RunNow
 from monitor.storage.db import make_engine, make_session_factory, upgrade
-from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
+from monitor.storage.models import (
+    Incident,
+    IncidentEvent,
+    ProbeResultRow,
+    Target,
+    TrafficMinute,
+    TrafficRecordRow,
+)
 from probes.base import ProbeResult, Verdict
 from tests.monitor.served import served  # noqa: F401 (a fixture: `kvcanary serve` as a process)
 from tests.services import Alertmanager, start_alertmanager
@@ -70,7 +77,7 @@ def empty_tables(engine: Engine) -> None:
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             conn.execute(text("SET LOCAL lock_timeout = '30s'"))
-        for model in (IncidentEvent, ProbeResultRow, Incident, Target):
+        for model in (TrafficRecordRow, TrafficMinute, IncidentEvent, ProbeResultRow, Incident, Target):
             conn.execute(delete(model))
 
 

@@ -1,0 +1,204 @@
+"""Gateway traffic figures (issue 18), in one run, as ratios and rates of this machine:
+
+- ``judge``: records judged per second per core by the monitor's judge (four checks, the overlap
+  window filling), in batches of 300 records of 1 KB-sized exchanges;
+- ``tap``: the tap's work per exchange (summary and fingerprints: what runs on its thread, after
+  the response is sent) for 1 KB, 16 KB and 1 MB exchanges, p50 and p99;
+- ``overlap``: the overlap rule's false alarms on real text nobody here wrote (the documentation
+  and licence texts Debian ships, ``/usr/share/doc`` and ``/usr/share/common-licenses``), sent by
+  several callers who share a system prompt and licences, with answers quoting their own
+  prompts; and its recall on injected leaks (an answer carrying a stretch of another caller's
+  prompt, 40 to 200 words).
+
+    .venv/bin/python bench/traffic.py [--records 30000] [--callers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prometheus_client import CollectorRegistry
+
+from kvcanary.tap.fingerprints import Fingerprinter
+from kvcanary.tap.record import Exchange, summarize
+from monitor.config.settings import Settings
+from monitor.metrics.registry import MonitorMetrics
+from monitor.targets.calibration import TokenCalibration
+from monitor.traffic.checks import OVERLAP_MIN_RUN
+from monitor.traffic.judge import TrafficJudge
+from monitor.traffic.overlap import OverlapWindow
+from monitor.traffic.schema import TrafficBatch
+from probes.markers import MarkerBook
+from probes.target import ServerCapacity
+
+KEY = b"bench-fingerprint-key-0123456789"
+
+
+def corpus(limit_chars: int = 6_000_000) -> list[str]:
+    """Return Debian's shipped documentation and licences as paragraphs-sized documents."""
+    texts: list[str] = []
+    roots = [Path("/usr/share/common-licenses"), Path("/usr/share/doc")]
+    total = 0
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            if (
+                not path.is_file()
+                or path.stat().st_size < 2000
+                or path.suffix not in ("", ".gz", ".txt", ".md")
+            ):
+                continue
+            try:
+                raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+                text = raw.decode("utf-8")
+            except (OSError, UnicodeDecodeError, gzip.BadGzipFile, EOFError):
+                continue
+            texts.append(text)
+            total += len(text)
+            if total > limit_chars:
+                return texts
+    return texts
+
+
+class Answers:
+    calibration = TokenCalibration()
+
+    async def capacity(self, max_age: float = 0.0) -> ServerCapacity:
+        return ServerCapacity(kv_pool_tokens=1_000_000)
+
+
+Answers.calibration.note(1000, 250)
+
+
+def bench_judge(docs: list[str], records: int) -> float:
+    settings = Settings.model_validate(
+        {
+            "targets": [
+                {"name": "t", "base_url": "http://127.0.0.1:9/v1", "tenants": [{"name": "a"}, {"name": "b"}]}
+            ]
+        }
+    )
+    judge = TrafficJudge(settings, {"t": Answers()}, MarkerBook(), MonitorMetrics(CollectorRegistry()))
+    fp = Fingerprinter(KEY)
+    rng = random.Random(1)
+    made = []
+    for i in range(2000):
+        doc = rng.choice(docs)
+        at = rng.randrange(max(1, len(doc) - 1000))
+        prompt, response = doc[at : at + 700], doc[at + 700 : at + 1000]
+        ex = Exchange(
+            f"r{i}",
+            time.time(),
+            f"c{i % 8}",
+            "team",
+            "http://127.0.0.1:9/v1",
+            prompt=prompt,
+            response=response,
+        )
+        made.append(summarize(ex, fp))
+    batches = [
+        TrafficBatch.model_validate({"records": [made[(b * 300 + j) % len(made)] for j in range(300)]})
+        for b in range(records // 300)
+    ]
+
+    async def run() -> float:
+        start = time.process_time()
+        for batch in batches:
+            await judge.judge(batch)
+        return time.process_time() - start
+
+    took = asyncio.run(run())
+    return len(batches) * 300 / took
+
+
+def bench_tap(docs: list[str]) -> dict[str, tuple[float, float]]:
+    fp = Fingerprinter(KEY)
+    text = "\n".join(docs)
+    out = {}
+    for label, size in (("1KB", 1024), ("16KB", 16 * 1024), ("1MB", 1024 * 1024)):
+        took = []
+        for i in range(200 if size < 100_000 else 30):
+            at = (i * 7919) % max(1, len(text) - size)
+            cut = at + size * 3 // 4
+            ex = Exchange(
+                "r", 0.0, "c", "team", "http://x", prompt=text[at:cut], response=text[cut : at + size]
+            )
+            start = time.perf_counter()
+            summarize(ex, fp)
+            took.append(time.perf_counter() - start)
+        took.sort()
+        out[label] = (took[len(took) // 2] * 1e3, took[int(len(took) * 0.99) - 1] * 1e3)
+    return out
+
+
+def bench_overlap(docs: list[str], callers: int, exchanges: int) -> dict[str, Any]:
+    """False alarms on benign traffic sharing boilerplate; recall on injected leaks."""
+    fp = Fingerprinter(KEY)
+    rng = random.Random(3)
+    shared = [d[:3000] for d in docs if "licen" in d[:400].lower()][:5] or [docs[0][:3000]]
+    system = docs[1][:800]
+    window = OverlapWindow(900, 2_000_000, 3)
+    alarms = 0
+    prompts: list[tuple[str, str]] = []
+    for i in range(exchanges):
+        caller = f"c{i % callers}"
+        doc = rng.choice(docs)
+        at = rng.randrange(max(1, len(doc) - 2500))
+        own = doc[at : at + 2000]
+        prompt = "\n".join([system, rng.choice(shared) if rng.random() < 0.5 else "", own])
+        # A benign answer: it quotes its own prompt, a shared licence or the system prompt.
+        quote = rng.choice([own[200:900], rng.choice(shared)[500:1200], system[:600]])
+        response = "Here is the relevant part: " + quote
+        p, _ = fp.fingerprints(prompt)
+        r, _ = fp.fingerprints(response)
+        run = window.longest_run(caller, p, r, float(i))
+        alarms += run.run >= OVERLAP_MIN_RUN
+        window.add(caller, p + r, float(i))
+        prompts.append((caller, own))
+    caught = {40: [0, 0], 80: [0, 0], 200: [0, 0]}
+    for _ in range(300):
+        victim, text = prompts[-1 - rng.randrange(200)]
+        reader = f"c{(int(victim[1:]) + 1) % callers}"
+        words = text.split()
+        for n, tally in caught.items():
+            start = rng.randrange(max(1, len(words) - n))
+            leaked = " ".join(words[start : start + n])
+            r, _ = fp.fingerprints("Sure. " + leaked)
+            tally[0] += window.longest_run(reader, [], r, float(exchanges)).run >= OVERLAP_MIN_RUN
+            tally[1] += 1
+    return {
+        "benign": exchanges,
+        "false_alarms": alarms,
+        "recall": {n: t[0] / t[1] for n, t in caught.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--records", type=int, default=30_000)
+    parser.add_argument("--callers", type=int, default=8)
+    parser.add_argument("--exchanges", type=int, default=5000)
+    args = parser.parse_args()
+    docs = corpus()
+    print(f"corpus: {len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f} MB from /usr/share")
+    print(f"judge: {bench_judge(docs, args.records):,.0f} records per CPU-second (batches of 300)")
+    for label, (p50, p99) in bench_tap(docs).items():
+        print(f"tap: {label} exchange: p50 {p50:.2f} ms, p99 {p99:.2f} ms of work on the tap's thread")
+    o = bench_overlap(docs, args.callers, args.exchanges)
+    recall = ", ".join(f"{n} words {r:.0%}" for n, r in o["recall"].items())
+    alarms = f"{o['false_alarms']} false alarms in {o['benign']} benign exchanges of {args.callers} callers"
+    print(f"overlap: {alarms}; recall on injected leaks: {recall}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""``/api/v1/traffic`` over a real database: who may post and read, bad input, kept records.
+
+The judge is the service's own (``monitor/traffic/``); the only seam is the target client it asks
+for a calibration and a capacity reading (network calls, stubbed as their answers).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from monitor.api.main import build_http_app
+from monitor.api.state import ApiState
+from monitor.metrics.registry import MonitorMetrics
+from monitor.runs.run_now import RunNow
+from monitor.storage.models import TrafficMinute, TrafficRecordRow
+from monitor.storage.target_rows import upsert_targets
+from monitor.targets.calibration import TokenCalibration
+from monitor.traffic.ingest import TrafficIngest
+from monitor.traffic.judge import TrafficJudge
+from probes.markers import MarkerBook
+from probes.target import ServerCapacity
+from tests.monitor.conftest import settings_with_targets
+
+Factory = sessionmaker[Session]
+TOKEN = "kvc-test-token-0123456789abcdef"
+INGEST = "kvc-ingest-token-0123456789abcdef"
+BASE = "http://127.0.0.1:30000/v1"  # glm-prod's base_url
+
+
+@dataclass
+class Answers:
+    """What the target client would answer: its tokenizer's calibration, its pool."""
+
+    calibration: TokenCalibration
+    pool: int = 4096
+
+    async def capacity(self, max_age: float = 0.0) -> ServerCapacity:
+        return ServerCapacity(kv_pool_tokens=self.pool)
+
+    async def count_tokens(self, text: str) -> int | None:
+        self.calibration.note(len(text), len(text))
+        return len(text)
+
+
+@pytest.fixture
+def client(session_factory: Factory) -> Iterator[TestClient]:
+    settings = settings_with_targets()
+    with session_factory.begin() as s:
+        upsert_targets(s, [(t.name, t.engine, t.base_url, t.model) for t in settings.targets], _now())
+    calibrated = TokenCalibration()
+    calibrated.note(1000, 1000)  # one byte, one token
+    metrics = MonitorMetrics(CollectorRegistry())
+    judge = TrafficJudge(settings, {"glm-prod": Answers(calibrated)}, MarkerBook(), metrics)
+
+    async def no_run(name: str) -> list[dict[str, Any]]:
+        raise KeyError(name)
+
+    state = ApiState(
+        session_factory=session_factory, api_token=TOKEN, settings=settings,
+        run_now=RunNow(no_run, min_interval=0), health=lambda: {}, metrics_page=metrics.exposition,
+        ingest_token=INGEST, traffic=TrafficIngest(judge, None, session_factory),
+    )  # fmt: skip
+    with TestClient(build_http_app(state)) as c:
+        yield c
+
+
+def _now() -> Any:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC)
+
+
+def record(i: int, **fields: Any) -> dict[str, Any]:
+    return {
+        "id": f"req-{i}", "time": time.time(), "caller": f"team-{i % 3}", "caller_kind": "team",
+        "api_base": BASE, "status": 200, "prompt": {"chars": 2000, "bytes": 2000, "messages": 1},
+        "usage": {"prompt_tokens": 2010, "completion_tokens": 10}, **fields,
+    }  # fmt: skip
+
+
+def post(client: TestClient, records: list[dict[str, Any]], token: str = INGEST, **body: Any) -> Any:
+    return client.post(
+        "/api/v1/traffic", json={"gateway": "gw-1", "records": records, **body},
+        headers={"Authorization": f"Bearer {token}"},
+    )  # fmt: skip
+
+
+def test_the_ingest_token_posts_traffic_and_reads_nothing(client: TestClient) -> None:
+    assert post(client, [record(1)]).json() == {"accepted": 1, "unmatched": 0, "flagged": 0}
+    assert post(client, [record(2)], token=TOKEN).status_code == 200
+    assert post(client, [record(3)], token="kvc-wrong-token-0123456789").status_code == 401
+    for path in ("/api/v1/traffic", "/api/v1/incidents", "/api/v1/probe-results"):
+        assert client.get(path, headers={"Authorization": f"Bearer {INGEST}"}).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"caller": "x" * 201}, "caller"),
+        ({"caller": "evil\x00"}, "caller"),
+        ({"status": 99}, "status"),
+        ({"fingerprints": {"prompt": [2**53]}}, "prompt"),
+        ({"fingerprints": {"response": list(range(1025))}}, "response"),
+        ({"markers": ["not a marker"]}, "markers"),
+        ({"usage": {"prompt_tokens": -1}}, "prompt_tokens"),
+        ({"prompt": {"chars": "many"}}, "chars"),
+        ({"text": "a customer's words"}, "text"),  # a record never carries text
+    ],
+)
+def test_a_bad_record_is_422_naming_the_field_and_nothing_of_its_batch_is_kept(
+    client: TestClient, session_factory: Factory, change: dict[str, Any], field: str
+) -> None:
+    over = record(1, usage={"prompt_tokens": 1})  # would be kept: flagged
+    answer = post(client, [over, record(2, **change)])
+    assert answer.status_code == 422, answer.text
+    assert any(field in [str(p) for p in e["loc"]] for e in answer.json()["detail"]), answer.text
+    with session_factory() as s:
+        assert s.scalar(select(func.count()).select_from(TrafficRecordRow)) == 0
+        assert s.scalar(select(func.count()).select_from(TrafficMinute)) == 0
+    assert post(client, [over]).json()["flagged"] == 1  # and the next good batch is taken
+
+
+def test_malformed_and_oversized_bodies_are_refused(client: TestClient) -> None:
+    auth = {"Authorization": f"Bearer {INGEST}", "Content-Type": "application/json"}
+    assert client.post("/api/v1/traffic", content=b"{not json", headers=auth).status_code == 422
+    assert client.post("/api/v1/traffic", content=b"[]", headers=auth).status_code == 422
+    big = json.dumps({"records": [], "pad": "x" * (33 * 1024 * 1024)}).encode()
+    assert client.post("/api/v1/traffic", content=big, headers=auth).status_code == 413
+    assert post(client, [record(i) for i in range(1001)]).status_code == 422
+
+
+def test_flagged_and_near_pool_records_are_kept_and_listed_by_check_and_caller(client: TestClient) -> None:
+    records = [
+        record(1),  # 2,000 tokens of a 4,096 pool: passes, not kept
+        record(2, prompt={"chars": 3900, "bytes": 3900}, usage={"prompt_tokens": 3905}),  # near the pool
+        record(3, prompt={"chars": 9000, "bytes": 9000}, usage={"prompt_tokens": 1}),  # the incident
+        record(4, api_base="http://10.0.0.9:8000/v1"),  # no target's
+    ]
+    assert post(client, records).json() == {"accepted": 3, "unmatched": 1, "flagged": 1}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    kept = client.get("/api/v1/traffic", headers=auth).json()["items"]
+    assert sorted(r["request_id"] for r in kept) == ["req-2", "req-3"]
+    over = client.get("/api/v1/traffic", params={"check": "capacity"}, headers=auth).json()["items"]
+    assert [r["request_id"] for r in over] == ["req-3"]
+    assert over[0]["checks"] == ["tokens", "capacity"] and over[0]["kv_pool_tokens"] == 4096
+    assert over[0]["findings"]["tokens"]["prompt_tokens"] == 1
+    mine = client.get("/api/v1/traffic", params={"caller": "team-2", "limit": 1}, headers=auth).json()
+    assert [r["request_id"] for r in mine["items"]] == ["req-2"]
+    assert client.get("/api/v1/traffic", params={"check": "nope"}, headers=auth).status_code == 422
