@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from monitor.config.secrets import alertmanager_headers, api_token, ingest_token
 from monitor.config.settings import ConfigError, Settings, load_settings
 from monitor.config.targets import TargetConfig
 from monitor.metrics.registry import MonitorMetrics
-from monitor.paging.pager import Delivery, Pager
+from monitor.paging.pager import Delivery, Pager, paging_health
 from monitor.recording.port import RecordingPort
 from monitor.recording.recorder import Recorder
 from monitor.recording.spool import open_spool
@@ -126,8 +127,8 @@ class Monitor:
             settings, self.clients, self.markers, self.metrics, self.port, self.on_summary
         )
         self.ingest_token = ingest_token(settings)
-        self.traffic_judge = TrafficJudge(settings, self.clients, self.markers, self.metrics)
-        self.traffic = TrafficIngest(self.traffic_judge, self.port, self.session_factory)
+        judge = TrafficJudge(settings, self.clients, self.markers, self.metrics)
+        self.traffic = TrafficIngest(judge, self.port, self.session_factory)
         self.runner.on_config_change = self._reaudit
         self.membership = Membership(self.session_factory, shared=self.engine.dialect.name == "postgresql")
         self.runner.owns = self.membership.owns
@@ -193,11 +194,8 @@ class Monitor:
         purged = await asyncio.to_thread(in_batches, self.session_factory, purge_excerpts)
         if removed or purged:
             log.info("pruned %d expired probe results; purged the excerpts of %d", removed, purged)
-        await asyncio.to_thread(self._prune_traffic)
-
-    def _prune_traffic(self) -> None:
-        with self.session_factory.begin() as session:
-            prune_traffic(session, datetime.now(UTC), self.settings.retention.failure_days)
+        traffic = partial(prune_traffic, minute_days=self.settings.retention.failure_days)
+        await asyncio.to_thread(in_batches, self.session_factory, traffic)
 
     async def heartbeat(self) -> None:
         before = self.membership.live
@@ -247,17 +245,10 @@ class Monitor:
             "writes": self.recorder.health.report(),
         }
         if self.pager is not None:
-            report["alerting"] = self._alerting_health()
+            report["alerting"] = paging_health(
+                self._outbox_backlog, self.settings.alerting.resend_interval_seconds
+            )
         return report
-
-    def _alerting_health(self) -> dict[str, Any]:
-        """Say whether paging keeps up: a backlog older than three resend intervals is stalled."""
-        try:
-            events, oldest = self._outbox_backlog()
-        except Exception:
-            return {"status": "unknown"}
-        status = "stalled" if oldest > 3 * self.settings.alerting.resend_interval_seconds else "ok"
-        return {"status": status, "outbox_events": events, "oldest_age_seconds": round(oldest, 1)}
 
     def _client(self, target: TargetConfig, keys: dict[tuple[str, str], str | None]) -> OpenAIHttpTarget:
         tenants = {tn.name: keys[(target.name, tn.name)] for tn in target.tenants}
@@ -293,7 +284,7 @@ class Monitor:
         if self.pager is not None:
             self.pager.settings = new
         self.runner.take_up(new)
-        self.traffic_judge.take_up(new)
+        self.traffic.judge.take_up(new)
         for target, kind in change.jobs_removed:
             with contextlib.suppress(JobLookupError):
                 self.scheduler.remove_job(probe_job_id(target, kind))

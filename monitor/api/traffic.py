@@ -30,7 +30,7 @@ from monitor.api.deps import (
 )
 from monitor.api.schemas import LIMIT_HELP, NEXT_CURSOR_HELP, Problem, _Out
 from monitor.api.state import api_state
-from monitor.storage import queries
+from monitor.storage import traffic_rows
 from monitor.storage.models import Verdict
 from monitor.traffic.checks import CHECKS
 from monitor.traffic.schema import MAX_BODY_BYTES, TrafficBatch
@@ -149,7 +149,7 @@ def list_traffic(
     when each request started."""
     filters = {"target": target, "caller": caller, "check": check, "verdict": verdict}
     scope = cursor_scope("traffic", when, **filters)
-    found = queries.list_traffic(
+    found = traffic_rows.list_traffic(
         session, filters=filters, since=when.since, until=when.until, after=page.after(scope),
         limit=page.limit, offset=page.offset,
     )  # fmt: skip

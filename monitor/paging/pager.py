@@ -317,3 +317,14 @@ def describe(incident: IncidentView) -> str:
 
 def _rfc3339(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def paging_health(backlog: Callable[[], tuple[int, float]], resend_interval: float) -> dict[str, Any]:
+    """Say whether paging keeps up (``/healthz``): a backlog older than three resend intervals is
+    stalled; ``backlog`` returns the undelivered events and the oldest one's age in seconds."""
+    try:
+        events, oldest = backlog()
+    except Exception:
+        return {"status": "unknown"}
+    status = "stalled" if oldest > 3 * resend_interval else "ok"
+    return {"status": status, "outbox_events": events, "oldest_age_seconds": round(oldest, 1)}

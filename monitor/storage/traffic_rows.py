@@ -1,5 +1,7 @@
 """Writes and reads of gateway traffic (``traffic_record``, ``traffic_minute``).
 
+Kept records are listed newest first by keyset pages (``keyset.py``), as results and incidents are.
+
 A batch's kept records are inserted and its per-minute counts added in one transaction. The
 counts are added by an upsert (``ON CONFLICT DO UPDATE``, both databases), so replicas and
 concurrent batches add to the same minute row without reading it first.
@@ -12,10 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import CursorResult, delete, func, insert
+from sqlalchemy import CursorResult, delete, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from monitor.storage.keyset import SCAN_LIMIT, Key, Listing, Page, keyset_page
 from monitor.storage.models import TrafficMinute, TrafficRecordRow
 
 #: Columns a kept record gives ``traffic_record``, besides ``target_id`` (by the target's name).
@@ -79,14 +82,53 @@ def _greatest(dialect: Any, a: Any, b: Any) -> Any:
     return func.greatest(a, b) if dialect is postgresql else func.max(a, b)
 
 
-def prune_traffic(session: Session, now: datetime, minute_days: float) -> int:
-    """Delete expired records and minute counts older than ``minute_days``; return how many."""
+def prune_traffic(session: Session, *, now: datetime, batch: int | None = None, minute_days: float) -> int:
+    """Delete expired kept records, then minute counts older than ``minute_days``; return how many.
+
+    A step of :func:`monitor.storage.retention.in_batches`: with ``batch``, at most that many rows
+    a call, so a backlog never holds the write lock long."""
     horizon = now - timedelta(days=minute_days)
     gone = 0
-    for statement in (
-        delete(TrafficRecordRow).where(TrafficRecordRow.expires_at < now),
-        delete(TrafficMinute).where(TrafficMinute.minute < horizon),
+    for model, due in (
+        (TrafficRecordRow, TrafficRecordRow.expires_at <= now),
+        (TrafficMinute, TrafficMinute.minute < horizon),
     ):
-        result = session.execute(statement)
+        ids = select(model.id).where(due)
+        if batch is not None:
+            ids = ids.limit(batch - gone)
+        result = session.execute(delete(model).where(model.id.in_(ids.scalar_subquery())))
         gone += result.rowcount if isinstance(result, CursorResult) else 0
+        if batch is not None and gone >= batch:
+            break
     return gone
+
+
+_TRAFFIC = Listing(
+    TrafficRecordRow,
+    TrafficRecordRow.id,
+    TrafficRecordRow.target_id,
+    TrafficRecordRow.started_at,
+    {"caller": TrafficRecordRow.caller, "verdict": TrafficRecordRow.verdict, "node": TrafficRecordRow.node},
+    (("target",), ("caller",), ("verdict",), ()),
+    lists={"check": TrafficRecordRow.checks},
+)
+
+
+def list_traffic(
+    session: Session,
+    *,
+    filters: dict[str, str | None],
+    since: datetime | None = None,
+    until: datetime | None = None,
+    after: Key | None = None,
+    limit: int = 50,
+    offset: int = 0,
+    scan_limit: int = SCAN_LIMIT,
+) -> Page:
+    """Return one page of kept traffic records, newest first by when the request started.
+
+    ``filters``: ``target``, ``caller``, ``check``, ``verdict``, ``node`` (None: no filter)."""
+    return keyset_page(
+        session, _TRAFFIC, filters, since=since, until=until, after=after, limit=limit, offset=offset,
+        scan_limit=scan_limit,
+    )  # fmt: skip

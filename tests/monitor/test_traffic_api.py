@@ -157,3 +157,26 @@ def test_flagged_and_near_pool_records_are_kept_and_listed_by_check_and_caller(c
     mine = client.get("/api/v1/traffic", params={"caller": "team-2", "limit": 1}, headers=auth).json()
     assert [r["request_id"] for r in mine["items"]] == ["req-2"]
     assert client.get("/api/v1/traffic", params={"check": "nope"}, headers=auth).status_code == 422
+
+
+def test_kept_records_and_minute_counts_are_pruned_a_batch_at_a_time(
+    client: TestClient, session_factory: Factory
+) -> None:
+    from datetime import timedelta
+    from functools import partial
+
+    from monitor.storage.retention import in_batches
+    from monitor.storage.traffic_rows import prune_traffic
+
+    over = [record(i, prompt={"chars": 9000, "bytes": 9000}, usage={"prompt_tokens": 1}) for i in range(3)]
+    assert post(client, over).json()["flagged"] == 3
+    step = partial(prune_traffic, minute_days=1)
+    assert in_batches(session_factory, step) == 0  # nothing is due yet
+    with session_factory() as s, s.begin():
+        assert prune_traffic(s, now=_now() + timedelta(days=400), batch=2, minute_days=1) == 2
+    with session_factory() as s, s.begin():
+        # the last record, and the three callers' minute rows
+        assert prune_traffic(s, now=_now() + timedelta(days=400), minute_days=1) == 1 + 3
+    with session_factory() as s:
+        assert s.scalar(select(func.count()).select_from(TrafficRecordRow)) == 0
+        assert s.scalar(select(func.count()).select_from(TrafficMinute)) == 0
