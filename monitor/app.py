@@ -58,7 +58,7 @@ from monitor.targets.http import HttpClient
 from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
 from monitor.traffic.ingest import TrafficIngest
-from monitor.traffic.judge import TrafficJudge
+from monitor.traffic.judge import TrafficJudge, own_key_digests
 from probes.markers import MarkerBook
 
 log = logging.getLogger("kvcanary")
@@ -127,7 +127,7 @@ class Monitor:
             settings, self.clients, self.markers, self.metrics, self.port, self.on_summary
         )
         self.ingest_token = ingest_token(settings)
-        judge = TrafficJudge(settings, self.clients, self.markers, self.metrics)
+        judge = TrafficJudge(settings, self.clients, self.markers, self.metrics, own_key_digests(keys))
         self.traffic = TrafficIngest(judge, self.port, self.session_factory)
         self.runner.on_config_change = self._reaudit
         self.membership = Membership(self.session_factory, shared=self.engine.dialect.name == "postgresql")
@@ -284,7 +284,8 @@ class Monitor:
         if self.pager is not None:
             self.pager.settings = new
         self.runner.take_up(new)
-        self.traffic.judge.take_up(new)
+        self.traffic.judge.take_up(new, changed=change.removed + change.changed)
+        self.traffic.judge.own_keys = own_key_digests(keys)
         for target, kind in change.jobs_removed:
             with contextlib.suppress(JobLookupError):
                 self.scheduler.remove_job(probe_job_id(target, kind))

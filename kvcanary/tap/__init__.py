@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import socket
 from pathlib import Path
@@ -76,8 +77,11 @@ class Tap:
             raise TapConfigError("KVCANARY_TAP_KEY: the fingerprint key needs at least 16 bytes")
         else:
             key = key_text.encode()
-        gateway = os.environ.get("KVCANARY_TAP_GATEWAY", "").strip() or socket.gethostname()
-        return cls(url, token, key, gateway=gateway[:64], **sender)
+        gateway = os.environ.get("KVCANARY_TAP_GATEWAY", "").strip()
+        if gateway and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", gateway):
+            raise TapConfigError("KVCANARY_TAP_GATEWAY: up to 64 letters, digits and _.:- only")
+        host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:64]
+        return cls(url, token, key, gateway=gateway or host, **sender)
 
     def observe(self, exchange: Exchange) -> None:
         """Queue one exchange for summary; the work happens on the tap's thread."""

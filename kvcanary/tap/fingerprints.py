@@ -13,7 +13,9 @@ share one key so that their fingerprints meet.
 
 Work is bounded: a text longer than ``MAX_TEXT_CHARS`` is fingerprinted from its head and tail
 only (the incident's 681,280-token prompts must not stall a gateway), and at most
-``MAX_FINGERPRINTS`` are kept a side.
+``MAX_FINGERPRINTS`` are kept a side. A response's fingerprint that its own prompt holds is sent
+as ``OWN`` (0, never a fingerprint): the monitor sees where the model quoted its caller, however
+long the prompt, without the prompt's every print.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ SAMPLE_BITS = 2
 #: Characters fingerprinted per text: the first and last half of this, when the text is longer.
 MAX_TEXT_CHARS = 64 * 1024
 MAX_FINGERPRINTS = 1024
-#: Fingerprints are 53-bit integers: exact in any JSON reader, and 2**53 leaves collisions rare
-#: among the few million a deployment's window holds.
-FINGERPRINT_BITS = 53
+#: Fingerprints are 51-bit integers (under 2**53: exact in any JSON reader), which leaves
+#: collisions rare among the million or so a deployment's window holds.
+FINGERPRINT_BITS = 51
+#: Stands in the response's list for a fingerprint of the reader's own prompt.
+OWN = 0
 
 _WORD_RE = re.compile(r"\w+")
 _MOD = (1 << 64) - 1
@@ -38,6 +42,14 @@ _SAMPLE_MASK = (1 << SAMPLE_BITS) - 1
 _OUT_MASK = (1 << FINGERPRINT_BITS) - 1
 #: Distinct words whose hash is remembered (natural text repeats a few thousand words).
 _WORD_CACHE = 50_000
+
+
+def cut(text: str) -> str:
+    """Return what of ``text`` is fingerprinted: all of it, or its head and tail."""
+    if len(text) <= MAX_TEXT_CHARS:
+        return text
+    half = MAX_TEXT_CHARS // 2
+    return f"{text[:half]} {text[-half:]}"
 
 
 class Fingerprinter:
@@ -50,12 +62,15 @@ class Fingerprinter:
         self._key = key[:64]  # BLAKE2b takes keys up to 64 bytes
         self._words: dict[str, int] = {}
 
-    def fingerprints(self, text: str) -> tuple[list[int], bool]:
-        """Return the kept fingerprints of ``text`` in order, and whether only part was read."""
+    @property
+    def key(self) -> bytes:
+        return self._key
+
+    def fingerprints(self, text: str, cap: int | None = MAX_FINGERPRINTS) -> tuple[list[int], bool]:
+        """Return the kept fingerprints of ``text`` in order (at most ``cap``; None: all), and
+        whether only part of the text was read."""
         truncated = len(text) > MAX_TEXT_CHARS
-        if truncated:
-            half = MAX_TEXT_CHARS // 2
-            text = f"{text[:half]} {text[-half:]}"
+        text = cut(text)
         hashes = [self._word(word) for word in _WORD_RE.findall(text.lower())]
         if len(hashes) < NGRAM:
             return [], truncated
@@ -66,8 +81,8 @@ class Fingerprinter:
         for i in range(NGRAM, len(hashes) + 1):
             mixed = (gram * 0x9E3779B97F4A7C15 & _MOD) >> 11  # spread the bits before sampling
             if mixed & _SAMPLE_MASK == 0:
-                kept.append(mixed >> SAMPLE_BITS & _OUT_MASK)
-                if len(kept) >= MAX_FINGERPRINTS:
+                kept.append((mixed >> SAMPLE_BITS & _OUT_MASK) or 1)  # 0 is OWN
+                if cap is not None and len(kept) >= cap:
                     return kept, True
             if i < len(hashes):
                 gram = ((gram - hashes[i - NGRAM] * _TOP) * _BASE + hashes[i]) & _MOD

@@ -23,94 +23,10 @@ from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 
-from kvcanary.tap import Exchange, Tap
+from kvcanary.tap import Tap
+from kvcanary.tap.litellm_payload import exchange_of
 
 log = logging.getLogger("kvcanary.tap")
-
-
-def _text(content: Any) -> str:
-    """Return the text of a message's content: a string, or a list of parts with ``text``."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
-    return ""
-
-
-def prompt_of(messages: Any) -> tuple[str, int]:
-    """Return the prompt's text (every message's content, one per line) and its message count."""
-    if isinstance(messages, str):
-        return messages, 1
-    if not isinstance(messages, list):
-        return "", 0
-    return "\n".join(_text(m.get("content")) for m in messages if isinstance(m, dict)), len(messages)
-
-
-def response_of(response: Any) -> tuple[str, str | None, int | None]:
-    """Return the answer's text (every choice), its finish reason and its cached prompt tokens."""
-    if not isinstance(response, dict):
-        return "", None, None
-    texts, finish = [], None
-    for choice in response.get("choices") or []:
-        if not isinstance(choice, dict):
-            continue
-        message = choice.get("message") or choice.get("delta") or {}
-        texts.append(_text(message.get("content")) if isinstance(message, dict) else "")
-        if isinstance(choice.get("text"), str):
-            texts.append(choice["text"])
-        finish = finish or choice.get("finish_reason")
-    usage = response.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {} if isinstance(usage, dict) else {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return "\n".join(t for t in texts if t), finish, cached
-
-
-def caller_of(metadata: dict[str, Any], end_user: Any) -> tuple[str, str]:
-    """Return (caller, kind): the team, else the key's alias, else its hash, else the end user."""
-    for key, kind in (
-        ("user_api_key_team_id", "team"),
-        ("user_api_key_alias", "key_alias"),
-        ("user_api_key_hash", "key_hash"),
-    ):
-        if metadata.get(key):
-            return str(metadata[key]), kind
-    if end_user or metadata.get("user_api_key_end_user_id"):
-        return str(end_user or metadata["user_api_key_end_user_id"]), "end_user"
-    return "", "unknown"
-
-
-def exchange_of(payload: dict[str, Any], status: int) -> Exchange:
-    """Return the exchange a ``standard_logging_object`` describes."""
-    metadata = payload.get("metadata") or {}
-    caller, kind = caller_of(metadata, payload.get("end_user"))
-    prompt, messages = prompt_of(payload.get("messages"))
-    response, finish, cached = response_of(payload.get("response"))
-    start, end = payload.get("startTime"), payload.get("endTime")
-    first = payload.get("completionStartTime")
-    number = (int, float)
-    return Exchange(
-        request_id=str(payload.get("id") or ""),
-        started=float(start) if isinstance(start, number) else 0.0,
-        caller=caller,
-        caller_kind=kind,
-        key_hash=str(metadata.get("user_api_key_hash") or ""),
-        api_base=str(payload.get("api_base") or ""),
-        model=str(payload.get("model") or ""),
-        model_group=str(payload.get("model_group") or ""),
-        stream=bool(payload.get("stream")),
-        status=status,
-        finish_reason=finish,
-        latency_seconds=end - start if isinstance(start, number) and isinstance(end, number) else None,
-        ttft_seconds=first - start if isinstance(start, number) and isinstance(first, number) else None,
-        prompt=prompt,
-        messages=messages,
-        response=response,
-        prompt_tokens=payload.get("prompt_tokens"),
-        completion_tokens=payload.get("completion_tokens"),
-        cached_tokens=cached,
-    )
 
 
 def _failure_status(kwargs: dict[str, Any]) -> int:

@@ -1,21 +1,29 @@
 """The tap's one background thread: exchanges in, summaries out to the monitor in batches.
 
-Nothing here ever blocks or fails the gateway's request: :meth:`Sender.put` appends to a bounded
-queue and returns. The thread summarizes (so fingerprinting runs off the gateway's event loop),
-batches up to ``batch_records`` records or ``flush_seconds``, and posts. While the monitor is down
-or slow, summaries wait (at most ``max_pending``); beyond that the oldest are dropped and counted.
-The count is exported on the gateway side and reported to the monitor in the next batch it takes.
+Nothing here ever blocks or fails the gateway's request: :meth:`Sender.put` cuts the texts to what
+is fingerprinted (so the queue is bounded in bytes as well as in entries), appends and returns.
+The thread summarizes (so fingerprinting runs off the gateway's event loop), batches up to
+``batch_records`` records or ``flush_seconds``, and posts. While the monitor is down, slow or
+redirecting, summaries wait (at most ``max_pending`` in all); past that the oldest not being sent
+are dropped and counted. The count is exported on the gateway side and reported to the monitor
+in the next batch it takes. Each batch carries an id, so one the monitor judged but whose answer
+was lost is not judged twice when it is sent again.
+
+The thread survives anything a try can raise (a gateway's odd payload, a monitor that answers
+nonsense): the failure is logged and the batch waits for the next try.
 """
 
 from __future__ import annotations
 
 import collections
+import http.client
 import json
 import logging
 import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +32,19 @@ from kvcanary.tap.record import Exchange, summarize
 
 log = logging.getLogger("kvcanary.tap")
 
-#: Seconds between tries while the monitor does not take a batch (doubling up to the last).
+#: Seconds between tries while the monitor does not take a batch (the last repeats).
 BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is a misconfigured URL: following it would turn the POST into a GET (urllib does)
+    and carry the token to wherever it points."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}))
 
 
 class Sender:
@@ -54,8 +73,11 @@ class Sender:
         self._on_drop = on_drop
         self._exchanges: collections.deque[Exchange] = collections.deque()
         self._records: collections.deque[dict[str, Any]] = collections.deque()
+        self._queued_at: collections.deque[float] = collections.deque()  # beside _records
+        self._sending = 0  # records at the head of _records in a post now: never dropped
+        self._retry: tuple[str, int, int] | None = None  # the batch not yet taken: id, records, drops
         self._max_pending = max_pending
-        self._wake = threading.Condition()
+        self._lock = threading.Condition()
         self._closed = False
         #: Counters, read by tests and the gateway's metrics.
         self.sent = 0
@@ -66,61 +88,80 @@ class Sender:
         self._thread.start()
 
     def put(self, exchange: Exchange) -> None:
-        """Queue one exchange; drop the oldest waiting when full. Never raises, never blocks long."""
-        with self._wake:
-            if len(self._exchanges) + len(self._records) >= self._max_pending:
-                if self._exchanges:
+        """Queue one exchange; past ``max_pending``, drop the oldest waiting. Never raises."""
+        exchange = exchange.bounded()
+        with self._lock:
+            if self.pending >= self._max_pending:
+                held = self._retry[1] if self._retry is not None else 0  # a batch to send again
+                if len(self._records) > held:
+                    del self._records[held]
+                    del self._queued_at[held]
+                elif self._exchanges:
                     self._exchanges.popleft()
-                else:
-                    self._records.popleft()
+                else:  # everything waiting is in a post: this one goes
+                    self._count_drop(1)
+                    return
                 self._count_drop(1)
             self._exchanges.append(exchange)
-            self._wake.notify()
+            self._lock.notify()
 
     @property
     def pending(self) -> int:
         return len(self._exchanges) + len(self._records)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (for up to ``timeout`` seconds), then stop the thread."""
-        with self._wake:
+        with self._lock:
             self._closed = True
-            self._wake.notify()
+            self._lock.notify()
         self._thread.join(timeout)
 
     def _count_drop(self, n: int) -> None:
-        self.dropped += n
-        self._unreported_drops += n
+        with self._lock:
+            self.dropped += n
+            self._unreported_drops += n
         if self._on_drop is not None:
             self._on_drop(n)
 
     def _loop(self) -> None:
         failures = 0
         while True:
-            with self._wake:
-                if not self._exchanges and not self._records and not self._closed:
-                    self._wake.wait(self.flush_seconds)
-                if self._closed and not self._exchanges and not self._records:
+            with self._lock:
+                while (wait := self._wait()) > 0:
+                    self._lock.wait(wait)
+                if self._closed and not self.pending:
                     return
-            self._summarize_waiting()
-            if not self._records or (len(self._records) < self.batch_records and not self._ripe()):
-                continue
-            if self._post_batch():
+            try:
+                self._summarize_waiting()
+                posted = self._post_batch() if self._records else True
+            except Exception:  # the thread must outlive anything one try raises
+                log.exception("kvcanary tap: a batch failed; it waits for the next try")
+                posted = False
+            if posted:
                 failures = 0
                 continue
             if self._closed:
                 return
-            time.sleep(BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)])
+            with self._lock:  # a close wakes the backoff
+                self._lock.wait(BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)])
             failures += 1
 
-    def _ripe(self) -> bool:
-        """Whether the oldest waiting record has waited a flush interval (or the tap is closing)."""
-        oldest = self._records[0].get("_queued", 0.0)
-        return self._closed or time.monotonic() - oldest >= self.flush_seconds
+    def _wait(self) -> float:
+        """Seconds to wait before there is work (0: now): exchanges to summarize, a full batch, or
+        a batch whose oldest record has waited ``flush_seconds``."""
+        if self._exchanges or self._closed or len(self._records) >= self.batch_records:
+            return 0.0
+        if not self._records:
+            return self.flush_seconds
+        return max(0.0, self.flush_seconds - (time.monotonic() - self._queued_at[0]))
 
     def _summarize_waiting(self) -> None:
         while True:
-            with self._wake:
+            with self._lock:
                 if not self._exchanges:
                     return
                 exchange = self._exchanges.popleft()
@@ -130,44 +171,63 @@ class Sender:
                 log.exception("kvcanary tap: cannot summarize an exchange; dropped")
                 self._count_drop(1)
                 continue
-            record["_queued"] = time.monotonic()
-            with self._wake:
+            with self._lock:
                 self._records.append(record)
+                self._queued_at.append(time.monotonic())
 
     def _post_batch(self) -> bool:
         """Post the oldest records; return False when the monitor did not take them (they stay)."""
-        with self._wake:
-            batch = [self._records[i] for i in range(min(self.batch_records, len(self._records)))]
-        reported = self._unreported_drops
-        body = {
-            "gateway": self.gateway,
-            "dropped": reported,
-            "records": [{k: v for k, v in r.items() if k != "_queued"} for r in batch],
-        }
-        request = urllib.request.Request(
-            self.url, data=json.dumps(body).encode(), headers=self._headers, method="POST"
-        )
+        with self._lock:
+            if self._retry is None:  # a retry sends the same records under the same id
+                self._retry = (
+                    uuid.uuid4().hex,
+                    min(self.batch_records, len(self._records)),
+                    self._unreported_drops,
+                )
+            batch_id, self._sending, reported = self._retry
+            batch = [self._records[i] for i in range(self._sending)]
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as answer:
-                answer.read()
-        except urllib.error.HTTPError as exc:
-            if exc.code >= 500 or exc.code in (401, 403, 429):
-                log.warning("kvcanary tap: the monitor answered %s; records wait", exc.code)
-                return False
-            # A batch the monitor refuses as malformed would be refused forever: count it, go on.
-            log.error(
-                "kvcanary tap: the monitor refused a batch (%s): %d records dropped", exc.code, len(batch)
-            )
-            self.rejected += len(batch)
-            self._count_drop(len(batch))
-        except (OSError, ValueError) as exc:
-            log.warning("kvcanary tap: cannot reach the monitor (%s); records wait", exc)
+            body = {"batch": batch_id, "gateway": self.gateway, "dropped": reported, "records": batch}
+            taken, refused = self._post(json.dumps(body).encode(), len(batch))
+        finally:
+            with self._lock:
+                sending, self._sending = self._sending, 0
+        if not taken:
             return False
-        else:
-            self.sent += len(batch)
-        taken = {id(r) for r in batch}
-        with self._wake:
+        with self._lock:
+            self._retry = None
             self._unreported_drops -= reported
-            while self._records and id(self._records[0]) in taken:
+            for _ in range(sending):
                 self._records.popleft()
+                self._queued_at.popleft()
+            self.sent += len(batch) - refused
+            self.rejected += refused
+        if refused:
+            self._count_drop(refused)
         return True
+
+    def _post(self, body: bytes, records: int) -> tuple[bool, int]:
+        """Return (whether the monitor took the batch, how many of its records it refused)."""
+        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+        try:
+            with _OPENER.open(request, timeout=self.timeout_seconds) as answer:
+                answer.read()
+            return True, 0
+        except urllib.error.HTTPError as exc:
+            if exc.code == 422:  # some records refused, the rest judged: the answer says how many
+                try:
+                    refused = int(json.loads(exc.read())["rejected"])
+                except (ValueError, KeyError, TypeError, OSError):
+                    refused = records
+                log.error("kvcanary tap: the monitor refused %d record(s) of a batch (422)", refused)
+                return True, min(max(refused, 0), records)
+            if exc.code in (400, 413):  # refused whole, and would be forever
+                log.error(
+                    "kvcanary tap: the monitor refused a batch (%s): %d records dropped", exc.code, records
+                )
+                return True, records
+            log.warning("kvcanary tap: the monitor answered %s; records wait", exc.code)
+            return False, 0
+        except (OSError, http.client.HTTPException) as exc:
+            log.warning("kvcanary tap: cannot reach the monitor (%s); records wait", exc)
+            return False, 0

@@ -12,8 +12,10 @@ import hmac
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request, Security, status
+from fastapi import APIRouter, HTTPException, Query, Request, Response, Security, status
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import Field, ValidationError
 
@@ -33,7 +35,7 @@ from monitor.api.state import api_state
 from monitor.storage import traffic_rows
 from monitor.storage.models import Verdict
 from monitor.traffic.checks import CHECKS
-from monitor.traffic.schema import MAX_BODY_BYTES, TrafficBatch
+from monitor.traffic.schema import BATCH_SCHEMA, MAX_BODY_BYTES, TrafficBatch, valid_records
 
 ingest_router = APIRouter(prefix="/api/v1/traffic", tags=["traffic"])
 router = APIRouter(prefix="/traffic", tags=["traffic"])
@@ -45,7 +47,9 @@ CheckName = Annotated[
 class IngestOut(_Out):
     accepted: int = Field(description="Records judged (their api_base is a configured target's).")
     unmatched: int = Field(description="Records whose api_base is no target's or node's: not judged.")
+    own: int = Field(0, description="Records of the monitor's own tenants (by key hash): not judged.")
     flagged: int = Field(description="Records a check flagged.")
+    rejected: int = Field(0, description="Records refused as malformed (a 422 names their fields).")
 
 
 class TrafficRecordOut(_Out):
@@ -112,14 +116,13 @@ async def _body(request: Request) -> bytes:
     "",
     summary="Post gateway traffic records to be judged",
     status_code=status.HTTP_200_OK,
+    response_model=IngestOut,
     responses={401: {"model": Problem}, 413: {"model": Problem}, 503: {"model": Problem}},
-    openapi_extra={
-        "requestBody": {"content": {"application/json": {"schema": TrafficBatch.model_json_schema()}}}
-    },
+    openapi_extra={"requestBody": {"content": {"application/json": {"schema": BATCH_SCHEMA}}}},
 )
 async def post_traffic(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
-) -> IngestOut:
+) -> Response | IngestOut:
     """Judge a batch of records from a gateway tap (``kvcanary.tap``): no text, only summaries."""
     _require_ingest(request, credentials)
     ingest = api_state(request).traffic
@@ -130,7 +133,12 @@ async def post_traffic(
         batch = TrafficBatch.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
-    return IngestOut(**await ingest(batch))
+    valid = valid_records(batch)
+    answer = IngestOut(**await ingest(batch, valid.records), rejected=valid.refused)
+    if valid.refused:  # the good records are judged; the tap counts the refused ones and goes on
+        content = {"detail": jsonable_encoder(valid.errors), **answer.model_dump()}
+        return JSONResponse(content, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+    return answer
 
 
 @router.get("", summary="List kept traffic records, newest first", description=PAGING_HELP)

@@ -184,8 +184,8 @@ class TrafficConfig(Strict):
     ingest_token_env: EnvName = "KVCANARY_INGEST_TOKEN"
     ingest_token_file: Path | None = None
     overlap_window_seconds: float = Field(900, gt=0, le=DAY)
-    # Fingerprints one deployment's window holds at most (about 120 bytes each in memory).
-    overlap_max_fingerprints: int = Field(500_000, ge=1000, le=50_000_000)
+    # Fingerprints one deployment's window holds at most (about 270 bytes each in memory: 65 MB).
+    overlap_max_fingerprints: int = Field(250_000, ge=1000, le=50_000_000)
     # Distinct callers holding a fingerprint that make it common (boilerplate): never a leak.
     overlap_common_callers: int = Field(3, ge=2, le=1000)
     # Consecutive shared fingerprints (each 8 words, one n-gram in four) that make a suspected leak.

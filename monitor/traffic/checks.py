@@ -9,9 +9,10 @@ The rules, and how sure each is, are in the README ("Judging real traffic"):
 - **tokens**: ``prompt_tokens`` below ``chars / (chars_per_token * TOKENS_MARGIN)`` is impossible
   for the prompt's size. ``chars_per_token`` is the most characters a token held in the monitor's
   own probes of this target (``monitor/targets/calibration.py``), never a fixed guess.
-- **capacity**: a 2xx for a prompt whose size, at that calibration, is over the node's KV pool as
-  the capacity audit last read it. The estimate is a floor (the densest text the probes saw), so
-  a real over-pool prompt may pass unflagged, but a flagged one is over.
+- **capacity**: a 2xx for a prompt over the node's smallest KV pool (its own capacity reading,
+  ``facts.py``). The size is the reported count where that is plausible, else the floor above
+  (the densest text the probes saw): an over-pool prompt whose count was faked may pass, but one
+  flagged on the floor is over.
 - **overlap**: ``monitor/traffic/overlap.py``.
 """
 
@@ -79,14 +80,15 @@ def tokens_check(record: TrafficRecord, chars_per_token: float | None) -> Findin
 
 
 def prompt_estimate(record: TrafficRecord, chars_per_token: float | None) -> float | None:
-    """Return the prompt's size in tokens as far as it is known: the floor, or the reported count
-    where that is plausible and larger."""
+    """Return the prompt's size in tokens as far as it is known: the reported count where it is
+    plausible (the engine counted; denser text than the probes' is no reason to doubt it), else
+    the floor (the count is missing, or impossible as the tokens check says)."""
     floor = prompt_floor(record, chars_per_token)
     if floor is None:
         return None
     reported = record.usage.prompt_tokens
     plausible = reported is not None and reported * TOKENS_MARGIN >= floor
-    return max(floor, float(reported)) if plausible and reported is not None else floor
+    return float(reported) if plausible and reported is not None else floor
 
 
 def capacity_check(record: TrafficRecord, estimate: float | None, pool: int | None) -> Finding | None:

@@ -17,9 +17,10 @@ nothing new. A flagged check is recorded at once, with the flagged records named
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,10 +30,10 @@ from monitor.config.targets import TargetConfig
 from monitor.metrics.registry import MonitorMetrics
 from monitor.recording.pending import PendingResult
 from monitor.storage.traffic_rows import MinuteCounts, MinuteKey
-from monitor.targets.calibration import RECOUNT_SECONDS, SAMPLE_TEXT
 from monitor.traffic import checks
+from monitor.traffic.facts import TargetFacts
 from monitor.traffic.overlap import OverlapWindow
-from monitor.traffic.schema import TrafficBatch, TrafficRecord
+from monitor.traffic.schema import TrafficRecord
 from probes.base import ProbeResult, Verdict
 from probes.markers import MarkerBook
 
@@ -47,6 +48,11 @@ def api_base_key(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     host, slash, path = rest.partition("/")
     return f"{scheme.lower()}{sep}{host.lower()}{slash}{path}"
+
+
+def own_key_digests(keys: Mapping[Any, str | None]) -> frozenset[str]:
+    """Return the SHA-256 digests of the monitor's tenants' keys: how a gateway names their traffic."""
+    return frozenset(hashlib.sha256(key.encode()).hexdigest() for key in keys.values() if key)
 
 
 def routes_of(settings: Settings) -> dict[str, tuple[str, str]]:
@@ -77,13 +83,19 @@ class Judged:
 
     accepted: int = 0
     unmatched: int = 0
+    own: int = 0  # the monitor's own tenants' records: not judged
     flagged: int = 0
     kept: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     minutes: dict[MinuteKey, MinuteCounts] = field(default_factory=dict)
     results: list[PendingResult] = field(default_factory=list)
 
     def answer(self) -> dict[str, int]:
-        return {"accepted": self.accepted, "unmatched": self.unmatched, "flagged": self.flagged}
+        return {
+            "accepted": self.accepted,
+            "unmatched": self.unmatched,
+            "own": self.own,
+            "flagged": self.flagged,
+        }
 
 
 @dataclass
@@ -95,8 +107,10 @@ class _Group:
 
 
 class TrafficJudge:
-    """Judges batches; see the module doc. ``clients`` are the targets' clients (calibration and
-    capacity); ``clock`` is epoch seconds."""
+    """Judges records; see the module doc. ``clients`` are the targets' clients (calibration and
+    capacity); ``own_keys`` the SHA-256 digests of the monitor's own tenants' keys (their traffic,
+    where probes go through a gateway, is the monitor's and is not judged); ``clock`` is monotonic
+    seconds (the windows' ages, the pass intervals)."""
 
     def __init__(
         self,
@@ -104,22 +118,29 @@ class TrafficJudge:
         clients: Mapping[str, Any],
         markers: MarkerBook,
         metrics: MonitorMetrics,
-        clock: Callable[[], float] = time.time,
+        own_keys: Iterable[str] = (),
+        clock: Callable[[], float] = time.monotonic,
     ):
-        self.clients = clients
         self.markers = markers
         self.metrics = metrics
+        self.own_keys = frozenset(own_keys)
         self.clock = clock
+        self.facts = TargetFacts(clients, clock)
         self._deployments: dict[str, Deployment] = {}
-        self._counted: dict[str, float] = {}  # when the judge last counted SAMPLE_TEXT, by target
         self.take_up(settings)
 
-    def take_up(self, settings: Settings) -> None:
-        """Use (reloaded) settings: routes, thresholds; windows of targets still configured stay."""
+    def take_up(self, settings: Settings, changed: Iterable[str] = ()) -> None:
+        """Use (reloaded) settings: routes, thresholds. Windows of targets still configured stay,
+        unless the window's own settings changed; what is known of a ``changed`` target goes."""
+        window_changed = getattr(self, "settings", settings).traffic != settings.traffic
         self.settings = settings
         self.routes = routes_of(settings)
-        names = {t.name for t in settings.targets}
-        self._deployments = {k: v for k, v in self._deployments.items() if k in names}
+        names = {t.name for t in settings.targets} - set(changed)
+        self._deployments = (
+            {} if window_changed else {k: v for k, v in self._deployments.items() if k in names}
+        )
+        for name in changed:
+            self.facts.forget(name)
 
     def _deployment(self, target: str) -> Deployment:
         found = self._deployments.get(target)
@@ -131,26 +152,27 @@ class TrafficJudge:
             found = self._deployments[target] = Deployment(window)
         return found
 
-    async def judge(self, batch: TrafficBatch, received: datetime | None = None) -> Judged:
-        """Judge every record of ``batch``; return what to write and record (nothing written here)."""
+    async def judge(
+        self, records: list[TrafficRecord], gateway: str, received: datetime | None = None
+    ) -> Judged:
+        """Judge ``records``; return what to write and record (nothing written here)."""
         received = received or datetime.now(UTC)
         out = Judged()
-        gateway = batch.gateway or "unnamed"
-        if batch.dropped:
-            self.metrics.traffic_dropped.labels(gateway).inc(batch.dropped)
         by_target: dict[str, list[tuple[str, TrafficRecord]]] = defaultdict(list)
-        for record in batch.records:
+        for record in records:
             route = self.routes.get(api_base_key(record.api_base))
-            if route is None:
+            if record.key_hash and record.key_hash in self.own_keys:
+                out.own += 1
+            elif route is None:
                 out.unmatched += 1
-                continue
-            by_target[route[0]].append((route[1], record))
+            else:
+                by_target[route[0]].append((route[1], record))
         if out.unmatched:
             self.metrics.traffic_unmatched.labels(gateway).inc(out.unmatched)
-        for name, records in by_target.items():
+        for name, routed in by_target.items():
             target = self.settings.target(name)
             if target is not None:
-                await self._judge_target(target, records, gateway, received, out)
+                await self._judge_target(target, routed, gateway, received, out)
         return out
 
     async def _judge_target(
@@ -161,35 +183,61 @@ class TrafficJudge:
         received: datetime,
         out: Judged,
     ) -> None:
-        client = self.clients.get(target.name)
-        cpt = await self._chars_per_token(target.name, client)
-        pool = await self._pool(client)
+        cpt = await self.facts.chars_per_token(target.name)
+        pools = {node: await self.facts.pool(target.name, node) for node in {node for node, _ in records}}
         deployment = self._deployment(target.name)
+        async with deployment.lock:
+            # CPU work off the event loop (probes keep their timing); one thread per deployment.
+            groups = await asyncio.to_thread(
+                self._judge_records, target, records, cpt, pools, deployment, gateway, received, out
+            )
+            out.results += self._results(target, deployment, groups, gateway, received)
+
+    def _judge_records(
+        self,
+        target: TargetConfig,
+        records: list[tuple[str, TrafficRecord]],
+        cpt: float | None,
+        pools: Mapping[str, int | None],
+        deployment: Deployment,
+        gateway: str,
+        received: datetime,
+        out: Judged,
+    ) -> dict[tuple[str, str], _Group]:
         groups: dict[tuple[str, str], _Group] = defaultdict(_Group)
         verdicts: Counter[tuple[str, str]] = Counter()
-        async with deployment.lock:
-            for node, record in records:
-                findings, marker_evidence, estimate = self._check(target.name, record, cpt, pool, deployment)
-                flagged = [f for f in findings if f.flagged]
-                for finding in findings:
-                    verdicts[(finding.check, finding.verdict)] += 1
-                    group = groups[(node, finding.check)]
-                    if finding.flagged:
-                        group.flagged.append((record, finding))
-                    else:
-                        group.passed += 1
-                near = estimate is not None and pool is not None and estimate >= checks.NEAR_POOL * pool
-                self._count(out, target.name, node, record, bool(flagged), near)
-                if flagged or near:
-                    row = _row(record, node, gateway, received, flagged, marker_evidence, estimate, pool)
-                    row["expires_at"] = received + timedelta(days=self.settings.retention.failure_days)
-                    out.kept.append((target.name, row))
-            out.results += self._results(target, deployment, groups, gateway, received)
+        expires = received + timedelta(days=self.settings.retention.failure_days)
+        now = self.clock()
+        for node, record in records:
+            pool = pools[node]
+            findings, marker_evidence, estimate = self._check(
+                target.name, record, cpt, pool, deployment.window, now
+            )
+            flagged = [f for f in findings if f.flagged]
+            for finding in findings:
+                verdicts[(finding.check, finding.verdict)] += 1
+                group = groups[(node, finding.check)]
+                if finding.flagged:
+                    group.flagged.append((record, finding))
+                else:
+                    group.passed += 1
+            near = estimate is not None and pool is not None and estimate >= checks.NEAR_POOL * pool
+            self._count(out, target.name, node, record, bool(flagged), near)
+            if flagged or near:
+                row = _row(record, node, gateway, received, flagged, marker_evidence, estimate, pool)
+                out.kept.append((target.name, {**row, "expires_at": expires}))
         for (check, verdict), n in verdicts.items():
             self.metrics.traffic_records.labels(target.name, check, verdict).inc(n)
+        return groups
 
     def _check(
-        self, target: str, record: TrafficRecord, cpt: float | None, pool: int | None, deployment: Deployment
+        self,
+        target: str,
+        record: TrafficRecord,
+        cpt: float | None,
+        pool: int | None,
+        window: OverlapWindow,
+        now: float,
     ) -> tuple[list[checks.Finding], list[dict[str, str]], float | None]:
         marker, evidence = checks.marker_check(record, self.markers, target)
         estimate = checks.prompt_estimate(record, cpt)
@@ -197,33 +245,9 @@ class TrafficJudge:
             marker,
             checks.tokens_check(record, cpt),
             checks.capacity_check(record, estimate, pool),
-            checks.overlap_check(
-                record, deployment.window, self.clock(), self.settings.traffic.overlap_min_run
-            ),
+            checks.overlap_check(record, window, now, self.settings.traffic.overlap_min_run),
         ]
         return [f for f in found if f is not None], evidence, estimate
-
-    async def _chars_per_token(self, name: str, client: Any) -> float | None:
-        """Return the target's calibration; while it has none, count the monitor's own sample
-        text with the target's tokenizer (at most once per ``RECOUNT_SECONDS``)."""
-        calibration = getattr(client, "calibration", None)
-        if calibration is None:
-            return None
-        if calibration.chars_per_token is None:
-            now = time.monotonic()
-            if now - self._counted.get(name, float("-inf")) >= RECOUNT_SECONDS:
-                self._counted[name] = now
-                await client.count_tokens(SAMPLE_TEXT)  # noted by the client's calibration
-        return calibration.chars_per_token  # type: ignore[no-any-return]
-
-    @staticmethod
-    async def _pool(client: Any) -> int | None:
-        """Return the node's smallest KV pool as the capacity audit last read it (10 minutes' reuse)."""
-        if client is None or not hasattr(client, "capacity"):
-            return None
-        reading = await client.capacity(max_age=600)
-        sizes = [n for n in (reading.kv_pool_tokens, *reading.pools.values()) if n]
-        return min(sizes) if sizes else None
 
     def _count(
         self, out: Judged, target: str, node: str, record: TrafficRecord, flagged: bool, near: bool

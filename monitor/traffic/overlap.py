@@ -4,7 +4,8 @@ The rule (README, "How sure each check is"): a response is a suspected leak when
 ``min_run`` consecutive fingerprints of it (in the response's order) all appear in what *one other
 caller* sent or was sent within the window, where
 
-- a fingerprint of the reader's own prompt breaks the run (a model quoting its caller);
+- a fingerprint of the reader's own prompt breaks the run (a model quoting its caller): one the
+  prompt's prints sent hold, or one the tap marked ``OWN`` (0: the whole prompt holds it);
 - a fingerprint that ``common_callers`` or more distinct callers hold in the window is common
   (shared system prompts, licences, boilerplate) and breaks the run too;
 - the reader's own earlier traffic never counts (a conversation quoting itself).
@@ -19,6 +20,9 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+
+#: The tap's stand-in for a response fingerprint its own prompt holds (``kvcanary.tap.fingerprints.OWN``).
+OWN = 0
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class OverlapWindow:
     holds it, under the deployment's lock."""
 
     def __init__(
-        self, window_seconds: float = 900.0, max_fingerprints: int = 500_000, common_callers: int = 3
+        self, window_seconds: float = 900.0, max_fingerprints: int = 250_000, common_callers: int = 3
     ):
         self.window_seconds = window_seconds
         self.max_fingerprints = max_fingerprints
@@ -65,7 +69,7 @@ class OverlapWindow:
         best, best_caller = 0, ""
         for fingerprint in response:
             holders = self._holders.get(fingerprint)
-            if fingerprint in own or not holders or len(holders) >= self.common_callers:
+            if fingerprint == OWN or fingerprint in own or not holders or len(holders) >= self.common_callers:
                 runs = {}
                 continue
             runs = {other: runs.get(other, 0) + 1 for other in holders if other != caller}
@@ -76,7 +80,7 @@ class OverlapWindow:
 
     def add(self, caller: str, fingerprints: list[int], now: float) -> None:
         """Hold one exchange's fingerprints (its prompt's and its response's) for the window."""
-        unique = tuple(dict.fromkeys(fingerprints))
+        unique = tuple(f for f in dict.fromkeys(fingerprints) if f != OWN)
         if not unique:
             return
         self._seq += 1

@@ -1,16 +1,19 @@
 """The wire of ``POST /api/v1/traffic``: a batch of per-request records from a gateway tap.
 
 Every field is bounded, so a hostile or broken tap costs a 4xx naming the field and nothing else:
-no string longer than a name, no list longer than the tap sends, no number out of range. A record
+no string longer than a name, no list longer than the tap sends, no number out of range. The
+envelope (:class:`TrafficBatch`) is validated first; then each record on its own
+(:func:`valid_records`), so one bad record is refused, named, and costs none of the others. A record
 carries no text: sizes, usage, timings, marker-shaped strings and keyed fingerprints
 (``kvcanary/tap/record.py`` builds them).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 MAX_RECORDS = 1000
 #: Bytes a batch's body may take (a full batch of records with every fingerprint a side allows).
@@ -54,7 +57,7 @@ class TrafficRecord(Wire):
     time: Annotated[float, Field(ge=0, le=2**33)]  # epoch seconds the request started
     caller: Name = ""
     caller_kind: CallerKind = "unknown"
-    key_hash: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{0,128}$")] = ""
+    key_hash: Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{64})?$")] = ""  # a SHA-256, never a key
     api_base: Name
     model: Name = ""
     model_group: Name = ""
@@ -76,7 +79,40 @@ class TrafficRecord(Wire):
 
 
 class TrafficBatch(Wire):
+    """The envelope; its records are read one by one (:func:`valid_records`)."""
+
+    #: The tap's id for this batch, the same when it sends it again (its answer lost): judged once.
+    batch: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
     gateway: Annotated[str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_.:-]*$")] = ""
     #: Records the tap dropped since its last accepted batch (the monitor was down or slow).
     dropped: Count = 0
-    records: Annotated[list[TrafficRecord], Field(max_length=MAX_RECORDS)]
+    records: Annotated[list[dict[str, Any]], Field(max_length=MAX_RECORDS)]
+
+
+class _BatchShape(TrafficBatch):
+    records: Annotated[list[TrafficRecord], Field(max_length=MAX_RECORDS)]  # type: ignore[assignment]
+
+
+#: The body's JSON schema as the API documents it (each record in full).
+BATCH_SCHEMA = _BatchShape.model_json_schema()
+
+
+@dataclass
+class ValidRecords:
+    records: list[TrafficRecord]
+    #: Each refused record's errors, their ``loc`` starting ``("records", index)``.
+    errors: list[dict[str, Any]]
+    refused: int
+
+
+def valid_records(batch: TrafficBatch) -> ValidRecords:
+    """Validate each record of ``batch`` on its own: the good ones, and what was wrong with the rest."""
+    good, errors, refused = [], [], 0
+    for i, raw in enumerate(batch.records):
+        try:
+            good.append(TrafficRecord.model_validate(raw))
+        except ValidationError as exc:
+            refused += 1
+            for error in exc.errors(include_url=False, include_input=False, include_context=False):
+                errors.append({**error, "loc": ("records", i, *error["loc"])})
+    return ValidRecords(good, errors, refused)

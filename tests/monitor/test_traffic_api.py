@@ -6,6 +6,7 @@ for a calibration and a capacity reading (network calls, stubbed as their answer
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -96,7 +97,13 @@ def post(client: TestClient, records: list[dict[str, Any]], token: str = INGEST,
 
 
 def test_the_ingest_token_posts_traffic_and_reads_nothing(client: TestClient) -> None:
-    assert post(client, [record(1)]).json() == {"accepted": 1, "unmatched": 0, "flagged": 0}
+    assert post(client, [record(1)]).json() == {
+        "accepted": 1,
+        "unmatched": 0,
+        "own": 0,
+        "flagged": 0,
+        "rejected": 0,
+    }
     assert post(client, [record(2)], token=TOKEN).status_code == 200
     assert post(client, [record(3)], token="kvc-wrong-token-0123456789").status_code == 401
     for path in ("/api/v1/traffic", "/api/v1/incidents", "/api/v1/probe-results"):
@@ -115,19 +122,50 @@ def test_the_ingest_token_posts_traffic_and_reads_nothing(client: TestClient) ->
         ({"usage": {"prompt_tokens": -1}}, "prompt_tokens"),
         ({"prompt": {"chars": "many"}}, "chars"),
         ({"text": "a customer's words"}, "text"),  # a record never carries text
+        ({"key_hash": "sk-a-raw-key-0123"}, "key_hash"),  # a digest or nothing, never a key
     ],
 )
-def test_a_bad_record_is_422_naming_the_field_and_nothing_of_its_batch_is_kept(
+def test_a_bad_record_is_422_naming_the_field_and_costs_none_of_the_others(
     client: TestClient, session_factory: Factory, change: dict[str, Any], field: str
 ) -> None:
-    over = record(1, usage={"prompt_tokens": 1})  # would be kept: flagged
+    over = record(1, usage={"prompt_tokens": 1})  # flagged: kept
     answer = post(client, [over, record(2, **change)])
     assert answer.status_code == 422, answer.text
-    assert any(field in [str(p) for p in e["loc"]] for e in answer.json()["detail"]), answer.text
+    body = answer.json()
+    assert any(e["loc"][:2] == ["records", 1] and field in map(str, e["loc"]) for e in body["detail"]), body
+    assert (body["accepted"], body["flagged"], body["rejected"]) == (1, 1, 1)
     with session_factory() as s:
-        assert s.scalar(select(func.count()).select_from(TrafficRecordRow)) == 0
-        assert s.scalar(select(func.count()).select_from(TrafficMinute)) == 0
-    assert post(client, [over]).json()["flagged"] == 1  # and the next good batch is taken
+        assert s.scalars(select(TrafficRecordRow.request_id)).all() == ["req-1"]
+        assert s.scalar(select(func.count()).select_from(TrafficMinute)) == 1
+    assert "a customer's words" not in answer.text  # a refusal never echoes what was sent
+
+
+def test_a_batch_sent_again_is_judged_once(client: TestClient, session_factory: Factory) -> None:
+    over = record(1, usage={"prompt_tokens": 1})
+    first = post(client, [over], batch="ab" * 16)
+    assert first.json()["flagged"] == 1
+    assert post(client, [over], batch="ab" * 16).json() == first.json()
+    with session_factory() as s:
+        assert s.scalar(select(func.count()).select_from(TrafficRecordRow)) == 1
+
+
+def test_a_probe_marker_in_a_customer_answer_is_a_leak_and_the_monitors_own_traffic_is_not_judged(
+    client: TestClient,
+) -> None:
+    judge = client.app.state.api.traffic.judge  # type: ignore[attr-defined]
+    _, marker = judge.markers.plant("glm-prod", "alice")
+    own_key = "kvc-test-key-alice-0001"
+    judge.own_keys = frozenset({hashlib.sha256(own_key.encode()).hexdigest()})
+    mine = record(2, markers=[marker], key_hash=hashlib.sha256(own_key.encode()).hexdigest())
+    answer = post(client, [record(1, markers=[marker, "KVC-00000000-" + "0" * 32]), mine]).json()
+    assert (answer["accepted"], answer["own"], answer["flagged"]) == (1, 1, 1)
+    kept = client.get(
+        "/api/v1/traffic", params={"check": "marker"}, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    (leak,) = kept.json()["items"]
+    assert leak["verdict"] == "leak" and leak["request_id"] == "req-1"
+    (found,) = leak["findings"]["marker"]["markers"]
+    assert found["owner_tenant"] == "alice" and marker not in kept.text  # ids and hashes, not the secret
 
 
 def test_malformed_and_oversized_bodies_are_refused(client: TestClient) -> None:
@@ -146,7 +184,13 @@ def test_flagged_and_near_pool_records_are_kept_and_listed_by_check_and_caller(c
         record(3, prompt={"chars": 9000, "bytes": 9000}, usage={"prompt_tokens": 1}),  # the incident
         record(4, api_base="http://10.0.0.9:8000/v1"),  # no target's
     ]
-    assert post(client, records).json() == {"accepted": 3, "unmatched": 1, "flagged": 1}
+    assert post(client, records).json() == {
+        "accepted": 3,
+        "unmatched": 1,
+        "own": 0,
+        "flagged": 1,
+        "rejected": 0,
+    }
     auth = {"Authorization": f"Bearer {TOKEN}"}
     kept = client.get("/api/v1/traffic", headers=auth).json()["items"]
     assert sorted(r["request_id"] for r in kept) == ["req-2", "req-3"]

@@ -1,0 +1,70 @@
+"""What the traffic judge needs to know of a target, asked of its client and kept a while.
+
+- characters per token: the client's calibration (``monitor/targets/calibration.py``); while it
+  has none, the judge's own count of the monitor's sample text, once per ``RECOUNT_SECONDS``;
+- each node's smallest KV pool: the node's own capacity reading (``node_capacity``; the target's
+  ``capacity`` for a target without named nodes), kept ``POOL_SECONDS``, and a reading that found
+  no pool kept ``UNKNOWN_POOL_SECONDS`` so that a node that does not answer is not asked again
+  for every batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from monitor.targets.calibration import RECOUNT_SECONDS, SAMPLE_TEXT
+from probes.target import ServerCapacity
+
+POOL_SECONDS = 600.0
+UNKNOWN_POOL_SECONDS = 60.0
+
+
+def smallest_pool(reading: ServerCapacity) -> int | None:
+    sizes = [n for n in (reading.kv_pool_tokens, *reading.pools.values()) if n]
+    return min(sizes) if sizes else None
+
+
+class TargetFacts:
+    """Calibration and pools by target and node; ``clients`` are the targets' clients by name."""
+
+    def __init__(self, clients: Mapping[str, Any], clock: Callable[[], float] = time.monotonic):
+        self.clients = clients
+        self.clock = clock
+        self._counted: dict[str, float] = {}  # when the judge last counted SAMPLE_TEXT, by target
+        self._pools: dict[tuple[str, str], tuple[float, int | None]] = {}
+
+    def forget(self, target: str) -> None:
+        """Drop what is kept of ``target`` (a reload gave it a new client)."""
+        self._counted.pop(target, None)
+        self._pools = {k: v for k, v in self._pools.items() if k[0] != target}
+
+    async def chars_per_token(self, target: str) -> float | None:
+        client = self.clients.get(target)
+        calibration = getattr(client, "calibration", None)
+        if calibration is None:
+            return None
+        if calibration.chars_per_token is None:
+            now = self.clock()
+            if now - self._counted.get(target, float("-inf")) >= RECOUNT_SECONDS:
+                self._counted[target] = now
+                await client.count_tokens(SAMPLE_TEXT)  # type: ignore[union-attr]  # noted by the calibration
+        return calibration.chars_per_token  # type: ignore[no-any-return]
+
+    async def pool(self, target: str, node: str) -> int | None:
+        """Return the node's smallest KV pool, or None when it is not known."""
+        now = self.clock()
+        kept = self._pools.get((target, node))
+        if kept is not None and now - kept[0] < (POOL_SECONDS if kept[1] else UNKNOWN_POOL_SECONDS):
+            return kept[1]
+        client = self.clients.get(target)
+        found: int | None = None
+        if client is not None and hasattr(client, "capacity"):
+            named = [n for n in getattr(client, "nodes", []) if n.name == node] if node else []
+            reading = await (
+                client.node_capacity(named[0]) if named else client.capacity(max_age=POOL_SECONDS)
+            )
+            found = smallest_pool(reading)
+        self._pools[(target, node)] = (now, found)
+        return found

@@ -1,0 +1,108 @@
+"""What a record holds: sizes, fingerprints and names fit for the monitor, and no text or key."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from kvcanary.tap.fingerprints import MAX_TEXT_CHARS, OWN, Fingerprinter
+from kvcanary.tap.litellm_payload import exchange_of
+from kvcanary.tap.record import MARKER_RE, Exchange, summarize
+from monitor.traffic.overlap import OWN as MONITOR_OWN
+from monitor.traffic.schema import TrafficRecord
+from probes.markers import MARKER_RE as PROBE_MARKER_RE
+from probes.markers import MarkerBook
+
+KEY = b"a-test-fingerprint-key-0123456789"
+LICENCE = Path("/usr/share/common-licenses/GPL-3").read_text()
+
+
+def record_of(**fields: object) -> dict[str, object]:
+    base: dict[str, object] = dict(
+        request_id="r", started=1.8e9, caller="acme", caller_kind="team", api_base="http://x/v1"
+    )
+    return summarize(Exchange(**{**base, **fields}), Fingerprinter(KEY))  # type: ignore[arg-type]
+
+
+def test_the_tap_and_the_monitor_agree_on_markers_and_the_own_sign() -> None:
+    book = MarkerBook()
+    _, marker = book.plant("t", "alice")
+    assert MARKER_RE.fullmatch(marker) and PROBE_MARKER_RE.fullmatch(marker)
+    assert MONITOR_OWN == OWN
+    found = record_of(response=f"here it is: {marker.upper()} and KVC-12345678-nothex")
+    assert found["markers"] == [marker.upper()]
+
+
+def test_a_shared_passage_shares_fingerprints_under_one_key_and_none_under_another() -> None:
+    passage = LICENCE[4000:7000]
+    a, _ = Fingerprinter(KEY).fingerprints("Intro words here. " + passage)
+    b, _ = Fingerprinter(KEY).fingerprints(passage + " and a different ending")
+    c, _ = Fingerprinter(b"another-key-of-another-gateway!!").fingerprints(passage)
+    assert len(set(a) & set(b)) > 0.8 * len(b) > 50
+    assert not set(a) & set(c)
+    assert all(0 < f < 2**53 for f in a)
+
+
+def test_a_huge_prompt_is_cut_to_head_and_tail_with_its_sizes_kept() -> None:
+    prompt = "é" + LICENCE * 40  # ~1.4 MB, not ASCII
+    queued = Exchange("r", 0.0, "c", "team", "http://x", prompt=prompt, response="ok").bounded()
+    assert len(queued.prompt) <= MAX_TEXT_CHARS + 1
+    rec = summarize(queued, Fingerprinter(KEY))
+    assert rec["prompt"] == {"chars": len(prompt), "bytes": len(prompt.encode()), "messages": 0}
+    assert rec["truncated"] is True and len(rec["fingerprints"]["prompt"]) <= 1024  # type: ignore[index]
+
+
+def test_a_quote_of_the_callers_own_prompt_is_marked_own_however_long_the_prompt() -> None:
+    prompt = LICENCE * 3  # far more prints than a record sends
+    rec = record_of(prompt=prompt, response="As your text says: " + LICENCE[-3000:])
+    response = rec["fingerprints"]["response"]  # type: ignore[index]
+    assert len(response) > 50 and sum(f == OWN for f in response) >= len(response) - 2  # the intro's are not
+
+
+def test_names_timings_and_keys_are_made_to_fit_and_no_key_leaves() -> None:
+    key = "custom-key-not-sk-0123456789"
+    rec = record_of(caller=key, caller_kind="key_hash", key_hash=key, latency_seconds=-3.0, status=42,
+                    model_group="evil\x00model" + "x" * 500, ttft_seconds=float("nan"))  # fmt: skip
+    text = json.dumps(rec)
+    assert key not in text
+    assert re.fullmatch("[0-9a-f]{64}", rec["key_hash"]) and rec["caller"] == rec["key_hash"]  # type: ignore[arg-type]
+    assert rec["latency_seconds"] is None and rec["ttft_seconds"] is None and rec["status"] == 500
+    assert "\x00" not in rec["model_group"]  # type: ignore[operator]
+    TrafficRecord.model_validate(rec)  # the monitor takes it
+    sk = "sk-acme-0001"
+    assert (
+        record_of(key_hash=hashlib.sha256(sk.encode()).hexdigest())["key_hash"]
+        == hashlib.sha256(sk.encode()).hexdigest()
+    )
+    assert record_of(key_hash="hashed-jwt-" + "ab" * 32)["key_hash"] == "ab" * 32
+
+
+def test_litellm_payloads_become_exchanges() -> None:
+    payload = {
+        "id": "chatcmpl-1", "api_base": "http://127.0.0.1:8000/v1", "model": "openai/m",
+        "model_group": "shop",
+        "stream": True, "status": "success", "prompt_tokens": 12, "completion_tokens": 3,
+        "startTime": 100.0, "endTime": 100.5, "completionStartTime": 100.1,
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        "response": {"choices": [{"message": {"content": "hello"}, "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens_details": {"cached_tokens": 4}}},
+        "metadata": {"user_api_key_hash": "ab" * 32, "user_api_key_alias": "acme-prod",
+                     "user_api_key_team_id": "acme"},
+    }  # fmt: skip
+    ex = exchange_of(payload, 200)
+    assert (ex.caller, ex.caller_kind, ex.prompt, ex.messages, ex.response) == (
+        "acme",
+        "team",
+        "be brief\nhi",
+        2,
+        "hello",
+    )
+    assert (ex.finish_reason, ex.cached_tokens, ex.latency_seconds) == ("stop", 4, 0.5)
+    assert abs((ex.ttft_seconds or 0) - 0.1) < 1e-9
+    del payload["metadata"]["user_api_key_team_id"], payload["metadata"]["user_api_key_alias"]  # type: ignore[attr-defined]
+    assert exchange_of(payload, 200).caller_kind == "key_hash"

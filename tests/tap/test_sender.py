@@ -1,0 +1,166 @@
+"""The tap's sender against a monitor on a real loopback socket, scripted where the real monitor
+cannot misbehave on cue (down, 503, redirecting, refusing some records, answering garbage)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvcanary.tap.fingerprints import Fingerprinter
+from kvcanary.tap.record import Exchange
+from kvcanary.tap.sender import Sender
+from tests.loopback import Loopback
+
+KEY = b"a-test-fingerprint-key-0123456789"
+
+
+class Monitor:
+    """A scripted monitor: ``answer`` says what the next posts get; every body is kept."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, object]] = []
+        self.answer = lambda body: httpx.Response(200, json={"accepted": len(body["records"])})
+        self.lock = threading.Lock()
+        self.server = Loopback(self._handle)
+
+    def _handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        with self.lock:
+            self.bodies.append(body)
+        return self.answer(body)
+
+    def records(self) -> list[str]:
+        with self.lock:
+            return [r["id"] for b in self.bodies for r in b["records"]]  # type: ignore[union-attr, index]
+
+
+@pytest.fixture
+def monitor() -> Iterator[Monitor]:
+    m = Monitor()
+    yield m
+    m.server.close()
+
+
+def exchange(i: int, text: str = "a customer asks about the warranty of a charger") -> Exchange:
+    return Exchange(f"r{i}", time.time(), "acme", "team", "http://127.0.0.1:1/v1", prompt=text, response=text)
+
+
+def wait_until(check: object, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def sender(url: str, **kw: object) -> Sender:
+    return Sender(url, "tok", Fingerprinter(KEY), gateway="gw", **kw)  # type: ignore[arg-type]
+
+
+def test_records_go_in_batches_and_a_waiting_record_costs_no_cpu(monitor: Monitor) -> None:
+    s = sender(monitor.server.url, flush_seconds=1.0, batch_records=3)
+    for i in range(3):
+        s.put(exchange(i))
+    wait_until(lambda: monitor.records() == ["r0", "r1", "r2"])
+    s.put(exchange(3))  # alone, below a batch: it waits out flush_seconds
+    start = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - start < 0.1  # the thread sleeps; it does not spin
+    wait_until(lambda: "r3" in monitor.records())
+    assert len(monitor.bodies) == 2 and s.sent == 4
+    s.close()
+
+
+def test_a_monitor_that_is_down_costs_nothing_and_gets_what_waited(monitor: Monitor) -> None:
+    monitor.answer = lambda body: httpx.Response(503)
+    s = sender(monitor.server.url, flush_seconds=0.05)
+    start = time.perf_counter()
+    for i in range(50):
+        s.put(exchange(i))
+    assert time.perf_counter() - start < 0.05  # put() returns at once
+    wait_until(lambda: len(monitor.bodies) >= 2)  # refused, and tried again
+    retried = {b["batch"] for b in monitor.bodies}
+    monitor.answer = lambda body: httpx.Response(200, json={})
+    wait_until(lambda: s.sent == 50)
+    assert len(retried) == 1  # the same batch, under the same id, each time
+    assert sorted(set(monitor.records()), key=lambda r: int(r[1:])) == [f"r{i}" for i in range(50)]
+    s.close()
+
+
+def test_past_its_bound_the_oldest_waiting_are_dropped_counted_and_reported(monitor: Monitor) -> None:
+    monitor.answer = lambda body: httpx.Response(503)
+    s = sender(monitor.server.url, flush_seconds=0.05, max_pending=5, batch_records=2)
+    for i in range(12):
+        s.put(exchange(i))
+    assert s.dropped == 7 and s.pending == 5
+    monitor.answer = lambda body: httpx.Response(200, json={})
+    wait_until(lambda: s.pending == 0)
+    got = monitor.records()
+    assert "r11" in got and "r2" not in got  # the newest kept, the oldest gone
+    assert s.sent + s.dropped == 12 + len(got) - len(set(got))  # nothing counted twice
+    reported = {b["batch"]: int(b["dropped"]) for b in monitor.bodies}  # a batch says the same each try
+    assert sum(reported.values()) == 7  # every drop reported, once
+    s.close()
+
+
+def test_refused_records_are_counted_and_not_sent_again(monitor: Monitor) -> None:
+    monitor.answer = lambda body: httpx.Response(422, json={"detail": [], "rejected": 1})
+    s = sender(monitor.server.url, flush_seconds=0.05)
+    for i in range(3):
+        s.put(exchange(i))
+    wait_until(lambda: s.rejected == 1)
+    time.sleep(0.3)
+    assert len(monitor.bodies) == 1 and s.sent == 2 and s.dropped == 1
+    s.close()
+
+
+def test_a_redirect_is_not_followed_and_the_records_wait(monitor: Monitor) -> None:
+    monitor.answer = lambda body: httpx.Response(302, headers={"Location": monitor.server.url + "/elsewhere"})
+    s = sender(monitor.server.url, flush_seconds=0.05)
+    s.put(exchange(1))
+    wait_until(lambda: len(monitor.bodies) >= 2)  # tried again: the record waits, the thread lives
+    assert s.alive and s.sent == 0 and s.pending == 1
+    monitor.answer = lambda body: httpx.Response(200, json={})
+    wait_until(lambda: s.sent == 1)
+    s.close()
+
+
+def test_an_answer_that_is_not_http_leaves_the_thread_alive() -> None:
+    """A URL pointing at something that is no HTTP server (http.client's BadStatusLine, which is no
+    OSError): the record waits and the thread lives."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    tries: list[int] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+            conn.close()
+            tries.append(1)
+
+    threading.Thread(target=serve, daemon=True).start()
+    s = sender(f"http://127.0.0.1:{listener.getsockname()[1]}", flush_seconds=0.05)
+    s.put(exchange(1))
+    wait_until(lambda: len(tries) >= 2)
+    assert s.alive and s.pending == 1 and s.sent == 0
+    s.close(timeout=0.1)
+    listener.close()
+
+
+def test_an_unreachable_monitor_is_tried_again_and_the_thread_lives() -> None:
+    s = sender("http://127.0.0.1:9", flush_seconds=0.05, timeout_seconds=0.5)
+    s.put(exchange(1))
+    time.sleep(0.8)
+    assert s.alive and s.pending == 1 and s.sent == 0
+    s.close(timeout=0.1)
