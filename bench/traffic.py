@@ -37,7 +37,7 @@ from monitor.targets.calibration import TokenCalibration
 from monitor.traffic.checks import OVERLAP_MIN_RUN
 from monitor.traffic.judge import TrafficJudge
 from monitor.traffic.overlap import OverlapWindow
-from monitor.traffic.schema import TrafficBatch, valid_records
+from monitor.traffic.schema import read_batch
 from probes.markers import MarkerBook
 from probes.target import ServerCapacity
 
@@ -115,8 +115,8 @@ def bench_judge(docs: list[str], records: int) -> float:
     async def run() -> float:
         start = time.process_time()
         for body in bodies:
-            batch = TrafficBatch.model_validate_json(body)
-            await judge.judge(valid_records(batch).records, "bench")
+            _, valid = read_batch(body)
+            await judge.judge(valid.records, "bench")
         return time.process_time() - start
 
     took = asyncio.run(run())
@@ -144,39 +144,54 @@ def bench_tap(docs: list[str]) -> dict[str, tuple[float, float]]:
 
 
 def bench_overlap(docs: list[str], callers: int, exchanges: int) -> dict[str, Any]:
-    """False alarms on benign traffic sharing boilerplate; recall on injected leaks."""
-    fp = Fingerprinter(KEY)
+    """False alarms on benign traffic sharing boilerplate; recall on injected leaks.
+
+    Each caller's own text comes from documents no other caller reads (``docs[k::callers]``), as
+    customers' own data does; every caller may send the same system prompt and Debian's licences
+    (boilerplate); a benign answer quotes the caller's own prompt, a licence or the system prompt.
+    A leak is an answer carrying a stretch of another caller's own text, as the tap would send it.
+    """
+    tap = Fingerprinter(KEY)
     rng = random.Random(3)
-    shared = [d[:3000] for d in docs if "licen" in d[:400].lower()][:5] or [docs[0][:3000]]
-    system = docs[1][:800]
+    licences = sorted(Path("/usr/share/common-licenses").glob("*"))
+    shared = [p.read_text(errors="replace")[:3000] for p in licences if p.is_file()][:6]
+    system = (
+        "You are the assistant of a software company. Answer in English, briefly, and cite the text you use."
+    )
     window = OverlapWindow(900, 2_000_000, 3)
-    alarms = 0
-    prompts: list[tuple[str, str]] = []
+    alarms, seen = 0, []
+
+    def record(caller: str, prompt: str, response: str, at: float) -> tuple[list[int], list[int]]:
+        ex = Exchange("r", at, caller, "team", "http://x", prompt=prompt, response=response)
+        prints = summarize(ex, tap)["fingerprints"]
+        return prints["prompt"], prints["response"]
+
     for i in range(exchanges):
-        caller = f"c{i % callers}"
-        doc = rng.choice(docs)
+        k = i % callers
+        own_docs = docs[k::callers]
+        doc = rng.choice(own_docs)
         at = rng.randrange(max(1, len(doc) - 2500))
         own = doc[at : at + 2000]
-        prompt = "\n".join([system, rng.choice(shared) if rng.random() < 0.5 else "", own])
-        # A benign answer: it quotes its own prompt, a shared licence or the system prompt.
-        quote = rng.choice([own[200:900], rng.choice(shared)[500:1200], system[:600]])
-        response = "Here is the relevant part: " + quote
-        p, _ = fp.fingerprints(prompt)
-        r, _ = fp.fingerprints(response)
-        run = window.longest_run(caller, p, r, float(i))
-        alarms += run.run >= OVERLAP_MIN_RUN
-        window.add(caller, p + r, float(i))
-        prompts.append((caller, own))
+        licence = rng.choice(shared) if rng.random() < 0.5 else ""
+        quote = rng.choice([own[200:900], (licence or system)[300:1000], system])
+        prompt_fp, response_fp = record(
+            f"c{k}", "\n".join([system, licence, own]), "Here it is: " + quote, float(i)
+        )
+        alarms += window.longest_run(f"c{k}", prompt_fp, response_fp, float(i)).run >= OVERLAP_MIN_RUN
+        window.add(f"c{k}", prompt_fp + response_fp, float(i))
+        seen.append((k, own))
     caught = {40: [0, 0], 80: [0, 0], 200: [0, 0]}
     for _ in range(300):
-        victim, text = prompts[-1 - rng.randrange(200)]
-        reader = f"c{(int(victim[1:]) + 1) % callers}"
+        victim, text = seen[-1 - rng.randrange(200)]
+        reader = (victim + 1) % callers
         words = text.split()
         for n, tally in caught.items():
             start = rng.randrange(max(1, len(words) - n))
-            leaked = " ".join(words[start : start + n])
-            r, _ = fp.fingerprints("Sure. " + leaked)
-            tally[0] += window.longest_run(reader, [], r, float(exchanges)).run >= OVERLAP_MIN_RUN
+            asked = "Summarize our meeting notes, please."
+            _, leaked = record(
+                f"c{reader}", asked, "Sure. " + " ".join(words[start : start + n]), float(exchanges)
+            )
+            tally[0] += window.longest_run(f"c{reader}", [], leaked, float(exchanges)).run >= OVERLAP_MIN_RUN
             tally[1] += 1
     return {
         "benign": exchanges,

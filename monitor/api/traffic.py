@@ -35,7 +35,7 @@ from monitor.api.state import api_state
 from monitor.storage import traffic_rows
 from monitor.storage.models import Verdict
 from monitor.traffic.checks import CHECKS
-from monitor.traffic.schema import BATCH_SCHEMA, MAX_BODY_BYTES, TrafficBatch, valid_records
+from monitor.traffic.schema import BATCH_SCHEMA, MAX_BODY_BYTES, read_batch
 
 ingest_router = APIRouter(prefix="/api/v1/traffic", tags=["traffic"])
 router = APIRouter(prefix="/traffic", tags=["traffic"])
@@ -130,10 +130,9 @@ async def post_traffic(
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "traffic judging is not running here")
     body = await _body(request)
     try:
-        batch = TrafficBatch.model_validate_json(body)
+        batch, valid = read_batch(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
-    valid = valid_records(batch)
     answer = IngestOut(**await ingest(batch, valid.records), rejected=valid.refused)
     if valid.refused:  # the good records are judged; the tap counts the refused ones and goes on
         content = {"detail": jsonable_encoder(valid.errors), **answer.model_dump()}

@@ -29,6 +29,7 @@ from tests.monitor.served import served  # noqa: F401 (a fixture: `kvcanary serv
 VENV = Path(os.environ.get("KVCANARY_LITELLM_VENV") or REPO / ".venv-litellm")
 LITELLM = VENV / "bin" / "litellm"
 MASTER_KEY = "sk-kvcanary-test-master"
+TAP_CALLBACK = "kvcanary.tap.litellm.tap"
 #: Customer keys → (team, key alias). The keys never reach the monitor; their teams do.
 CALLERS = {
     "sk-acme-0001": ("acme", "acme-prod"),
@@ -75,8 +76,9 @@ class Proxy:
         return self.log.read_text(errors="replace")
 
 
-def write_proxy_config(folder: Path, models: dict[str, str], tap: bool = True) -> Path:
-    """Write config.yaml and custom_auth.py: ``models`` maps a model name to its backend's URL."""
+def write_proxy_config(folder: Path, models: dict[str, str], callback: str | None = TAP_CALLBACK) -> Path:
+    """Write config.yaml and custom_auth.py: ``models`` maps a model name to its backend's URL;
+    ``callback`` is the ``litellm_settings.callbacks`` entry (None: none)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "custom_auth.py").write_text(textwrap.dedent(CUSTOM_AUTH.format(callers=CALLERS)))
     config: dict[str, Any] = {
@@ -94,15 +96,18 @@ def write_proxy_config(folder: Path, models: dict[str, str], tap: bool = True) -
         "litellm_settings": {"telemetry": False, "num_retries": 0, "request_timeout": 60},
         "general_settings": {"custom_auth": "custom_auth.user_api_key_auth", "master_key": MASTER_KEY},
     }
-    if tap:
-        config["litellm_settings"]["callbacks"] = "kvcanary.tap.litellm.tap"
+    if callback is not None:
+        config["litellm_settings"]["callbacks"] = callback
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def start_proxy(folder: Path, models: dict[str, str], tap_env: dict[str, str] | None) -> Proxy:
-    config = write_proxy_config(folder, models, tap=tap_env is not None)
+def start_proxy(
+    folder: Path, models: dict[str, str], tap_env: dict[str, str] | None, callback: str | None = TAP_CALLBACK
+) -> Proxy:
+    """Start a proxy in ``folder``; with ``tap_env`` None, no callback at all."""
+    config = write_proxy_config(folder, models, callback if tap_env is not None else None)
     port = free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("KVCANARY_TAP", "PYTHON"))},
