@@ -132,8 +132,8 @@ def main() -> None:
                 added = f"the proxy {proxy:.2f}, a callback {callback:.2f}, the tap {tap:.2f}"
                 print(f"{label:>8}  p50 added: {added}")
         finally:
-            for proxy in proxies.values():
-                stop_process(proxy.proc)
+            for started in proxies.values():
+                stop_process(started.proc)
 
 
 if __name__ == "__main__":
