@@ -243,6 +243,8 @@ class Pager:
         labels = {"alertname": name, "target": incident.target, "probe": incident.probe, "severity": severity}
         if incident.node:
             labels["node"] = incident.node
+        if incident.probe.startswith("traffic_"):  # a gateway traffic check (monitor/traffic/)
+            labels["check"] = incident.probe.removeprefix("traffic_")
         link = incident_url(base, incident.id, incident.opened_at, self.link_key)
         if firing:
             ends = now + timedelta(seconds=4 * self.settings.alerting.resend_interval_seconds)

@@ -199,16 +199,14 @@ def test_over_pool_answers_in_customer_traffic_open_incidents_and_page(
         assert all(r["estimated_prompt_tokens"] > r["kv_pool_tokens"] == 1024 for r in kept)
         overlap = monitor.get("/api/v1/traffic", check="overlap").json()["items"]
         assert overlap and all(r["findings"]["overlap"]["other_caller"] != r["caller"] for r in overlap)
-        alerts = am.alerts(target="shared")
-        assert {"traffic_capacity", "traffic_overlap"} <= {
-            a["labels"]["probe"] for a in alerts
-        } or monitor.wait_for(
-            "pages",
-            lambda: (
-                {"traffic_capacity", "traffic_overlap"}
-                <= {a["labels"]["probe"] for a in am.alerts(target="shared")}
-            ),
-        )
+
+        def paged() -> list[dict[str, Any]]:
+            alerts = [a for a in am.alerts(target="shared") if a["labels"]["probe"].startswith("traffic_")]
+            wanted = {"traffic_capacity", "traffic_overlap"} <= {a["labels"]["probe"] for a in alerts}
+            return alerts if wanted else []
+
+        for alert in monitor.wait_for("pages", paged):
+            assert alert["labels"]["check"] == alert["labels"]["probe"].removeprefix("traffic_")
         assert_no_customer_text(monitor, sentences)
     finally:
         am.stop()
