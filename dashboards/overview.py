@@ -23,6 +23,7 @@ from dashboards.panels import (
     table_panel,
     timeseries_panel,
 )
+from dashboards.traffic import traffic_row
 
 UID = "kvcanary-overview"
 PAIR = 'target=~"$target", probe=~"$probe"'
@@ -70,6 +71,7 @@ def build() -> Dashboard:
     _incidents(grid)
     _cost(grid)
     _capacity(grid)
+    traffic_row(grid)
     _health(grid)
     _health_trends(grid)
     _freshness(grid)

@@ -95,7 +95,14 @@ def monitor_metrics(n: int) -> str:
             f'kvcanary_probe_duration_seconds_sum{{probe="{probe}"}} {n}',
             f'kvcanary_probe_duration_seconds_count{{probe="{probe}"}} {2 * n}',
         ]
+    for check in ("marker", "tokens", "capacity", "overlap"):
+        lines += [
+            f'kvcanary_traffic_records_total{{target="defective",check="{check}",verdict="pass"}} {50 * n}',
+            f'kvcanary_traffic_records_total{{target="defective",check="{check}",verdict="leak"}} {n}',
+        ]
     lines += [
+        f'kvcanary_traffic_unmatched_records_total{{gateway="gw0"}} {n}',
+        f'kvcanary_traffic_tap_dropped_records_total{{gateway="gw0"}} {2 * n}',
         'kvcanary_cross_tenant_leaks_total{target="defective"} 1',
         f"kvcanary_incidents_open_read_timestamp_seconds {now - 1}",
         "kvcanary_database_up 1",
