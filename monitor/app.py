@@ -126,12 +126,13 @@ class Monitor:
         self.runner = ProbeRunner(
             settings, self.clients, self.markers, self.metrics, self.port, self.on_summary
         )
+        self.runner.on_config_change = self._reaudit
+        shared = self.engine.dialect.name == "postgresql"
+        self.membership = Membership(self.session_factory, shared=shared, url=settings.api.base_url)
+        self.runner.owns = self.membership.owns
         self.ingest_token = ingest_token(settings)
         judge = TrafficJudge(settings, self.clients, self.markers, self.metrics, own_key_digests(keys))
-        self.traffic = TrafficIngest(judge, self.port, self.session_factory)
-        self.runner.on_config_change = self._reaudit
-        self.membership = Membership(self.session_factory, shared=self.engine.dialect.name == "postgresql")
-        self.runner.owns = self.membership.owns
+        self.traffic = TrafficIngest(judge, self.port, self.session_factory, self.membership, self.token)
         self._beat()  # know the other replicas before the first run, not a heartbeat later
         self.recorder.ensure_targets(settings.targets)
         if (stored := self.recorder.load_states()) is not None:
@@ -335,6 +336,7 @@ class Monitor:
         for client in self.clients.values():
             await client.aclose()
         await self.http.aclose()
+        await self.traffic.aclose()
         await asyncio.to_thread(self.writer.close)
         if len(self.spool):
             await asyncio.to_thread(self.recorder.replay)

@@ -39,7 +39,7 @@ class ApiState:
     #: The token that may post gateway traffic and read nothing; None: only the API token may.
     ingest_token: str | None = None
     #: Judges a posted traffic batch (``monitor/traffic/ingest.py``); None: traffic is not judged here.
-    traffic: Callable[[TrafficBatch, list[TrafficRecord]], Awaitable[dict[str, Any]]] | None = None
+    traffic: Callable[[TrafficBatch, list[TrafficRecord], bool], Awaitable[dict[str, Any]]] | None = None
 
 
 def api_state(request: Request) -> ApiState:

@@ -133,7 +133,9 @@ async def post_traffic(
         batch, valid = read_batch(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
-    answer = IngestOut(**await ingest(batch, valid.records), rejected=valid.refused)
+    # Another replica handing over its share: judged here, whoever this replica thinks owns it.
+    forwarded = "x-kvcanary-forwarded" in request.headers
+    answer = IngestOut(**await ingest(batch, valid.records, forwarded), rejected=valid.refused)
     if valid.refused:  # the good records are judged; the tap counts the refused ones and goes on
         content = {"detail": jsonable_encoder(valid.errors), **answer.model_dump()}
         return JSONResponse(content, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)

@@ -41,20 +41,28 @@ HEARTBEAT_SECONDS = LEASE_SECONDS / 3
 class Membership:
     """This replica's view of who is alive, and which pairs are its own."""
 
-    def __init__(self, session_factory: sessionmaker[Session], *, shared: bool):
-        """``shared``: the database can be shared (PostgreSQL); without it this replica owns all."""
+    def __init__(self, session_factory: sessionmaker[Session], *, shared: bool, url: str = ""):
+        """``shared``: the database can be shared (PostgreSQL); without it this replica owns all.
+        ``url``: where the other replicas reach this one's API."""
         self.session_factory = session_factory
         self.shared = shared
+        self.url = url
         self.id = f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(4)}"
         self.started_at = utcnow()
         self.live: tuple[str, ...] = (self.id,)
+        #: Each live replica's URL, as its heartbeat row says.
+        self.urls: dict[str, str] = {self.id: url}
+
+    def owner(self, target: str, kind: str) -> str:
+        """Return the id of the live replica whose (target, kind) is to run."""
+        if len(self.live) <= 1:
+            return self.id
+        pair = f"{target}\0{kind}".encode()
+        return max(self.live, key=lambda replica: _weight(replica, pair))
 
     def owns(self, target: str, kind: str) -> bool:
         """Return True when (target, kind) is this replica's to run."""
-        if len(self.live) <= 1:
-            return True
-        pair = f"{target}\0{kind}".encode()
-        return max(self.live, key=lambda replica: _weight(replica, pair)) == self.id
+        return self.owner(target, kind) == self.id
 
     def heartbeat(self, now: datetime | None = None) -> None:
         """Say this replica is alive and read who else is; keep the last view when the database is away."""
@@ -62,13 +70,17 @@ class Membership:
             return
         now = now or utcnow()
         values = {"id": self.id, "host": socket.gethostname()[:255], "pid": os.getpid(),
-                  "started_at": self.started_at, "seen_at": now}  # fmt: skip
+                  "started_at": self.started_at, "seen_at": now, "url": self.url}  # fmt: skip
         stmt = postgresql.insert(MonitorReplica).values(**values)
         stmt = stmt.on_conflict_do_update(index_elements=["id"], set_={"seen_at": now})
         alive = now - timedelta(seconds=LEASE_SECONDS)
         with self.session_factory() as session, session.begin():
             session.execute(stmt)
-            ids = session.scalars(select(MonitorReplica.id).where(MonitorReplica.seen_at >= alive)).all()
+            rows = session.execute(
+                select(MonitorReplica.id, MonitorReplica.url).where(MonitorReplica.seen_at >= alive)
+            ).all()
+            ids = [row.id for row in rows]
+            self.urls = {**{row.id: row.url for row in rows}, self.id: self.url}
             # Rows of replicas gone for good: keep the table as small as the fleet.
             session.execute(delete(MonitorReplica).where(MonitorReplica.seen_at < now - timedelta(hours=1)))
         live = tuple(sorted(set(ids) | {self.id}))

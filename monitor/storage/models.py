@@ -273,6 +273,8 @@ class MonitorReplica(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     host: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int] = mapped_column(Integer)
+    # Where the other replicas reach this one (its API): gateway traffic is handed to its owner.
+    url: Mapped[str] = mapped_column(String(2048), server_default="")
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
     seen_at: Mapped[datetime] = mapped_column(UTCDateTime())
 

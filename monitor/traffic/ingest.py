@@ -6,23 +6,39 @@ batch the tap sends again because its answer was lost (the same ``batch`` id) is
 memory, not judged twice; one being judged now is waited for. The results go through the recording
 port like every probe's (``monitor/recording/port.py``), which spools them while the database is
 away. A gateway's report of the records it dropped is counted once its batch is stored.
+
+With replicas, each deployment's traffic belongs to one of them (rendezvous hashing of (target,
+"traffic") over the live replicas, as probe pairs are divided): the replica a batch reaches judges
+its own deployments' records and hands the rest to their owners' APIs (``X-KVCanary-Forwarded``),
+so each record is judged once and each fingerprint window lives in one place. An owner that does
+not answer has its records judged where they arrived: a window split for a while, nothing lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import logging
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.recording.port import RecordingPort
+from monitor.runs.replicas import Membership
 from monitor.storage.target_rows import upsert_targets
 from monitor.storage.traffic_rows import write_traffic
 from monitor.traffic.judge import Judged, TrafficJudge
 from monitor.traffic.schema import TrafficBatch, TrafficRecord
 
+log = logging.getLogger("kvcanary.traffic")
+
+#: Seconds an owner replica has to take handed-over records before they are judged here.
+FORWARD_TIMEOUT_SECONDS = 5.0
 #: Batch ids remembered (a tap sends a batch again only until it is taken: a few suffice).
 REMEMBERED_BATCHES = 4096
 #: Gateways named in metric labels; any more are counted as "other" (a label per client is unbounded).
@@ -33,27 +49,102 @@ class TrafficIngest:
     """Judges, stores and records one batch at a time per deployment (the judge's locks)."""
 
     def __init__(
-        self, judge: TrafficJudge, port: RecordingPort | None, session_factory: sessionmaker[Session]
+        self,
+        judge: TrafficJudge,
+        port: RecordingPort | None,
+        session_factory: sessionmaker[Session],
+        membership: Membership | None = None,
+        token: str | None = None,
     ):
+        """``membership``: the replicas (None: this one judges everything); ``token``: the API token
+        the other replicas take, to hand them their deployments' records."""
         self.judge = judge
         self.port = port
         self.session_factory = session_factory
+        self.membership = membership
+        self._forward_headers = {"X-KVCanary-Forwarded": membership.id if membership else "yes"}
+        if token is not None:
+            self._forward_headers["Authorization"] = f"Bearer {token}"
+        self._http: httpx.AsyncClient | None = None
         self._answers: collections.OrderedDict[str, asyncio.Future[dict[str, Any]]] = (
             collections.OrderedDict()
         )
         self._target_ids: dict[str, int] = {}
         self._gateways: set[str] = set()
 
-    async def __call__(self, batch: TrafficBatch, records: list[TrafficRecord]) -> dict[str, Any]:
-        if batch.batch is None:
+    async def __call__(
+        self, batch: TrafficBatch, records: list[TrafficRecord], forwarded: bool = False
+    ) -> dict[str, Any]:
+        if not forwarded:
+            return await self._dedupe(batch, records, self._route)
+        return await self._dedupe(batch, records, self._ingest)
+
+    async def _route(self, batch: TrafficBatch, records: list[TrafficRecord]) -> dict[str, Any]:
+        """Judge this replica's deployments' records; hand each other owner its own."""
+        membership = self.membership
+        if membership is None or len(membership.live) <= 1:
             return await self._ingest(batch, records)
+        theirs: dict[str, list[TrafficRecord]] = defaultdict(list)
+        mine = []
+        for record in records:
+            target = self.judge.target_of(record)
+            owner = membership.owner(target, "traffic") if target is not None else membership.id
+            (mine.append(record) if owner == membership.id else theirs[owner].append(record))
+        answers = [await self._forward(owner, batch, handed, mine) for owner, handed in theirs.items()]
+        answers.append(await self._ingest(batch, mine))
+        return {k: sum(a.get(k, 0) for a in answers) for k in answers[-1]}
+
+    async def _forward(
+        self, owner: str, batch: TrafficBatch, records: list[TrafficRecord], fallback: list[TrafficRecord]
+    ) -> dict[str, Any]:
+        """Post ``records`` to ``owner``; on failure, add them to ``fallback`` (judged here)."""
+        url = self.membership.urls.get(owner, "") if self.membership else ""
+        # Derived from the batch's id, so a batch sent again reaches the owner under the same one.
+        handed_id = (
+            None if batch.batch is None else hashlib.sha256(f"{batch.batch}{owner}".encode()).hexdigest()[:32]
+        )
+        body = {
+            "batch": handed_id,
+            "gateway": batch.gateway,
+            "records": [r.model_dump(mode="json") for r in records],
+        }
+        if url:
+            try:
+                self._http = self._http or httpx.AsyncClient(timeout=FORWARD_TIMEOUT_SECONDS)
+                answer = await self._http.post(
+                    f"{url}/api/v1/traffic", json=body, headers=self._forward_headers
+                )
+                if answer.status_code in (200, 422):
+                    return dict(answer.json())
+                log.warning(
+                    "replica %s answered %s to handed-over traffic; judging it here",
+                    owner,
+                    answer.status_code,
+                )
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("replica %s did not take handed-over traffic (%s); judging it here", owner, exc)
+        fallback.extend(records)
+        return {}
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def _dedupe(
+        self,
+        batch: TrafficBatch,
+        records: list[TrafficRecord],
+        ingest: Callable[[TrafficBatch, list[TrafficRecord]], Awaitable[dict[str, Any]]],
+    ) -> dict[str, Any]:
+        if batch.batch is None:
+            return await ingest(batch, records)
         known = self._answers.get(batch.batch)
         if known is not None:
             return await asyncio.shield(known)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._answers[batch.batch] = future
         try:
-            answer = await self._ingest(batch, records)
+            answer = await ingest(batch, records)
         except BaseException as exc:
             del self._answers[batch.batch]  # not taken: judged again when it comes again
             future.set_exception(exc)

@@ -152,6 +152,11 @@ class TrafficJudge:
             found = self._deployments[target] = Deployment(window)
         return found
 
+    def target_of(self, record: TrafficRecord) -> str | None:
+        """Return the name of the target ``record`` belongs to, or None."""
+        route = self.routes.get(api_base_key(record.api_base))
+        return None if route is None else route[0]
+
     async def judge(
         self, records: list[TrafficRecord], gateway: str, received: datetime | None = None
     ) -> Judged:

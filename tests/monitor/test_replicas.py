@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.external_service, pytest.mark.slow]
 
 TARGETS = 24
 INTERVAL = 3.0
+TOKEN = "replica-test-token-0123456789"
 
 
 @pytest.fixture
@@ -47,14 +48,15 @@ def database_url() -> Iterator[str]:
 
 
 def start_replicas(
-    tmp: Path, database_url: str, worker_url: str, count: int
+    tmp: Path, database_url: str, worker_url: str, count: int, interval: float = INTERVAL
 ) -> list[tuple[str, subprocess.Popen[bytes]]]:
     targets = [
         {"name": f"t{i:02d}", "base_url": worker_url, "engine": "reference", "model": "kvcanary-reference",
-         "tenants": [{"name": "a"}, {"name": "b"}], "probes": ["canary"], "interval_seconds": INTERVAL}
+         "tenants": [{"name": "a"}, {"name": "b"}], "probes": ["canary"], "interval_seconds": interval,
+         "gateway_api_bases": [f"http://10.0.0.{i + 1}:8000/v1"]}
         for i in range(TARGETS)
     ]  # fmt: skip
-    env = {**os.environ, "KVCANARY_API_TOKEN": "replica-test-token-0123456789"}
+    env = {**os.environ, "KVCANARY_API_TOKEN": TOKEN}
     replicas = []
     for i in range(count):
         port = free_port()
@@ -125,3 +127,65 @@ def test_three_replicas_share_the_work_and_survivors_take_over_a_killed_ones(
     finally:
         for _, proc in replicas:
             stop_process(proc, timeout=30)
+
+
+def test_each_deployments_traffic_is_judged_once_by_one_replica_whichever_receives_it(
+    tmp_path: Path, database_url: str, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    """One caller's text reaches replica 0, another caller's answer carrying it reaches replica 1:
+    the overlap is caught for every deployment only if each deployment's window is in one place."""
+    from kvcanary.tap.fingerprints import Fingerprinter
+    from kvcanary.tap.record import Exchange, summarize
+
+    worker = start_worker("--mode", "aggregated")
+    replicas = start_replicas(tmp_path, database_url, worker.url, 2, interval=600.0)
+    tap = Fingerprinter(b"replica-test-fingerprint-key-0123")
+    text = Path("/usr/share/common-licenses/GPL-3").read_text()
+
+    def batch(caller: str, i: int, prompt: str, response: str) -> dict[str, object]:
+        base = f"http://10.0.0.{i + 1}:8000/v1"
+        records = [summarize(Exchange(f"{caller}-{i}", time.time(), caller, "team", base, prompt=prompt,
+                                      response=response), tap)]  # fmt: skip
+        return {"batch": uuid.uuid4().hex, "gateway": "gw", "records": records}
+
+    def post(url: str, body: dict[str, object]) -> dict[str, int]:
+        answer = httpx.post(f"{url}/api/v1/traffic", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+    try:
+        wait_until = time.monotonic() + 3 * HEARTBEAT_SECONDS
+        while time.monotonic() < wait_until and not all(
+            gauge(u, "kvcanary_replicas") == 2 for u, _ in replicas
+        ):
+            time.sleep(0.5)
+        flagged = 0
+        for i in range(TARGETS):
+            passage = text[1000 + 300 * i : 3000 + 300 * i]
+            post(replicas[0][0], batch("acme", i, passage, "Noted."))
+            flagged += post(replicas[1][0], batch("globex", i, "Summarize my notes.", "Sure: " + passage))[
+                "flagged"
+            ]
+        assert flagged == TARGETS  # every deployment's window saw both callers
+        judged = [
+            sum(
+                v
+                for labels, v in samples(url, "kvcanary_traffic_records_total")
+                if labels["check"] == "marker"
+            )
+            for url, _ in replicas
+        ]
+        assert sum(judged) == 2 * TARGETS and min(judged) > 0, judged  # once each, and shared out
+    finally:
+        for _, proc in replicas:
+            stop_process(proc, timeout=30)
+
+
+def samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    text_ = httpx.get(url + "/metrics", timeout=10).text
+    return [
+        (s.labels, s.value)
+        for f in text_string_to_metric_families(text_)
+        for s in f.samples
+        if s.name == name
+    ]
