@@ -391,6 +391,7 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
         reload=monitor.reload,
         ingest_token=monitor.ingest_token,
         traffic=monitor.traffic,
+        judge=monitor.traffic.judge,
     )
     app = build_http_app(state, lifespan=lifespan)
     # Routers read the settings in force: a reload hands them the new ones.

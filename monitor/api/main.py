@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Lifespan
 
-from monitor.api import health, incidents, outage, pages, probe_results, runbooks, targets, traffic
+from monitor.api import blast, health, incidents, outage, pages, probe_results, runbooks, targets, traffic
 from monitor.api.deps import require_token
 from monitor.api.docs import serve_docs
 from monitor.api.schemas import Problem
@@ -20,6 +20,7 @@ api_router = APIRouter(
     responses={401: {"model": Problem, "description": "Missing or invalid bearer token."}},
 )
 api_router.include_router(incidents.router)
+api_router.include_router(blast.router)
 api_router.include_router(probe_results.router)
 api_router.include_router(targets.router)
 api_router.include_router(traffic.router)

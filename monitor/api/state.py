@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 if TYPE_CHECKING:
     from monitor.config.settings import Settings
     from monitor.runs.run_now import RunNow
+    from monitor.traffic.judge import TrafficJudge
     from monitor.traffic.schema import TrafficBatch, TrafficRecord
 
 
@@ -40,6 +41,8 @@ class ApiState:
     ingest_token: str | None = None
     #: Judges a posted traffic batch (``monitor/traffic/ingest.py``); None: traffic is not judged here.
     traffic: Callable[[TrafficBatch, list[TrafficRecord], bool], Awaitable[dict[str, Any]]] | None = None
+    #: The traffic judge: what blast radii read of it (the own tenants' key digests, calibration).
+    judge: TrafficJudge | None = None
 
 
 def api_state(request: Request) -> ApiState:

@@ -47,7 +47,7 @@ CheckName = Annotated[
 class IngestOut(_Out):
     accepted: int = Field(description="Records judged (their api_base is a configured target's).")
     unmatched: int = Field(description="Records whose api_base is no target's or node's: not judged.")
-    own: int = Field(0, description="Records of the monitor's own tenants (by key hash): not judged.")
+    own: int = Field(0, description="The monitor's own tenants' records (by key hash): counted, not judged.")
     flagged: int = Field(description="Records a check flagged.")
     rejected: int = Field(0, description="Records refused as malformed (a 422 names their fields).")
 
@@ -77,6 +77,7 @@ class TrafficRecordOut(_Out):
     estimated_prompt_tokens: int | None
     kv_pool_tokens: int | None
     verdict: Verdict
+    own: bool = Field(description="The monitor's own tenant's request: not judged, kept for blast radii.")
     checks: list[str] = Field(description="The checks that flagged the record.")
     findings: dict[str, Any] = Field(description="Each flagged check's reason and figures.")
     expires_at: datetime

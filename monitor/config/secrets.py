@@ -109,6 +109,14 @@ def ingest_token(settings: Settings) -> str | None:
     return token
 
 
+def litellm_db_url(settings: Settings) -> str | None:
+    """Return the URL of LiteLLM's database a blast radius reads, or None when none is named."""
+    blast = settings.blast_radius
+    return read_secret(
+        env=blast.litellm_db_url_env, file=blast.litellm_db_url_file, key="blast_radius.litellm_db_url_file"
+    )
+
+
 def alertmanager_headers(settings: Settings) -> dict[str, dict[str, str]]:
     """Return the request headers for each configured Alertmanager, by URL (auth, when configured).
 

@@ -13,7 +13,7 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -194,6 +194,24 @@ class TrafficConfig(Strict):
     pass_interval_seconds: float = Field(60, ge=0, le=DAY)
 
 
+class LogSourceConfig(Strict):
+    """A gateway's log files (a glob, scanned in place by DuckDB) and their format."""
+
+    path: str = Field(min_length=1, max_length=4096)
+    format: Literal["auto", "litellm", "sglang", "openai"] = "auto"
+
+
+class BlastRadiusConfig(Strict):
+    """What a blast radius reads besides the traffic the monitor recorded (``monitor/blast/``)."""
+
+    # Callers left out of every blast radius and counted apart: the reporter, internal test accounts.
+    exclude_callers: list[str] = Field(default_factory=list, max_length=1000)
+    logs: list[LogSourceConfig] = Field(default_factory=list, max_length=64)
+    # LiteLLM's database (its LiteLLM_SpendLogs table), a URL with a password: env or file only.
+    litellm_db_url_env: EnvName | None = None
+    litellm_db_url_file: Path | None = None
+
+
 class Settings(Strict):
     database_url: str = "sqlite:///kvcanary.db"
     api: ApiConfig = ApiConfig()
@@ -207,6 +225,7 @@ class Settings(Strict):
     alertmanagers: list[AlertmanagerConfig] = Field(default_factory=list, max_length=16)
     alerting: AlertingConfig = AlertingConfig()
     traffic: TrafficConfig = TrafficConfig()
+    blast_radius: BlastRadiusConfig = BlastRadiusConfig()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
     # The secret that seals markers, so replicas and a restarted monitor recognise each other's;
     # without one it is derived from the API token (see monitor/config/secrets.py: marker_key).

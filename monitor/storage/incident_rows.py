@@ -172,6 +172,7 @@ def try_open(
         opened_at=rec.now,
         last_failure_at=rec.started_at,
         resolved_at=None,
+        last_pass_at=last_pass_before(session, rec),
         failure_count=failure_count,
         consecutive_passes=0,
         last_verdict=rec.verdict,
@@ -184,6 +185,24 @@ def try_open(
         return None
     event(session, rec, incident.id, "opened", old=None, new=severity)
     return incident.id
+
+
+def last_pass_before(session: Session, rec: Recording) -> datetime | None:
+    """Return when (target, probe, node) last passed before ``rec``: one index range read, newest
+    first (``ix_probe_result_target_probe_started_id``), at the opening of an incident only."""
+    query = (
+        select(ProbeResultRow.started_at)
+        .where(
+            ProbeResultRow.target_id == rec.target_id,
+            ProbeResultRow.probe == rec.probe,
+            ProbeResultRow.node == rec.node,
+            ProbeResultRow.verdict == "pass",
+            ProbeResultRow.started_at < rec.started_at,
+        )
+        .order_by(ProbeResultRow.started_at.desc(), ProbeResultRow.id.desc())
+        .limit(1)
+    )
+    return session.execute(query).scalar_one_or_none()
 
 
 def count_failure(session: Session, rec: Recording, incident_id: int) -> str | None:

@@ -29,6 +29,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
@@ -180,6 +181,9 @@ class Incident(Base):
     # started_at of the latest result that counted against this incident.
     last_failure_at: Mapped[datetime] = mapped_column(UTCDateTime())
     resolved_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # When (target, probe, node) last passed before the failure that opened this incident: where a
+    # blast radius starts when nothing narrower is known (passes themselves are pruned in a week).
+    last_pass_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     failure_count: Mapped[int] = mapped_column(Integer)
     consecutive_passes: Mapped[int] = mapped_column(Integer)
     last_verdict: Mapped[str] = mapped_column(String(16))
@@ -323,6 +327,8 @@ class TrafficRecordRow(Base):
     estimated_prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
     kv_pool_tokens: Mapped[int | None] = mapped_column(BigInteger)
     verdict: Mapped[str] = mapped_column(String(16))
+    # A record of one of the monitor's own tenants: not judged, kept for the blast radius to exclude.
+    own: Mapped[bool] = mapped_column(Boolean, server_default=false())
     checks: Mapped[str] = mapped_column(String(64), server_default="")
     findings: Mapped[dict[str, Any]] = mapped_column(JSON)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
@@ -348,4 +354,6 @@ class TrafficMinute(Base):
     answered: Mapped[int] = mapped_column(Integer)  # 2xx
     flagged: Mapped[int] = mapped_column(Integer)
     near_pool: Mapped[int] = mapped_column(Integer)
+    # Of ``answered``, how many were the monitor's own tenants' (excluded from a blast radius).
+    own: Mapped[int] = mapped_column(Integer, server_default="0")
     max_prompt_chars: Mapped[int] = mapped_column(BigInteger)

@@ -31,13 +31,17 @@ class MinuteCounts:
     answered: int = 0
     flagged: int = 0
     near_pool: int = 0
+    own: int = 0  # of answered: the monitor's own tenants'
     max_prompt_chars: int = 0
 
-    def add(self, *, answered: bool, flagged: bool, near_pool: bool, prompt_chars: int) -> None:
+    def add(
+        self, *, answered: bool, flagged: bool, near_pool: bool, prompt_chars: int, own: bool = False
+    ) -> None:
         self.records += 1
         self.answered += answered
         self.flagged += flagged
         self.near_pool += near_pool
+        self.own += own
         self.max_prompt_chars = max(self.max_prompt_chars, prompt_chars)
 
 
@@ -70,6 +74,7 @@ def write_traffic(
                     "answered": table.c.answered + excluded.answered,
                     "flagged": table.c.flagged + excluded.flagged,
                     "near_pool": table.c.near_pool + excluded.near_pool,
+                    "own": table.c.own + excluded.own,
                     "max_prompt_chars": _greatest(
                         dialect, table.c.max_prompt_chars, excluded.max_prompt_chars
                     ),

@@ -40,6 +40,8 @@ from probes.markers import MarkerBook
 #: Flagged records named in one result's evidence (the rest are counted).
 EVIDENCE_RECORDS = 20
 Record = Callable[[PendingResult], Awaitable[Any]]
+#: A record routed to its target: (node, record, whether it is the monitor's own tenant's).
+Routed = tuple[str, TrafficRecord, bool]
 
 
 def api_base_key(url: str) -> str:
@@ -83,7 +85,7 @@ class Judged:
 
     accepted: int = 0
     unmatched: int = 0
-    own: int = 0  # the monitor's own tenants' records: not judged
+    own: int = 0  # the monitor's own tenants' records: not judged, counted and kept for blast radii
     flagged: int = 0
     kept: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     minutes: dict[MinuteKey, MinuteCounts] = field(default_factory=dict)
@@ -163,15 +165,15 @@ class TrafficJudge:
         """Judge ``records``; return what to write and record (nothing written here)."""
         received = received or datetime.now(UTC)
         out = Judged()
-        by_target: dict[str, list[tuple[str, TrafficRecord]]] = defaultdict(list)
+        by_target: dict[str, list[Routed]] = defaultdict(list)
         for record in records:
             route = self.routes.get(api_base_key(record.api_base))
-            if record.key_hash and record.key_hash in self.own_keys:
-                out.own += 1
-            elif route is None:
-                out.unmatched += 1
+            own = bool(record.key_hash) and record.key_hash in self.own_keys
+            out.own += own
+            if route is None:
+                out.unmatched += not own
             else:
-                by_target[route[0]].append((route[1], record))
+                by_target[route[0]].append((route[1], record, own))
         if out.unmatched:
             self.metrics.traffic_unmatched.labels(gateway).inc(out.unmatched)
         for name, routed in by_target.items():
@@ -183,13 +185,13 @@ class TrafficJudge:
     async def _judge_target(
         self,
         target: TargetConfig,
-        records: list[tuple[str, TrafficRecord]],
+        records: list[Routed],
         gateway: str,
         received: datetime,
         out: Judged,
     ) -> None:
         cpt = await self.facts.chars_per_token(target.name)
-        pools = {node: await self.facts.pool(target.name, node) for node in {node for node, _ in records}}
+        pools = {node: await self.facts.pool(target.name, node) for node in {r[0] for r in records}}
         deployment = self._deployment(target.name)
         async with deployment.lock:
             # CPU work off the event loop (probes keep their timing); one thread per deployment.
@@ -201,7 +203,7 @@ class TrafficJudge:
     def _judge_records(
         self,
         target: TargetConfig,
-        records: list[tuple[str, TrafficRecord]],
+        records: list[Routed],
         cpt: float | None,
         pools: Mapping[str, int | None],
         deployment: Deployment,
@@ -213,11 +215,16 @@ class TrafficJudge:
         verdicts: Counter[tuple[str, str]] = Counter()
         expires = received + timedelta(days=self.settings.retention.failure_days)
         now = self.clock()
-        for node, record in records:
+        for node, record, own in records:
             pool = pools[node]
-            findings, marker_evidence, estimate = self._check(
-                target.name, record, cpt, pool, deployment.window, now
-            )
+            findings: list[checks.Finding] = []
+            marker_evidence: list[dict[str, str]] = []
+            if own:  # the monitor's own request: not judged, but counted and kept as a customer's is
+                estimate = checks.prompt_estimate(record, cpt)
+            else:
+                findings, marker_evidence, estimate = self._check(
+                    target.name, record, cpt, pool, deployment.window, now
+                )
             flagged = [f for f in findings if f.flagged]
             for finding in findings:
                 verdicts[(finding.check, finding.verdict)] += 1
@@ -227,10 +234,10 @@ class TrafficJudge:
                 else:
                     group.passed += 1
             near = estimate is not None and pool is not None and estimate >= checks.NEAR_POOL * pool
-            self._count(out, target.name, node, record, bool(flagged), near)
+            self._count(out, target.name, node, record, bool(flagged), near, own)
             if flagged or near:
                 row = _row(record, node, gateway, received, flagged, marker_evidence, estimate, pool)
-                out.kept.append((target.name, {**row, "expires_at": expires}))
+                out.kept.append((target.name, {**row, "own": own, "expires_at": expires}))
         for (check, verdict), n in verdicts.items():
             self.metrics.traffic_records.labels(target.name, check, verdict).inc(n)
         return groups
@@ -255,13 +262,16 @@ class TrafficJudge:
         return [f for f in found if f is not None], evidence, estimate
 
     def _count(
-        self, out: Judged, target: str, node: str, record: TrafficRecord, flagged: bool, near: bool
+        self, out: Judged, target: str, node: str, record: TrafficRecord, flagged: bool, near: bool, own: bool
     ) -> None:
-        out.accepted += 1
+        out.accepted += not own
         out.flagged += flagged
         minute = datetime.fromtimestamp(record.time - record.time % 60, UTC)
         counts = out.minutes.setdefault((target, node, record.caller, minute), MinuteCounts())
-        counts.add(answered=record.ok, flagged=flagged, near_pool=near, prompt_chars=record.prompt.chars)
+        counts.add(
+            answered=record.ok, flagged=flagged, near_pool=near, prompt_chars=record.prompt.chars,
+            own=own and record.ok,
+        )  # fmt: skip
 
     def _results(
         self,

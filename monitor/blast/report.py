@@ -1,0 +1,183 @@
+"""An incident's blast radius put together: the sources' counts, what was excluded and why, and
+the disclosure summary in the shape of the incident's own.
+
+The figures come from one source, the first that covers the window in this order: the gateway's
+logs (every request, with its id), LiteLLM's spend log, the traffic the monitor recorded (what the
+tap delivered). Every source's own count is listed beside them, so a disagreement shows. Where no
+source covers the window the counts are None: unknown, never zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from monitor.blast.question import Criterion, Scope, Window
+from monitor.blast.tally import CallerCount, Tally
+
+OWN = "the monitor's own canary tenants (their key hash)"
+LISTED = "listed by the operator"
+#: The order in which sources are trusted for the figures (see the module doc).
+PREFERENCE = ("gateway logs", "LiteLLM_SpendLogs", "recorded traffic")
+
+
+@dataclass
+class BlastRadius:
+    incident: dict[str, Any]
+    scope: Scope
+    sources: list[Tally]
+    exclude: list[str] = field(default_factory=list)
+    deployment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def window(self) -> Window:
+        return self.scope.window
+
+    @property
+    def criterion(self) -> Criterion:
+        return self.scope.criterion
+
+    @property
+    def primary(self) -> Tally | None:
+        covered = [t for t in self.sources if t.covered]
+        covered.sort(key=lambda t: PREFERENCE.index(t.name) if t.name in PREFERENCE else len(PREFERENCE))
+        return covered[0] if covered else None
+
+    def callers(self) -> list[tuple[str, CallerCount]]:
+        found = self.primary
+        if found is None:
+            return []
+        kept = [(c, n) for c, n in found.callers.items() if c not in self.exclude and n.responses]
+        return sorted(kept, key=lambda item: (-item[1].responses, item[0]))
+
+    def excluded(self) -> list[dict[str, Any]]:
+        found = self.primary
+        if found is None:
+            return []
+        out = [{"caller": c, "reason": OWN, "responses": n.responses} for c, n in sorted(found.own.items())]
+        out += [
+            {
+                "caller": c,
+                "reason": LISTED,
+                "responses": found.callers[c].responses if c in found.callers else 0,
+            }
+            for c in self.exclude
+        ]
+        return out
+
+    @property
+    def responses(self) -> int | None:
+        if self.criterion.kind == "none":
+            return 0
+        return None if self.primary is None else sum(n.responses for _, n in self.callers())
+
+    def series(self) -> list[int]:
+        counts = [0] * (self.scope.buckets + 1)
+        found = self.primary
+        if found is not None:
+            for caller, buckets in found.buckets.items():
+                if caller in self.exclude:
+                    continue
+                for bucket, n in buckets.items():
+                    counts[min(max(bucket, 0), len(counts) - 1)] += n
+        return counts
+
+    def note(self) -> str:
+        if self.criterion.kind == "none":
+            return "An availability incident: no response was exposed by it."
+        if self.primary is None:
+            return (
+                "No traffic source covers this window: the blast radius is unknown, not zero. "
+                "Add the gateway tap, or give the gateway's logs (--logs) or its spend log (--litellm-db)."
+            )
+        return ""
+
+    def as_json(self) -> dict[str, Any]:
+        affected = self.responses if self.criterion.kind != "at_risk" else None
+        at_risk = self.responses if self.criterion.kind == "at_risk" else None
+        w, c = self.window, self.criterion
+        return {
+            "incident": self.incident,
+            "window": {"start": w.start.at, "start_how": w.start.how, "end": w.end.at, "end_how": w.end.how},
+            "criterion": {"kind": c.kind, "label": c.label, "rule": c.text, "pool_tokens": c.pool_tokens,
+                          "check": c.check},
+            "affected_responses": affected,
+            "at_risk_responses": at_risk,
+            "callers": [n.as_json(caller) for caller, n in self.callers()],
+            "excluded": self.excluded(),
+            "sources": [_source_json(t, t is self.primary) for t in self.sources],
+            "series": {
+                "start": w.start.at, "bucket_seconds": self.scope.bucket_seconds, "counts": self.series(),
+            },
+            "deployment": self.deployment,
+            "disclosure": self.disclosure(),
+            "note": self.note(),
+        }  # fmt: skip
+
+    def disclosure(self) -> list[str]:
+        """The summary an operator sends, sentence by sentence."""
+        i, w, c = self.incident, self.window, self.criterion
+        where = f"{i['target']}" + (f" (node {i['node']})" if i["node"] else "")
+        n = self.responses
+        lines = [
+            f"Window: {_when(w.start.at)} to {_when(w.end.at)} ({_span(w.seconds)}); from {w.start.how}; "
+            f"to {w.end.how}.",
+            f"Condition: {i['title']}. {_deployment(self.deployment)}",
+        ]
+        if n is None:
+            lines.append(f"Responses {c.label} on {where}: unknown (no traffic source covers the window).")
+        else:
+            callers = self.callers()
+            named = ", ".join(f"{name or '(unnamed)'} {count.responses}" for name, count in callers[:8])
+            lines.append(f"Responses {c.label} on {where}: {n} ({c.text}), of {len(callers)} caller(s)"
+                         + (f": {named}." if named else "."))  # fmt: skip
+        for item in self.excluded():
+            lines.append(
+                f"Excluded: {item['responses']} response(s) of {item['caller'] or '(unnamed)'}, "
+                f"{item['reason']}."
+            )
+        paged = i.get("paged_at")
+        lines.append(
+            f"Detected {_when(i['opened_at'])} by {i['probe']}; "
+            f"paged {_when(paged) if paged else 'not yet'}; "
+            f"resolved {_when(i['resolved_at']) if i['resolved_at'] else 'not yet'}."
+        )
+        if self.primary is not None:
+            lines.append(f"Counted from {self.primary.name}: {self.primary.detail}.")
+        return lines
+
+
+def _source_json(t: Tally, primary: bool) -> dict[str, Any]:
+    return {"name": t.name, "read": t.detail, "covered": t.covered, "primary": primary,
+            "rows_read": t.rows_read,
+            "responses": t.responses if t.covered else None,
+            "own_responses": sum(n.responses for n in t.own.values()) if t.covered else None,
+            "notes": t.notes}  # fmt: skip
+
+
+def _deployment(d: dict[str, Any]) -> str:
+    if not d:
+        return "No capacity reading of the node is kept from then."
+    pools = d.get("pools") or {}
+    parts = [f"{name} pool {size:,} tokens" for name, size in sorted(pools.items()) if isinstance(size, int)]
+    if d.get("context_window"):
+        parts.append(f"context window {d['context_window']:,}")
+    if d.get("disaggregation_mode"):
+        parts.append(f"disaggregation {d['disaggregation_mode']}")
+    parts.append(f"engine version {d.get('version') or 'not stated'}")
+    return "At the time: " + ", ".join(parts) + "."
+
+
+def _when(moment: datetime | str | None) -> str:
+    if isinstance(moment, datetime):
+        return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return str(moment or "")
+
+
+def _span(seconds: float) -> str:
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.1f} days"
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:.1f} hours"
+    return f"{seconds / 60:.1f} minutes"

@@ -1,0 +1,120 @@
+"""LiteLLM's ``LiteLLM_SpendLogs`` table (its database mode): one row per request it served.
+
+Read with one grouped statement over the ``startTime`` index. The request id is LiteLLM's call id
+(what its logging payload and the tap call ``id``), else the row's own id; the caller is named as
+the tap names it (team, key alias, key hash, end user); ``api_key`` is the key's SHA-256, which
+is how the monitor's own tenants are known. A prompt's size comes from the stored request body
+(``proxy_server_request.messages``), which LiteLLM keeps only with
+``general_settings.store_prompts_in_spend_logs: true``; without it a request is sized by its
+reported count, which is what an over-capacity defect falsifies, and the tally says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from monitor.blast.logs import match_sql
+from monitor.blast.question import Scope
+from monitor.blast.tally import Tally
+
+TABLE = '"LiteLLM_SpendLogs"'
+
+_MESSAGES = """(SELECT sum(CASE jsonb_typeof(m->'content')
+        WHEN 'string' THEN length(m->>'content')
+        WHEN 'array' THEN (SELECT coalesce(sum(length(p->>'text')), 0)
+                             FROM jsonb_array_elements(m->'content') p)
+        ELSE 0 END)
+   FROM jsonb_array_elements(CASE WHEN jsonb_typeof(s.proxy_server_request->'messages') = 'array'
+                                  THEN s.proxy_server_request->'messages' ELSE '[]'::jsonb END) m)"""
+
+_NORMAL = f"""SELECT coalesce(nullif(s.litellm_call_id, ''), s.request_id) AS request_id,
+        coalesce(nullif(s.team_id, ''), nullif(s.metadata->>'user_api_key_alias', ''), nullif(s.api_key, ''),
+                 nullif(s.end_user, ''), '') AS caller,
+        s.api_key = ANY(:own) AS own,
+        extract(epoch FROM s."startTime") AS t,
+        coalesce(s.status, 'success') = 'success' AS ok,
+        s.api_base IS NULL OR s.api_base = ''
+          OR regexp_replace(rtrim(lower(s.api_base), '/'), '/v1$', '') = ANY(:bases) AS routed,
+        s.prompt_tokens,
+        CASE WHEN jsonb_typeof(s.proxy_server_request->'messages') = 'array' THEN {_MESSAGES} END
+          AS prompt_chars
+   FROM {TABLE} s
+  WHERE s."startTime" BETWEEN (to_timestamp(:start) AT TIME ZONE 'UTC')
+                          AND (to_timestamp(:end) AT TIME ZONE 'UTC')"""
+
+
+def public(url: str) -> str:
+    """The URL without its password: what a report may show."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def spendlogs_engine(url: str) -> Engine:
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+
+
+def _match(scope: Scope) -> str:
+    return match_sql(scope, "routed")
+
+
+def _params(scope: Scope) -> dict[str, Any]:
+    return {
+        "start": scope.start_epoch,
+        "end": scope.end_epoch,
+        # Never an empty array: PostgreSQL cannot type one. No key hash or base is "-".
+        "own": sorted(scope.own_keys) or ["-"],
+        "bases": [b.lower() for b in scope.api_bases] or ["-"],
+        "width": scope.bucket_seconds,
+    }
+
+
+def spendlogs_tally(engine: Engine, url: str, scope: Scope) -> Tally:
+    tally = Tally("LiteLLM_SpendLogs", f"{TABLE} at {public(url)}")
+    if scope.criterion.kind in ("flagged", "none"):
+        tally.notes.append(
+            "LiteLLM's spend log holds no check's verdict: only the recorded traffic answers this criterion"
+        )
+        return tally
+    grouped = f"""SELECT CASE WHEN m THEN caller END, CASE WHEN m THEN own END,
+           CASE WHEN m THEN floor((t - :start) / :width)::bigint ELSE -1 END,
+           count(*) FILTER (WHERE m), min(t) FILTER (WHERE m), max(t) FILTER (WHERE m),
+           count(*) FILTER (WHERE routed), count(*) FILTER (WHERE routed AND prompt_chars IS NULL)
+      FROM (SELECT *, coalesce({_match(scope)}, false) AS m FROM ({_NORMAL}) n) a
+     GROUP BY 1, 2, 3"""
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text(grouped), _params(scope)).all()
+    except SQLAlchemyError as exc:
+        cause = getattr(exc, "orig", None) or exc
+        tally.notes.append(f"could not read {TABLE}: {type(cause).__name__}")
+        return tally
+    routed = unsized = 0
+    groups = []
+    for caller, own, bucket, n, first, last, scoped, no_chars in rows:
+        routed, unsized = routed + scoped, unsized + no_chars
+        if n:
+            groups.append((caller, own, bucket, n, float(first), float(last)))
+    tally.add_groups(groups)
+    tally.rows_read, tally.covered = routed, routed > 0
+    if not routed:
+        tally.notes.append("the spend log holds no request to this node in the window")
+    if unsized and scope.criterion.kind == "over_pool":
+        tally.notes.append(
+            f"{unsized} row(s) hold no prompt (store_prompts_in_spend_logs is off): sized by the reported "
+            "count, which an over-capacity defect falsifies"
+        )
+    return tally
+
+
+def spendlogs_requests(engine: Engine, scope: Scope, limit: int) -> list[tuple[str, str, bool, float]]:
+    if scope.criterion.kind in ("flagged", "none"):
+        return []
+    query = f"SELECT request_id, caller, own, t FROM ({_NORMAL}) n WHERE {_match(scope)}"
+    query += f" ORDER BY t LIMIT {int(limit)}"
+    with engine.connect() as conn:
+        return [(r, c, bool(o), float(t)) for r, c, o, t in conn.execute(text(query), _params(scope))]
