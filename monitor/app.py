@@ -172,6 +172,7 @@ class Monitor:
         """A node's configuration changed: run the deployment audits now, not at their next interval,
         and let probes that size their prompts by the node's capacity read it again."""
         self.clients[target.name].forget_capacity()
+        self.traffic.judge.facts.forget_pools(target.name)  # gateway records: judged by the new pool
         now = datetime.now(UTC)
         due = [k for k in REAUDIT_KINDS if k in target.probes]
         for kind in due:

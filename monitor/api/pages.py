@@ -3,14 +3,15 @@
 Every alert links here (``monitor/paging/links.py``). The reader is on call, often on a phone, with no
 bearer token: a link signed for this incident opens it, and so does the API's bearer token. The
 page says what happened and what to do next: the title, severity and state, the figures, the
-timeline of every state change (and whether Alertmanager took it), the latest results with their
-evidence, and the runbook. It never shows a target's own output: excerpts are left out (marker ids,
+timeline of every state change (and whether Alertmanager took it), the blast radius (who the fault
+exposed, between when and when, with a chart and a disclosure summary), the latest results with
+their evidence, and the runbook. It never shows a target's own output: excerpts are left out (marker ids,
 hashes, counts and token figures stay), because a link pasted into a chat must not carry another
 customer's text; they stay behind the bearer token in the REST API. No script, no CDN, nothing
 fetched: the page is whole as served, and asks browsers not to keep it or send its link on.
 
 The markup is a Jinja2 template, ``templates/incident.html``, one block per section, because the
-page grows by sections (a blast radius next). This module checks the link, then hands the template
+page grows by sections. This module checks the link, then hands the template
 text only: autoescaping is on and nothing is marked safe, so whatever the database or an engine
 wrote reaches the reader as text, never as markup. Excerpts are dropped here, before the template
 sees the evidence.
@@ -19,6 +20,7 @@ sees the evidence.
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,14 +30,17 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from monitor.api.blast import radius_of
 from monitor.api.deps import MAX_ID, SessionDep, token_matches
 from monitor.api.state import api_state
+from monitor.blast.chart import chart_of
 from monitor.paging.links import runbook_base, signature_ok
 from monitor.paging.pager import ALERTNAMES
 from monitor.storage import queries
 from monitor.storage.retention import has_excerpts, without_excerpts
 
 router = APIRouter(prefix="/incidents", tags=["pages"])
+log = logging.getLogger("kvcanary.api")
 
 #: Results shown: enough to see a pattern (every tenant, every node), few enough to read on a phone.
 PAGE_RESULTS = 20
@@ -68,7 +73,26 @@ def incident_page(
         detail = queries.get_incident(session, incident_id=incident_id, results_limit=PAGE_RESULTS)
     if detail is None:
         raise HTTPException(status_code=403, detail=f"this link does not open incident {incident_id}")
-    return HTMLResponse(render(detail, runbook_base(api_state(request).settings)), headers=_HEADERS)
+    blast, why = _blast(request, session, incident_id)
+    page = render(detail, runbook_base(api_state(request).settings), blast, why)
+    return HTMLResponse(page, headers=_HEADERS)
+
+
+def _blast(request: Request, session: Any, incident_id: int) -> tuple[dict[str, Any] | None, str]:
+    """The blast radius as the page shows it, or None and why it could not be computed (a log file
+    unreadable, LiteLLM's database away): the rest of the page is worth having all the same."""
+    try:
+        radius = radius_of(request, session, incident_id, [])
+    except Exception as exc:  # the page must open whatever a source does
+        log.warning("blast radius of incident %s not computed: %s", incident_id, type(exc).__name__)
+        return None, f"a source could not be read ({type(exc).__name__})"
+    if radius is None:
+        return None, "the incident is gone"
+    data = radius.as_json()
+    data["count"] = (
+        data["affected_responses"] if data["affected_responses"] is not None else data["at_risk_responses"]
+    )
+    return data, ""
 
 
 #: What a missing incident's signature is checked against, so that its refusal costs what any costs.
@@ -84,11 +108,18 @@ def _allowed(request: Request, incident_id: int, opened_at: datetime, sig: str |
     return token_matches(request, given if scheme.lower() == "bearer" else "") | signed
 
 
-def render(detail: queries.IncidentDetail, runbooks: str) -> str:
+def render(
+    detail: queries.IncidentDetail, runbooks: str, blast: dict[str, Any] | None = None, blast_error: str = ""
+) -> str:
     """Return the whole page for ``detail`` (the incident, its events, its latest results), linking
-    to the runbooks under ``runbooks`` as the alerts do."""
+    to the runbooks under ``runbooks`` as the alerts do; ``blast`` is its blast radius (as JSON)."""
     i = detail.incident
+    series = (blast or {}).get("series") or {}
+    chart = chart_of(series["counts"], series["start"], series["bucket_seconds"]) if series else None
     return _PAGE.render(
+        blast=blast,
+        blast_error=blast_error or "no blast radius was asked for",
+        chart=chart,
         i=i,
         where=f"{i.target} / {i.probe}" + (f" @ {i.node}" if i.node else ""),
         runbooks=runbooks,

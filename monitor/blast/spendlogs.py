@@ -1,7 +1,7 @@
 """LiteLLM's ``LiteLLM_SpendLogs`` table (its database mode): one row per request it served.
 
-Read with one grouped statement over the ``startTime`` index. The request id is LiteLLM's call id
-(what its logging payload and the tap call ``id``), else the row's own id; the caller is named as
+Read with one grouped statement over the ``startTime`` index. The request id is the row's: the
+response's id, which LiteLLM's logging payload and the tap also call ``id``; the caller is named as
 the tap names it (team, key alias, key hash, end user); ``api_key`` is the key's SHA-256, which
 is how the monitor's own tenants are known. A prompt's size comes from the stored request body
 (``proxy_server_request.messages``), which LiteLLM keeps only with
@@ -31,7 +31,7 @@ _MESSAGES = """(SELECT sum(CASE jsonb_typeof(m->'content')
    FROM jsonb_array_elements(CASE WHEN jsonb_typeof(s.proxy_server_request->'messages') = 'array'
                                   THEN s.proxy_server_request->'messages' ELSE '[]'::jsonb END) m)"""
 
-_NORMAL = f"""SELECT coalesce(nullif(s.litellm_call_id, ''), s.request_id) AS request_id,
+_NORMAL = f"""SELECT s.request_id,
         coalesce(nullif(s.team_id, ''), nullif(s.metadata->>'user_api_key_alias', ''), nullif(s.api_key, ''),
                  nullif(s.end_user, ''), '') AS caller,
         s.api_key = ANY(:own) AS own,

@@ -49,6 +49,13 @@ def _settings(path: Path) -> Settings:
         raise _fail(f"config error: {exc}") from None
 
 
+class LogFormat(enum.StrEnum):
+    auto = "auto"
+    litellm = "litellm"
+    sglang = "sglang"
+    openai = "openai"
+
+
 class LogLevel(enum.StrEnum):
     debug = "debug"
     info = "info"
@@ -124,6 +131,50 @@ def check(
         code = run_check(settings, json_lines=json_lines, only=target or None)
     except ConfigError as exc:
         raise _fail(f"config error: {exc}") from None
+    raise typer.Exit(code)
+
+
+@app.command("blast-radius")
+def blast_radius(
+    incident: Annotated[int, typer.Argument(min=1, help="The incident's id (as in its page and alerts).")],
+    config: ConfigOpt,
+    logs: Annotated[
+        list[str] | None, typer.Option("--logs", help="A glob of the gateway's log files (repeatable).")
+    ] = None,
+    log_format: Annotated[
+        LogFormat, typer.Option(help="The logs' format; auto tells it from the first line.")
+    ] = LogFormat.auto,
+    litellm_db: Annotated[
+        str | None, typer.Option(help="LiteLLM's database URL (its LiteLLM_SpendLogs table).")
+    ] = None,
+    exclude: Annotated[
+        list[str] | None, typer.Option(help="A caller to leave out and count apart (repeatable).")
+    ] = None,
+    chars_per_token: Annotated[
+        float | None,
+        typer.Option(min=0.1, max=100.0, help="The target's characters per token, if it is down."),
+    ] = None,
+    csv: Annotated[
+        Path | None, typer.Option(help="Write the request ids to notify to this CSV file.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="The report as JSON.")] = False,
+) -> None:
+    """Say which responses an incident exposed, of which callers, between when and when."""
+    from monitor.commands.blast import run_blast_radius
+    from monitor.storage.db import DatabaseNotMigrated
+
+    settings = _settings(config)
+    _logging("warning")
+    try:
+        with _database_errors(settings.database_url):
+            code = run_blast_radius(
+                settings, incident, logs=logs or [], log_format=log_format.value, litellm_db=litellm_db,
+                exclude=exclude or [], chars_per_token=chars_per_token, csv_path=csv, as_json=json_out,
+            )  # fmt: skip
+    except (ConfigError, DatabaseNotMigrated) as exc:
+        raise _fail(str(exc)) from None
+    except (OSError, ValueError) as exc:  # an unreadable log file, a CSV that cannot be written
+        raise _fail(f"blast-radius: {exc}") from None
     raise typer.Exit(code)
 
 

@@ -38,6 +38,10 @@ class TargetFacts:
     def forget(self, target: str) -> None:
         """Drop what is kept of ``target`` (a reload gave it a new client)."""
         self._counted.pop(target, None)
+        self.forget_pools(target)
+
+    def forget_pools(self, target: str) -> None:
+        """Drop the pools kept of ``target``: its configuration changed, they are read again."""
         self._pools = {k: v for k, v in self._pools.items() if k[0] != target}
 
     async def chars_per_token(self, target: str) -> float | None:

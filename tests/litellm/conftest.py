@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import textwrap
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, free_port, stop_process, wait_http
+from tests.conftest import PG_HOST, PG_PORT, REPO, free_port, stop_process, wait_http
 from tests.monitor.served import served  # noqa: F401 (a fixture: `kvcanary serve` as a process)
 
 VENV = Path(os.environ.get("KVCANARY_LITELLM_VENV") or REPO / ".venv-litellm")
@@ -76,11 +77,18 @@ class Proxy:
         return self.log.read_text(errors="replace")
 
 
-def write_proxy_config(folder: Path, models: dict[str, str], callback: str | None = TAP_CALLBACK) -> Path:
+def write_proxy_config(
+    folder: Path,
+    models: dict[str, str],
+    callback: str | list[str] | None = TAP_CALLBACK,
+    callers: dict[str, tuple[str, str]] | None = None,
+) -> Path:
     """Write config.yaml and custom_auth.py: ``models`` maps a model name to its backend's URL;
-    ``callback`` is the ``litellm_settings.callbacks`` entry (None: none)."""
+    ``callback`` is the ``litellm_settings.callbacks`` entry or entries (None: none); ``callers``
+    the keys custom_auth knows (default ``CALLERS``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "custom_auth.py").write_text(textwrap.dedent(CUSTOM_AUTH.format(callers=CALLERS)))
+    known = CALLERS if callers is None else callers
+    (folder / "custom_auth.py").write_text(textwrap.dedent(CUSTOM_AUTH.format(callers=known)))
     config: dict[str, Any] = {
         "model_list": [
             {
@@ -104,10 +112,19 @@ def write_proxy_config(folder: Path, models: dict[str, str], callback: str | Non
 
 
 def start_proxy(
-    folder: Path, models: dict[str, str], tap_env: dict[str, str] | None, callback: str | None = TAP_CALLBACK
+    folder: Path,
+    models: dict[str, str],
+    tap_env: dict[str, str] | None,
+    callback: str | list[str] | None = TAP_CALLBACK,
+    callers: dict[str, tuple[str, str]] | None = None,
+    files: dict[str, str] | None = None,
 ) -> Proxy:
-    """Start a proxy in ``folder``; with ``tap_env`` None, no callback at all."""
-    config = write_proxy_config(folder, models, callback if tap_env is not None else None)
+    """Start a proxy in ``folder``; with ``tap_env`` None, no callback at all. ``files`` are written
+    beside the config first (a callback module of the test's own)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in (files or {}).items():
+        (folder / name).write_text(text)
+    config = write_proxy_config(folder, models, callback if tap_env is not None else None, callers)
     port = free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("KVCANARY_TAP", "PYTHON"))},
@@ -136,10 +153,39 @@ def litellm_proxy(tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
     """Start proxies: ``litellm_proxy({"model": worker_url}, tap_env)``; each is stopped afterwards."""
     started: list[Proxy] = []
 
-    def start(models: dict[str, str], tap_env: dict[str, str] | None, name: str = "gw") -> Proxy:
-        started.append(start_proxy(tmp_path / f"{name}{len(started)}", models, tap_env))
+    def start(models: dict[str, str], tap_env: dict[str, str] | None, name: str = "gw", **more: Any) -> Proxy:
+        started.append(start_proxy(tmp_path / f"{name}{len(started)}", models, tap_env, **more))
         return started[-1]
 
     yield start
     for proxy in started:
         stop_process(proxy.proc)
+
+
+def litellm_migrations() -> list[Path]:
+    """LiteLLM's published database migrations (``litellm-proxy-extras``), oldest first."""
+    found = sorted(VENV.glob("lib/python3*/site-packages/litellm_proxy_extras/migrations/*/migration.sql"))
+    assert found, f"no LiteLLM migrations in {VENV}"
+    return found
+
+
+@pytest.fixture
+def litellm_db(postgres_url: str) -> Iterator[str]:
+    """A PostgreSQL database with LiteLLM's schema, made by its own migrations (its database mode
+    cannot start here: Prisma's engines cannot be fetched). Yields a ``postgresql://`` URL."""
+    import psycopg
+
+    name = f"litellm_test_{uuid.uuid4().hex[:10]}"
+    admin = f"host={PG_HOST} port={PG_PORT} user=postgres dbname=postgres"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        with psycopg.connect(
+            f"host={PG_HOST} port={PG_PORT} user=postgres dbname={name}", autocommit=True
+        ) as conn:
+            for migration in litellm_migrations():
+                conn.execute(migration.read_text())
+        yield f"postgresql://postgres@{PG_HOST}:{PG_PORT}/{name}"
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -306,3 +306,24 @@ def test_a_probe_leak_counts_every_request_to_the_node_as_at_risk_from_the_last_
     ok = [s for s in sent if s.status == 200 and not s.own and s.time >= start.timestamp()]
     assert radius["at_risk_responses"] == len(ok)
     assert by_caller(radius) == dict(Counter(s.caller for s in ok))
+
+
+def test_the_incident_page_shows_the_counts_the_callers_a_chart_and_the_disclosure(
+    app: tuple[TestClient, TrafficJudge], session_factory: Factory
+) -> None:
+    client, _ = app
+    incident = capacity_incident(session_factory)
+    sent = traffic(seed=11)
+    post_traffic(client, sent)
+    page = client.get(f"/incidents/{incident}", headers=auth())
+    assert page.status_code == 200, page.text
+    html = page.text
+    start, end = NOW - timedelta(hours=2), NOW - timedelta(minutes=30)
+    expected = truth(sent, start, end, set())
+    section = html[html.index("<h2>Blast radius</h2>") : html.index("<h2>Timeline</h2>")]
+    assert f"<b>{sum(expected.values())}</b>" in section
+    for caller, n in expected.items():
+        assert f"<tr><td>{caller}</td><td>{n}</td>" in section
+    assert section.count("<rect ") >= 2 and "<script" not in html
+    assert "Disclosure summary" in section and "engine version 0.5.9" in section
+    assert "the monitor&#39;s own canary tenants" in section
