@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up the project and run the demo: the disclosed KV-cache leak, reproduced, caught and paged.
+# Set up the project and run the demo: the disclosed KV-cache leak, reproduced, caught and paged,
+# and its blast radius in the customer traffic a LiteLLM gateway with the kvcanary tap carried.
 # On Debian it installs Prometheus and Alertmanager when missing (the demo starts its own on free
 # loopback ports); elsewhere, or without root, the demo runs without them and says what it skipped.
 set -euo pipefail
@@ -15,4 +16,9 @@ if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null; then
     || echo "demo.sh: could not install ${need[*]}; the demo runs without them" >&2
 fi
 bash scripts/setup.sh
+# A LiteLLM proxy for the demo's gateway (its own venv, cached outside the clone: ~2 min the first
+# time, then nothing). Without it the demo runs on without customer traffic and says so.
+export KVCANARY_LITELLM_VENV="${KVCANARY_LITELLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-litellm}"
+mkdir -p "$(dirname "$KVCANARY_LITELLM_VENV")"
+bash scripts/setup-litellm.sh || echo "demo.sh: could not set up LiteLLM; the demo runs without its gateway" >&2
 exec .venv/bin/kvcanary demo "$@"

@@ -8,6 +8,8 @@ leave out (the reporter, a test account) to those the configuration lists.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
@@ -17,23 +19,21 @@ from sqlalchemy.orm import Session
 
 from monitor.api.deps import MAX_ID, SessionDep
 from monitor.api.schemas import Problem
-from monitor.api.state import ApiState, api_state
+from monitor.api.state import api_state
 from monitor.blast.compute import BlastSources, blast_radius
 from monitor.blast.report import BlastRadius
 from monitor.config.secrets import litellm_db_url, tenant_keys
-from monitor.config.settings import ConfigError
-from monitor.traffic.judge import own_key_digests
+from monitor.config.settings import ConfigError, Settings
+from monitor.traffic.judge import TrafficJudge, own_key_digests
 
 router = APIRouter(prefix="/incidents", tags=["incidents"])
 
 Caller = Annotated[str, StringConstraints(max_length=200)]
 
 
-def sources_of(state: ApiState, exclude: list[str] = ()) -> BlastSources:  # type: ignore[assignment]
+def sources_of(settings: Settings, judge: TrafficJudge | None, exclude: Sequence[str] = ()) -> BlastSources:
     """What this monitor reads for a blast radius: its configured sources, its own tenants' key
     digests, and the traffic judge's calibration of each target."""
-    settings = state.settings
-    judge = state.judge
     if judge is not None:
         own = judge.own_keys
     else:
@@ -57,9 +57,35 @@ def sources_of(state: ApiState, exclude: list[str] = ()) -> BlastSources:  # typ
 
 
 def radius_of(request: Request, session: Session, incident_id: int, exclude: list[str]) -> BlastRadius | None:
+    state = api_state(request)
     return blast_radius(
-        session, incident_id, api_state(request).settings, sources_of(api_state(request), exclude)
+        session, incident_id, state.settings, sources_of(state.settings, state.judge, exclude)
     )
+
+
+#: Seconds the incident page reuses a blast radius: a signed link opened again and again (a chat
+#: of responders) must not rescan a gateway's logs each time.
+PAGE_CACHE_SECONDS = 60.0
+_PAGE_CACHE_ENTRIES = 256
+
+
+def page_radius(request: Request, session: Session, incident_id: int) -> BlastRadius | None:
+    """The blast radius the incident page shows, computed at most once a ``PAGE_CACHE_SECONDS``."""
+    cache: dict[int, tuple[float, BlastRadius | None]] | None = getattr(
+        request.app.state, "blast_cache", None
+    )
+    if cache is None:
+        cache = {}
+        request.app.state.blast_cache = cache
+    now = time.monotonic()
+    kept = cache.get(incident_id)
+    if kept is not None and now - kept[0] < PAGE_CACHE_SECONDS:
+        return kept[1]
+    radius = radius_of(request, session, incident_id, [])
+    if len(cache) >= _PAGE_CACHE_ENTRIES:
+        cache.clear()
+    cache[incident_id] = (now, radius)
+    return radius
 
 
 @router.get(

@@ -30,7 +30,7 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from monitor.api.blast import radius_of
+from monitor.api.blast import page_radius
 from monitor.api.deps import MAX_ID, SessionDep, token_matches
 from monitor.api.state import api_state
 from monitor.blast.chart import chart_of
@@ -82,7 +82,7 @@ def _blast(request: Request, session: Any, incident_id: int) -> tuple[dict[str, 
     """The blast radius as the page shows it, or None and why it could not be computed (a log file
     unreadable, LiteLLM's database away): the rest of the page is worth having all the same."""
     try:
-        radius = radius_of(request, session, incident_id, [])
+        radius = page_radius(request, session, incident_id)
     except Exception as exc:  # the page must open whatever a source does
         log.warning("blast radius of incident %s not computed: %s", incident_id, type(exc).__name__)
         return None, f"a source could not be read ({type(exc).__name__})"

@@ -22,8 +22,7 @@ from monitor.blast.logs import logs_requests, logs_tally
 from monitor.blast.question import Scope
 from monitor.blast.recorded import recorded_requests, recorded_tally
 from monitor.blast.report import BlastRadius
-from monitor.blast.spendlogs import spendlogs_engine, spendlogs_requests, spendlogs_tally
-from monitor.blast.tally import Tally
+from monitor.blast.spendlogs import spendlogs_requests, spendlogs_tally
 from monitor.blast.window import deployment_at, window_of
 from monitor.config.settings import Settings
 from monitor.storage.models import Incident, IncidentEvent, Target
@@ -68,6 +67,7 @@ def scope_of(
         api_bases=api_bases(settings, target.name, incident.node, target.base_url),
         chars_per_token=sources.chars_per_token(target.name),
         own_keys=sources.own_keys,
+        exclude=sources.exclude,
     )
 
 
@@ -80,17 +80,13 @@ def blast_radius(
         return None
     scope = scope_of(session, incident, settings, sources, now or datetime.now(UTC))
     tallies = [recorded_tally(session, scope)]
-    for pattern, fmt in sources.logs:
-        tallies.append(logs_tally(pattern, scope, fmt, sources.threads)[0])
+    if sources.logs:
+        tallies.append(logs_tally(list(sources.logs), scope, sources.threads))
     if sources.litellm_db:
-        engine = spendlogs_engine(sources.litellm_db)
-        try:
-            tallies.append(spendlogs_tally(engine, sources.litellm_db, scope))
-        finally:
-            engine.dispose()
+        tallies.append(spendlogs_tally(sources.litellm_db, scope))
     facts = _incident_facts(session, incident, scope.target)
     deployment = deployment_at(session, incident, incident.opened_at)
-    return BlastRadius(facts, scope, tallies, list(sources.exclude), deployment)
+    return BlastRadius(facts, scope, tallies, deployment)
 
 
 def _incident_facts(session: Session, incident: Incident, target: str) -> dict[str, Any]:
@@ -118,24 +114,12 @@ def request_rows(
         return []
     rows: list[tuple[str, str, bool, float]]
     if primary.name == "gateway logs":
-        pattern, fmt = _source_of(primary, sources)
-        rows = logs_requests(pattern, scope, fmt, CSV_LIMIT, sources.threads)
+        rows = logs_requests(list(sources.logs), scope, CSV_LIMIT, sources.threads)
     elif primary.name == "LiteLLM_SpendLogs" and sources.litellm_db:
-        engine = spendlogs_engine(sources.litellm_db)
-        try:
-            rows = spendlogs_requests(engine, scope, CSV_LIMIT)
-        finally:
-            engine.dispose()
+        rows = spendlogs_requests(sources.litellm_db, scope, CSV_LIMIT)
     else:
         rows = recorded_requests(session, scope, CSV_LIMIT)
     return [(rid, caller, t) for rid, caller, own, t in rows if not own and caller not in radius.exclude]
-
-
-def _source_of(tally: Tally, sources: BlastSources) -> tuple[str, str]:
-    for pattern, fmt in sources.logs:
-        if tally.detail.startswith(pattern):
-            return pattern, fmt
-    return sources.logs[0]
 
 
 def as_csv(rows: list[tuple[str, str, float]], radius: BlastRadius) -> str:

@@ -72,7 +72,12 @@ def _pool(session: Session, incident: Incident) -> int | None:
     node = [ProbeResultRow.node == incident.node] if incident.node else []
     reading = session.execute(
         select(ProbeResultRow.evidence)
-        .where(ProbeResultRow.target_id == incident.target_id, ProbeResultRow.probe == "capacity", *node)
+        .where(
+            ProbeResultRow.target_id == incident.target_id,
+            ProbeResultRow.probe == "capacity",
+            ProbeResultRow.started_at <= incident.opened_at,  # the pool then, not the fixed one
+            *node,
+        )
         .order_by(ProbeResultRow.started_at.desc())
         .limit(1)
     ).scalar_one_or_none()

@@ -60,6 +60,8 @@ class Scope:
     #: from its characters where the reported count is implausible. None: reported counts only.
     chars_per_token: float | None
     own_keys: frozenset[str] = field(default_factory=frozenset)
+    #: Callers the operator leaves out (counted apart, never in the chart).
+    exclude: tuple[str, ...] = ()
     buckets: int = BUCKETS
 
     @property

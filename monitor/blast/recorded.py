@@ -44,16 +44,22 @@ def recorded_tally(session: Session, scope: Scope) -> Tally:
     records = session.execute(select(func.sum(M.records)).where(*in_window)).scalar_one_or_none()
     tally.rows_read = int(records or 0)
     tally.covered = tally.rows_read > 0
+    # What the tap delivered of this target at all (not only in the window): how much of it is seen.
+    first, last = session.execute(
+        select(func.min(M.minute), func.max(M.minute)).where(M.target_id == scope.target_id)
+    ).one()
+    if first is not None:
+        tally.span = (first.timestamp(), last.timestamp() + 60)  # a minute row covers its whole minute
     if not tally.covered:
         tally.notes.append("the gateway tap delivered no record of this target in the window")
     kind = scope.criterion.kind
     if kind == "at_risk":
-        tally.add_groups(_minute_groups(session, scope, in_window))
+        _count_minutes(session, scope, in_window, tally)
         tally.notes.append(
             "requests outside the kept rows are counted by the minute: first and last are minutes"
         )
     elif kind in ("over_pool", "flagged"):
-        tally.add_groups(_row_groups(session, scope))
+        _count_rows(session, scope, tally)
     return tally
 
 
@@ -82,37 +88,39 @@ def row_filter(scope: Scope) -> list[Any]:
     return where
 
 
-def _row_groups(session: Session, scope: Scope) -> list[tuple[Any, ...]]:
+def _count_rows(session: Session, scope: Scope, tally: Tally) -> None:
     own = _own(scope).label("own")
-    bucket = _bucket(scope, R.started_at).label("bucket")
-    query = (
-        select(
-            R.caller,
-            own,
-            bucket,
-            func.count(),
-            func.min(_epoch(R.started_at)),
-            func.max(_epoch(R.started_at)),
-        )
+    callers = (
+        select(R.caller, own, func.count(), func.min(R.started_at), func.max(R.started_at))
         .where(*row_filter(scope))
-        .group_by(R.caller, own, bucket)
+        .group_by(R.caller, own)
     )
-    return [tuple(row) for row in session.execute(query)]
+    # First and last come back as times (no per-row conversion), made epoch seconds here.
+    tally.add_callers(
+        (c, o, n, lo.timestamp(), hi.timestamp()) for c, o, n, lo, hi in session.execute(callers)
+    )
+    bucket = _bucket(scope, R.started_at).label("bucket")
+    customers = [~_own(scope), R.caller.not_in(scope.exclude)] if scope.exclude else [~_own(scope)]
+    buckets = select(bucket, func.count()).where(*row_filter(scope), *customers).group_by(bucket)
+    tally.add_buckets(tuple(row) for row in session.execute(buckets))
 
 
-def _minute_groups(session: Session, scope: Scope, in_window: list[Any]) -> list[tuple[Any, ...]]:
-    bucket = _bucket(scope, M.minute).label("bucket")
+def _count_minutes(session: Session, scope: Scope, in_window: list[Any], tally: Tally) -> None:
     first, last = func.min(_epoch(M.minute)), func.max(_epoch(M.minute))
-    query = (
-        select(M.caller, bucket, func.sum(M.answered - M.own), func.sum(M.own), first, last)
+    callers = (
+        select(M.caller, func.sum(M.answered - M.own), func.sum(M.own), first, last)
         .where(*in_window)
-        .group_by(M.caller, bucket)
+        .group_by(M.caller)
     )
-    out: list[tuple[Any, ...]] = []
-    for caller, b, theirs, own, lo, hi in session.execute(query):
-        out += [(caller, False, b, theirs, lo, hi)] if theirs else []
-        out += [(caller, True, b, own, lo, hi)] if own else []
-    return out
+    rows: list[tuple[Any, ...]] = []
+    for caller, theirs, own, lo, hi in session.execute(callers):
+        rows += [(caller, False, theirs, lo, hi)] if theirs else []
+        rows += [(caller, True, own, lo, hi)] if own else []
+    tally.add_callers(rows)
+    bucket = _bucket(scope, M.minute).label("bucket")
+    customers = [M.caller.not_in(scope.exclude)] if scope.exclude else []
+    buckets = select(bucket, func.sum(M.answered - M.own)).where(*in_window, *customers).group_by(bucket)
+    tally.add_buckets((b, n) for b, n in session.execute(buckets) if n)
 
 
 def recorded_requests(session: Session, scope: Scope, limit: int) -> list[tuple[str, str, bool, float]]:

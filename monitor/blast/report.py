@@ -20,6 +20,10 @@ OWN = "the monitor's own canary tenants (their key hash)"
 LISTED = "listed by the operator"
 #: The order in which sources are trusted for the figures (see the module doc).
 PREFERENCE = ("gateway logs", "LiteLLM_SpendLogs", "recorded traffic")
+#: A source whose records span this much of the window counts as covering it.
+FULL = 0.9
+#: Sources covering the window within this share of the best one are taken in ``PREFERENCE`` order.
+SLACK = 0.1
 
 
 @dataclass
@@ -27,8 +31,11 @@ class BlastRadius:
     incident: dict[str, Any]
     scope: Scope
     sources: list[Tally]
-    exclude: list[str] = field(default_factory=list)
     deployment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exclude(self) -> tuple[str, ...]:
+        return self.scope.exclude
 
     @property
     def window(self) -> Window:
@@ -38,11 +45,21 @@ class BlastRadius:
     def criterion(self) -> Criterion:
         return self.scope.criterion
 
+    def coverage(self, tally: Tally) -> float:
+        return tally.coverage(self.scope.start_epoch, self.scope.end_epoch)
+
     @property
     def primary(self) -> Tally | None:
+        """The source the figures come from: the first in ``PREFERENCE`` among those that cover
+        the window about as well as the best does (within ``SLACK``): logs rotated to their last
+        hour do not outrank a tap that saw the whole window."""
         covered = [t for t in self.sources if t.covered]
-        covered.sort(key=lambda t: PREFERENCE.index(t.name) if t.name in PREFERENCE else len(PREFERENCE))
-        return covered[0] if covered else None
+        if not covered:
+            return None
+        rank = {name: i for i, name in enumerate(PREFERENCE)}
+        best = max(self.coverage(t) for t in covered)
+        near = [t for t in covered if self.coverage(t) >= best - SLACK]
+        return min(near, key=lambda t: rank.get(t.name, len(rank)))
 
     def callers(self) -> list[tuple[str, CallerCount]]:
         found = self.primary
@@ -76,11 +93,8 @@ class BlastRadius:
         counts = [0] * (self.scope.buckets + 1)
         found = self.primary
         if found is not None:
-            for caller, buckets in found.buckets.items():
-                if caller in self.exclude:
-                    continue
-                for bucket, n in buckets.items():
-                    counts[min(max(bucket, 0), len(counts) - 1)] += n
+            for bucket, n in found.buckets.items():
+                counts[min(max(bucket, 0), len(counts) - 1)] += n
         return counts
 
     def note(self) -> str:
@@ -90,6 +104,12 @@ class BlastRadius:
             return (
                 "No traffic source covers this window: the blast radius is unknown, not zero. "
                 "Add the gateway tap, or give the gateway's logs (--logs) or its spend log (--litellm-db)."
+            )
+        share = self.coverage(self.primary)
+        if share < FULL:
+            return (
+                f"The sources hold records of only {share:.0%} of the window ({self.primary.name} counted): "
+                "requests outside what they hold are not in the counts."
             )
         return ""
 
@@ -106,7 +126,7 @@ class BlastRadius:
             "at_risk_responses": at_risk,
             "callers": [n.as_json(caller) for caller, n in self.callers()],
             "excluded": self.excluded(),
-            "sources": [_source_json(t, t is self.primary) for t in self.sources],
+            "sources": [self._source_json(t) for t in self.sources],
             "series": {
                 "start": w.start.at, "bucket_seconds": self.scope.bucket_seconds, "counts": self.series(),
             },
@@ -114,6 +134,14 @@ class BlastRadius:
             "disclosure": self.disclosure(),
             "note": self.note(),
         }  # fmt: skip
+
+    def _source_json(self, t: Tally) -> dict[str, Any]:
+        """One source's own answer; ``responses`` as the headline counts them (exclusions out)."""
+        return {"name": t.name, "read": t.detail, "covered": t.covered, "primary": t is self.primary,
+                "coverage": round(self.coverage(t), 3), "rows_read": t.rows_read,
+                "responses": t.customer_responses(self.exclude) if t.covered else None,
+                "own_responses": sum(n.responses for n in t.own.values()) if t.covered else None,
+                "notes": t.notes}  # fmt: skip
 
     def disclosure(self) -> list[str]:
         """The summary an operator sends, sentence by sentence."""
@@ -143,17 +171,9 @@ class BlastRadius:
             f"paged {_when(paged) if paged else 'not yet'}; "
             f"resolved {_when(i['resolved_at']) if i['resolved_at'] else 'not yet'}."
         )
-        if self.primary is not None:
-            lines.append(f"Counted from {self.primary.name}: {self.primary.detail}.")
+        if self.primary is not None:  # the source's name only: paths and hosts stay behind the API token
+            lines.append(f"Counted from {self.primary.name}.")
         return lines
-
-
-def _source_json(t: Tally, primary: bool) -> dict[str, Any]:
-    return {"name": t.name, "read": t.detail, "covered": t.covered, "primary": primary,
-            "rows_read": t.rows_read,
-            "responses": t.responses if t.covered else None,
-            "own_responses": sum(n.responses for n in t.own.values()) if t.covered else None,
-            "notes": t.notes}  # fmt: skip
 
 
 def _deployment(d: dict[str, Any]) -> str:

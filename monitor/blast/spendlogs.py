@@ -15,9 +15,9 @@ from typing import Any
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from monitor.blast.logs import match_sql
+from monitor.blast.logs import SETS, match_sql
 from monitor.blast.question import Scope
 from monitor.blast.tally import Tally
 
@@ -37,8 +37,7 @@ _NORMAL = f"""SELECT s.request_id,
         s.api_key = ANY(:own) AS own,
         extract(epoch FROM s."startTime") AS t,
         coalesce(s.status, 'success') = 'success' AS ok,
-        s.api_base IS NULL OR s.api_base = ''
-          OR regexp_replace(rtrim(lower(s.api_base), '/'), '/v1$', '') = ANY(:bases) AS routed,
+        regexp_replace(rtrim(lower(coalesce(s.api_base, '')), '/'), '/v1$', '') = ANY(:bases) AS routed,
         s.prompt_tokens,
         CASE WHEN jsonb_typeof(s.proxy_server_request->'messages') = 'array' THEN {_MESSAGES} END
           AS prompt_chars
@@ -47,14 +46,23 @@ _NORMAL = f"""SELECT s.request_id,
                           AND (to_timestamp(:end) AT TIME ZONE 'UTC')"""
 
 
+#: The first and last request the table holds at all (two ends of the ``startTime`` index).
+_HELD = f'SELECT extract(epoch FROM min("startTime")), extract(epoch FROM max("startTime")) FROM {TABLE}'
+
+
 def public(url: str) -> str:
     """The URL without its password: what a report may show."""
     return make_url(url).render_as_string(hide_password=True)
 
 
 def spendlogs_engine(url: str) -> Engine:
-    if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    """An engine on LiteLLM's database: its ``postgresql://`` (or ``postgres://``) URL is read with
+    psycopg, as the monitor's own is; anything else is refused with a ValueError."""
+    for scheme in ("postgresql://", "postgres://"):
+        if url.startswith(scheme):
+            url = "postgresql+psycopg://" + url.removeprefix(scheme)
+    if not url.startswith("postgresql+psycopg://"):
+        raise ValueError("LiteLLM's database must be a postgresql:// URL")
     return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
 
 
@@ -70,37 +78,52 @@ def _params(scope: Scope) -> dict[str, Any]:
         "own": sorted(scope.own_keys) or ["-"],
         "bases": [b.lower() for b in scope.api_bases] or ["-"],
         "width": scope.bucket_seconds,
+        "exclude": list(scope.exclude) or ["\x00none"],
     }
 
 
-def spendlogs_tally(engine: Engine, url: str, scope: Scope) -> Tally:
-    tally = Tally("LiteLLM_SpendLogs", f"{TABLE} at {public(url)}")
+def spendlogs_tally(url: str, scope: Scope) -> Tally:
+    try:
+        where = f"{TABLE} at {public(url)}"
+    except (ArgumentError, ValueError):
+        where = f"{TABLE} (the URL given is not a database URL)"
+    tally = Tally("LiteLLM_SpendLogs", where)
     if scope.criterion.kind in ("flagged", "none"):
         tally.notes.append(
             "LiteLLM's spend log holds no check's verdict: only the recorded traffic answers this criterion"
         )
         return tally
-    grouped = f"""SELECT CASE WHEN m THEN caller END, CASE WHEN m THEN own END,
-           CASE WHEN m THEN floor((t - :start) / :width)::bigint ELSE -1 END,
+    # One pass, as grouping sets (``monitor/blast/logs.py``'s ``SETS``): callers, buckets, totals.
+    grouped = f"""SELECT GROUPING(c, o, b) AS g, c, o, b,
            count(*) FILTER (WHERE m), min(t) FILTER (WHERE m), max(t) FILTER (WHERE m),
            count(*) FILTER (WHERE routed), count(*) FILTER (WHERE routed AND prompt_chars IS NULL)
-      FROM (SELECT *, coalesce({_match(scope)}, false) AS m FROM ({_NORMAL}) n) a
-     GROUP BY 1, 2, 3"""
+      FROM (SELECT *, CASE WHEN m THEN caller END AS c, CASE WHEN m THEN own END AS o,
+                   CASE WHEN m AND NOT own AND NOT (caller = ANY(:exclude))
+                        THEN floor((t - :start) / :width)::bigint END AS b
+              FROM (SELECT *, coalesce({_match(scope)}, false) AS m FROM ({_NORMAL}) n) a) f
+     GROUP BY GROUPING SETS ((c, o), (b), ())"""
     try:
-        with engine.connect() as conn:
-            rows = conn.execute(text(grouped), _params(scope)).all()
-    except SQLAlchemyError as exc:
+        engine = spendlogs_engine(url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(text(grouped), _params(scope)).all()
+                lo, hi = conn.execute(text(_HELD)).one()
+        finally:
+            engine.dispose()
+    except (SQLAlchemyError, ValueError) as exc:
         cause = getattr(exc, "orig", None) or exc
         tally.notes.append(f"could not read {TABLE}: {type(cause).__name__}")
         return tally
     routed = unsized = 0
-    groups = []
-    for caller, own, bucket, n, first, last, scoped, no_chars in rows:
-        routed, unsized = routed + scoped, unsized + no_chars
-        if n:
-            groups.append((caller, own, bucket, n, float(first), float(last)))
-    tally.add_groups(groups)
+    for g, caller, own, bucket, n, first, last, scoped, no_chars in rows:
+        if g == SETS["callers"] and n:
+            tally.add_callers([(caller, own, n, float(first), float(last))])
+        elif g == SETS["buckets"] and bucket is not None:
+            tally.add_buckets([(bucket, n)])
+        elif g == SETS["totals"]:
+            routed, unsized = scoped, no_chars
     tally.rows_read, tally.covered = routed, routed > 0
+    tally.span = (float(lo), float(hi)) if lo is not None else None  # what the table holds at all
     if not routed:
         tally.notes.append("the spend log holds no request to this node in the window")
     if unsized and scope.criterion.kind == "over_pool":
@@ -111,10 +134,18 @@ def spendlogs_tally(engine: Engine, url: str, scope: Scope) -> Tally:
     return tally
 
 
-def spendlogs_requests(engine: Engine, scope: Scope, limit: int) -> list[tuple[str, str, bool, float]]:
+def spendlogs_requests(url: str, scope: Scope, limit: int) -> list[tuple[str, str, bool, float]]:
+    """The matching rows' ids; raise ValueError (naming the table, not the URL) when it cannot be read."""
     if scope.criterion.kind in ("flagged", "none"):
         return []
     query = f"SELECT request_id, caller, own, t FROM ({_NORMAL}) n WHERE {_match(scope)}"
     query += f" ORDER BY t LIMIT {int(limit)}"
-    with engine.connect() as conn:
-        return [(r, c, bool(o), float(t)) for r, c, o, t in conn.execute(text(query), _params(scope))]
+    engine = spendlogs_engine(url)
+    try:
+        with engine.connect() as conn:
+            return [(r, c, bool(o), float(t)) for r, c, o, t in conn.execute(text(query), _params(scope))]
+    except SQLAlchemyError as exc:
+        cause = getattr(exc, "orig", None) or exc
+        raise ValueError(f"could not read {TABLE}: {type(cause).__name__}") from None
+    finally:
+        engine.dispose()

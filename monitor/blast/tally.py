@@ -1,8 +1,10 @@
 """What one source counted: matching responses by caller (the monitor's own apart) and by time.
 
-Every source answers the same grouped rows, ``(caller, own, bucket, responses, first, last)``
-with times as epoch seconds, so that each can count in its own engine (SQL or DuckDB) and the
-report reads them all alike.
+Every source answers in the same two shapes, so each counts in its own engine (SQL or DuckDB) and
+the report reads them all alike: caller groups ``(caller, own, responses, first, last)`` with
+times as epoch seconds, and the customers' responses per time bucket (the monitor's own and the
+callers the operator excludes left out: ``Scope.exclude``). Grouping by caller and by bucket
+apart keeps the answer to callers + buckets rows, however many callers a large incident has.
 """
 
 from __future__ import annotations
@@ -46,21 +48,39 @@ class Tally:
     notes: list[str] = field(default_factory=list)
     callers: dict[str, CallerCount] = field(default_factory=dict)
     own: dict[str, CallerCount] = field(default_factory=dict)
-    #: Matching responses per time bucket (customers' only; exclusions are taken out by the report).
-    buckets: dict[str, Counter[int]] = field(default_factory=dict)
+    #: Matching responses per time bucket: customers only (no own tenant, no excluded caller).
+    buckets: Counter[int] = field(default_factory=Counter)
+    #: The first and last time (epoch) the source holds anything: how much of the window it covers.
+    span: tuple[float, float] | None = None
 
-    def add_groups(self, rows: Iterable[tuple[Any, ...]]) -> None:
-        """Add grouped rows ``(caller, own, bucket, responses, first, last)``."""
-        for caller, own, bucket, n, first, last in rows:
-            caller = caller or ""
+    def coverage(self, start: float, end: float) -> float:
+        """The share of the window ``[start, end]`` the source's span covers (0 without one)."""
+        if self.span is None or not self.covered:
+            return 0.0
+        if end <= start:
+            return 1.0
+        inside = min(end, self.span[1]) - max(start, self.span[0])
+        return max(0.0, min(1.0, inside / (end - start)))
+
+    def add_callers(self, rows: Iterable[tuple[Any, ...]]) -> None:
+        """Add caller groups ``(caller, own, responses, first, last)``."""
+        for caller, own, n, first, last in rows:
             book = self.own if own else self.callers
-            book.setdefault(caller, CallerCount()).add(int(n), float(first), float(last))
-            if not own:
-                self.buckets.setdefault(caller, Counter())[int(bucket)] += int(n)
+            book.setdefault(caller or "", CallerCount()).add(int(n), float(first), float(last))
+
+    def add_buckets(self, rows: Iterable[tuple[Any, ...]]) -> None:
+        """Add ``(bucket, responses)`` rows."""
+        for bucket, n in rows:
+            self.buckets[int(bucket)] += int(n)
 
     @property
     def responses(self) -> int:
         return sum(c.responses for c in self.callers.values())
+
+    def customer_responses(self, exclude: Iterable[str]) -> int:
+        """The responses of the callers not excluded (the monitor's own are never in ``callers``)."""
+        left_out = set(exclude)
+        return sum(c.responses for name, c in self.callers.items() if name not in left_out)
 
 
 def _iso(epoch: float) -> str | None:

@@ -67,8 +67,10 @@ def _pool_start(session: Session, incident: Incident) -> Bound | None:
         return None
     changed = "config_change" in (first.evidence or {})
     how = f"the first capacity reading of {first.node or 'the node'} with its pool below the context window"
-    how += f" (result {first.id}" + ("; it saw the configuration change)" if changed else ")")
-    return Bound(first.started_at, how)
+    how += f" (result {first.id}" + ("; it saw the configuration change" if changed else "")
+    if last_fine is not None:  # the fault began between the two readings
+        how += f"; the reading before, at {last_fine:%Y-%m-%d %H:%M:%S} UTC, was fine"
+    return Bound(first.started_at, how + ")")
 
 
 def _last_pass_start(session: Session, incident: Incident) -> Bound:
@@ -77,10 +79,9 @@ def _last_pass_start(session: Session, incident: Incident) -> Bound:
     first_seen = session.execute(
         select(Target.created_at).where(Target.id == incident.target_id)
     ).scalar_one()
-    return Bound(
-        first_seen,
-        f"no pass of {incident.probe} before its first failure: since the monitor first saw the target",
-    )
+    how = f"no pass of {incident.probe} before its first failure is known"
+    how += ": since the monitor first saw the target"
+    return Bound(first_seen, how)
 
 
 def deployment_at(session: Session, incident: Incident, moment: datetime) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from fastapi.encoders import jsonable_encoder
 
-from monitor.blast.compute import BlastSources, as_csv, blast_radius, request_rows
+from monitor.blast.compute import CSV_LIMIT, BlastSources, as_csv, blast_radius, request_rows
 from monitor.blast.report import BlastRadius
 from monitor.config.secrets import litellm_db_url, tenant_keys
 from monitor.config.settings import ConfigError, Settings
@@ -89,6 +89,7 @@ def run_blast_radius(
                 rows = request_rows(session, radius, sources)
                 csv_path.write_text(as_csv(rows, radius), encoding="utf-8")
                 print(f"kvcanary: {len(rows)} request id(s) written to {csv_path}", file=sys.stderr)
+                _short_list(len(rows), radius)
     finally:
         engine.dispose()
     if as_json:
@@ -97,6 +98,19 @@ def run_blast_radius(
     else:
         out.write(text_report(radius))
     return EXIT_OK
+
+
+def _short_list(listed: int, radius: BlastRadius) -> None:
+    """Say so when the CSV lists fewer requests than the report counts, and why."""
+    counted = radius.responses or 0
+    if listed >= counted:
+        return
+    if listed >= CSV_LIMIT:
+        why = f"the CSV stops at {CSV_LIMIT:,} ids"
+    else:
+        why = "the traffic the monitor recorded counts these requests by the minute and keeps no id of them"
+        why += ": give the gateway's logs (--logs) or its spend log (--litellm-db) for the ids"
+    print(f"kvcanary: the CSV lists {listed} of {counted} responses: {why}", file=sys.stderr)
 
 
 def _sources(

@@ -22,8 +22,19 @@ from typing import Any
 
 import httpx
 import uvicorn
+from sqlalchemy import select
 
+from monitor.api.blast import sources_of
 from monitor.app import Monitor, create_app
+from monitor.blast.compute import blast_radius
+from monitor.commands.demo_gateway import (
+    Gateway,
+    customers,
+    litellm_venv,
+    print_blast_radius,
+    start_gateway,
+    wait_ready,
+)
 from monitor.commands.demo_stack import (
     Observability,
     free_port,
@@ -32,8 +43,10 @@ from monitor.commands.demo_stack import (
     stop_process,
 )
 from monitor.config.settings import Settings, parse_settings
+from monitor.paging.links import incident_url
 from monitor.runs.runner import RunSummary
 from monitor.storage.db import upgrade
+from monitor.storage.models import Incident, Target
 from probes.base import Verdict
 
 #: ``workers`` in a checkout, ``kvcanary.workers`` where the wheel installed everything under ``kvcanary``.
@@ -128,6 +141,7 @@ def demo_settings(
             ],
             "incidents": {"resolve_after_passes": 3},
             "spool": {"path": str(workdir / "spool")},
+            "traffic": {"ingest_token_file": str(workdir / "ingest-token"), "pass_interval_seconds": 10},
         },
         source="demo",
     )
@@ -207,6 +221,7 @@ async def _serve(
     obs: Observability | None,
     duration: float | None,
     until_caught: bool,
+    gateway: Gateway | None = None,
 ) -> None:
     server = uvicorn.Server(
         uvicorn.Config(
@@ -228,6 +243,8 @@ async def _serve(
         while not server.should_exit:
             await asyncio.sleep(0.5)
             if await asyncio.to_thread(done):
+                if gateway is not None:
+                    await _blast_radius(monitor, settings, printer, gateway)
                 _where_to_look(settings, obs)
                 server.should_exit = until_caught
                 break
@@ -243,10 +260,45 @@ async def _serve(
             await asyncio.sleep(duration)
             server.should_exit = True
 
-    tasks = [asyncio.create_task(narrate()), asyncio.create_task(stop_after())]
+    async def traffic() -> None:
+        if gateway is not None and await wait_ready(gateway):
+            print(f"  gateway   {gateway.url} ready: 3 customers send traffic through it\n", flush=True)
+            await customers(gateway)
+        elif gateway is not None:
+            print("  (the gateway did not start: see gateway.log in the workdir)", flush=True)
+            gateway.done.set()
+
+    tasks = [
+        asyncio.create_task(narrate()),
+        asyncio.create_task(stop_after()),
+        asyncio.create_task(traffic()),
+    ]
     await server.serve()
     for task in tasks:
         task.cancel()
+
+
+async def _blast_radius(monitor: Monitor, settings: Settings, printer: DemoPrinter, gateway: Gateway) -> None:
+    """Once the customers are done and the tap has delivered, print the paged incident's blast
+    radius and, where it is another, the boundary incident's (the over-pool answers)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(gateway.done.wait(), timeout=90)
+    await asyncio.sleep(3)  # the tap posts its batches within a second
+    caught = printer.caught
+    ids = [caught.outcome.incident_id] if caught and caught.outcome and caught.outcome.incident_id else []
+    with monitor.read_session_factory() as session:
+        boundary = session.execute(
+            select(Incident.id)
+            .join(Target)
+            .where(Target.name == "defective", Incident.probe == "boundary", Incident.state == "open")
+        ).scalar_one_or_none()
+        ids += [boundary] if boundary is not None and boundary not in ids else []
+        sources = sources_of(settings, monitor.traffic.judge)
+        for incident_id in ids:
+            radius = await asyncio.to_thread(blast_radius, session, incident_id, settings, sources)
+            opened = radius.incident["opened_at"] if radius else None
+            page = incident_url(settings.api.base_url, incident_id, opened, monitor.token) if opened else ""
+            print_blast_radius(radius, gateway, page)
 
 
 def _where_to_look(settings: Settings, obs: Observability | None) -> None:
@@ -277,11 +329,15 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
     keys = {t: secrets.token_urlsafe(24) for t in TENANTS}
     for tenant, key in keys.items():
         _private_file(workdir / f"key-{tenant}", key)
-    keys_file = _private_file(workdir / "worker-keys", "".join(f"{k}={t}\n" for t, k in keys.items()))
+    gateway_key = secrets.token_urlsafe(24)  # the gateway's own key on the workers: tenant "customers"
+    lines = [f"{k}={t}\n" for t, k in keys.items()] + [f"{gateway_key}=customers\n"]
+    keys_file = _private_file(workdir / "worker-keys", "".join(lines))
     _private_file(workdir / "api-token", secrets.token_urlsafe(32))
+    ingest_token = _private_file(workdir / "ingest-token", secrets.token_urlsafe(32)).read_text()
     print(f"kvcanary demo — workdir {workdir}", flush=True)
     procs: list[subprocess.Popen[bytes]] = []
     obs: Observability | None = None
+    gateway: Gateway | None = None
     # uvicorn re-raises SIGTERM after its graceful shutdown; make that an exception so that the
     # `finally` below still stops the workers instead of the process dying around them.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -294,20 +350,34 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         for (name, url), proc in zip(urls.items(), procs, strict=True):
             _wait_ready(url, proc)
             print(f"  worker {name:<9} {url}  {' '.join(WORKERS[name])}", flush=True)
+        gateway = _gateway(workdir, urls, gateway_key, port, ingest_token)
         obs = _observability(workdir, port, urls)
         settings = demo_settings(workdir, urls, port, obs.alertmanager_url if obs else None)
         upgrade(settings.database_url)
         printer = DemoPrinter()
         monitor = Monitor(settings, on_summary=printer)
         print(f"  monitor   http://127.0.0.1:{port}  probes {', '.join(INTERVALS)}\n", flush=True)
-        asyncio.run(_serve(monitor, settings, printer, obs, duration, until_caught))
+        asyncio.run(_serve(monitor, settings, printer, obs, duration, until_caught, gateway))
         paged = obs is None or printer.paged is not None
         return 0 if printer.caught and printer.healthy_green() and paged else 1
     finally:
+        if gateway is not None:
+            gateway.stop()
         if obs is not None:
             obs.stop()
         for proc in procs:
             stop_process(proc)
+
+
+def _gateway(workdir: Path, urls: dict[str, str], key: str, port: int, ingest_token: str) -> Gateway | None:
+    """Start the LiteLLM gateway with the tap when a LiteLLM venv is set up; otherwise say so."""
+    if litellm_venv() is None:
+        print("  (skipped the gateway: no LiteLLM venv — no customer traffic, no blast radius; "
+              "scripts/demo.sh sets one up with scripts/setup-litellm.sh)", flush=True)  # fmt: skip
+        return None
+    gateway = start_gateway(workdir, urls, key, f"http://127.0.0.1:{port}", ingest_token)
+    print(f"  gateway   {gateway.url}  LiteLLM with the kvcanary tap (starting)", flush=True)
+    return gateway
 
 
 def _observability(workdir: Path, port: int, urls: dict[str, str]) -> Observability | None:

@@ -283,6 +283,10 @@ class MonitorReplica(Base):
     seen_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
+#: What a blast radius reads of a kept traffic record (``monitor/blast/recorded.py``).
+BLAST_COLUMNS = ["node", "caller", "status_code", "estimated_prompt_tokens", "own", "key_hash", "checks"]
+
+
 class TrafficRecordRow(Base):
     """A gateway traffic record kept for later (``monitor/traffic/``): every record a check flagged,
     and every record whose prompt was near or over its node's pool (what a blast radius reads).
@@ -296,7 +300,15 @@ class TrafficRecordRow(Base):
     __table_args__ = (
         CheckConstraint(_one_of("verdict", VERDICTS), name="verdict"),
         Index("ix_traffic_record_started_id", "started_at", "id"),
-        Index("ix_traffic_record_target_started_id", "target_id", "started_at", "id"),
+        # Also a blast radius's range (a target's window), which on PostgreSQL it reads from the
+        # index alone: the columns its criteria and groups need are included.
+        Index(
+            "ix_traffic_record_target_started_id",
+            "target_id",
+            "started_at",
+            "id",
+            postgresql_include=BLAST_COLUMNS,
+        ),
         Index("ix_traffic_record_verdict_started_id", "verdict", "started_at", "id"),
         Index("ix_traffic_record_caller_started_id", "caller", "started_at", "id"),
         Index("ix_traffic_record_expires_at", "expires_at"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -343,7 +344,8 @@ def _row(
         "prompt_chars": record.prompt.chars, "prompt_bytes": record.prompt.bytes,
         "prompt_messages": record.prompt.messages, "prompt_tokens": record.usage.prompt_tokens,
         "completion_tokens": record.usage.completion_tokens, "cached_tokens": record.usage.cached_tokens,
-        "estimated_prompt_tokens": None if estimate is None else round(estimate), "kv_pool_tokens": pool,
+        # Rounded up, so that "over the pool" reads the same from the row as the check judged it.
+        "estimated_prompt_tokens": None if estimate is None else math.ceil(estimate), "kv_pool_tokens": pool,
         "verdict": verdict, "checks": "," + ",".join(f.check for f in flagged) + "," if flagged else "",
         "findings": findings,
     }  # fmt: skip

@@ -1,7 +1,9 @@
-"""The README's main command: the demo catches the leak and keeps the healthy target green."""
+"""The README's main command: the demo catches the leak and keeps the healthy target green, and,
+with a LiteLLM venv set up, prints the incident's blast radius in the customers' traffic."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from monitor.commands.demo_gateway import litellm_venv
 from tests.conftest import REPO, free_port
 
 
@@ -46,6 +49,19 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
     assert "/#/alerts" in out
     keys = [(tmp_path / f"key-{t}").read_text() for t in ("tenant-a", "tenant-b")]
     assert all(k not in out + proc.stderr for k in keys)
+    if litellm_venv() is not None:  # the gateway ran: the blast radius matches the customers' count
+        assert_blast_radius(out)
+
+
+def assert_blast_radius(out: str) -> None:
+    section = out[out.index("=== BLAST RADIUS of incident #") :]
+    section = section[: section.index("page      :")]
+    affected = int(re.search(r"affected  : (\d+) response", section).group(1))  # type: ignore[union-attr]
+    truth = re.search(r"answered 200: (.*) \(\d+ sent\)", section).group(1)  # type: ignore[union-attr]
+    counted = {m[0]: int(m[1]) for m in re.findall(r"(\w+) (\d+)", truth)}
+    assert affected == sum(counted.values()) > 0, section
+    for caller, n in counted.items():
+        assert re.search(rf"\n  {caller}\s*: {n} \(first", section), section
 
 
 def test_sigterm_to_the_demo_stops_its_workers(tmp_path: Path) -> None:

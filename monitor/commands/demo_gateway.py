@@ -1,0 +1,184 @@
+"""The demo's gateway: a LiteLLM proxy with the kvcanary tap in front of the demo's workers, and
+three simulated customers sending traffic through it while the leak is reproduced.
+
+Started when a LiteLLM venv is found (``$KVCANARY_LITELLM_VENV``, else the one
+``scripts/setup-litellm.sh`` caches in ``~/.cache/kvcanary``); without one the demo runs on and
+says what it skipped. The proxy runs as the tests run it: no database (callers are static keys
+through ``custom_auth``), no retries, bound to 127.0.0.1, the tap imported from this installation.
+The customers count what they sent themselves, so the demo can print the blast radius beside the
+truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import subprocess
+import textwrap
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+import kvcanary.tap
+from monitor.blast.report import BlastRadius
+from monitor.commands.demo_stack import free_port, stop_process
+
+#: Customer keys → team. The keys stay in the gateway; the monitor sees the teams.
+CUSTOMERS = {"sk-demo-acme-0001": "acme", "sk-demo-globex-0002": "globex", "sk-demo-initech-0003": "initech"}
+#: Prompt sizes (one byte, one token on the reference worker): two under the defective node's
+#: 2,048-token prefill pool, two over it and inside its 8,192-token window.
+SIZES = (500, 1200, 3000, 4500)
+REQUESTS = 30
+WORDS = ("invoice", "shipment", "warranty", "battery", "charger", "router", "firmware", "refund", "parcel")
+
+_AUTH = """
+from fastapi import HTTPException
+from litellm.proxy._types import UserAPIKeyAuth
+
+TEAMS = {teams!r}
+
+
+async def user_api_key_auth(request, api_key):
+    key = api_key.removeprefix("Bearer ").strip()
+    if key not in TEAMS:
+        raise HTTPException(status_code=401, detail="unknown key")
+    return UserAPIKeyAuth(api_key=key, team_id=TEAMS[key], key_alias=TEAMS[key] + "-key")
+"""
+
+
+def litellm_venv() -> Path | None:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvcanary" / "venv-litellm"
+    venv = Path(os.environ.get("KVCANARY_LITELLM_VENV") or cache)
+    return venv if (venv / "bin" / "litellm").exists() and (venv / ".kvcanary-setup").exists() else None
+
+
+@dataclass
+class Gateway:
+    url: str
+    proc: subprocess.Popen[bytes]
+    #: Over-pool prompts to the defective node answered 200, by customer: the truth to compare with.
+    over_pool_answered: Counter[str] = field(default_factory=Counter)
+    sent: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def start_gateway(
+    workdir: Path, urls: dict[str, str], worker_key: str, monitor_url: str, ingest_token: str
+) -> Gateway:
+    """Start the proxy (models ``shop`` on the defective worker, ``shop-eu`` on the healthy one)."""
+    venv = litellm_venv()
+    assert venv is not None
+    folder = workdir / "gateway"
+    folder.mkdir(exist_ok=True)
+    (folder / "custom_auth.py").write_text(textwrap.dedent(_AUTH.format(teams=CUSTOMERS)))
+    deployments = [
+        {"model_name": name, "litellm_params": {"model": "openai/kvcanary-reference", "api_base": f"{url}/v1",
+                                                "api_key": worker_key}}
+        for name, url in (("shop", urls["defective"]), ("shop-eu", urls["healthy"]))
+    ]  # fmt: skip
+    config = {
+        "model_list": deployments,
+        "litellm_settings": {
+            "telemetry": False, "num_retries": 0, "request_timeout": 60,
+            "callbacks": "kvcanary.tap.litellm.tap",
+        },
+        "general_settings": {
+            "custom_auth": "custom_auth.user_api_key_auth", "master_key": "sk-" + secrets.token_hex(16),
+        },
+    }  # fmt: skip
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    # The tap, importable in the proxy's venv without the rest of this installation: a folder
+    # holding only a link to the `kvcanary` package (whose tap uses the standard library alone).
+    path = folder / "pythonpath"
+    path.mkdir(exist_ok=True)
+    link = path / "kvcanary"
+    if not link.exists():
+        link.symlink_to(Path(kvcanary.tap.__file__).resolve().parent.parent, target_is_directory=True)
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("KVCANARY_TAP", "PYTHON"))},
+        "LITELLM_OFFLINE_MODE": "true", "LITELLM_LOG": "ERROR", "PYTHONPATH": str(path),
+        "KVCANARY_TAP_URL": monitor_url, "KVCANARY_TAP_TOKEN": ingest_token,
+        "KVCANARY_TAP_KEY": secrets.token_urlsafe(24), "KVCANARY_TAP_GATEWAY": "demo-litellm",
+    }  # fmt: skip
+    log = (workdir / "gateway.log").open("wb")
+    argv = [str(venv / "bin" / "litellm"), "--config", str(folder / "config.yaml"), "--host", "127.0.0.1",
+            "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True
+    )
+    return Gateway(f"http://127.0.0.1:{port}", proc)
+
+
+async def wait_ready(gateway: Gateway, timeout: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2) as client:
+        while time.monotonic() < deadline and gateway.proc.poll() is None:
+            try:
+                if (await client.get(f"{gateway.url}/health/liveliness")).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    return False
+
+
+async def customers(gateway: Gateway, requests: int = REQUESTS, pace: float = 0.5) -> None:
+    """Send ``requests`` chat completions, the customers in turn, and count the truth."""
+    rng = random.Random(2026)
+    keys = list(CUSTOMERS)
+    async with httpx.AsyncClient(timeout=60) as client:
+        for i in range(requests):
+            key, chars = keys[i % len(keys)], rng.choice(SIZES)
+            model = "shop" if i % 4 else "shop-eu"
+            text = (f"{CUSTOMERS[key]} asks: " + " ".join(rng.choice(WORDS) for _ in range(chars // 5)))[
+                :chars
+            ]
+            body: dict[str, Any] = {"model": model, "max_tokens": 16, "temperature": 0,
+                                    "messages": [{"role": "user", "content": text}]}  # fmt: skip
+            try:
+                answer = await client.post(f"{gateway.url}/v1/chat/completions", json=body,
+                                           headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                status = answer.status_code
+            except httpx.HTTPError:
+                status = 0
+            gateway.sent += 1
+            if model == "shop" and chars > 2048 and status == 200:
+                gateway.over_pool_answered[CUSTOMERS[key]] += 1
+            await asyncio.sleep(pace)
+    gateway.done.set()
+
+
+def print_blast_radius(radius: BlastRadius | None, gateway: Gateway, page_url: str) -> None:
+    """Print an incident's blast radius beside what the customers counted themselves."""
+    if radius is None:
+        return
+    data = radius.as_json()
+    c = radius.criterion
+    count = data["affected_responses"] if c.kind != "at_risk" else data["at_risk_responses"]
+    print(f"=== BLAST RADIUS of incident #{radius.incident['id']} ({radius.incident['probe']}) ===")
+    print(f"  window    : {_when(radius.window.start.at)} to {_when(radius.window.end.at)}")
+    print(f"              from {radius.window.start.how}")
+    print(f"  rule      : {c.text}")
+    print(f"  {c.label:<9} : {count if count is not None else 'unknown'} response(s)"
+          + (f" from {radius.primary.name}" if radius.primary else ""))  # fmt: skip
+    for item in data["callers"]:
+        print(f"  {item['caller']:<10}: {item['responses']} (first {item['first']}, last {item['last']})")
+    truth = ", ".join(f"{k} {v}" for k, v in sorted(gateway.over_pool_answered.items())) or "none"
+    print(f"  the customers' own count of over-pool prompts answered 200: {truth} ({gateway.sent} sent)")
+    print(f"  page      : {page_url}\n", flush=True)
+
+
+def _when(moment: datetime) -> str:
+    return moment.strftime("%H:%M:%S UTC")
