@@ -8,8 +8,9 @@ leave out (the reporter, a test account) to those the configuration lists.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
@@ -66,26 +67,39 @@ def radius_of(request: Request, session: Session, incident_id: int, exclude: lis
 #: Seconds the incident page reuses a blast radius: a signed link opened again and again (a chat
 #: of responders) must not rescan a gateway's logs each time.
 PAGE_CACHE_SECONDS = 60.0
-_PAGE_CACHE_ENTRIES = 256
+PAGE_CACHE_ENTRIES = 256
+
+
+class PageCache:
+    """The blast radii the incident page shows, each computed once a ``PAGE_CACHE_SECONDS`` however
+    many views arrive together (one computation per incident at a time; the others wait for it).
+    Made with the app (``monitor/api/main.py``); the page handlers run in the threadpool."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[int, tuple[float, BlastRadius | None]] = {}
+        self._computing: dict[int, threading.Lock] = {}
+
+    def get(self, incident_id: int, compute: Callable[[], BlastRadius | None]) -> BlastRadius | None:
+        with self._lock:
+            one = self._computing.setdefault(incident_id, threading.Lock())
+        with one:
+            kept = self._kept.get(incident_id)
+            if kept is not None and time.monotonic() - kept[0] < PAGE_CACHE_SECONDS:
+                return kept[1]
+            radius = compute()
+            with self._lock:
+                if len(self._kept) >= PAGE_CACHE_ENTRIES:
+                    self._kept.clear()
+                    self._computing = {incident_id: one}
+                self._kept[incident_id] = (time.monotonic(), radius)
+            return radius
 
 
 def page_radius(request: Request, session: Session, incident_id: int) -> BlastRadius | None:
-    """The blast radius the incident page shows, computed at most once a ``PAGE_CACHE_SECONDS``."""
-    cache: dict[int, tuple[float, BlastRadius | None]] | None = getattr(
-        request.app.state, "blast_cache", None
-    )
-    if cache is None:
-        cache = {}
-        request.app.state.blast_cache = cache
-    now = time.monotonic()
-    kept = cache.get(incident_id)
-    if kept is not None and now - kept[0] < PAGE_CACHE_SECONDS:
-        return kept[1]
-    radius = radius_of(request, session, incident_id, [])
-    if len(cache) >= _PAGE_CACHE_ENTRIES:
-        cache.clear()
-    cache[incident_id] = (now, radius)
-    return radius
+    """The blast radius the incident page shows (``PageCache``)."""
+    cache: PageCache = request.app.state.blast_cache
+    return cache.get(incident_id, lambda: radius_of(request, session, incident_id, []))
 
 
 @router.get(

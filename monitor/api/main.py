@@ -41,6 +41,7 @@ def build_http_app(
     serve_docs(app)
     outage.install(app)
     app.state.api = state
+    app.state.blast_cache = blast.PageCache()  # the incident page's blast radii
     app.include_router(health.router)
     app.include_router(traffic.ingest_router)  # its own auth: the ingest token may post
     app.include_router(api_router)

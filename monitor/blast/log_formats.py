@@ -20,6 +20,7 @@ The text is read only to be measured, inside DuckDB; nothing of it leaves.
 
 from __future__ import annotations
 
+import gzip
 import json
 from typing import Any
 
@@ -53,6 +54,16 @@ _MESSAGE_CHARS = """CASE json_type(CAST({m} AS JSON))
   ELSE NULL END"""
 
 
+def _digest(value: str) -> str:
+    """A key hash as the tap passes one on: a 64-digit SHA-256 as it is (LiteLLM's ``hashed-jwt-``
+    prefix dropped), anything else (LiteLLM reports keys that are not ``sk-`` keys raw) as its
+    SHA-256, so that a raw key never becomes a caller's name, and a tenant's key is still known."""
+    bare = f"regexp_replace({value}, '^hashed-jwt-', '')"
+    # No braces in the SQL: the normal queries are str.format templates.
+    digest = f"length({bare}) = 64 AND regexp_full_match({bare}, '[0-9a-f]+')"
+    return f"(CASE WHEN {digest} THEN {bare} ELSE sha256({value}) END)"
+
+
 def _meta(key: str) -> str:
     """A field of LiteLLM's ``metadata`` (a struct in Parquet, an object in JSON: read as JSON both)."""
     return f"nullif(CAST(metadata AS JSON)->>'$.{key}', '')"
@@ -64,9 +75,11 @@ _EPOCH = "coalesce(TRY_CAST({v} AS DOUBLE), epoch(TRY_CAST({v} AS TIMESTAMPTZ)))
 
 NORMAL = {
     "litellm": f"""SELECT id AS request_id,
-        coalesce({_meta("user_api_key_team_id")}, {_meta("user_api_key_alias")}, {_meta("user_api_key_hash")},
+        coalesce({_meta("user_api_key_team_id")}, {_meta("user_api_key_alias")},
+                 {_digest(_meta("user_api_key_hash"))},
                  nullif(end_user, ''), {_meta("user_api_key_end_user_id")}, '') AS caller,
-        coalesce({_meta("user_api_key_hash")}, '') AS key_hash, startTime AS t, status = 'success' AS ok,
+        coalesce({_digest(_meta("user_api_key_hash"))}, '') AS key_hash, startTime AS t,
+        status = 'success' AS ok,
         coalesce(api_base, '') AS api_base, prompt_tokens,
         {_MESSAGE_CHARS.format(m="messages")} AS prompt_chars FROM {{raw}}""",
     "sglang": f"""SELECT rid AS request_id,
@@ -79,7 +92,7 @@ NORMAL = {
         CASE WHEN length(obj->>'$.text') < 2048 THEN length(obj->>'$.text') END AS prompt_chars
         FROM {{raw}} WHERE event = 'request.finished' OR event IS NULL""",
     "openai": f"""SELECT coalesce(id, request_id) AS request_id, coalesce(caller, "user", '') AS caller,
-        coalesce(key_hash, '') AS key_hash, {_EPOCH.format(v='"time"')} AS t,
+        coalesce({_digest("nullif(key_hash, '')")}, '') AS key_hash, {_EPOCH.format(v='"time"')} AS t,
         coalesce(status, 200) BETWEEN 200 AND 299 AS ok, api_base,
         TRY_CAST(usage->>'$.prompt_tokens' AS BIGINT) AS prompt_tokens,
         CASE WHEN (request->'$.messages') IS NOT NULL
@@ -97,8 +110,10 @@ def format_of_keys(keys: set[str]) -> str:
 
 
 def first_json_keys(path: str, lines: int = 1000) -> set[str] | None:
-    """The keys of the first JSON object among a file's first ``lines`` lines; None: there is none."""
-    with open(path, encoding="utf-8", errors="replace") as handle:
+    """The keys of the first JSON object among a file's first ``lines`` lines (a ``.gz`` file, as
+    logrotate leaves them, read through gzip, as DuckDB reads it); None: there is none."""
+    opener: Any = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as handle:
         for _, line in zip(range(lines), handle, strict=False):
             try:
                 found: Any = json.loads(line)

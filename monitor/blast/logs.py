@@ -4,14 +4,18 @@ Every configured glob is read as one source: the files (each once, whatever glob
 grouped by format (``log_formats.py``: given, or told from each file's first JSON line or its
 Parquet columns), each group mapped onto the normal columns, and the groups read as one union. A
 line that is no record of its format is counted as unreadable; a file with no record, or that
-DuckDB cannot read, is named in the tally's notes, never fatal. The connection's time zone is UTC,
+DuckDB cannot read, is counted in the tally's notes, never fatal. Notes name no path and quote no
+input (the incident page shows them, and an error's input may be a prompt): the files read are
+in the tally's ``detail``, which only the API and the CLI show. The connection's time zone is UTC,
 so a time without an offset is UTC.
 """
 
 from __future__ import annotations
 
 import glob as globbing
-from collections import defaultdict
+import logging
+import os
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ from monitor.blast.question import Scope
 from monitor.blast.tally import Tally
 from monitor.traffic.checks import TOKENS_MARGIN
 
+log = logging.getLogger("kvcanary.blast")
 LogSource = tuple[str, str]  # (glob, format: auto | litellm | sglang | openai)
 
 
@@ -62,26 +67,31 @@ class LogFiles:
         self.sources = sources
         self.notes: list[str] = []
         self.groups: dict[tuple[str, bool], list[str]] = defaultdict(list)  # (format, parquet) -> paths
+        self.skipped: Counter[str] = Counter()  # why files were left out, counted (no paths: see module doc)
         seen: set[str] = set()
         for pattern, fmt in sources:
             paths = sorted(p for p in globbing.glob(pattern, recursive=True) if Path(p).is_file())
             if not paths:
-                self.notes.append(f"no file matches {pattern}")
+                self.skipped["a glob that matches no file"] += 1
             for path in paths:
-                if path not in seen:
-                    seen.add(path)
+                real = os.path.realpath(path)  # one file reached by two globs or a link: read once
+                if real not in seen:
+                    seen.add(real)
                     self._add(path, fmt)
+        self.notes += [f"{why} ({n} times)" if n > 1 else why for why, n in sorted(self.skipped.items())]
 
     def _add(self, path: str, fmt: str) -> None:
         parquet = path.endswith(".parquet")
+        try:  # a Parquet file is checked whatever its format: one bad file must not cost the others
+            keys = (
+                self._parquet_columns(path) if parquet else first_json_keys(path) if fmt == "auto" else None
+            )
+        except Exception as exc:  # a file DuckDB or the OS cannot read: counted, not fatal
+            self.skipped[f"a file not read ({type(exc).__name__})"] += 1
+            return
         if fmt == "auto":
-            try:
-                keys = self._parquet_columns(path) if parquet else first_json_keys(path)
-            except Exception as exc:  # a file DuckDB or the OS cannot read: named, not fatal
-                self.notes.append(f"{path}: not read ({type(exc).__name__})")
-                return
             if not keys:
-                self.notes.append(f"{path}: no JSON record in its first lines; skipped")
+                self.skipped["a file with no JSON record in its first lines"] += 1
                 return
             fmt = format_of_keys(keys)
         self.groups[(fmt, parquet)].append(path)
@@ -116,8 +126,10 @@ class LogFiles:
                         f"DESCRIBE SELECT * FROM read_parquet({files}, union_by_name = true)"
                     ).fetchall()
                 }
+                # Each column as the format reads it, whatever type the file stored it as.
                 chosen = ", ".join(
-                    f'"{c}"' if c in present else f'NULL::{t} AS "{c}"' for c, t in columns.items()
+                    f'TRY_CAST("{c}" AS {t}) AS "{c}"' if c in present else f'NULL::{t} AS "{c}"'
+                    for c, t in columns.items()
                 )
                 source = f"SELECT {chosen} FROM read_parquet({files}, union_by_name = true)"
             else:
@@ -180,7 +192,9 @@ def logs_tally(sources: list[LogSource], scope: Scope, threads: int = 1) -> Tall
             query = _GROUPED.format(match=match_sql(scope, "routed"), bucket=scope.bucket_seconds)
             rows = con.execute(query, _params(scope)).fetchall()
     except Exception as exc:  # a file DuckDB cannot read as its format: the source says so
-        tally.notes.append(f"the logs could not be read: {type(exc).__name__}: {str(exc)[:200]}")
+        # The type only: DuckDB's message quotes the input, which may be a customer's prompt.
+        tally.notes.append(f"the logs could not be read ({type(exc).__name__})")
+        log.warning("blast radius: the logs could not be read: %s", type(exc).__name__)
         return tally
     _add(tally, rows, files)
     return tally

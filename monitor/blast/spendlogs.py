@@ -31,10 +31,16 @@ _MESSAGES = """(SELECT sum(CASE jsonb_typeof(m->'content')
    FROM jsonb_array_elements(CASE WHEN jsonb_typeof(s.proxy_server_request->'messages') = 'array'
                                   THEN s.proxy_server_request->'messages' ELSE '[]'::jsonb END) m)"""
 
+#: ``api_key`` as a key hash: a SHA-256 as it is, anything else (a key LiteLLM kept raw) as its
+#: SHA-256, never as it is (``log_formats._digest``).
+_DIGEST = """(CASE WHEN s.api_key ~ '^[0-9a-f]{64}$' THEN s.api_key
+       WHEN coalesce(s.api_key, '') = '' THEN NULL
+       ELSE encode(sha256(convert_to(s.api_key, 'UTF8')), 'hex') END)"""
+
 _NORMAL = f"""SELECT s.request_id,
-        coalesce(nullif(s.team_id, ''), nullif(s.metadata->>'user_api_key_alias', ''), nullif(s.api_key, ''),
+        coalesce(nullif(s.team_id, ''), nullif(s.metadata->>'user_api_key_alias', ''), {_DIGEST},
                  nullif(s.end_user, ''), '') AS caller,
-        s.api_key = ANY(:own) AS own,
+        coalesce({_DIGEST} = ANY(:own), false) AS own,
         extract(epoch FROM s."startTime") AS t,
         coalesce(s.status, 'success') = 'success' AS ok,
         regexp_replace(rtrim(lower(coalesce(s.api_base, '')), '/'), '/v1$', '') = ANY(:bases) AS routed,
@@ -78,7 +84,7 @@ def _params(scope: Scope) -> dict[str, Any]:
         "own": sorted(scope.own_keys) or ["-"],
         "bases": [b.lower() for b in scope.api_bases] or ["-"],
         "width": scope.bucket_seconds,
-        "exclude": list(scope.exclude) or ["\x00none"],
+        "exclude": list(scope.exclude),
     }
 
 
@@ -98,7 +104,7 @@ def spendlogs_tally(url: str, scope: Scope) -> Tally:
            count(*) FILTER (WHERE m), min(t) FILTER (WHERE m), max(t) FILTER (WHERE m),
            count(*) FILTER (WHERE routed), count(*) FILTER (WHERE routed AND prompt_chars IS NULL)
       FROM (SELECT *, CASE WHEN m THEN caller END AS c, CASE WHEN m THEN own END AS o,
-                   CASE WHEN m AND NOT own AND NOT (caller = ANY(:exclude))
+                   CASE WHEN m AND NOT own AND NOT (caller = ANY(CAST(:exclude AS text[])))
                         THEN floor((t - :start) / :width)::bigint END AS b
               FROM (SELECT *, coalesce({_match(scope)}, false) AS m FROM ({_NORMAL}) n) a) f
      GROUP BY GROUPING SETS ((c, o), (b), ())"""

@@ -284,8 +284,16 @@ async def _blast_radius(monitor: Monitor, settings: Settings, printer: DemoPrint
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(gateway.done.wait(), timeout=90)
     await asyncio.sleep(3)  # the tap posts its batches within a second
+    radii = await asyncio.to_thread(_radii, monitor, settings, printer)
+    for radius, page in radii:
+        print_blast_radius(radius, gateway, page)
+
+
+def _radii(monitor: Monitor, settings: Settings, printer: DemoPrinter) -> list[tuple[Any, str]]:
+    """The blast radii to print, with their pages' links (database work: off the event loop)."""
     caught = printer.caught
     ids = [caught.outcome.incident_id] if caught and caught.outcome and caught.outcome.incident_id else []
+    out = []
     with monitor.read_session_factory() as session:
         boundary = session.execute(
             select(Incident.id)
@@ -295,10 +303,11 @@ async def _blast_radius(monitor: Monitor, settings: Settings, printer: DemoPrint
         ids += [boundary] if boundary is not None and boundary not in ids else []
         sources = sources_of(settings, monitor.traffic.judge)
         for incident_id in ids:
-            radius = await asyncio.to_thread(blast_radius, session, incident_id, settings, sources)
+            radius = blast_radius(session, incident_id, settings, sources)
             opened = radius.incident["opened_at"] if radius else None
             page = incident_url(settings.api.base_url, incident_id, opened, monitor.token) if opened else ""
-            print_blast_radius(radius, gateway, page)
+            out.append((radius, page))
+    return out
 
 
 def _where_to_look(settings: Settings, obs: Observability | None) -> None:

@@ -39,6 +39,9 @@ SIZES = (500, 1200, 3000, 4500)
 REQUESTS = 30
 WORDS = ("invoice", "shipment", "warranty", "battery", "charger", "router", "firmware", "refund", "parcel")
 
+#: The environment the proxy gets from the demo's own, besides its settings and the tap's.
+_PASSED_ON = {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "XDG_CACHE_HOME", "SSL_CERT_FILE", "SSL_CERT_DIR"}
+
 _AUTH = """
 from fastapi import HTTPException
 from litellm.proxy._types import UserAPIKeyAuth
@@ -97,17 +100,23 @@ def start_gateway(
             "custom_auth": "custom_auth.user_api_key_auth", "master_key": "sk-" + secrets.token_hex(16),
         },
     }  # fmt: skip
-    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    config_path = folder / "config.yaml"  # it holds the worker's key and the master key
+    config_path.touch(mode=0o600)
+    config_path.chmod(0o600)
+    config_path.write_text(yaml.safe_dump(config))
     # The tap, importable in the proxy's venv without the rest of this installation: a folder
     # holding only a link to the `kvcanary` package (whose tap uses the standard library alone).
     path = folder / "pythonpath"
     path.mkdir(exist_ok=True)
     link = path / "kvcanary"
-    if not link.exists():
-        link.symlink_to(Path(kvcanary.tap.__file__).resolve().parent.parent, target_is_directory=True)
+    if link.is_symlink() or link.exists():  # a workdir used again: point it at this installation
+        link.unlink()
+    link.symlink_to(Path(kvcanary.tap.__file__).resolve().parent.parent, target_is_directory=True)
     port = free_port()
+    # Only what the proxy needs: a DATABASE_URL would put LiteLLM in database mode on that
+    # database, and provider keys are none of its business here.
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("KVCANARY_TAP", "PYTHON"))},
+        **{k: v for k, v in os.environ.items() if k in _PASSED_ON},
         "LITELLM_OFFLINE_MODE": "true", "LITELLM_LOG": "ERROR", "PYTHONPATH": str(path),
         "KVCANARY_TAP_URL": monitor_url, "KVCANARY_TAP_TOKEN": ingest_token,
         "KVCANARY_TAP_KEY": secrets.token_urlsafe(24), "KVCANARY_TAP_GATEWAY": "demo-litellm",
@@ -175,6 +184,10 @@ def print_blast_radius(radius: BlastRadius | None, gateway: Gateway, page_url: s
           + (f" from {radius.primary.name}" if radius.primary else ""))  # fmt: skip
     for item in data["callers"]:
         print(f"  {item['caller']:<10}: {item['responses']} (first {item['first']}, last {item['last']})")
+    if gateway.sent < REQUESTS:
+        print(
+            f"  (the gateway carried {gateway.sent} of the customers' {REQUESTS} requests: see gateway.log)"
+        )
     truth = ", ".join(f"{k} {v}" for k, v in sorted(gateway.over_pool_answered.items())) or "none"
     print(f"  the customers' own count of over-pool prompts answered 200: {truth} ({gateway.sent} sent)")
     print(f"  page      : {page_url}\n", flush=True)

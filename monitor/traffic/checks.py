@@ -48,13 +48,18 @@ class Finding:
         return self.verdict != "pass"
 
 
+#: A pass of each check, made once: the judge's hottest path finds one per check per record, and a
+#: frozen dataclass is safe to share.
+PASSED = {check: Finding(check, "pass") for check in CHECKS}
+
+
 def marker_check(
     record: TrafficRecord, book: MarkerBook, target: str
 ) -> tuple[Finding, list[dict[str, str]]]:
     """Return the finding and the evidence of each live marker (ids and hashes only)."""
     hits = book.scan(" ".join(record.markers), target=target, reader="") if record.markers else []
     if not hits:
-        return Finding("marker", "pass"), []
+        return PASSED["marker"], []
     evidence = [
         {"marker_id": h.marker_id, "marker_sha256": h.digest, "owner_target": h.owner_target,
          "owner_tenant": h.owner_tenant}
@@ -74,7 +79,7 @@ def tokens_check(record: TrafficRecord, chars_per_token: float | None) -> Findin
         return None
     floor = record.prompt.chars / (chars_per_token * TOKENS_MARGIN)
     if reported >= floor:
-        return Finding("tokens", "pass")
+        return PASSED["tokens"]
     figures = {"prompt_chars": record.prompt.chars, "prompt_tokens": reported, "floor": round(floor, 1)}
     return Finding("tokens", "mismatch", "prompt_tokens_impossible", figures)
 
@@ -95,7 +100,7 @@ def capacity_check(record: TrafficRecord, estimate: float | None, pool: int | No
     if estimate is None or not pool or not record.ok:
         return None
     if estimate <= pool:
-        return Finding("capacity", "pass")
+        return PASSED["capacity"]
     figures = {"estimated_prompt_tokens": round(estimate), "kv_pool_tokens": pool, "status": record.status}
     return Finding("capacity", "mismatch", "over_pool_answered", figures)
 
@@ -114,7 +119,7 @@ def overlap_check(
     if found is None:
         return None
     if found.run < min_run:
-        return Finding("overlap", "pass")
+        return PASSED["overlap"]
     figures = {
         "run": found.run,
         "response_fingerprints": found.fingerprints,

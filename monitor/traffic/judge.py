@@ -17,6 +17,7 @@ nothing new. A flagged check is recorded at once, with the flagged records named
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import math
 import time
@@ -45,6 +46,7 @@ Record = Callable[[PendingResult], Awaitable[Any]]
 Routed = tuple[str, TrafficRecord, bool]
 
 
+@functools.lru_cache(maxsize=4096)  # every record asks; a gateway has a few deployments
 def api_base_key(url: str) -> str:
     """Return the form routes compare: no trailing slash, no trailing ``/v1``, lower-case host."""
     url = url.strip().rstrip("/").removesuffix("/v1").rstrip("/")
@@ -267,8 +269,11 @@ class TrafficJudge:
     ) -> None:
         out.accepted += not own
         out.flagged += flagged
-        minute = datetime.fromtimestamp(record.time - record.time % 60, UTC)
-        counts = out.minutes.setdefault((target, node, record.caller, minute), MinuteCounts())
+        minute = _minute(int(record.time // 60))
+        key = (target, node, record.caller, minute)
+        counts = out.minutes.get(key)
+        if counts is None:
+            counts = out.minutes[key] = MinuteCounts()
         counts.add(
             answered=record.ok, flagged=flagged, near_pool=near, prompt_chars=record.prompt.chars,
             own=own and record.ok,
@@ -298,6 +303,12 @@ class TrafficJudge:
             deployment.last_pass[(node, check)] = now
             out.append(PendingResult.of(target, f"traffic_{check}", result, received, 0.0, node=node))
         return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _minute(index: int) -> datetime:
+    """The start of minute ``index`` since the epoch, as the per-minute counts key it."""
+    return datetime.fromtimestamp(index * 60, UTC)
 
 
 def _flagged_result(check: str, group: _Group, gateway: str) -> ProbeResult:

@@ -80,24 +80,34 @@ class OverlapWindow:
 
     def add(self, caller: str, fingerprints: list[int], now: float) -> None:
         """Hold one exchange's fingerprints (its prompt's and its response's) for the window."""
-        unique = tuple(f for f in dict.fromkeys(fingerprints) if f != OWN)
-        if not unique:
+        distinct = dict.fromkeys(fingerprints)
+        distinct.pop(OWN, None)
+        if not distinct:
             return
+        unique = tuple(distinct)
         self._seq += 1
-        self._entries.append(_Entry(self._seq, caller, now, unique))
+        seq, held = self._seq, self._holders
+        self._entries.append(_Entry(seq, caller, now, unique))
+        # The judge's hottest loop (every fingerprint of every record): no new dict for one held.
         for fingerprint in unique:
-            self._holders.setdefault(fingerprint, {})[caller] = self._seq
+            holders = held.get(fingerprint)
+            if holders is None:
+                held[fingerprint] = {caller: seq}
+            else:
+                holders[caller] = seq
         self._held += len(unique)
         self._expire(now)
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_seconds
-        while self._entries and (self._entries[0].at < horizon or self._held > self.max_fingerprints):
-            entry = self._entries.popleft()
+        entries, held = self._entries, self._holders
+        while entries and (entries[0].at < horizon or self._held > self.max_fingerprints):
+            entry = entries.popleft()
             self._held -= len(entry.fingerprints)
+            caller, seq = entry.caller, entry.seq
             for fingerprint in entry.fingerprints:
-                holders = self._holders.get(fingerprint)
-                if holders is not None and holders.get(entry.caller) == entry.seq:
-                    del holders[entry.caller]
+                holders = held.get(fingerprint)
+                if holders is not None and holders.get(caller) == seq:
+                    del holders[caller]
                     if not holders:
-                        del self._holders[fingerprint]
+                        del held[fingerprint]

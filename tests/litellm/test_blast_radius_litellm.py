@@ -18,6 +18,7 @@ payloads as LiteLLM fills it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import subprocess
@@ -289,3 +290,33 @@ def test_the_incident_reproduced_through_litellm_has_the_blast_radius_the_test_c
     page = monitor.get(f"/incidents/{incident['id']}").text
     assert f"<b>{sum(truth.values())}</b>" in page and "Disclosure summary" in page
     assert_no_customer_text(monitor, sentences)
+
+
+def test_the_spend_log_counts_with_no_caller_excluded_and_never_names_a_raw_key(litellm_db: str) -> None:
+    """LiteLLM's own table, made by its migrations: the default case (nobody excluded) counts, and
+    a key LiteLLM kept raw is counted under its digest."""
+    from datetime import timedelta
+
+    from monitor.blast.question import Bound, Criterion, Scope, Window
+    from monitor.blast.spendlogs import spendlogs_tally
+
+    start = datetime(2026, 8, 27, 12, 0, tzinfo=UTC)
+    base = "http://10.0.0.1:8000"
+
+    def payload(i: int, team: str, key: str, chars: int) -> dict[str, Any]:
+        at = (start + timedelta(minutes=i)).timestamp()
+        return {"id": f"chatcmpl-{i}", "call_type": "acompletion", "startTime": at, "endTime": at + 1,
+                "status": "success", "api_base": f"{base}/v1", "prompt_tokens": 1, "model_group": "shop",
+                "metadata": {"user_api_key_team_id": team, "user_api_key_hash": key},
+                "messages": [{"role": "user", "content": "w" * chars}]}  # fmt: skip
+
+    rows = [payload(1, "acme", "a" * 64, 1500), payload(2, "acme", "a" * 64, 500),
+            payload(3, "", "raw-custom-key", 3000), payload(4, "globex", "b" * 64, 2000)]  # fmt: skip
+    fill_spend_logs(litellm_db, rows)
+    window = Window(Bound(start, "test"), Bound(start + timedelta(hours=1), "test"))
+    scope = Scope("t", 1, "", window, Criterion("over_pool", "rule", pool_tokens=1024), (base,), 1.0)
+    tally = spendlogs_tally(litellm_db, scope)
+    assert tally.covered, tally.notes
+    raw = hashlib.sha256(b"raw-custom-key").hexdigest()
+    assert {c: n.responses for c, n in tally.callers.items()} == {"acme": 1, "globex": 1, raw: 1}
+    assert sum(tally.buckets.values()) == 3
