@@ -215,7 +215,6 @@ class TrafficJudge:
         out: Judged,
     ) -> dict[tuple[str, str], _Group]:
         groups: dict[tuple[str, str], _Group] = defaultdict(_Group)
-        verdicts: Counter[tuple[str, str]] = Counter()
         expires = received + timedelta(days=self.settings.retention.failure_days)
         now = self.clock()
         for node, record, own in records:
@@ -228,21 +227,26 @@ class TrafficJudge:
                 findings, marker_evidence, estimate = self._check(
                     target.name, record, cpt, pool, deployment.window, now
                 )
-            flagged = [f for f in findings if f.flagged]
-            for finding in findings:
-                verdicts[(finding.check, finding.verdict)] += 1
+            flagged = []
+            for finding in findings:  # every record's hottest loop: no property, one lookup
                 group = groups[(node, finding.check)]
-                if finding.flagged:
-                    group.flagged.append((record, finding))
-                else:
+                if finding.verdict == "pass":
                     group.passed += 1
+                else:
+                    group.flagged.append((record, finding))
+                    flagged.append(finding)
             near = estimate is not None and pool is not None and estimate >= checks.NEAR_POOL * pool
             self._count(out, target.name, node, record, bool(flagged), near, own)
             if flagged or near:
                 row = _row(record, node, gateway, received, flagged, marker_evidence, estimate, pool)
                 out.kept.append((target.name, {**row, "own": own, "expires_at": expires}))
+        verdicts: Counter[tuple[str, str]] = Counter()
+        for (_, check), group in groups.items():
+            verdicts[(check, "pass")] += group.passed
+            verdicts.update((check, f.verdict) for _, f in group.flagged)
         for (check, verdict), n in verdicts.items():
-            self.metrics.traffic_records.labels(target.name, check, verdict).inc(n)
+            if n:
+                self.metrics.traffic_records.labels(target.name, check, verdict).inc(n)
         return groups
 
     def _check(
