@@ -5,9 +5,9 @@ JSON lines, as its bucket loggers keep them) stands in front of the defective di
 reference worker: a 1,024-token prefill pool under an 8,192-token window, over-pool prompts
 answered 200 from stale pages. ``kvcanary serve`` probes the same worker; its capacity audit opens
 the incident. Five callers send a known mix of prompt sizes with the ``openai`` SDK, streamed and
-not, for over a minute: three customers, a reporter the operator excludes, and the monitor's own
-canary tenant (by its key). Then the worker is restarted fixed, the incident resolves, and more
-over-1,024 prompts (which now fit) follow.
+not, for two and a half minutes: three customers, a reporter the operator excludes, and the
+monitor's own canary tenant (by its key). Then the worker is restarted fixed, the incident
+resolves, and more over-1,024 prompts (which now fit) follow.
 
 The blast radius must equal what the test computed itself (every over-pool request answered 200
 in the window, per caller, none of the monitor's own, the reporter apart), from the traffic the
@@ -229,7 +229,7 @@ def test_the_incident_reproduced_through_litellm_has_the_blast_radius_the_test_c
                           callers=GATEWAY_CALLERS, files={"gateway_log.py": GATEWAY_LOG})  # fmt: skip
     rng = random.Random(19)
     sentences: list[str] = []
-    leaking = send_round(proxy, rng, 90, sentences, spread_over=75.0)  # across minutes: the counts by minute
+    leaking = send_round(proxy, rng, 120, sentences, spread_over=150.0)  # a few minutes, across minute edges
     assert sum(s.over for s in leaking) >= 25, leaking  # the defect answered over-pool prompts 200
 
     worker.stop()
