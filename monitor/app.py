@@ -219,21 +219,8 @@ class Monitor:
 
     async def watch_database_file(self) -> None:
         """Notice a SQLite file deleted or replaced under the process: save what it held, spool the rest."""
-        if self.sqlite is None or self.recorder.health.lost or not (lost := self.sqlite.check()):
-            return
-        # Results go to the spool from now on, before the copy: none lands after its snapshot.
-        self.recorder.health.lost = lost
-        saved = await asyncio.to_thread(self.sqlite.save_orphan)
-        kept = f"what it held is saved as {saved}" if saved else "what it held could not be saved"
-        self.recorder.health.lost = f"{lost}; {kept}"
-        self.engine.dispose()  # pooled connections into the gone file: new ones meet the guard
-        log.critical(
-            "%s; %s. Results are spooled from now on: put a migrated database at %s (the saved copy "
-            "is one) and restart kvcanary",
-            lost,
-            kept,
-            self.sqlite.path,
-        )
+        if self.sqlite is not None:
+            await asyncio.to_thread(self.sqlite.take_over_if_lost, self.recorder.health, self.engine)
 
     async def replay(self) -> None:
         if len(self.spool):

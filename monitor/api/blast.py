@@ -21,9 +21,9 @@ from sqlalchemy.orm import Session
 from monitor.api.deps import MAX_ID, SessionDep
 from monitor.api.schemas import Problem
 from monitor.api.state import api_state
-from monitor.blast.compute import BlastSources, blast_radius
+from monitor.blast.compute import BlastSources, blast_radius, configured_sources
 from monitor.blast.report import BlastRadius
-from monitor.config.secrets import litellm_db_url, tenant_keys
+from monitor.config.secrets import tenant_keys
 from monitor.config.settings import ConfigError, Settings
 from monitor.traffic.judge import TrafficJudge, own_key_digests
 
@@ -48,12 +48,8 @@ def sources_of(settings: Settings, judge: TrafficJudge | None, exclude: Sequence
         calibration = getattr(client, "calibration", None)
         return None if calibration is None else calibration.chars_per_token
 
-    return BlastSources(
-        logs=tuple((log.path, log.format) for log in settings.blast_radius.logs),
-        litellm_db=litellm_db_url(settings),
-        exclude=tuple(dict.fromkeys([*settings.blast_radius.exclude_callers, *exclude])),
-        own_keys=frozenset(own),
-        chars_per_token=chars_per_token,
+    return configured_sources(
+        settings, own_keys=frozenset(own), chars_per_token=chars_per_token, exclude=exclude
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -24,6 +24,7 @@ from monitor.blast.recorded import recorded_requests, recorded_tally
 from monitor.blast.report import BlastRadius
 from monitor.blast.spendlogs import spendlogs_requests, spendlogs_tally
 from monitor.blast.window import deployment_at, window_of
+from monitor.config.secrets import litellm_db_url
 from monitor.config.settings import Settings
 from monitor.storage.models import Incident, IncidentEvent, Target
 from monitor.traffic.judge import api_base_key, routes_of
@@ -41,6 +42,29 @@ class BlastSources:
     #: The target's calibration by name (None: unknown, and prompts are sized by reported counts).
     chars_per_token: Callable[[str], float | None] = field(default=lambda _target: None)
     threads: int = 1
+
+
+def configured_sources(
+    settings: Settings,
+    *,
+    own_keys: frozenset[str],
+    chars_per_token: Callable[[str], float | None],
+    logs: Sequence[tuple[str, str]] = (),
+    litellm_db: str | None = None,
+    exclude: Sequence[str] = (),
+    threads: int = 1,
+) -> BlastSources:
+    """The sources the configuration names (``blast_radius``), with what a caller adds: more log
+    globs, another LiteLLM database, more callers to leave out (the API adds only callers)."""
+    blast = settings.blast_radius
+    return BlastSources(
+        logs=tuple((log.path, log.format) for log in blast.logs) + tuple(logs),
+        litellm_db=litellm_db or litellm_db_url(settings),
+        exclude=tuple(dict.fromkeys([*blast.exclude_callers, *exclude])),
+        own_keys=own_keys,
+        chars_per_token=chars_per_token,
+        threads=threads,
+    )
 
 
 def api_bases(settings: Settings, target: str, node: str, base_url: str) -> tuple[str, ...]:

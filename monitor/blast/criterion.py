@@ -21,8 +21,11 @@ from sqlalchemy.orm import Session
 from monitor.blast.question import Criterion
 from monitor.blast.window import POOL_KINDS
 from monitor.storage.models import Incident, ProbeResultRow
+from monitor.traffic.checks import CHECKS
 
-FLAGGED_KINDS = {"traffic_marker": "marker", "traffic_overlap": "overlap", "traffic_tokens": "tokens"}
+#: The traffic checks' result kinds whose findings are the records themselves (``capacity`` is a
+#: pool problem: over the pool, whatever was flagged).
+FLAGGED_KINDS = {f"traffic_{check}": check for check in CHECKS if check != "capacity"}
 
 
 def criterion_of(session: Session, incident: Incident) -> Criterion:

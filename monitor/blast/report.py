@@ -9,6 +9,7 @@ source covers the window the counts are None: unknown, never zero.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -48,7 +49,7 @@ class BlastRadius:
     def coverage(self, tally: Tally) -> float:
         return tally.coverage(self.scope.start_epoch, self.scope.end_epoch)
 
-    @property
+    @functools.cached_property  # the sources are settled when the report is made
     def primary(self) -> Tally | None:
         """The source the figures come from: the first in ``PREFERENCE`` among those that cover
         the window about as well as the best does (within ``SLACK``): logs rotated to their last

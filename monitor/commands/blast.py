@@ -19,9 +19,16 @@ from typing import Any, TextIO
 
 from fastapi.encoders import jsonable_encoder
 
-from monitor.blast.compute import CSV_LIMIT, BlastSources, as_csv, blast_radius, request_rows
+from monitor.blast.compute import (
+    CSV_LIMIT,
+    BlastSources,
+    as_csv,
+    blast_radius,
+    configured_sources,
+    request_rows,
+)
 from monitor.blast.report import BlastRadius
-from monitor.config.secrets import litellm_db_url, tenant_keys
+from monitor.config.secrets import tenant_keys
 from monitor.config.settings import ConfigError, Settings
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.models import Incident, Target
@@ -117,7 +124,6 @@ def _sources(
     settings: Settings, logs: list[str], log_format: str, litellm_db: str | None, exclude: list[str],
     cpt: float | None,
 ) -> BlastSources:  # fmt: skip
-    configured = [(log.path, log.format) for log in settings.blast_radius.logs]
     try:
         own = own_key_digests(tenant_keys(settings))
     except ConfigError:
@@ -126,14 +132,10 @@ def _sources(
             "kvcanary: not every tenant key is set here: the monitor's own requests may be counted",
             file=sys.stderr,
         )
-    return BlastSources(
-        logs=tuple([*configured, *((glob, log_format) for glob in logs)]),
-        litellm_db=litellm_db or litellm_db_url(settings),
-        exclude=tuple(dict.fromkeys([*settings.blast_radius.exclude_callers, *exclude])),
-        own_keys=own,
-        chars_per_token=lambda _target: cpt,
-        threads=2,
-    )
+    return configured_sources(
+        settings, own_keys=own, chars_per_token=lambda _target: cpt,
+        logs=[(glob, log_format) for glob in logs], litellm_db=litellm_db, exclude=exclude, threads=2,
+    )  # fmt: skip
 
 
 def text_report(radius: BlastRadius) -> str:

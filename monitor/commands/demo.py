@@ -22,19 +22,9 @@ from typing import Any
 
 import httpx
 import uvicorn
-from sqlalchemy import select
 
-from monitor.api.blast import sources_of
 from monitor.app import Monitor, create_app
-from monitor.blast.compute import blast_radius
-from monitor.commands.demo_gateway import (
-    Gateway,
-    customers,
-    litellm_venv,
-    print_blast_radius,
-    start_gateway,
-    wait_ready,
-)
+from monitor.commands.demo_gateway import Gateway, maybe_start_gateway, report_blast_radius, run_traffic
 from monitor.commands.demo_stack import (
     Observability,
     free_port,
@@ -43,10 +33,8 @@ from monitor.commands.demo_stack import (
     stop_process,
 )
 from monitor.config.settings import Settings, parse_settings
-from monitor.paging.links import incident_url
 from monitor.runs.runner import RunSummary
 from monitor.storage.db import upgrade
-from monitor.storage.models import Incident, Target
 from probes.base import Verdict
 
 #: ``workers`` in a checkout, ``kvcanary.workers`` where the wheel installed everything under ``kvcanary``.
@@ -244,7 +232,10 @@ async def _serve(
             await asyncio.sleep(0.5)
             if await asyncio.to_thread(done):
                 if gateway is not None:
-                    await _blast_radius(monitor, settings, printer, gateway)
+                    caught = printer.caught.outcome if printer.caught else None
+                    await report_blast_radius(
+                        monitor, settings, caught.incident_id if caught else None, gateway
+                    )
                 _where_to_look(settings, obs)
                 server.should_exit = until_caught
                 break
@@ -260,54 +251,12 @@ async def _serve(
             await asyncio.sleep(duration)
             server.should_exit = True
 
-    async def traffic() -> None:
-        if gateway is not None and await wait_ready(gateway):
-            print(f"  gateway   {gateway.url} ready: 3 customers send traffic through it\n", flush=True)
-            await customers(gateway)
-        elif gateway is not None:
-            print("  (the gateway did not start: see gateway.log in the workdir)", flush=True)
-            gateway.done.set()
-
-    tasks = [
-        asyncio.create_task(narrate()),
-        asyncio.create_task(stop_after()),
-        asyncio.create_task(traffic()),
-    ]
+    tasks = [asyncio.create_task(narrate()), asyncio.create_task(stop_after())]
+    if gateway is not None:
+        tasks.append(asyncio.create_task(run_traffic(gateway)))
     await server.serve()
     for task in tasks:
         task.cancel()
-
-
-async def _blast_radius(monitor: Monitor, settings: Settings, printer: DemoPrinter, gateway: Gateway) -> None:
-    """Once the customers are done and the tap has delivered, print the paged incident's blast
-    radius and, where it is another, the boundary incident's (the over-pool answers)."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(gateway.done.wait(), timeout=90)
-    await asyncio.sleep(3)  # the tap posts its batches within a second
-    radii = await asyncio.to_thread(_radii, monitor, settings, printer)
-    for radius, page in radii:
-        print_blast_radius(radius, gateway, page)
-
-
-def _radii(monitor: Monitor, settings: Settings, printer: DemoPrinter) -> list[tuple[Any, str]]:
-    """The blast radii to print, with their pages' links (database work: off the event loop)."""
-    caught = printer.caught
-    ids = [caught.outcome.incident_id] if caught and caught.outcome and caught.outcome.incident_id else []
-    out = []
-    with monitor.read_session_factory() as session:
-        boundary = session.execute(
-            select(Incident.id)
-            .join(Target)
-            .where(Target.name == "defective", Incident.probe == "boundary", Incident.state == "open")
-        ).scalar_one_or_none()
-        ids += [boundary] if boundary is not None and boundary not in ids else []
-        sources = sources_of(settings, monitor.traffic.judge)
-        for incident_id in ids:
-            radius = blast_radius(session, incident_id, settings, sources)
-            opened = radius.incident["opened_at"] if radius else None
-            page = incident_url(settings.api.base_url, incident_id, opened, monitor.token) if opened else ""
-            out.append((radius, page))
-    return out
 
 
 def _where_to_look(settings: Settings, obs: Observability | None) -> None:
@@ -359,7 +308,7 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         for (name, url), proc in zip(urls.items(), procs, strict=True):
             _wait_ready(url, proc)
             print(f"  worker {name:<9} {url}  {' '.join(WORKERS[name])}", flush=True)
-        gateway = _gateway(workdir, urls, gateway_key, port, ingest_token)
+        gateway = maybe_start_gateway(workdir, urls, gateway_key, port, ingest_token)
         obs = _observability(workdir, port, urls)
         settings = demo_settings(workdir, urls, port, obs.alertmanager_url if obs else None)
         upgrade(settings.database_url)
@@ -376,17 +325,6 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
             obs.stop()
         for proc in procs:
             stop_process(proc)
-
-
-def _gateway(workdir: Path, urls: dict[str, str], key: str, port: int, ingest_token: str) -> Gateway | None:
-    """Start the LiteLLM gateway with the tap when a LiteLLM venv is set up; otherwise say so."""
-    if litellm_venv() is None:
-        print("  (skipped the gateway: no LiteLLM venv — no customer traffic, no blast radius; "
-              "scripts/demo.sh sets one up with scripts/setup-litellm.sh)", flush=True)  # fmt: skip
-        return None
-    gateway = start_gateway(workdir, urls, key, f"http://127.0.0.1:{port}", ingest_token)
-    print(f"  gateway   {gateway.url}  LiteLLM with the kvcanary tap (starting)", flush=True)
-    return gateway
 
 
 def _observability(workdir: Path, port: int, urls: dict[str, str]) -> Observability | None:

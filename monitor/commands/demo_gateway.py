@@ -12,6 +12,7 @@ truth.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import secrets
@@ -22,14 +23,23 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
+from sqlalchemy import select
 
 import kvcanary.tap
+from monitor.api.blast import sources_of
+from monitor.blast.compute import blast_radius
 from monitor.blast.report import BlastRadius
 from monitor.commands.demo_stack import free_port, stop_process
+from monitor.config.settings import Settings
+from monitor.paging.links import incident_url
+from monitor.storage.models import Incident, Target
+
+if TYPE_CHECKING:
+    from monitor.app import Monitor
 
 #: Customer keys → team. The keys stay in the gateway; the monitor sees the teams.
 CUSTOMERS = {"sk-demo-acme-0001": "acme", "sk-demo-globex-0002": "globex", "sk-demo-initech-0003": "initech"}
@@ -167,6 +177,61 @@ async def customers(gateway: Gateway, requests: int = REQUESTS, pace: float = 0.
                 gateway.over_pool_answered[CUSTOMERS[key]] += 1
             await asyncio.sleep(pace)
     gateway.done.set()
+
+
+def maybe_start_gateway(
+    workdir: Path, urls: dict[str, str], key: str, port: int, ingest_token: str
+) -> Gateway | None:
+    """Start the LiteLLM gateway with the tap when a LiteLLM venv is set up; otherwise say so."""
+    if litellm_venv() is None:
+        print("  (skipped the gateway: no LiteLLM venv — no customer traffic, no blast radius; "
+              "scripts/demo.sh sets one up with scripts/setup-litellm.sh)", flush=True)  # fmt: skip
+        return None
+    gateway = start_gateway(workdir, urls, key, f"http://127.0.0.1:{port}", ingest_token)
+    print(f"  gateway   {gateway.url}  LiteLLM with the kvcanary tap (starting)", flush=True)
+    return gateway
+
+
+async def run_traffic(gateway: Gateway) -> None:
+    """Once the proxy answers, the customers send their traffic (``done`` is set either way)."""
+    if await wait_ready(gateway):
+        print(f"  gateway   {gateway.url} ready: 3 customers send traffic through it\n", flush=True)
+        await customers(gateway)
+    else:
+        print("  (the gateway did not start: see gateway.log in the workdir)", flush=True)
+        gateway.done.set()
+
+
+async def report_blast_radius(
+    monitor: Monitor, settings: Settings, paged: int | None, gateway: Gateway
+) -> None:
+    """Once the customers are done and the tap has delivered, print the paged incident's blast
+    radius and, where it is another, the boundary incident's (the over-pool answers)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(gateway.done.wait(), timeout=90)
+    await asyncio.sleep(3)  # the tap posts its batches within a second
+    for radius, page in await asyncio.to_thread(_radii, monitor, settings, paged):
+        print_blast_radius(radius, gateway, page)
+
+
+def _radii(monitor: Monitor, settings: Settings, paged: int | None) -> list[tuple[BlastRadius | None, str]]:
+    """The blast radii to print, with their pages' links (database work: off the event loop)."""
+    ids = [paged] if paged else []
+    out = []
+    with monitor.read_session_factory() as session:
+        boundary = session.execute(
+            select(Incident.id)
+            .join(Target)
+            .where(Target.name == "defective", Incident.probe == "boundary", Incident.state == "open")
+        ).scalar_one_or_none()
+        ids += [boundary] if boundary is not None and boundary not in ids else []
+        sources = sources_of(settings, monitor.traffic.judge)
+        for incident_id in ids:
+            radius = blast_radius(session, incident_id, settings, sources)
+            opened = radius.incident["opened_at"] if radius else None
+            page = incident_url(settings.api.base_url, incident_id, opened, monitor.token) if opened else ""
+            out.append((radius, page))
+    return out
 
 
 def print_blast_radius(radius: BlastRadius | None, gateway: Gateway, page_url: str) -> None:

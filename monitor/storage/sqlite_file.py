@@ -91,6 +91,26 @@ class SqliteFile:
             return None
         return target
 
+    def take_over_if_lost(self, health: Any, engine: Engine) -> None:  # health: recording.health.WriteHealth
+        """Notice the file deleted or replaced under the process: from then on results are spooled
+        (``health.lost`` is set before the copy, so none lands after its snapshot), what the file
+        held is saved beside the path, and pooled connections into the gone file are dropped (new
+        ones meet the guard). Once only: a lost file stays lost until the restart."""
+        if health.lost or not (lost := self.check()):
+            return
+        health.lost = lost
+        saved = self.save_orphan()
+        kept = f"what it held is saved as {saved}" if saved else "what it held could not be saved"
+        health.lost = f"{lost}; {kept}"
+        engine.dispose()
+        log.critical(
+            "%s; %s. Results are spooled from now on: put a migrated database at %s (the saved copy "
+            "is one) and restart kvcanary",
+            lost,
+            kept,
+            self.path,
+        )
+
     def guard(self, engine: Engine) -> None:
         """Refuse new connections of ``engine`` while the path is not the original file: SQLite
         would create an empty file there, and results would land in it unseen."""
