@@ -24,8 +24,6 @@ import gzip
 import json
 from typing import Any
 
-FORMATS = ("litellm", "sglang", "openai")
-
 #: The fields each format is read with, and their DuckDB types (nested objects are read as JSON).
 COLUMNS: dict[str, dict[str, str]] = {
     "litellm": {

@@ -151,3 +151,16 @@ def test_a_raw_key_in_a_log_never_becomes_a_callers_name_and_gzip_logs_are_read(
     assert {c: n.responses for c, n in tally.own.items()} == {digest: 1}  # the tenant's, known by its digest
     names = [*tally.callers, *tally.own]
     assert raw not in names and "another-raw-key" not in names
+
+
+def test_the_config_and_the_cli_name_exactly_the_formats_the_reader_maps() -> None:
+    from typing import get_args
+
+    from monitor.blast.log_formats import COLUMNS, NORMAL
+    from monitor.commands.cli import LogFormat
+    from monitor.config.settings import LogSourceConfig
+
+    mapped = {"auto", *COLUMNS}
+    assert set(COLUMNS) == set(NORMAL)
+    assert set(get_args(LogSourceConfig.model_fields["format"].annotation)) == mapped
+    assert {f.value for f in LogFormat} == mapped
