@@ -115,6 +115,8 @@ class Monitor:
         self.spool = open_spool(settings)
         self.metrics.watch_spool(self.spool)
         self.recorder = Recorder(settings, self.session_factory, self.spool)
+        if self.sqlite is not None:
+            self.recorder.health.file_check = self.sqlite.check
         self.metrics.watch_incidents(
             self._open_incident_counts, lambda: run_keys(self.settings), self.recorder.health
         )

@@ -9,6 +9,7 @@ not fire. What matters is whether verdicts land; the recorder notes each write's
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -23,6 +24,9 @@ class WriteHealth:
     lost: str = ""
     #: Whether the last write attempt failed (not a comparison of times: a clock may step back).
     last_failed: bool = False
+    #: Says now whether the database file is gone (SQLite's ``SqliteFile.check``), so a deletion is
+    #: reported by the first health check or scrape after it, not after the watcher's next look.
+    file_check: Callable[[], str] | None = None
 
     def succeeded(self) -> None:
         self.last_success_at, self.last_failed = time.time(), False
@@ -31,15 +35,20 @@ class WriteHealth:
         self.last_failure_at, self.last_error, self.last_failed = time.time(), error, True
 
     @property
+    def gone(self) -> str:
+        """Why nothing written lands: the file was taken over as lost, or is found gone now."""
+        return self.lost or (self.file_check() if self.file_check else "")
+
+    @property
     def failing(self) -> bool:
         """True while the last write attempt failed, or the database file is lost."""
-        return bool(self.lost) or self.last_failed
+        return self.last_failed or bool(self.gone)
 
     def report(self) -> dict[str, object]:
-        now = time.time()
-        report: dict[str, object] = {"status": "failing" if self.failing else "ok"}
+        now, gone = time.time(), self.gone
+        report: dict[str, object] = {"status": "failing" if gone or self.last_failed else "ok"}
         if self.last_success_at:
             report["last_success_age_seconds"] = round(now - self.last_success_at, 1)
-        if self.failing:
-            report["last_error"] = self.lost or self.last_error
+        if gone or self.last_failed:
+            report["last_error"] = gone or self.last_error
         return report

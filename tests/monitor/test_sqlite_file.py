@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from monitor.recording.health import WriteHealth
+from monitor.storage.sqlite_file import SqliteFile
 from tests.loopback import Loopback
 from tests.monitor.served import Served, reference_target
 from tests.probes.probe_harness import REFERENCE_INFO, FakeEngine
@@ -71,6 +73,10 @@ def test_a_sqlite_file_deleted_under_serve_is_noticed_saved_and_nothing_is_lost(
             and "was deleted" in lost["writes"]["last_error"]
         )
         assert monitor.value("kvcanary_database_up") == 0
+        # Reported by the first health check after the deletion; saved by the watcher's next look.
+        monitor.wait_for(
+            "the copy to be saved", lambda: "what it held is saved as" in monitor.log(), timeout=10
+        )
         saved = sorted(db.parent.glob(db.name + ".orphaned-*"))
         assert len(saved) == 1 and saved[0].stat().st_mode & 0o777 == 0o600
         assert rows(saved[0], "incident") == 1 and rows(saved[0], "probe_result") >= 6
@@ -94,3 +100,19 @@ def test_a_sqlite_file_deleted_under_serve_is_noticed_saved_and_nothing_is_lost(
     finally:
         monitor.stop()
         server.close()
+
+
+def test_a_deleted_file_fails_the_write_health_at_once_before_the_watcher_saves_it(tmp_path: Path) -> None:
+    path = tmp_path / "kvcanary.db"
+    sqlite3.connect(path).close()
+    file = SqliteFile(path)
+    health = WriteHealth(file_check=file.check)
+    health.succeeded()
+    try:
+        assert health.report()["status"] == "ok" and not health.failing
+        path.unlink()
+        report = health.report()
+        assert health.failing and report["status"] == "failing"
+        assert "was deleted" in str(report["last_error"]) and not health.lost  # not taken over yet
+    finally:
+        file.close()
