@@ -26,7 +26,7 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
             "demo",
             "--until-caught",
             "--duration",
-            "120",
+            "240",  # an upper bound: --until-caught ends it as soon as all is shown
             "--port",
             str(free_port()),
             "--workdir",
@@ -35,7 +35,7 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=150,
+        timeout=300,
     )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr

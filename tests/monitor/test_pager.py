@@ -259,7 +259,8 @@ def test_slow_alertmanagers_never_outlast_a_claim(
 ) -> None:
     """Posting a claimed batch stops at half the lease and hands the rest back: a claim that lapsed
     mid-batch would let another pager send the same events again, and out of order."""
-    monkeypatch.setattr(pager_module, "LEASE_SECONDS", 0.4)
+    lease = 1.0
+    monkeypatch.setattr(pager_module, "LEASE_SECONDS", lease)
     claimed_at: list[float] = []
     held: list[float] = []  # for each post, how long the claim holding it had run when it ended
 
@@ -269,7 +270,7 @@ def test_slow_alertmanagers_never_outlast_a_claim(
             return super()._claim()
 
     async def slow(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.25)  # six of these outlast the lease: the batch must be cut at half of it
         held.append(time.monotonic() - claimed_at[-1])
         return httpx.Response(200)
 
@@ -279,7 +280,7 @@ def test_slow_alertmanagers_never_outlast_a_claim(
                         transport=httpx.MockTransport(slow))  # fmt: skip
     pager = Timed(settings_for("http://am.test"), session_factory, delivery)
     assert asyncio.run(pager.drain()) == 6
-    assert len(held) == 6 and max(held) < 0.4, held  # every event sent once, within its claim
+    assert len(held) == 6 and max(held) < lease, held  # every event sent once, within its claim
     assert all(e.processed_at is not None and e.attempts == 1 for e in events(session_factory))
 
 
@@ -359,8 +360,9 @@ def test_a_failing_alertmanager_is_retried_with_a_bounded_jittered_backoff(sessi
     finally:
         server.close()
     failing = [t - started for t in posts if t - started <= healthy_after]
-    # A round posts the event, then re-sends the open alerts: posts 0.2 s apart or less are one round.
-    rounds = [t for i, t in enumerate(failing) if i == 0 or t - failing[i - 1] > 0.2]
+    # A round posts the event, then re-sends the open alerts; rounds are at least half a second apart
+    # (the shortest backoff jittered down to half), so posts closer than 0.4 s are one round.
+    rounds = [t for i, t in enumerate(failing) if i == 0 or t - failing[i - 1] > 0.4]
     gaps = [b - a for a, b in itertools.pairwise(rounds)]
     assert len(rounds) <= 8, rounds  # 1, 2, 4, 4, 4 s apart at most, jittered down to half
     assert max(gaps) <= 4.5 and max(seen) <= 4 and max(seen) > 1  # bounded, and said on /metrics

@@ -28,6 +28,7 @@ from sqlalchemy import create_engine, text
 
 from monitor.runs.replicas import HEARTBEAT_SECONDS, LEASE_SECONDS
 from tests.conftest import PG_HOST, PG_PORT, REPO, WorkerProcess, free_port, stop_process, wait_http
+from tests.services import wait_for
 
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]
 
@@ -102,16 +103,23 @@ def test_three_replicas_share_the_work_and_survivors_take_over_a_killed_ones(
     worker = start_worker("--mode", "aggregated")
     replicas = start_replicas(tmp_path, database_url, worker.url, 3)
     try:
-        time.sleep(HEARTBEAT_SECONDS * 2)  # every replica has seen the others
+        wait_for(
+            lambda: (
+                all(gauge(url, "kvcanary_replicas") == 3 for url, _ in replicas)
+                and sum(gauge(url, "kvcanary_pairs_owned") for url, _ in replicas) == TARGETS
+            ),
+            6 * HEARTBEAT_SECONDS,
+            "every replica to see the others and the pairs to be divided",
+        )
         owned = [gauge(url, "kvcanary_pairs_owned") for url, _ in replicas]
         assert sum(owned) == TARGETS and min(owned) > 0, owned
-        assert all(gauge(url, "kvcanary_replicas") == 3 for url, _ in replicas)
 
         window_start = datetime.now().astimezone()
         time.sleep(6 * INTERVAL)
         counts = [len(v) for v in runs_by_pair(database_url, window_start).values()]
-        # About once per interval overall: six intervals give six runs per pair, not eighteen.
-        assert len(counts) == TARGETS and max(counts) <= 8 and min(counts) >= 4, sorted(counts)
+        # About once per interval overall: six intervals give six runs per pair, not eighteen (a
+        # loaded machine may skip a tick or two, never add twelve).
+        assert len(counts) == TARGETS and max(counts) <= 8 and min(counts) >= 3, sorted(counts)
 
         _, killed = replicas.pop(0)
         os.killpg(killed.pid, signal.SIGKILL)
@@ -122,7 +130,9 @@ def test_three_replicas_share_the_work_and_survivors_take_over_a_killed_ones(
         after = runs_by_pair(database_url, killed_at)
         assert len(after) == TARGETS, f"pairs never probed after the kill: {TARGETS - len(after)}"
         worst = max((runs[0] - killed_at).total_seconds() for runs in after.values())
-        assert worst <= takeover + 2, f"a pair waited {worst:.1f}s for a survivor (limit {takeover:.0f}s)"
+        # Plus a heartbeat's lag or a skipped tick on a loaded machine; a pair not taken over waits forever.
+        limit = takeover + INTERVAL + 1
+        assert worst <= limit, f"a pair waited {worst:.1f}s for a survivor (limit {limit:.0f}s)"
         assert sum(gauge(url, "kvcanary_pairs_owned") for url, _ in replicas) == TARGETS
     finally:
         for _, proc in replicas:
@@ -154,11 +164,11 @@ def test_each_deployments_traffic_is_judged_once_by_one_replica_whichever_receiv
         return dict(answer.json())
 
     try:
-        wait_until = time.monotonic() + 3 * HEARTBEAT_SECONDS
-        while time.monotonic() < wait_until and not all(
-            gauge(u, "kvcanary_replicas") == 2 for u, _ in replicas
-        ):
-            time.sleep(0.5)
+        wait_for(
+            lambda: all(gauge(u, "kvcanary_replicas") == 2 for u, _ in replicas),
+            6 * HEARTBEAT_SECONDS,
+            "both replicas to see each other",
+        )
         flagged = 0
         for i in range(TARGETS):
             passage = text[1000 + 300 * i : 3000 + 300 * i]

@@ -127,7 +127,7 @@ def hung_target() -> Iterator[str]:
 def test_sigterm_with_a_run_in_flight_against_a_hung_target_exits_within_seconds(
     tmp_path: Path, hung_target: str
 ) -> None:
-    url, proc, log = serve(tmp_path, hung_target, shutdown_grace_seconds=3)
+    url, proc, log = serve(tmp_path, hung_target, shutdown_grace_seconds=5)
     waiting = threading.Thread(
         target=lambda: httpx.post(f"{url}/api/v1/targets/t/run?wait=120", headers=AUTH, timeout=200),
         daemon=True,
@@ -138,10 +138,11 @@ def test_sigterm_with_a_run_in_flight_against_a_hung_target_exits_within_seconds
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=60)
     took = time.monotonic() - started
-    print(f"\nSIGTERM with a run in flight on a hung target, grace 3 s: exited in {took:.1f}s")
+    print(f"\nSIGTERM with a run in flight on a hung target, grace 5 s: exited in {took:.1f}s")
     text = log.read_text()
-    # One grace from the signal, shared by open requests and runs in flight (not one each: 6.2 s).
-    assert took < 3 + 2.5, f"took {took:.1f}s to exit\n{text[-2000:]}"
+    # One grace from the signal, shared by open requests and runs in flight (not one each: twice
+    # the grace and more); the rest is cancelling, closing the writer and the interpreter's exit.
+    assert took < 5 + 4, f"took {took:.1f}s to exit\n{text[-2000:]}"
     assert "stopping: no new probe runs" in text and "kvcanary stopped cleanly" in text
 
 

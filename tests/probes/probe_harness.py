@@ -169,7 +169,7 @@ class FakeEngine:
     ``info`` is served at /get_server_info (None: 404); ``tokenize`` turns /tokenize on or off and
     ``count`` is its tokenizer (bytes by default).
     Every completion call is kept in ``calls``; ``max_in_flight`` counts overlapping ones;
-    ``info_reads`` counts the server-info lookups.
+    ``info_reads`` counts the server-info lookups; each completion is held ``hold_seconds``.
     """
 
     reply: Answer | None = None
@@ -180,6 +180,8 @@ class FakeEngine:
     in_flight: int = 0
     max_in_flight: int = 0
     info_reads: int = 0
+    #: Long enough for concurrent requests to overlap (a test of overlap on a loaded machine holds longer).
+    hold_seconds: float = 0.01
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -199,7 +201,7 @@ class FakeEngine:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            await asyncio.sleep(0.01)  # long enough for concurrent requests to overlap
+            await asyncio.sleep(self.hold_seconds)
             result = (self.reply or self.echo)(call)
             return await result if asyncio.iscoroutine(result) else result  # type: ignore[return-value]
         finally:

@@ -141,7 +141,7 @@ def test_one_tenant_is_an_error() -> None:
 
 
 def test_every_tenant_plants_and_reads_at_once_and_then_one_after_another() -> None:
-    engine = FakeEngine()
+    engine = FakeEngine(hold_seconds=0.3)  # six requests sent together overlap, however loaded the machine
     result = run_fake(engine, ("alice", "bob", "carol"))
     assert result.verdict is Verdict.PASS
     assert engine.max_in_flight == 6  # the concurrent round: three plants and three reads together

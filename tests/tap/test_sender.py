@@ -84,7 +84,7 @@ def test_a_monitor_that_is_down_costs_nothing_and_gets_what_waited(monitor: Moni
     start = time.perf_counter()
     for i in range(50):
         s.put(exchange(i))
-    assert time.perf_counter() - start < 0.05  # put() returns at once
+    assert time.perf_counter() - start < 0.5  # put() returns at once (the network's timeout is 5 s)
     wait_until(lambda: len(monitor.bodies) >= 2)  # refused, and tried again
     retried = {b["batch"] for b in monitor.bodies}
     monitor.answer = lambda body: httpx.Response(200, json={})
