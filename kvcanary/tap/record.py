@@ -75,8 +75,10 @@ class Exchange:
 
 
 def _name(value: object) -> str:
-    """A name fit for the record: plain (no control characters), at most ``MAX_NAME_CHARS``."""
-    return _CONTROL_RE.sub("", str(value or ""))[:MAX_NAME_CHARS]
+    """A name fit for the record: plain (no control characters), at most ``MAX_NAME_CHARS``, and
+    valid UTF-8 (a lone surrogate, written as JSON, gets the whole batch refused unparsed)."""
+    name = _CONTROL_RE.sub("", str(value or ""))[:MAX_NAME_CHARS]
+    return name if name.isascii() else name.encode("utf-8", "replace").decode()
 
 
 def _count(value: object) -> int | None:
@@ -113,7 +115,10 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
     """Return the record of ``exchange``: everything the monitor judges, and no text."""
     exchange = exchange.bounded()
     every_prompt_fp, prompt_cut = fingerprinter.fingerprints(exchange.prompt, cap=None)
-    prompt_fp = every_prompt_fp[:MAX_FINGERPRINTS]
+    # The whole prompt's print first: two callers who sent the same prompt are told apart from a
+    # leak when their answers match (a deterministic answer to one question is nobody's secret).
+    whole = [fingerprinter.whole(exchange.prompt)] if exchange.prompt else []
+    prompt_fp = [*whole, *every_prompt_fp][:MAX_FINGERPRINTS]
     response_fp, response_cut = fingerprinter.fingerprints(exchange.response)
     # The reader's own prompt, whole (not only the prints sent): a quote of it is no one else's text.
     own = set(every_prompt_fp)
@@ -150,5 +155,5 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
         },
         "markers": markers[:MAX_MARKERS],
         "fingerprints": {"prompt": prompt_fp, "response": response_fp},
-        "truncated": prompt_cut or response_cut or len(every_prompt_fp) > MAX_FINGERPRINTS,
+        "truncated": prompt_cut or response_cut or len(whole) + len(every_prompt_fp) > MAX_FINGERPRINTS,
     }

@@ -4,8 +4,10 @@ Nothing here ever blocks or fails the gateway's request: :meth:`Sender.put` cuts
 is fingerprinted (so the queue is bounded in bytes as well as in entries), appends and returns.
 The thread summarizes (so fingerprinting runs off the gateway's event loop), batches up to
 ``batch_records`` records or ``flush_seconds``, and posts. While the monitor is down, slow or
-redirecting, summaries wait (at most ``max_pending`` in all); past that the oldest not being sent
-are dropped and counted. The count is exported on the gateway side and reported to the monitor
+redirecting, summaries wait (at most ``max_pending`` in all) and the batch is tried again after
+``BACKOFF_SECONDS`` (customer requests summarize meanwhile, never post: a down monitor costs one
+post a step, not one per request); past ``max_pending`` the oldest not being sent are dropped and
+counted. The count is exported on the gateway side and reported to the monitor
 in the next batch it takes. Each batch carries an id, so one the monitor judged but whose answer
 was lost is not judged twice when it is sent again.
 
@@ -76,6 +78,9 @@ class Sender:
         self._queued_at: collections.deque[float] = collections.deque()  # beside _records
         self._sending = 0  # records at the head of _records in a post now: never dropped
         self._retry: tuple[str, int, int] | None = None  # the batch not yet taken: id, records, drops
+        self._retry_body: bytes = b""  # its encoded body: a retry does not serialize it again
+        #: No post before this (monotonic) while backing off: new exchanges are summarized, not sent.
+        self._next_try = 0.0
         self._max_pending = max_pending
         self._lock = threading.Condition()
         self._closed = False
@@ -137,27 +142,48 @@ class Sender:
                     return
             try:
                 self._summarize_waiting()
-                posted = self._post_batch() if self._records else True
+                with self._lock:
+                    due = self._post_due()
+                posted = self._post_batch() if due else None
             except Exception:  # the thread must outlive anything one try raises
                 log.exception("kvcanary tap: a batch failed; it waits for the next try")
                 posted = False
+            if posted is None:  # only summarized: the batch is not due yet
+                continue
             if posted:
-                failures = 0
+                failures, self._next_try = 0, 0.0
                 continue
             if self._closed:
                 return
-            with self._lock:  # a close wakes the backoff
-                self._lock.wait(BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)])
+            # Not a wait here: a customer's request (put) must not cut the backoff short, or a
+            # monitor that is down gets a post per request (and the gateway pays for each).
+            self._next_try = time.monotonic() + BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
             failures += 1
 
+    def _post_due(self) -> bool:
+        """Whether a batch is to be posted now: not while backing off (unless closing), and then a
+        full batch, one whose oldest record has waited ``flush_seconds``, or anything when closing."""
+        if not self._records:
+            return False
+        if self._closed:
+            return True
+        now = time.monotonic()
+        if now < self._next_try:
+            return False
+        return len(self._records) >= self.batch_records or now - self._queued_at[0] >= self.flush_seconds
+
     def _wait(self) -> float:
-        """Seconds to wait before there is work (0: now): exchanges to summarize, a full batch, or
-        a batch whose oldest record has waited ``flush_seconds``."""
-        if self._exchanges or self._closed or len(self._records) >= self.batch_records:
+        """Seconds to wait before there is work (0: now): exchanges to summarize, or a batch due."""
+        if self._exchanges or self._closed:
             return 0.0
         if not self._records:
             return self.flush_seconds
-        return max(0.0, self.flush_seconds - (time.monotonic() - self._queued_at[0]))
+        now = time.monotonic()
+        if now < self._next_try:
+            return self._next_try - now
+        if len(self._records) >= self.batch_records:
+            return 0.0
+        return max(0.0, self.flush_seconds - (now - self._queued_at[0]))
 
     def _summarize_waiting(self) -> None:
         while True:
@@ -184,18 +210,21 @@ class Sender:
                     min(self.batch_records, len(self._records)),
                     self._unreported_drops,
                 )
+                self._retry_body = b""
             batch_id, self._sending, reported = self._retry
             batch = [self._records[i] for i in range(self._sending)]
         try:
-            body = {"batch": batch_id, "gateway": self.gateway, "dropped": reported, "records": batch}
-            taken, refused = self._post(json.dumps(body).encode(), len(batch))
+            if not self._retry_body:
+                body = {"batch": batch_id, "gateway": self.gateway, "dropped": reported, "records": batch}
+                self._retry_body = json.dumps(body).encode()
+            taken, refused = self._post(self._retry_body, len(batch))
         finally:
             with self._lock:
                 sending, self._sending = self._sending, 0
         if not taken:
             return False
         with self._lock:
-            self._retry = None
+            self._retry, self._retry_body = None, b""
             self._unreported_drops -= reported
             for _ in range(sending):
                 self._records.popleft()

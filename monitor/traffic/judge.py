@@ -48,8 +48,11 @@ Routed = tuple[str, TrafficRecord, bool]
 
 @functools.lru_cache(maxsize=4096)  # every record asks; a gateway has a few deployments
 def api_base_key(url: str) -> str:
-    """Return the form routes compare: no trailing slash, no trailing ``/v1``, lower-case host."""
-    url = url.strip().rstrip("/").removesuffix("/v1").rstrip("/")
+    """Return the form routes compare: no trailing slash, no trailing ``/v1`` (any case, as the
+    blast radius's SQL strips it), lower-case scheme and host."""
+    url = url.strip().rstrip("/")
+    if url[-3:].lower() == "/v1":
+        url = url[:-3].rstrip("/")
     scheme, sep, rest = url.partition("://")
     host, slash, path = rest.partition("/")
     return f"{scheme.lower()}{sep}{host.lower()}{slash}{path}"

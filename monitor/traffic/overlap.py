@@ -8,7 +8,12 @@ caller* sent or was sent within the window, where
   prompt's prints sent hold, or one the tap marked ``OWN`` (0: the whole prompt holds it);
 - a fingerprint that ``common_callers`` or more distinct callers hold in the window is common
   (shared system prompts, licences, boilerplate) and breaks the run too;
-- the reader's own earlier traffic never counts (a conversation quoting itself).
+- the reader's own earlier traffic never counts (a conversation quoting itself);
+- a caller who holds every fingerprint of the reader's prompt (the tap sends the whole prompt's
+  print first, so this is "sent the same prompt") is excused: the same question answered the same
+  way for two callers is nobody's secret. An empty prompt excuses no one;
+- a response found to carry another caller's text is not added to the window (only its prompt
+  is): a leak served to several callers must not make the leaked text look common.
 
 A fingerprint stands for 8 words and one in four n-grams is kept, so a run of 8 means a passage of
 about 40 words copied in order. The window is bounded twice: by age (``window_seconds``) and by
@@ -61,10 +66,17 @@ class OverlapWindow:
     def held(self) -> int:
         return self._held
 
-    def longest_run(self, caller: str, prompt: list[int], response: list[int], now: float) -> Overlap:
-        """Return the longest run of ``response`` another caller holds (module doc)."""
+    def longest_run(
+        self,
+        caller: str,
+        prompt: list[int],
+        response: list[int],
+        now: float,
+        excused: frozenset[str] = frozenset(),
+    ) -> Overlap:
+        """Return the longest run of ``response`` another caller (not one ``excused``) holds."""
         self._expire(now)
-        own = set(prompt)
+        own, skip = set(prompt), {caller, *excused}
         runs: dict[str, int] = {}
         best, best_caller = 0, ""
         for fingerprint in response:
@@ -72,11 +84,16 @@ class OverlapWindow:
             if fingerprint == OWN or fingerprint in own or not holders or len(holders) >= self.common_callers:
                 runs = {}
                 continue
-            runs = {other: runs.get(other, 0) + 1 for other in holders if other != caller}
+            runs = {other: runs.get(other, 0) + 1 for other in holders if other not in skip}
             for other, run in runs.items():
                 if run > best:
                     best, best_caller = run, other
         return Overlap(best, best_caller, len(response))
+
+    def holds_all(self, caller: str, prints: list[int]) -> bool:
+        """Whether ``caller`` holds every one of ``prints`` (OWN aside) in the window; False for none."""
+        distinct = set(prints) - {OWN}
+        return bool(distinct) and all(caller in self._holders.get(f, ()) for f in distinct)
 
     def add(self, caller: str, fingerprints: list[int], now: float) -> None:
         """Hold one exchange's fingerprints (its prompt's and its response's) for the window."""

@@ -5,12 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcanary.tap.fingerprints import OWN, Fingerprinter
+from kvcanary.tap.record import Exchange, summarize
+from monitor.traffic.checks import overlap_check
 from monitor.traffic.overlap import OverlapWindow
+from monitor.traffic.schema import TrafficRecord
 
 KEY = b"a-test-fingerprint-key-0123456789"
 FP = Fingerprinter(KEY)
 GPL = Path("/usr/share/common-licenses/GPL-3").read_text()
 APACHE = Path("/usr/share/common-licenses/Apache-2.0").read_text()
+MPL = Path("/usr/share/common-licenses/MPL-2.0").read_text()
 
 
 def prints(text: str) -> list[int]:
@@ -47,3 +51,32 @@ def test_the_window_forgets_by_age_and_by_size() -> None:
     for i in range(40):
         window.add(f"c{i}", prints(GPL[i * 800 : i * 800 + 4000]), now=100.0)
     assert window.held <= 1000
+
+
+def judge(window: OverlapWindow, caller: str, prompt: str, response: str, now: float) -> str:
+    """The overlap check's verdict on one exchange as the tap summarizes it."""
+    rec = TrafficRecord.model_validate(
+        summarize(Exchange(f"{caller}-{now}", 1.8e9, caller, "team", "http://x/v1", prompt=prompt,
+                           response=response), FP)
+    )  # fmt: skip
+    found = overlap_check(rec, window, now)
+    return found.verdict if found is not None else "none"
+
+
+def test_the_same_question_answered_the_same_for_two_callers_is_not_a_leak() -> None:
+    window = OverlapWindow()
+    answer = MPL[:2500]  # a deterministic answer: a licence text written out
+    assert judge(window, "acme", "Print the licence of this package.", answer, 1.0) == "pass"
+    assert judge(window, "globex", "Print the licence of this package.", answer, 2.0) == "pass"
+    # Asked something else, and answered with acme's answer: that is acme's text.
+    assert judge(window, "initech", "What is the capital of Peru?", answer, 3.0) == "leak"
+
+
+def test_a_leak_served_to_many_callers_is_caught_in_every_answer() -> None:
+    window = OverlapWindow(common_callers=3)
+    assert judge(window, "acme", GPL[:6000], "Noted.", 1.0) == "none"  # no answer to judge
+    verdicts = [
+        judge(window, caller, f"Summarize my notes, number {i}.", "Sure: " + GPL[1000:3000], 2.0 + i)
+        for i, caller in enumerate(("b", "c", "d", "e", "f"))
+    ]
+    assert verdicts == ["leak"] * 5  # the leaked text never turns common by being leaked

@@ -96,6 +96,13 @@ def post(client: TestClient, records: list[dict[str, Any]], token: str = INGEST,
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "base", [BASE, BASE + "/", BASE.upper().replace("HTTP://", "http://"), "HTTP://127.0.0.1:30000/V1/"]
+)
+def test_a_record_is_routed_whatever_the_case_of_its_host_and_v1(client: TestClient, base: str) -> None:
+    assert post(client, [record(1, api_base=base)]).json()["accepted"] == 1
+
+
 def test_the_ingest_token_posts_traffic_and_reads_nothing(client: TestClient) -> None:
     assert post(client, [record(1)]).json() == {
         "accepted": 1,
@@ -138,6 +145,14 @@ def test_a_bad_record_is_422_naming_the_field_and_costs_none_of_the_others(
         assert s.scalars(select(TrafficRecordRow.request_id)).all() == ["req-1"]
         assert s.scalar(select(func.count()).select_from(TrafficMinute)) == 1
     assert "a customer's words" not in answer.text  # a refusal never echoes what was sent
+
+
+def test_a_record_that_is_not_an_object_costs_only_itself(client: TestClient) -> None:
+    answer = post(client, [record(1, usage={"prompt_tokens": 1}), None, "a string"])  # type: ignore[list-item]
+    assert answer.status_code == 422, answer.text
+    body = answer.json()
+    assert {tuple(e["loc"][:2]) for e in body["detail"]} == {("records", 1), ("records", 2)}, body
+    assert (body["accepted"], body["flagged"], body["rejected"]) == (1, 1, 2)
 
 
 def test_a_batch_sent_again_is_judged_once(client: TestClient, session_factory: Factory) -> None:

@@ -71,6 +71,8 @@ def test_names_timings_and_keys_are_made_to_fit_and_no_key_leaves() -> None:
     assert rec["latency_seconds"] is None and rec["ttft_seconds"] is None and rec["status"] == 500
     assert "\x00" not in rec["model_group"]  # type: ignore[operator]
     TrafficRecord.model_validate(rec)  # the monitor takes it
+    odd = record_of(model="m\ud800", finish_reason="stop\udfff", request_id="r\ud83d")  # lone surrogates
+    TrafficRecord.model_validate_json(json.dumps(odd))  # as the monitor parses a posted batch
     sk = "sk-acme-0001"
     assert (
         record_of(key_hash=hashlib.sha256(sk.encode()).hexdigest())["key_hash"]

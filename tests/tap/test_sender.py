@@ -94,6 +94,21 @@ def test_a_monitor_that_is_down_costs_nothing_and_gets_what_waited(monitor: Moni
     s.close()
 
 
+def test_customer_requests_do_not_cut_the_backoff_short(monitor: Monitor) -> None:
+    """A monitor that is down (or refuses the token) gets one post per backoff step, not one per
+    customer request: each post serializes the batch again, in the gateway."""
+    monitor.answer = lambda body: httpx.Response(503)
+    s = sender(monitor.server.url, flush_seconds=0.05)
+    for i in range(150):  # 100 requests a second for 1.5 s
+        s.put(exchange(i))
+        time.sleep(0.01)
+    posts = len(monitor.bodies)
+    assert 1 <= posts <= 4, posts  # tries at 0, +0.5 s and +1.5 s (+ one at the edge)
+    monitor.answer = lambda body: httpx.Response(200, json={})
+    wait_until(lambda: s.sent == 150, timeout=20)
+    s.close()
+
+
 def test_past_its_bound_the_oldest_waiting_are_dropped_counted_and_reported(monitor: Monitor) -> None:
     monitor.answer = lambda body: httpx.Response(503)
     s = sender(monitor.server.url, flush_seconds=0.05, max_pending=5, batch_records=2)
