@@ -10,8 +10,12 @@ away. A gateway's report of the records it dropped is counted once its batch is 
 With replicas, each deployment's traffic belongs to one of them (rendezvous hashing of (target,
 "traffic") over the live replicas, as probe pairs are divided): the replica a batch reaches judges
 its own deployments' records and hands the rest to their owners' APIs (``X-KVCanary-Forwarded``),
-so each record is judged once and each fingerprint window lives in one place. An owner that does
-not answer has its records judged where they arrived: a window split for a while, nothing lost.
+so each record is judged once and each fingerprint window lives in one place. Each owner's share
+of a batch is known by one id wherever the batch arrives (the batch's id and the owner's), so a
+batch the tap sends again through a load balancer to another replica is judged once there too.
+Owners are handed their shares at once, each within ``FORWARD_TIMEOUT_SECONDS`` (under the tap's
+own 5 s); one that does not answer has its records judged where they arrived: a window split for
+a while, nothing lost.
 """
 
 from __future__ import annotations
@@ -38,11 +42,18 @@ from monitor.traffic.schema import TrafficBatch, TrafficRecord
 log = logging.getLogger("kvcanary.traffic")
 
 #: Seconds an owner replica has to take handed-over records before they are judged here.
-FORWARD_TIMEOUT_SECONDS = 5.0
+FORWARD_TIMEOUT_SECONDS = 2.0
 #: Batch ids remembered (a tap sends a batch again only until it is taken: a few suffice).
 REMEMBERED_BATCHES = 4096
 #: Gateways named in metric labels; any more are counted as "other" (a label per client is unbounded).
 MAX_GATEWAYS = 64
+
+
+def share_of(batch: TrafficBatch, owner: str) -> TrafficBatch:
+    """The envelope of ``owner``'s share of ``batch``: its id derived from the batch's and the
+    owner's, the same on every replica, so a share is judged once wherever the batch is sent."""
+    share = None if batch.batch is None else hashlib.sha256(f"{batch.batch}{owner}".encode()).hexdigest()[:32]
+    return TrafficBatch.model_construct(batch=share, gateway=batch.gateway, dropped=batch.dropped, records=[])
 
 
 class TrafficIngest:
@@ -90,8 +101,12 @@ class TrafficIngest:
             target = self.judge.target_of(record)
             owner = membership.owner(target, "traffic") if target is not None else membership.id
             (mine.append(record) if owner == membership.id else theirs[owner].append(record))
-        answers = [await self._forward(owner, batch, handed, mine) for owner, handed in theirs.items()]
-        answers.append(await self._ingest(batch, mine))
+        answers = list(
+            await asyncio.gather(
+                *(self._forward(owner, batch, handed, mine) for owner, handed in theirs.items())
+            )
+        )
+        answers.append(await self._dedupe(share_of(batch, membership.id), mine, self._ingest))
         return {k: sum(a.get(k, 0) for a in answers) for k in answers[-1]}
 
     async def _forward(
@@ -99,12 +114,8 @@ class TrafficIngest:
     ) -> dict[str, Any]:
         """Post ``records`` to ``owner``; on failure, add them to ``fallback`` (judged here)."""
         url = self.membership.urls.get(owner, "") if self.membership else ""
-        # Derived from the batch's id, so a batch sent again reaches the owner under the same one.
-        handed_id = (
-            None if batch.batch is None else hashlib.sha256(f"{batch.batch}{owner}".encode()).hexdigest()[:32]
-        )
         body = {
-            "batch": handed_id,
+            "batch": share_of(batch, owner).batch,
             "gateway": batch.gateway,
             "records": [r.model_dump(mode="json") for r in records],
         }
