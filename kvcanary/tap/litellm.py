@@ -41,13 +41,22 @@ class KVCanaryTap(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type 
     def __init__(self, tap: Tap):
         super().__init__()
         self.tap = tap
+        self._warned_redacted = False
 
     def _observe(self, kwargs: dict[str, Any], status: int) -> None:
         payload = kwargs.get("standard_logging_object")
         if not isinstance(payload, dict):
             return
         try:
-            self.tap.observe(exchange_of(payload, status))
+            exchange = exchange_of(payload, status)
+            if exchange.extra.get("redacted") and not self._warned_redacted:
+                self._warned_redacted = True
+                log.error(
+                    "kvcanary tap: LiteLLM redacts messages (turn_off_message_logging or a caller's "
+                    "redaction): those requests are sent without sizes or prints, and the capacity, "
+                    "tokens, marker and overlap checks cannot judge them"
+                )
+            self.tap.observe(exchange)
         except Exception:  # a tap never fails a request, nor LiteLLM's other callbacks
             log.exception("kvcanary tap: cannot read LiteLLM's logging payload")
 

@@ -5,6 +5,11 @@ anywhere: the shapes are LiteLLM 1.110.2's (``id``, ``api_base``, ``model``, ``m
 ``stream``, ``prompt_tokens``, ``completion_tokens``, ``startTime``/``endTime``/``completionStartTime``
 as epoch floats, ``messages``, ``response`` assembled for streams too, ``end_user``, and
 ``metadata.user_api_key_*``).
+
+When LiteLLM redacts messages (``turn_off_message_logging``, or a caller's redaction), the payload
+holds ``redacted-by-litellm`` in their place: such a text is no one's, so it is sent as none (no
+size of 19 characters for a prompt of any length, no prints), and the exchange says it was
+redacted (``extra["redacted"]``) for the tap to warn about.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvcanary.tap.record import Exchange
+
+#: What LiteLLM puts in place of a redacted text (``litellm.constants.REDACTED_BY_LITELLM``).
+REDACTED = "redacted-by-litellm"
 
 
 def _text(content: Any) -> str:
@@ -73,6 +81,8 @@ def exchange_of(payload: dict[str, Any], status: int) -> Exchange:
     caller, kind = caller_of(metadata, payload.get("end_user"))
     prompt, messages = prompt_of(payload.get("messages"))
     response, finish, cached = response_of(payload.get("response"))
+    redacted = [text for text in (prompt, response) if text.strip() == REDACTED]
+    prompt, response = ("" if t.strip() == REDACTED else t for t in (prompt, response))
     start, end = payload.get("startTime"), payload.get("endTime")
     first = payload.get("completionStartTime")
     number = (int, float)
@@ -96,4 +106,5 @@ def exchange_of(payload: dict[str, Any], status: int) -> Exchange:
         prompt_tokens=payload.get("prompt_tokens"),
         completion_tokens=payload.get("completion_tokens"),
         cached_tokens=cached,
+        extra={"redacted": True} if redacted else {},
     )

@@ -108,3 +108,8 @@ def test_litellm_payloads_become_exchanges() -> None:
     assert abs((ex.ttft_seconds or 0) - 0.1) < 1e-9
     del payload["metadata"]["user_api_key_team_id"], payload["metadata"]["user_api_key_alias"]  # type: ignore[attr-defined]
     assert exchange_of(payload, 200).caller_kind == "key_hash"
+    payload["messages"] = [{"role": "user", "content": "redacted-by-litellm"}]
+    payload["response"] = {"choices": [{"message": {"content": "redacted-by-litellm"}}]}
+    redacted = exchange_of(payload, 200)  # turn_off_message_logging: no text is the placeholder's
+    assert (redacted.prompt, redacted.response, redacted.extra) == ("", "", {"redacted": True})
+    assert record_of(prompt=redacted.prompt)["prompt"]["chars"] == 0  # unjudged, not 19 characters
