@@ -6,12 +6,19 @@
   ``capacity`` for a target without named nodes), kept ``POOL_SECONDS``, and a reading that found
   no pool kept ``UNKNOWN_POOL_SECONDS`` so that a node that does not answer is not asked again
   for every batch.
+
+A batch waits at most ``FACT_WAIT_SECONDS`` for either (a hung target read with its 30 s timeout
+stalled every batch behind it, and the tap's 5 s post with them): past that it is judged with
+what is known (the last reading, or none), and the reading goes on, once however many batches
+ask, for the batches after it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from monitor.targets.calibration import RECOUNT_SECONDS, SAMPLE_TEXT
@@ -19,6 +26,7 @@ from probes.target import ServerCapacity
 
 POOL_SECONDS = 600.0
 UNKNOWN_POOL_SECONDS = 60.0
+FACT_WAIT_SECONDS = 2.5
 
 
 def smallest_pool(reading: ServerCapacity) -> int | None:
@@ -34,6 +42,7 @@ class TargetFacts:
         self.clock = clock
         self._counted: dict[str, float] = {}  # when the judge last counted SAMPLE_TEXT, by target
         self._pools: dict[tuple[str, str], tuple[float, int | None]] = {}
+        self._reading: dict[tuple[str, str], asyncio.Task[int | None]] = {}
 
     def forget(self, target: str) -> None:
         """Drop what is kept of ``target`` (a reload gave it a new client)."""
@@ -53,7 +62,9 @@ class TargetFacts:
             now = self.clock()
             if now - self._counted.get(target, float("-inf")) >= RECOUNT_SECONDS:
                 self._counted[target] = now
-                await client.count_tokens(SAMPLE_TEXT)  # type: ignore[union-attr]  # noted by the calibration
+                counting = _background(client.count_tokens(SAMPLE_TEXT))  # type: ignore[union-attr]
+                with contextlib.suppress(TimeoutError):  # noted by the calibration when it comes
+                    await asyncio.wait_for(asyncio.shield(counting), FACT_WAIT_SECONDS)
         return calibration.chars_per_token  # type: ignore[no-any-return]
 
     async def pool(self, target: str, node: str) -> int | None:
@@ -62,6 +73,17 @@ class TargetFacts:
         kept = self._pools.get((target, node))
         if kept is not None and now - kept[0] < (POOL_SECONDS if kept[1] else UNKNOWN_POOL_SECONDS):
             return kept[1]
+        key = (target, node)
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = self._reading[key] = _background(self._read_pool(target, node, now))
+            reading.add_done_callback(lambda _: self._reading.pop(key, None))
+        try:
+            return await asyncio.wait_for(asyncio.shield(reading), FACT_WAIT_SECONDS)
+        except TimeoutError:
+            return kept[1] if kept is not None else None
+
+    async def _read_pool(self, target: str, node: str, now: float) -> int | None:
         client = self.clients.get(target)
         found: int | None = None
         if client is not None and hasattr(client, "capacity"):
@@ -72,3 +94,10 @@ class TargetFacts:
             found = smallest_pool(reading)
         self._pools[(target, node)] = (now, found)
         return found
+
+
+def _background(work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    """A task that may outlive its first waiter; a failure nobody awaits is not reported as lost."""
+    task = asyncio.create_task(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
