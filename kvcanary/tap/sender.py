@@ -4,12 +4,12 @@ Nothing here ever blocks or fails the gateway's request: :meth:`Sender.put` cuts
 is fingerprinted (so the queue is bounded in bytes as well as in entries), appends and returns.
 The thread summarizes (so fingerprinting runs off the gateway's event loop), batches up to
 ``batch_records`` records or ``flush_seconds``, and posts. While the monitor is down, slow or
-redirecting, summaries wait (at most ``max_pending`` in all) and the batch is tried again after
-``BACKOFF_SECONDS`` (customer requests summarize meanwhile, never post: a down monitor costs one
-post a step, not one per request); past ``max_pending`` the oldest not being sent are dropped and
-counted. The count is exported on the gateway side and reported to the monitor
-in the next batch it takes. Each batch carries an id, so one the monitor judged but whose answer
-was lost is not judged twice when it is sent again.
+redirecting, summaries wait (at most ``max_pending`` in all, holding at most ``max_pending_bytes``
+of texts and prints) and the batch is tried again after ``BACKOFF_SECONDS`` (customer requests
+summarize meanwhile, never post: a down monitor costs one post a step, not one per request); past
+either bound the oldest not being sent are dropped and counted. The count is exported on the
+gateway side and reported to the monitor in the next batch it takes. Each batch carries an id, so
+one the monitor judged but whose answer was lost is not judged twice when it is sent again.
 
 The thread survives anything a try can raise (a gateway's odd payload, a monitor that answers
 nonsense): the failure is logged and the batch waits for the next try.
@@ -36,6 +36,18 @@ log = logging.getLogger("kvcanary.tap")
 
 #: Seconds between tries while the monitor does not take a batch (the last repeats).
 BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0, 10.0)
+#: What a queued fingerprint costs in memory (a Python int and its place in a list), and a record
+#: beside its prints: the byte bound counts these and the queued texts' characters.
+PRINT_BYTES = 40
+RECORD_BYTES = 1024
+
+
+def _held_bytes(item: Exchange | dict[str, Any]) -> int:
+    """Roughly what a queued exchange (its cut texts) or record (its prints) holds in memory."""
+    if isinstance(item, Exchange):
+        return len(item.prompt) + len(item.response) + RECORD_BYTES
+    prints = item["fingerprints"]
+    return (len(prints["prompt"]) + len(prints["response"])) * PRINT_BYTES + RECORD_BYTES
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -60,6 +72,7 @@ class Sender:
         *,
         gateway: str = "",
         max_pending: int = 10_000,
+        max_pending_bytes: int = 256 * 1024 * 1024,
         batch_records: int = 200,
         flush_seconds: float = 1.0,
         timeout_seconds: float = 5.0,
@@ -82,6 +95,8 @@ class Sender:
         #: No post before this (monotonic) while backing off: new exchanges are summarized, not sent.
         self._next_try = 0.0
         self._max_pending = max_pending
+        self._max_bytes = max_pending_bytes
+        self._bytes = 0  # what the queues hold (_held_bytes), under _lock
         self._lock = threading.Condition()
         self._closed = False
         #: Counters, read by tests and the gateway's metrics.
@@ -93,26 +108,43 @@ class Sender:
         self._thread.start()
 
     def put(self, exchange: Exchange) -> None:
-        """Queue one exchange; past ``max_pending``, drop the oldest waiting. Never raises."""
+        """Queue one exchange; past ``max_pending`` or ``max_pending_bytes``, drop the oldest
+        waiting. Never raises."""
         exchange = exchange.bounded()
+        size = _held_bytes(exchange)
         with self._lock:
-            if self.pending >= self._max_pending:
-                held = self._retry[1] if self._retry is not None else 0  # a batch to send again
-                if len(self._records) > held:
-                    del self._records[held]
-                    del self._queued_at[held]
-                elif self._exchanges:
-                    self._exchanges.popleft()
-                else:  # everything waiting is in a post: this one goes
+            while self.pending >= self._max_pending or (
+                self.pending and self._bytes + size > self._max_bytes
+            ):
+                if not self._drop_oldest():  # everything waiting is in a post: this one goes
                     self._count_drop(1)
                     return
-                self._count_drop(1)
             self._exchanges.append(exchange)
+            self._bytes += size
             self._lock.notify()
+
+    def _drop_oldest(self) -> bool:
+        """Drop the oldest record not in a post (else the oldest exchange); False: none can go."""
+        held = self._retry[1] if self._retry is not None else 0  # a batch to send again
+        if len(self._records) > held:
+            self._bytes -= _held_bytes(self._records[held])
+            del self._records[held]
+            del self._queued_at[held]
+        elif self._exchanges:
+            self._bytes -= _held_bytes(self._exchanges.popleft())
+        else:
+            return False
+        self._count_drop(1)
+        return True
 
     @property
     def pending(self) -> int:
         return len(self._exchanges) + len(self._records)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Roughly what the waiting exchanges and records hold (bounded by ``max_pending_bytes``)."""
+        return self._bytes
 
     @property
     def alive(self) -> bool:
@@ -191,6 +223,7 @@ class Sender:
                 if not self._exchanges:
                     return
                 exchange = self._exchanges.popleft()
+                self._bytes -= _held_bytes(exchange)
             try:
                 record = summarize(exchange, self._fingerprinter)
             except Exception:  # a gateway's odd payload costs its record, never the thread
@@ -200,6 +233,7 @@ class Sender:
             with self._lock:
                 self._records.append(record)
                 self._queued_at.append(time.monotonic())
+                self._bytes += _held_bytes(record)
 
     def _post_batch(self) -> bool:
         """Post the oldest records; return False when the monitor did not take them (they stay)."""
@@ -227,7 +261,7 @@ class Sender:
             self._retry, self._retry_body = None, b""
             self._unreported_drops -= reported
             for _ in range(sending):
-                self._records.popleft()
+                self._bytes -= _held_bytes(self._records.popleft())
                 self._queued_at.popleft()
             self.sent += len(batch) - refused
             self.rejected += refused

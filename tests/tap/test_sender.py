@@ -125,6 +125,20 @@ def test_past_its_bound_the_oldest_waiting_are_dropped_counted_and_reported(moni
     s.close()
 
 
+def test_past_its_byte_bound_the_oldest_waiting_are_dropped(monitor: Monitor) -> None:
+    """Few but huge exchanges: the queue is bounded by what it holds, not only by its length."""
+    monitor.answer = lambda body: httpx.Response(503)
+    big = "word " * 20_000  # 100 KB a text: cut to 64 KB each side
+    s = sender(monitor.server.url, flush_seconds=0.05, max_pending_bytes=1_000_000)
+    for i in range(40):
+        s.put(exchange(i, big))
+    assert s.dropped > 20 and s.pending < 40 and s.pending_bytes <= 1_000_000
+    monitor.answer = lambda body: httpx.Response(200, json={})
+    wait_until(lambda: s.pending == 0)
+    assert "r39" in monitor.records() and s.pending_bytes == 0  # the newest kept; all accounted
+    s.close()
+
+
 def test_refused_records_are_counted_and_not_sent_again(monitor: Monitor) -> None:
     monitor.answer = lambda body: httpx.Response(422, json={"detail": [], "rejected": 1})
     s = sender(monitor.server.url, flush_seconds=0.05)
