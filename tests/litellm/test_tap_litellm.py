@@ -11,6 +11,7 @@ probes the same workers and judges every record the tap posts.
 - The healthy worker, with a system prompt and a licence every caller sends, raises nothing.
 - A monitor killed (SIGKILL) for a minute costs the gateway nothing: no request fails or slows,
   and the tap delivers what waited once it is back.
+- A canary's marker read from stale pages into a customer's answer is a `traffic_marker` leak that pages.
 - Afterwards no customer sentence is in the monitor's database, spool or log.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from kvcanary.tap.record import MARKER_RE
 from tests.conftest import WorkerProcess
 from tests.litellm.conftest import CALLERS, Proxy
 from tests.monitor.served import Served, reference_target
@@ -209,6 +211,53 @@ def test_over_pool_answers_in_customer_traffic_open_incidents_and_page(
 
         for alert in monitor.wait_for("pages", paged):
             assert alert["labels"]["check"] == alert["labels"]["probe"].removeprefix("traffic_")
+        assert_no_customer_text(monitor, sentences)
+    finally:
+        am.stop()
+
+
+@pytest.mark.external_service
+def test_a_canarys_marker_in_a_customers_answer_is_a_leak_that_pages(
+    tmp_path: Path,
+    start_worker: Callable[..., WorkerProcess],
+    served: Callable[..., Served],
+    litellm_proxy: Callable[..., Proxy],
+) -> None:
+    """The canary plants markers every second; freed pages are handed out last-freed first, so a
+    customer's over-pool request answered from stale decode pages reads the canary's own."""
+    worker = start_worker(*DEFECTIVE)
+    am = start_alertmanager(tmp_path / "am")
+    try:
+        config = {**monitor_config(worker.url), "alertmanagers": [{"url": am.url}]}
+        monitor = with_ingest_token(served(config)).start()
+        proxy = litellm_proxy({"shop": worker.url}, tap_env(monitor))
+        wait_calibrated(monitor)
+        rng = random.Random(5)
+        sentences, carried = [], 0
+        for _ in range(8):
+            over = " ".join(customer_sentence(rng, "initech", 60) for _ in range(6))
+            sentences.append(over)
+            answer = ask(client_of(proxy, "sk-initech-0003"), "shop", [{"role": "user", "content": over}],
+                         stream=False, max_tokens=600)  # fmt: skip
+            carried += bool(MARKER_RE.search(answer))
+            if carried >= 2:
+                break
+            time.sleep(0.7)  # a canary run between two requests
+        assert carried, "no over-pool answer carried a marker-shaped string"
+        found = monitor.wait_for(
+            "a traffic_marker incident", lambda: open_traffic_incidents(monitor).get("traffic_marker")
+        )
+        assert found["severity"] == "critical"
+        kept = monitor.get("/api/v1/traffic", target="shared", check="marker").json()["items"]
+        assert kept and all(r["caller"] == "initech" for r in kept)
+        results = monitor.get("/api/v1/probe-results", probe="traffic_marker", verdict="leak").json()
+        result = results["items"][0]
+        assert {r["caller"] for r in result["evidence"]["records"]} == {"initech"}
+        markers = [m for r in kept for m in r["findings"]["marker"]["markers"]]
+        assert markers and all(m["owner_target"] == "shared" and m["marker_sha256"] for m in markers)
+        assert "KVC-" not in str(result) and "KVC-" not in str(kept)  # ids and digests, never a marker
+        alert = monitor.wait_for("the page", lambda: am.alerts(target="shared", probe="traffic_marker"))[0]
+        assert alert["labels"]["check"] == "marker" and alert["labels"]["severity"] == "critical"
         assert_no_customer_text(monitor, sentences)
     finally:
         am.stop()
