@@ -22,7 +22,7 @@ import random
 import signal
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from kvcanary.tap.record import MARKER_RE
 from tests.conftest import WorkerProcess
 from tests.litellm.conftest import CALLERS, Proxy
 from tests.monitor.served import Served, reference_target
-from tests.services import start_alertmanager
+from tests.services import Alertmanager, start_alertmanager
 
 DEFECTIVE = (
     "--mode", "disaggregated", "--admission", "placeholder", "--prefill-pool-tokens", "1024",
@@ -149,13 +149,15 @@ def open_traffic_incidents(monitor: Served) -> dict[str, dict[str, Any]]:
     return {i["probe"]: i for i in items if i["probe"].startswith("traffic_")}
 
 
-@pytest.mark.external_service
-def test_over_pool_answers_in_customer_traffic_open_incidents_and_page(
+@pytest.fixture
+def paged_defective(
     tmp_path: Path,
     start_worker: Callable[..., WorkerProcess],
     served: Callable[..., Served],
     litellm_proxy: Callable[..., Proxy],
-) -> None:
+) -> Iterator[tuple[Served, Proxy, Alertmanager]]:
+    """The defective worker behind the proxy with the tap, probed and judged by a monitor that
+    pages a real Alertmanager; the canary has sized its prompts."""
     worker = start_worker(*DEFECTIVE)
     am = start_alertmanager(tmp_path / "am")
     try:
@@ -163,104 +165,101 @@ def test_over_pool_answers_in_customer_traffic_open_incidents_and_page(
         monitor = with_ingest_token(served(config)).start()
         proxy = litellm_proxy({"shop": worker.url}, tap_env(monitor))
         wait_calibrated(monitor)
-        rng = random.Random(7)
-        sentences: list[str] = []
-        for round_ in range(6):
-            for i, key in enumerate(CALLERS):
-                team = CALLERS[key][0]
-                text = customer_sentence(rng, team, 90 + 15 * (round_ % 3))  # under the 1,024-token pool
-                sentences.append(text)
-                ask(
-                    client_of(proxy, key),
-                    "shop",
-                    [{"role": "user", "content": text}],
-                    stream=i % 2 == 0,
-                    max_tokens=64,
-                )
-            # One caller's long prompt, over the 1,024-token prefill pool: the defect's trigger.
-            over = " ".join(customer_sentence(rng, "globex", 60) for _ in range(6))
-            sentences.append(over)
-            ask(
-                client_of(proxy, "sk-globex-0002"),
-                "shop",
-                [{"role": "user", "content": over}],
-                stream=round_ % 2 == 1,
-                max_tokens=600,
-            )
-        found = monitor.wait_for(
-            "capacity, tokens and overlap incidents",
-            lambda: (
-                (o := open_traffic_incidents(monitor)).keys()
-                >= {"traffic_capacity", "traffic_tokens", "traffic_overlap"}
-                and o
-            ),
-            timeout=60,
-        )
-        assert found["traffic_capacity"]["severity"] == "high"
-        assert found["traffic_overlap"]["severity"] == "critical"
-        kept = monitor.get("/api/v1/traffic", target="shared", check="capacity").json()["items"]
-        assert kept and all(r["caller"] == "globex" and r["status_code"] == 200 for r in kept)
-        assert all(r["estimated_prompt_tokens"] > r["kv_pool_tokens"] == 1024 for r in kept)
-        overlap = monitor.get("/api/v1/traffic", check="overlap").json()["items"]
-        assert overlap and all(r["findings"]["overlap"]["other_caller"] != r["caller"] for r in overlap)
-
-        def paged() -> list[dict[str, Any]]:
-            alerts = [a for a in am.alerts(target="shared") if a["labels"]["probe"].startswith("traffic_")]
-            wanted = {"traffic_capacity", "traffic_overlap"} <= {a["labels"]["probe"] for a in alerts}
-            return alerts if wanted else []
-
-        for alert in monitor.wait_for("pages", paged):
-            assert alert["labels"]["check"] == alert["labels"]["probe"].removeprefix("traffic_")
-        assert_no_customer_text(monitor, sentences)
+        yield monitor, proxy, am
     finally:
         am.stop()
+
+
+@pytest.mark.external_service
+def test_over_pool_answers_in_customer_traffic_open_incidents_and_page(
+    paged_defective: tuple[Served, Proxy, Alertmanager],
+) -> None:
+    monitor, proxy, am = paged_defective
+    rng = random.Random(7)
+    sentences: list[str] = []
+    for round_ in range(6):
+        for i, key in enumerate(CALLERS):
+            team = CALLERS[key][0]
+            text = customer_sentence(rng, team, 90 + 15 * (round_ % 3))  # under the 1,024-token pool
+            sentences.append(text)
+            ask(
+                client_of(proxy, key),
+                "shop",
+                [{"role": "user", "content": text}],
+                stream=i % 2 == 0,
+                max_tokens=64,
+            )
+        # One caller's long prompt, over the 1,024-token prefill pool: the defect's trigger.
+        over = " ".join(customer_sentence(rng, "globex", 60) for _ in range(6))
+        sentences.append(over)
+        ask(
+            client_of(proxy, "sk-globex-0002"),
+            "shop",
+            [{"role": "user", "content": over}],
+            stream=round_ % 2 == 1,
+            max_tokens=600,
+        )
+    found = monitor.wait_for(
+        "capacity, tokens and overlap incidents",
+        lambda: (
+            (o := open_traffic_incidents(monitor)).keys()
+            >= {"traffic_capacity", "traffic_tokens", "traffic_overlap"}
+            and o
+        ),
+        timeout=60,
+    )
+    assert found["traffic_capacity"]["severity"] == "high"
+    assert found["traffic_overlap"]["severity"] == "critical"
+    kept = monitor.get("/api/v1/traffic", target="shared", check="capacity").json()["items"]
+    assert kept and all(r["caller"] == "globex" and r["status_code"] == 200 for r in kept)
+    assert all(r["estimated_prompt_tokens"] > r["kv_pool_tokens"] == 1024 for r in kept)
+    overlap = monitor.get("/api/v1/traffic", check="overlap").json()["items"]
+    assert overlap and all(r["findings"]["overlap"]["other_caller"] != r["caller"] for r in overlap)
+
+    def paged() -> list[dict[str, Any]]:
+        alerts = [a for a in am.alerts(target="shared") if a["labels"]["probe"].startswith("traffic_")]
+        wanted = {"traffic_capacity", "traffic_overlap"} <= {a["labels"]["probe"] for a in alerts}
+        return alerts if wanted else []
+
+    for alert in monitor.wait_for("pages", paged):
+        assert alert["labels"]["check"] == alert["labels"]["probe"].removeprefix("traffic_")
+    assert_no_customer_text(monitor, sentences)
 
 
 @pytest.mark.external_service
 def test_a_canarys_marker_in_a_customers_answer_is_a_leak_that_pages(
-    tmp_path: Path,
-    start_worker: Callable[..., WorkerProcess],
-    served: Callable[..., Served],
-    litellm_proxy: Callable[..., Proxy],
+    paged_defective: tuple[Served, Proxy, Alertmanager],
 ) -> None:
     """The canary plants markers every second; freed pages are handed out last-freed first, so a
     customer's over-pool request answered from stale decode pages reads the canary's own."""
-    worker = start_worker(*DEFECTIVE)
-    am = start_alertmanager(tmp_path / "am")
-    try:
-        config = {**monitor_config(worker.url), "alertmanagers": [{"url": am.url}]}
-        monitor = with_ingest_token(served(config)).start()
-        proxy = litellm_proxy({"shop": worker.url}, tap_env(monitor))
-        wait_calibrated(monitor)
-        rng = random.Random(5)
-        sentences, carried = [], 0
-        for _ in range(8):
-            over = " ".join(customer_sentence(rng, "initech", 60) for _ in range(6))
-            sentences.append(over)
-            answer = ask(client_of(proxy, "sk-initech-0003"), "shop", [{"role": "user", "content": over}],
-                         stream=False, max_tokens=600)  # fmt: skip
-            carried += bool(MARKER_RE.search(answer))
-            if carried >= 2:
-                break
-            time.sleep(0.7)  # a canary run between two requests
-        assert carried, "no over-pool answer carried a marker-shaped string"
-        found = monitor.wait_for(
-            "a traffic_marker incident", lambda: open_traffic_incidents(monitor).get("traffic_marker")
-        )
-        assert found["severity"] == "critical"
-        kept = monitor.get("/api/v1/traffic", target="shared", check="marker").json()["items"]
-        assert kept and all(r["caller"] == "initech" for r in kept)
-        results = monitor.get("/api/v1/probe-results", probe="traffic_marker", verdict="leak").json()
-        result = results["items"][0]
-        assert {r["caller"] for r in result["evidence"]["records"]} == {"initech"}
-        markers = [m for r in kept for m in r["findings"]["marker"]["markers"]]
-        assert markers and all(m["owner_target"] == "shared" and m["marker_sha256"] for m in markers)
-        assert "KVC-" not in str(result) and "KVC-" not in str(kept)  # ids and digests, never a marker
-        alert = monitor.wait_for("the page", lambda: am.alerts(target="shared", probe="traffic_marker"))[0]
-        assert alert["labels"]["check"] == "marker" and alert["labels"]["severity"] == "critical"
-        assert_no_customer_text(monitor, sentences)
-    finally:
-        am.stop()
+    monitor, proxy, am = paged_defective
+    rng = random.Random(5)
+    sentences, carried = [], 0
+    for _ in range(8):
+        over = " ".join(customer_sentence(rng, "initech", 60) for _ in range(6))
+        sentences.append(over)
+        answer = ask(client_of(proxy, "sk-initech-0003"), "shop", [{"role": "user", "content": over}],
+                     stream=False, max_tokens=600)  # fmt: skip
+        carried += bool(MARKER_RE.search(answer))
+        if carried >= 2:
+            break
+        time.sleep(0.7)  # a canary run between two requests
+    assert carried, "no over-pool answer carried a marker-shaped string"
+    found = monitor.wait_for(
+        "a traffic_marker incident", lambda: open_traffic_incidents(monitor).get("traffic_marker")
+    )
+    assert found["severity"] == "critical"
+    kept = monitor.get("/api/v1/traffic", target="shared", check="marker").json()["items"]
+    assert kept and all(r["caller"] == "initech" for r in kept)
+    results = monitor.get("/api/v1/probe-results", probe="traffic_marker", verdict="leak").json()
+    result = results["items"][0]
+    assert {r["caller"] for r in result["evidence"]["records"]} == {"initech"}
+    markers = [m for r in kept for m in r["findings"]["marker"]["markers"]]
+    assert markers and all(m["owner_target"] == "shared" and m["marker_sha256"] for m in markers)
+    assert "KVC-" not in str(result) and "KVC-" not in str(kept)  # ids and digests, never a marker
+    alert = monitor.wait_for("the page", lambda: am.alerts(target="shared", probe="traffic_marker"))[0]
+    assert alert["labels"]["check"] == "marker" and alert["labels"]["severity"] == "critical"
+    assert_no_customer_text(monitor, sentences)
 
 
 def assert_no_customer_text(monitor: Served, sentences: list[str]) -> None:
