@@ -81,7 +81,7 @@ def exchange_of(payload: dict[str, Any], status: int) -> Exchange:
     caller, kind = caller_of(metadata, payload.get("end_user"))
     prompt, messages = prompt_of(payload.get("messages"))
     response, finish, cached = response_of(payload.get("response"))
-    redacted = [text for text in (prompt, response) if text.strip() == REDACTED]
+    redacted = REDACTED in (prompt.strip(), response.strip())
     prompt, response = ("" if t.strip() == REDACTED else t for t in (prompt, response))
     start, end = payload.get("startTime"), payload.get("endTime")
     first = payload.get("completionStartTime")
