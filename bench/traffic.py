@@ -10,7 +10,14 @@
   prompts; and its recall on injected leaks (an answer carrying a stretch of another caller's
   prompt, 40 to 200 words).
 
+``--against REV`` gives the ``judge`` figure only, side by side: the same bodies (made once, by
+this tree's tap) judged by commit ``REV`` (exported into a temporary folder, removed after) and by
+this working tree, each round a fresh process of each, in turns whose order alternates, so that a
+machine shared with other work weighs on both alike; it prints each round's figures, the medians
+and the ratio (the median of the rounds' ratios).
+
     .venv/bin/python bench/traffic.py [--records 30000] [--callers 8]
+    .venv/bin/python bench/traffic.py --against HEAD [--rounds 5] [--records 30000]
 """
 
 from __future__ import annotations
@@ -19,13 +26,19 @@ import argparse
 import asyncio
 import gzip
 import json
+import os
+import pickle
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The tree whose monitor is imported: this one, or (a turn of ``--against``) the exported commit's.
+sys.path.insert(0, os.environ.get("KVCANARY_BENCH_TREE") or str(Path(__file__).resolve().parent.parent))
 
 from prometheus_client import CollectorRegistry
 
@@ -41,7 +54,9 @@ from monitor.traffic.schema import read_batch
 from probes.markers import MarkerBook
 from probes.target import ServerCapacity
 
+HERE = Path(__file__).resolve().parent.parent
 KEY = b"bench-fingerprint-key-0123456789"
+BATCH = 300
 
 
 def corpus(limit_chars: int = 6_000_000) -> list[str]:
@@ -79,15 +94,9 @@ class Answers:
 Answers.calibration.note(1000, 250)
 
 
-def bench_judge(docs: list[str], records: int) -> float:
-    settings = Settings.model_validate(
-        {
-            "targets": [
-                {"name": "t", "base_url": "http://127.0.0.1:9/v1", "tenants": [{"name": "a"}, {"name": "b"}]}
-            ]
-        }
-    )
-    judge = TrafficJudge(settings, {"t": Answers()}, MarkerBook(), MonitorMetrics(CollectorRegistry()))
+def judge_bodies(docs: list[str], records: int) -> list[bytes]:
+    """Return the bodies the judge figure times: batches of 300 records of 1 KB exchanges, as a
+    tap posts them (2,000 exchanges of 8 callers, sent again in turn)."""
     fp = Fingerprinter(KEY)
     rng = random.Random(1)
     made = []
@@ -105,22 +114,69 @@ def bench_judge(docs: list[str], records: int) -> float:
             response=response,
         )
         made.append(summarize(ex, fp))
-    # The bodies as a tap posts them: what is timed is the monitor's whole work on one, from its
-    # bytes (validation, each record on its own) to the judged records.
-    bodies = [
-        json.dumps({"records": [made[(b * 300 + j) % len(made)] for j in range(300)]}).encode()
-        for b in range(records // 300)
+    return [
+        json.dumps({"records": [made[(b * BATCH + j) % len(made)] for j in range(BATCH)]}).encode()
+        for b in range(records // BATCH)
     ]
 
+
+def judge_rate(bodies: list[bytes]) -> float:
+    """Return records judged per CPU-second: the monitor's whole work on each body, from its bytes
+    (validation, each record on its own) to the judged records, by a fresh judge."""
+    settings = Settings.model_validate(
+        {
+            "targets": [
+                {"name": "t", "base_url": "http://127.0.0.1:9/v1", "tenants": [{"name": "a"}, {"name": "b"}]}
+            ]
+        }
+    )
+    judge = TrafficJudge(settings, {"t": Answers()}, MarkerBook(), MonitorMetrics(CollectorRegistry()))
+
     async def run() -> float:
-        start = time.process_time()
+        start = time.process_time()  # every thread's, should any of the judge's work leave the loop
         for body in bodies:
             _, valid = read_batch(body)
             await judge.judge(valid.records, "bench")
         return time.process_time() - start
 
     took = asyncio.run(run())
-    return len(bodies) * 300 / took
+    return len(bodies) * BATCH / took
+
+
+def bench_judge(docs: list[str], records: int) -> float:
+    return judge_rate(judge_bodies(docs, records))
+
+
+def judge_against(docs: list[str], records: int, rev: str, rounds: int) -> None:
+    """Print the judge figure of ``rev`` and of this working tree, side by side (the module doc)."""
+    bodies = judge_bodies(docs, records)
+    with tempfile.TemporaryDirectory(prefix="kvcanary-bench-") as tmp:
+        exported, given = Path(tmp) / "rev", Path(tmp) / "bodies.pickle"
+        exported.mkdir()
+        # An export, not a worktree: a run cut short leaves nothing behind in the repository.
+        archive = subprocess.run(["git", "-C", str(HERE), "archive", rev], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(exported)], input=archive.stdout, check=True)
+        given.write_bytes(pickle.dumps(bodies))
+        trees = {rev: exported, "working tree": HERE}
+        rates: dict[str, list[float]] = {name: [] for name in trees}
+        for n in range(rounds):
+            for name in list(trees) if n % 2 == 0 else list(trees)[::-1]:
+                rates[name].append(_judge_in(trees[name], given))
+            print(f"round {n + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
+    ratios = [new / old for old, new in zip(rates[rev], rates["working tree"], strict=True)]
+    medians = ", ".join(f"{k} {statistics.median(v):,.0f}" for k, v in rates.items())
+    print(f"judge: {medians} records per CPU-second (median of {rounds} rounds, batches of {BATCH})")
+    print(f"judge: working tree / {rev}: {statistics.median(ratios):.2f}x "
+          f"(rounds {min(ratios):.2f}x to {max(ratios):.2f}x)")  # fmt: skip
+
+
+def _judge_in(tree: Path, bodies: Path) -> float:
+    """Run the judge figure in a fresh process importing ``tree``'s monitor; return its rate."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--judge-bodies", str(bodies)],
+        env={**os.environ, "KVCANARY_BENCH_TREE": str(tree)}, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return float(done.stdout.split()[-1])
 
 
 def bench_tap(docs: list[str]) -> dict[str, tuple[float, float]]:
@@ -207,10 +263,19 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=30_000)
     parser.add_argument("--callers", type=int, default=8)
     parser.add_argument("--exchanges", type=int, default=5000)
+    parser.add_argument("--against", metavar="REV", help="the judge figure only, beside commit REV's")
+    parser.add_argument("--rounds", type=int, default=5, help="turns of each tree, with --against")
+    parser.add_argument("--judge-bodies", type=Path, help=argparse.SUPPRESS)  # one turn of --against
     args = parser.parse_args()
+    if args.judge_bodies is not None:
+        print(judge_rate(pickle.loads(args.judge_bodies.read_bytes())))
+        return
     docs = corpus()
     print(f"corpus: {len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f} MB from /usr/share")
-    print(f"judge: {bench_judge(docs, args.records):,.0f} records per CPU-second (batches of 300)")
+    if args.against is not None:
+        judge_against(docs, args.records, args.against, args.rounds)
+        return
+    print(f"judge: {bench_judge(docs, args.records):,.0f} records per CPU-second (batches of {BATCH})")
     for label, (p50, p99) in bench_tap(docs).items():
         print(f"tap: {label} exchange: p50 {p50:.2f} ms, p99 {p99:.2f} ms of work on the tap's thread")
     o = bench_overlap(docs, args.callers, args.exchanges)

@@ -1,7 +1,9 @@
 """The overview's "Customer traffic" row: what the gateway tap's records came to (``monitor/traffic/``).
 
 Every record the monitor judges counts once per check it ran (``kvcanary_traffic_records_total``):
-the ``marker`` check runs on every routed record, so its count is the records judged.
+the ``marker`` check runs on every routed record, so its count is the records judged. Where the taps
+publish to NATS JetStream (``traffic.source: jetstream``), the last two panels show each replica's
+place in the stream (``kvcanary_traffic_stream_*``); over HTTP they stay empty.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ FLAGGED = f'{RECORDS}, verdict!="pass"}}'
 LEGEND = "{{target}}: {{check}} {{verdict}}"
 UNMATCHED = "kvcanary_traffic_unmatched_records_total"
 DROPPED = "kvcanary_traffic_tap_dropped_records_total"
+STREAM = "kvcanary_traffic_stream_"
+TAKEN = f"rate({STREAM}records_total[5m])"
 
 
 def traffic_row(grid: Grid) -> None:
@@ -52,4 +56,36 @@ def traffic_row(grid: Grid) -> None:
             colors={"dropped.*": RED, "unmatched.*": ORANGE},
         ),
         w=9, h=6,
+    )  # fmt: skip
+    grid.add(
+        stat_panel(
+            "Traffic stream replicas",
+            "Replicas sharing the stream's partitions (live leases in the KV bucket); none: no replica "
+            "reaches NATS, and no customer record is judged.",
+            [Query(f"max({STREAM}replicas)", instant=True)],
+            steps=((RED, None), (GREEN, 1.0)),
+        ),
+        w=4, h=6,
+    )  # fmt: skip
+    grid.add(
+        timeseries_panel(
+            "Traffic stream lag",
+            "How long the newest record each replica pulled had waited in NATS; "
+            "KVCanaryTrafficStreamBehind fires past 5 minutes held for 10.",
+            [Query(f"max by (instance) ({STREAM}lag_seconds)", "{{instance}}")],
+            "s",
+            colors={".*": ORANGE},
+        ),
+        w=8, h=6,
+    )  # fmt: skip
+    grid.add(
+        timeseries_panel(
+            "Traffic stream: records taken",
+            "Records each replica took from the stream per second, by outcome: judged, duplicate "
+            "(delivered again after a replica's loss, judged before) and rejected (not a valid record).",
+            [Query(f"sum by (instance, outcome) ({TAKEN})", "{{instance}} {{outcome}}")],
+            "reqps",
+            colors={".*rejected": RED, ".*duplicate": ORANGE},
+        ),
+        w=12, h=6,
     )  # fmt: skip

@@ -16,13 +16,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from apscheduler.events import EVENT_JOB_SUBMITTED, JobSubmissionEvent
 from apscheduler.jobstores.base import JobLookupError
 from fastapi import FastAPI
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.api.main import build_http_app
@@ -47,19 +46,22 @@ from monitor.runs.scheduler import (
     assign,
     build_scheduler,
     probe_job_id,
+    run_now,
 )
 from monitor.storage import outbox
 from monitor.storage.db import check_migrated, make_engine, make_session_factory
 from monitor.storage.incident_rows import open_incident_counts
-from monitor.storage.retention import in_batches, prune_expired, purge_excerpts
+from monitor.storage.retention import prune_round
 from monitor.storage.sqlite_file import sqlite_file_of
-from monitor.storage.traffic_rows import prune_traffic
 from monitor.targets.http import HttpClient
 from monitor.targets.openai_http import OpenAIHttpTarget
 from monitor.targets.wire import Limits
 from monitor.traffic.ingest import TrafficIngest
 from monitor.traffic.judge import TrafficJudge, own_key_digests
 from probes.markers import MarkerBook
+
+if TYPE_CHECKING:
+    from monitor.traffic.jetstream import TrafficStream
 
 log = logging.getLogger("kvcanary")
 
@@ -135,6 +137,14 @@ class Monitor:
         self.ingest_token = ingest_token(settings)
         judge = TrafficJudge(settings, self.clients, self.markers, self.metrics, own_key_digests(keys))
         self.traffic = TrafficIngest(judge, self.port, self.session_factory, self.membership, self.token)
+        self.stream: TrafficStream | None = None
+        if settings.traffic.source == "jetstream":
+            from monitor.traffic.jetstream import TrafficStream  # nats-py only when used
+            from monitor.traffic.stream_setup import nats_token
+
+            jetstream = settings.traffic.jetstream
+            self.stream = TrafficStream(jetstream, self.traffic, self.membership.id, nats_token(jetstream))
+            self.metrics.watch_stream(self.stream.report)
         self._beat()  # know the other replicas before the first run, not a heartbeat later
         self.recorder.ensure_targets(settings.targets)
         if (stored := self.recorder.load_states()) is not None:
@@ -158,29 +168,18 @@ class Monitor:
             ],
             owns=self.membership.owns,
         )
-        self.scheduler.add_listener(self._submitted, EVENT_JOB_SUBMITTED)
 
     def _page_now(self) -> None:
         if self.pager is not None:
             self.pager.nudge()  # an incident changed: page now, not at the next poll
-
-    def _submitted(self, event: JobSubmissionEvent) -> None:
-        prefix, _, rest = event.job_id.partition(":")
-        if prefix == "probe" and event.scheduled_run_times:
-            target, _, kind = rest.rpartition(":")
-            self.runner.note_due(target, kind, event.scheduled_run_times[-1])
 
     def _reaudit(self, target: TargetConfig, node: str) -> None:
         """A node's configuration changed: run the deployment audits now, not at their next interval,
         and let probes that size their prompts by the node's capacity read it again."""
         self.clients[target.name].forget_capacity()
         self.traffic.judge.facts.forget_pools(target.name)  # gateway records: judged by the new pool
-        now = datetime.now(UTC)
         due = [k for k in REAUDIT_KINDS if k in target.probes]
-        for kind in due:
-            job = self.scheduler.get_job(probe_job_id(target.name, kind))
-            if job is not None and job.next_run_time is not None:  # paused: another replica's
-                job.modify(next_run_time=now)
+        run_now(self.scheduler, target.name, due)
         where = f"{target.name}@{node}" if node else target.name
         log.warning("configuration of %s changed: re-auditing %s now", where, ", ".join(due) or "nothing")
 
@@ -193,13 +192,21 @@ class Monitor:
             return list(open_incident_counts(session))
 
     async def prune(self) -> None:
-        """Delete expired results and purge expired excerpts, a batch per transaction."""
-        removed = await asyncio.to_thread(in_batches, self.session_factory, prune_expired)
-        purged = await asyncio.to_thread(in_batches, self.session_factory, purge_excerpts)
+        """Delete expired results and purge expired excerpts, a batch per transaction. While the
+        database is away this round is skipped with one line (the next, an interval on, tries
+        again): a traceback per round would only bury the outage's own log lines."""
+        # Judged ids are needed while a record can still come again: twice the duplicate window.
+        keep = 2 * self.settings.traffic.jetstream.duplicate_window_seconds
+        days = self.settings.retention.failure_days
+        try:
+            removed, purged = await asyncio.to_thread(
+                prune_round, self.session_factory, minute_days=days, judged_keep_seconds=keep
+            )
+        except SQLAlchemyError as exc:
+            log.warning("pruning skipped: the database did not answer (%s)", type(exc).__name__)
+            return
         if removed or purged:
             log.info("pruned %d expired probe results; purged the excerpts of %d", removed, purged)
-        traffic = partial(prune_traffic, minute_days=self.settings.retention.failure_days)
-        await asyncio.to_thread(in_batches, self.session_factory, traffic)
 
     async def heartbeat(self) -> None:
         before = self.membership.live
@@ -239,6 +246,8 @@ class Monitor:
             report["alerting"] = paging_health(
                 self._outbox_backlog, self.settings.alerting.resend_interval_seconds
             )
+        if self.stream is not None:
+            report["traffic_stream"] = self.stream.report()
         return report
 
     def _client(self, target: TargetConfig, keys: dict[tuple[str, str], str | None]) -> OpenAIHttpTarget:
@@ -256,7 +265,8 @@ class Monitor:
             if self.config_path is None:
                 raise ConfigError("no config file to reload from")
             new = load_settings(self.config_path)
-            if restart := restart_needed(self.settings, new):
+            restart = restart_needed(self.settings, new) + self.settings.traffic.restart_keys(new.traffic)
+            if restart:
                 raise ConfigError(f"{self.config_path}: {restart[0]}: cannot change on reload; restart")
             keys = tenant_keys(new)
         except ConfigError as exc:
@@ -298,6 +308,8 @@ class Monitor:
             self.scheduler.start()
         if self.pager is not None and self._pager_task is None:
             self._pager_task = asyncio.get_running_loop().create_task(self.pager.run_forever())
+        if self.stream is not None:
+            self.stream.start()
 
     def begin_shutdown(self) -> None:
         """Stop scheduling now (a signal arrived); :meth:`stop` follows once uvicorn lets go."""
@@ -322,7 +334,10 @@ class Monitor:
             log.warning("cancelled %d probe run(s) still in flight at shutdown", cancelled)
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)
-        await self._stop_pager()
+        if self.stream is not None:  # its batches in hand are recorded (the writer still runs) and acked
+            await self.stream.stop()
+        if self.pager is not None and self._pager_task is not None:
+            await self.pager.stop(self._pager_task)
         for client in self.clients.values():
             await client.aclose()
         await self.http.aclose()
@@ -342,17 +357,6 @@ class Monitor:
         if self.sqlite is not None:
             self.sqlite.close()
         log.info("kvcanary stopped cleanly")
-
-    async def _stop_pager(self) -> None:
-        """Deliver what is pending if the Alertmanagers answer quickly, then stop paging."""
-        if self._pager_task is None or self.pager is None:
-            return
-        self._pager_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._pager_task
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.pager.drain(), timeout=self.settings.alerting.timeout_seconds)
-        await self.pager.delivery.aclose()
 
 
 def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:

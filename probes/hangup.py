@@ -14,12 +14,14 @@ model's answer carries it too) and goes on for long (the code again on every lin
 2. ``before_body``: a streamed request, closed as soon as the response's headers came;
 3. ``client_timeout``: a non-streamed request whose client gives up after
    ``client_timeout_seconds`` (0.02 s: before most answers are done).
-Right after each hang-up every other tenant sends a canary at once (:mod:`probes.canary`), and the
-tenant that hung up sends one 50 ms after them. Judged as the canary (:mod:`probes.triggers`):
-the abandoned marker, or any other tenant's, in an answer is a ``leak``; a canary that lost its
-own nonce (for instance to the rest of its own tenant's abandoned answer) a ``mismatch`` where
-the model repeats. The abandoned answers are scanned for foreign markers as well, never judged
-for their own.
+Right after each hang-up (where the engine counts aborts, once it counted this one: at most
+``ABORT_SEEN_SECONDS``) every other tenant sends a canary at once (:mod:`probes.canary`), and the
+tenant that hung up sends one once theirs are answered: what an engine hands on goes to whoever it
+admits next, and that is then another tenant, however slow the machine. Judged as the canary
+(:mod:`probes.triggers`): the abandoned marker, or any other tenant's, in an answer is a ``leak``;
+a canary that lost its own nonce (for instance to the rest of its own tenant's abandoned answer) a
+``mismatch`` where the model repeats. The abandoned answers are scanned for foreign markers as
+well, never judged for their own.
 
 Where the engine counts aborted requests (the reference worker's ``kvcanary_requests_aborted_total``,
 SGLang's ``sglang:num_aborted_requests_total``), the count on the target's nodes must move after
@@ -28,9 +30,11 @@ tokens on it (``abort_not_counted``, a ``mismatch``). llama.cpp exports no such 
 abort series does not count client hang-ups (``probes.engine_counters.ABORT_COUNTERS``): not
 judged there (``aborts_counted`` is None).
 
-Cost: 3 abandoned requests (the engine stops each after a few tokens; at most ``abandoned_max_tokens``,
-512 by default, where it does not) and ``3 T`` canaries (at most 96 new tokens each), plus the lone
-canary every 10 minutes and two metric scrapes per node; default interval 600 s.
+Cost: 3 abandoned requests (prompts of ``abandoned_max_tokens`` characters, 512 by default: about 150
+tokens each on a real tokenizer; the engine stops each answer after a few tokens, at most
+``abandoned_max_tokens`` where it does not) and ``3 T`` canaries (at most 96 new tokens each), plus the lone
+canary every 10 minutes and a metric scrape per node before, after, and every 50 ms while a real
+hang-up is not counted yet (at most 2 s each); default interval 600 s.
 """
 
 from __future__ import annotations
@@ -47,12 +51,15 @@ from probes.engine_counters import aborted_requests
 from probes.target import Completion, CompletionRequest
 from probes.triggers import TriggerOptions, canary_check, conclude, model_repeats, sizing_capacity
 
-#: A long answer, so that it is still being written when the probe hangs up.
-ABANDONED_TEMPLATE = (
-    "Remember this code: {marker}\nRepeat the code exactly, then again once per line until stopped."
+#: A long answer, so that it is still being written when the probe hangs up: the prompt asks for
+#: the code on line after line and shows it so (``abandoned_prompt``).
+ABANDONED_HEAD = (
+    "Remember this code: {marker}\nRepeat the code exactly, then again once per line until stopped:\n"
 )
-#: The tenant that hung up sends its canary this long after the others send theirs.
-FOLLOW_GAP_SECONDS = 0.05
+#: How long the probe waits for the engine to count a hang-up before its canaries go anyway: an
+#: engine notices a client gone at its next write or disconnect poll (the reference worker: 10 ms).
+ABORT_SEEN_SECONDS = 2.0
+ABORT_POLL_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,9 @@ class HangupProbe(Probe):
     kind = "hangup"
     options_model = HangupOptions
     default_interval_seconds = 600.0
-    budget_timeouts = 8.0
+    # Three hang-ups, each followed by two rounds of canaries and up to ABORT_SEEN_SECONDS of
+    # waiting for the engine to count it, the lone canary and the sizing reads.
+    budget_timeouts = 11.0
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:
         repeats = await model_repeats(ctx)
@@ -88,16 +97,19 @@ class HangupProbe(Probe):
         capacity = await sizing_capacity(ctx)
         limit = capacity.admission_limit if capacity else None
         max_tokens = int(ctx.options.get("abandoned_max_tokens", 512))
-        max_tokens = min(max_tokens, limit // 2) if limit else max_tokens
+        max_tokens = min(max_tokens, limit // 3) if limit else max_tokens  # the prompt is as long
         checks: list[TenantCheck] = []
         abandoned: list[dict[str, Any]] = []
         for i, hang_up in enumerate(_hang_ups(ctx.options)):
             tenant = ctx.tenants[i % len(ctx.tenants)]
+            counted = await _aborts(ctx) if before is not None else None
             c = await _abandon(ctx, tenant, hang_up, max_tokens)
             # A hang-up counts when the answer was not over by then (no finish came before it).
             hung_up = c.error_kind == "hung_up" and c.finish_reason is None
+            seen = await _abort_seen(ctx, counted) if hung_up and counted is not None else None
             abandoned.append({"step": hang_up.step, "tenant": tenant, "hung_up": hung_up,
-                              "chars_read": len(c.text), "status_code": c.status})  # fmt: skip
+                              "chars_read": len(c.text), "status_code": c.status,
+                              "abort_seen_seconds": seen})  # fmt: skip
             checks += await _followers(ctx, tenant, hang_up.step, repeats)
         after = await _aborts(ctx)
         result = conclude(checks, repeats, ctx)
@@ -119,7 +131,7 @@ async def _abandon(ctx: ProbeContext, tenant: str, hang_up: HangUp, max_tokens: 
     """Send ``tenant`` a request whose answer carries its fresh marker, and hang up on it."""
     _, marker = ctx.markers.plant(ctx.target.name, tenant)
     request = CompletionRequest(
-        prompt=ABANDONED_TEMPLATE.format(marker=marker),
+        prompt=abandoned_prompt(marker, max_tokens),
         max_tokens=max_tokens,
         chat=bool(ctx.options.get("chat", True)),
         stream=hang_up.stream,
@@ -131,16 +143,42 @@ async def _abandon(ctx: ProbeContext, tenant: str, hang_up: HangUp, max_tokens: 
     return await ctx.complete(tenant, request)
 
 
+def abandoned_prompt(marker: str, max_tokens: int) -> str:
+    """The abandoned request's prompt: the head, then ``marker`` line after line, at least
+    ``max_tokens`` characters in all (no tokenizer has fewer characters than tokens).
+
+    A model that follows it writes on until stopped; one that echoes or continues the pattern (the
+    reference worker's copy model, a base model) writes its whole budget. An answer that ends
+    sooner can be over before the engine sees its client go, and a healthy engine then counts no
+    abort (the copy model echoed the one-line prompt in 91 tokens, 50 ms).
+    """
+    head = ABANDONED_HEAD.format(marker=marker)
+    line = f"{marker}\n"
+    return head + line * max(1, -(-(max_tokens - len(head)) // len(line)))
+
+
 async def _followers(ctx: ProbeContext, abandoner: str, step: str, repeats: bool | None) -> list[TenantCheck]:
-    """Every tenant's canary right after a hang-up: the others at once, the one that hung up just
-    after them (what an engine hands on goes to whoever comes next: best another tenant)."""
-
-    async def same() -> TenantCheck:
-        await asyncio.sleep(FOLLOW_GAP_SECONDS)
-        return await canary_check(ctx, abandoner, step, repeats)
-
+    """Every tenant's canary right after a hang-up: the others at once, the one that hung up once
+    they are answered (what an engine hands on goes to whoever comes next: best another tenant)."""
     others = [canary_check(ctx, t, step, repeats) for t in ctx.tenants if t != abandoner]
-    return list(await asyncio.gather(*others, same()))
+    checks = list(await asyncio.gather(*others))
+    return [*checks, await canary_check(ctx, abandoner, step, repeats)]
+
+
+async def _abort_seen(ctx: ProbeContext, before: float) -> float | None:
+    """Wait until the engine's abort count rises above ``before``, its count just before this
+    hang-up (at most ``ABORT_SEEN_SECONDS``); return the seconds that took, or None when it did not
+    (a count below ``before``, a restart or a node not read, ends the wait too)."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    while loop.time() < began + ABORT_SEEN_SECONDS:
+        now = await _aborts(ctx)
+        if now is None or now < before:
+            return None
+        if now > before:
+            return round(loop.time() - began, 3)
+        await asyncio.sleep(ABORT_POLL_SECONDS)
+    return None
 
 
 async def _aborts(ctx: ProbeContext) -> float | None:

@@ -1,7 +1,7 @@
 """What the trigger kinds share: canary-shaped requests, judged as the canary judges, with a control.
 
 The trigger kinds (``duplicate_ids``, ``shared_prefix``, ``hangup``) recreate what customers did
-when real engines leaked (``../shared/docs/real-bugs.md``): every request asks its tenant's model to
+when real engines leaked (``docs/real-bugs.md``): every request asks its tenant's model to
 repeat a fresh sealed marker, and a foreign marker in any answer is a ``leak`` (``probes.base.judge``,
 whatever else the run concluded).
 

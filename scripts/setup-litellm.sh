@@ -11,8 +11,7 @@
 # litellm-enterprise releases the index does not carry, so the extra's own requirement list is
 # installed instead, with the nearest releases it does carry. Why a venv of its own: the proxy pins
 # fastapi, starlette and pydantic ranges of its own, and the tap must be shown to run beside them
-# with nothing of the monitor's (no torch, no SQLAlchemy). See shared/docs/setup-notes.md section 7
-# (outside this repository) for the measurements behind this.
+# with nothing of the monitor's (no torch, no SQLAlchemy). docs/setup.md says more, and what it costs.
 set -euo pipefail
 
 LITELLM_VERSION="1.110.2"
@@ -27,6 +26,8 @@ PACKAGES=(
     "pydantic<3,>=2.12.0" "restrictedpython<9.0,>=8.5" "rich<14.0,>=13.9.4" "inquirerpy<1.0,>=0.3.4"
     "tomlkit<1.0,>=0.13.3" "polars<2.0,>=1.38.1" "soundfile<1.0,>=0.12.1" "pyroscope-io<1.0,>=0.8.16"
     "expression<6.0,>=5.6.0" "backports-zstd<2.0,>=1.0.0" "semver<4,>=3.0.4" openai
+    # The tap's JetStream sink (KVCANARY_TAP_URL=nats://...).
+    "nats-py>=2.6,<3"
 )
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"

@@ -14,7 +14,7 @@
 # baseline ggml picks (AVX2 here), so machines of one CI pool can share it.
 # Why a venv of its own: the server extra pins fastapi, starlette and pydantic-settings in ranges that
 # need not match the project's. gguf and numpy are there to write the tiny model the tests serve.
-# See the team notes, shared/docs/setup-notes.md section 5 (outside this repository), for the measurements behind this.
+# docs/setup.md says why each step is the way it is, and what it costs.
 set -euo pipefail
 
 LLAMACPP_VERSION="0.3.36"

@@ -12,7 +12,7 @@
 # Why the uninstall: PyPI's torchvision is a CUDA build whose import fails beside the CPU torch
 # ("operator torchvision::nms does not exist"), and transformers imports it when present, which
 # breaks `from transformers import LlamaConfig` and so vLLM. A text-only model needs none of them.
-# See the team notes, shared/docs/setup-notes.md section 6 (outside this repository), for the measurements behind this.
+# docs/setup.md says why each step is the way it is, and what it costs.
 set -euo pipefail
 
 TORCH_VERSION="2.13.0"

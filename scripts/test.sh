@@ -10,6 +10,7 @@ need=()
 command -v pg_ctlcluster >/dev/null || need+=(postgresql)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v amtool >/dev/null || need+=(prometheus-alertmanager)
+command -v nats-server >/dev/null || need+=(nats-server)
 if [ ${#need[@]} -gt 0 ]; then
   as_root apt-get update -q
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}"
@@ -18,25 +19,50 @@ if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
   as_root pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | sort | tail -n1)" main start || true
 fi
 
+# NATS with JetStream on 127.0.0.1:4222 (the traffic stream's tests): these machines start one; where
+# none listens, one of the suite's own, its data in a temporary folder, stopped when the suite ends.
+if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
+  nats_dir="$(mktemp -d)"
+  nats-server -js -a 127.0.0.1 -p 4222 -sd "$nats_dir" -l "$nats_dir/nats.log" &
+  nats_pid=$!
+fi
+
 bash scripts/setup.sh
-# vLLM's CPU build (2.5 GB) lives outside the clone, so fresh clones on one machine share it.
-export KVCANARY_VLLM_VENV="${KVCANARY_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-vllm}"
-mkdir -p "$(dirname "$KVCANARY_VLLM_VENV")"
-bash scripts/setup-vllm.sh
-export KVCANARY_REQUIRE_VLLM=1
-# llama-cpp-python is built once (~4 min on 2 cores) into a wheel cached outside the clone; its venv lives there too.
-export KVCANARY_LLAMACPP_WHEELS="${KVCANARY_LLAMACPP_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/wheels}"
-export KVCANARY_LLAMACPP_VENV="${KVCANARY_LLAMACPP_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-llamacpp}"
-bash scripts/setup-llamacpp.sh
-export KVCANARY_REQUIRE_LLAMACPP=1
-# A LiteLLM proxy (the gateway the tap runs in) in its own venv, cached outside the clone too.
-export KVCANARY_LITELLM_VENV="${KVCANARY_LITELLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-litellm}"
-bash scripts/setup-litellm.sh
-export KVCANARY_REQUIRE_LITELLM=1
+# The engines' venvs live outside the clone (~/.cache/kvcanary), so fresh clones on one machine share
+# them; they are built side by side: llama.cpp's compile is CPU-bound, the vLLM and LiteLLM installs
+# are mostly disk and network. docs/setup.md says what each costs the first time and after.
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary"
+export KVCANARY_VLLM_VENV="${KVCANARY_VLLM_VENV:-$CACHE/venv-vllm}"
+export KVCANARY_LLAMACPP_WHEELS="${KVCANARY_LLAMACPP_WHEELS:-$CACHE/wheels}"
+export KVCANARY_LLAMACPP_VENV="${KVCANARY_LLAMACPP_VENV:-$CACHE/venv-llamacpp}"
+export KVCANARY_LITELLM_VENV="${KVCANARY_LITELLM_VENV:-$CACHE/venv-litellm}"
+mkdir -p "$CACHE"
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"; [ -z "${nats_pid:-}" ] || { kill "$nats_pid"; rm -rf "$nats_dir"; }' EXIT
+declare -A setups=()
+for name in vllm llamacpp litellm; do
+  bash "scripts/setup-$name.sh" >"$logs/$name.log" 2>&1 &
+  setups[$name]=$!
+done
+failed=0
+for name in vllm llamacpp litellm; do
+  if wait "${setups[$name]}"; then
+    grep "^setup-$name:" "$logs/$name.log" | tail -n 1
+  else
+    cat "$logs/$name.log" >&2
+    echo "test.sh: setup-$name.sh failed (its output above)" >&2
+    failed=1
+  fi
+done
+[ "$failed" = 0 ] || exit 1
+export KVCANARY_REQUIRE_VLLM=1 KVCANARY_REQUIRE_LLAMACPP=1 KVCANARY_REQUIRE_LITELLM=1
 export KVCANARY_REQUIRE_PROMETHEUS=1
 
+# Tests run on parallel workers (pytest-xdist): most of the suite's time is spent waiting on real
+# servers and processes, which overlaps on 2 cores. Tests that share a costly fixture stay on one
+# worker (tests/conftest.py). KVCANARY_TEST_WORKERS=0 runs them in one process.
 set +e
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -n "${KVCANARY_TEST_WORKERS:-4}" --dist loadgroup "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure of the suite, not a pass.

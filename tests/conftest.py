@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,12 +108,17 @@ def _start_local_pg() -> None:
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """A fresh PostgreSQL database on the real server, dropped at the end of the session."""
-    import psycopg
-
     _start_local_pg()
     if not _pg_up():
         pytest.fail(f"PostgreSQL is not reachable on {PG_HOST}:{PG_PORT} and could not be started")
-    name = f"kvcanary_test_{uuid.uuid4().hex[:10]}"
+    yield from own_database("kvcanary_test")
+
+
+def own_database(prefix: str) -> Iterator[str]:
+    """Yield the URL of a new database on the machine's server and drop it afterwards (a fixture's
+    body: ``yield from own_database("kvcanary_stack")``), for tests whose processes need one to
+    themselves. Dropped WITH (FORCE): a replica a test killed may still hold connections."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
     admin = f"host={PG_HOST} port={PG_PORT} user=postgres dbname=postgres"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
@@ -178,3 +184,32 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     yield start
     for worker in started:
         worker.stop()
+
+
+# --- running in parallel (pytest-xdist) ---------------------------------------------------------------
+
+#: Session fixtures that start a server too costly to start once per xdist worker: every test that
+#: uses one runs on the same worker, so each server starts once per run.
+SHARED_SERVERS = {"vllm_server": "vllm", "llamacpp_servers": "llamacpp"}
+
+
+# tryfirst: xdist turns the marks into groups in its own hook of this name, on each worker, and
+# that hook, registered after this conftest, would otherwise run first and see no mark at all.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep tests that share a costly fixture on one worker under ``--dist loadgroup``.
+
+    A test that uses a module-scoped fixture runs with its module (the fixture is set up once, and
+    no two workers build the same thing at once: a wheel, a Prometheus on the module's data); one
+    that uses a shared server (``SHARED_SERVERS``) runs with every other user of that server. Every
+    other test is handed to whichever worker is free. Without xdist the marks do nothing.
+    """
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        defs = fixtures.name2fixturedefs if fixtures is not None else {}
+        server = next((SHARED_SERVERS[name] for name in defs if name in SHARED_SERVERS), None)
+        scoped = any(d.scope in ("module", "package", "class") for ds in defs.values() for d in ds)
+        module = getattr(item, "module", None)  # a Function's; not every Item has one
+        group = server or (module.__name__ if scoped and module is not None else None)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

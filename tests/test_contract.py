@@ -69,6 +69,9 @@ def test_every_monitor_metric_is_documented_and_every_documented_one_exported() 
     metrics.declare_alertmanagers(["http://127.0.0.1:9093"])
     metrics.watch_replicas(lambda: (1, 1))
     metrics.watch_slots(lambda: (0, 0, 0, 0))
+    report = {"connected": True, "replicas": 1, "partitions": [0], "judged": 0, "duplicates": 0,
+              "rejected": 0, "pending_messages": 0, "lag_seconds": 0.0}  # fmt: skip
+    metrics.watch_stream(lambda: report)
     exported = set()
     for family in metrics.registry.collect():
         exported.add(family.name + ("_total" if family.type == "counter" else ""))

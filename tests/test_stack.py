@@ -20,20 +20,25 @@ import os
 import secrets
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 import yaml
 from sqlalchemy import create_engine, text
 
 from monitor.commands.dashboards import panel_queries
-from tests.conftest import PG_HOST, PG_PORT, REPO, WorkerProcess, free_port, stop_process, wait_http
+from tests.conftest import (
+    REPO,
+    WorkerProcess,
+    free_port,
+    own_database,
+    stop_process,
+    wait_http,
+)
 from tests.services import Alertmanager, Prometheus, start_alertmanager, start_prometheus, wait_for
 
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]
@@ -55,6 +60,7 @@ QUIET_RULES = {
     "KVCanaryDatabaseDown": "the database is up",
     "KVCanaryOwnershipViolation": "no worker verifies ownership here (tests/probes/test_counters.py does)",
     "KVCanaryDirtyPageReuse": "no worker here is configured to zero freed pages",
+    "KVCanaryTrafficStreamBehind": "no traffic stream here (alerts/tests/pipeline.test.yml runs its series)",
 }
 #: Prometheus's rules that must fire on the defective worker, from the monitor's and the worker's metrics.
 RULES_FIRING = (
@@ -68,7 +74,14 @@ QUIET_PANELS = {
     # No gateway sends traffic in this stack: tests/litellm runs the tap through a real proxy, and
     # tests/dashboards/test_promql.py runs these queries on a real Prometheus over contract data.
     **dict.fromkeys(
-        ("Customer records flagged", "Flagged records by check", "Records judged, unmatched and dropped"),
+        (
+            "Customer records flagged",
+            "Flagged records by check",
+            "Records judged, unmatched and dropped",
+            "Traffic stream replicas",
+            "Traffic stream lag",
+            "Traffic stream: records taken",
+        ),
         "no gateway tap posts traffic in this stack",
     ),
 }
@@ -157,13 +170,7 @@ def tmp_config(stack: Stack, port: int) -> dict[str, Any]:
 
 @pytest.fixture
 def database_url() -> Iterator[str]:
-    name = f"kvcanary_stack_{uuid.uuid4().hex[:8]}"
-    admin = f"host={PG_HOST} port={PG_PORT} user=postgres dbname=postgres"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/{name}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    yield from own_database("kvcanary_stack")
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from workers.admission import AdmissionRejected
 from workers.engine import Engine
@@ -44,6 +45,23 @@ class EventChannel:
     async def next(self) -> Event:
         """Return the next event, waiting for it."""
         return await self._queue.get()
+
+
+class ClosingStream(StreamingResponse):
+    """A stream whose events are closed the moment the response ends, however it ends.
+
+    A client that hangs up makes the server's ``send`` raise outside the event generator, which is
+    left waiting at its ``yield``; its ``finally`` (the engine's abort) would run only once the
+    generator is garbage-collected, and the engine would decode on for nobody until then.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def _usage(event: FinishEvent) -> Usage:
@@ -85,7 +103,7 @@ async def generate(
             raise _error_of(first)
         if body.stream:
             events = _sse(engine, request, shape, channel, first, include_usage=body.include_usage)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return ClosingStream(events, media_type="text/event-stream")
         answer = await _unless_gone(http, _collect(shape, channel, first))
         if answer is None:  # nobody to answer; 499 as nginx logs a client that closed its request
             engine.abort(request)

@@ -4,27 +4,38 @@ Runs inside a gateway (LiteLLM: :mod:`kvcanary.tap.litellm`; any other Python ga
 :class:`Tap`). Needs nothing beyond the standard library: no torch, no SQLAlchemy, nothing of the
 monitor's. Configured from the environment by :meth:`Tap.from_env`:
 
-- ``KVCANARY_TAP_URL``: the monitor (``http://monitor:8080``); records go to ``/api/v1/traffic``;
+- ``KVCANARY_TAP_URL``: the monitor (``http://monitor:8080``); records go to ``/api/v1/traffic``.
+  Or NATS JetStream (``nats://nats:4222``, :mod:`kvcanary.tap.jetstream`, needs ``nats-py``): each
+  record is published on ``kvcanary.traffic.<partition>``, kept until JetStream acknowledges it;
 - ``KVCANARY_TAP_TOKEN`` or ``KVCANARY_TAP_TOKEN_FILE``: the monitor's ingest token (or API token);
+  for NATS, its auth token, and optional (a server without auth takes none);
+- ``KVCANARY_TAP_PARTITIONS`` (NATS only, default 16): the partitions records are spread over, by
+  deployment; the same number as the monitor's ``traffic.jetstream.partitions``;
+- ``KVCANARY_TAP_SUBJECT_PREFIX`` (NATS only, default ``kvcanary.traffic``): the monitor's
+  ``traffic.jetstream.subject_prefix``;
 - ``KVCANARY_TAP_KEY`` or ``KVCANARY_TAP_KEY_FILE``: the fingerprint key (16+ bytes), the same on
   every replica of the gateway, so their fingerprints meet; the monitor never needs it. Without
   one, a random key per process (overlap is then seen only within one gateway process);
-- ``KVCANARY_TAP_GATEWAY``: a name for this gateway in the monitor's metrics (default: the host).
+- ``KVCANARY_TAP_GATEWAY``: a name for this gateway in the monitor's metrics (default: the host);
+- ``KVCANARY_TAP_FLUSH_SECONDS`` (default 1): how long a record waits for others to fill its batch,
+  most of the delay from a response to its verdict; shorter costs more, smaller batches.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
 import secrets
 import socket
+import weakref
 from pathlib import Path
 from typing import Any
 
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.record import Exchange, summarize
-from kvcanary.tap.sender import Sender
+from kvcanary.tap.sender import Sender, Transport
 
 __all__ = ["Exchange", "Tap", "TapConfigError", "summarize"]
 
@@ -52,18 +63,40 @@ class Tap:
     """Observes exchanges and sends their summaries to the monitor. Thread-safe; never raises
     from :meth:`observe` (a tap must not fail a customer's request)."""
 
-    def __init__(self, url: str, token: str, key: bytes, *, gateway: str = "", **sender: Any):
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        key: bytes,
+        *,
+        gateway: str = "",
+        partitions: int = 16,
+        subject_prefix: str = "kvcanary.traffic",
+        **sender: Any,
+    ):
+        """``url``: the monitor (http, https) or NATS (nats, tls); ``partitions`` and
+        ``subject_prefix`` are NATS's only."""
         self._drops = _drop_counter()
-        self.sender = Sender(url, token, Fingerprinter(key), gateway=gateway, on_drop=self._drops, **sender)
+        transport = _transport(url, token, partitions, subject_prefix, sender.get("timeout_seconds", 5.0))
+        self.sender = Sender(
+            url, token or "", Fingerprinter(key), gateway=gateway, on_drop=self._drops, transport=transport,
+            **sender,
+        )  # fmt: skip
+        # A gateway restarted (SIGTERM, then a normal exit) must not lose what is still queued: the
+        # tap's thread is a daemon, so it is flushed here at exit. A weak reference: registering
+        # keeps no tap alive.
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     @classmethod
     def from_env(cls, **sender: Any) -> Tap:
         """Return a tap configured from the environment (module doc); raise :class:`TapConfigError`."""
         url = os.environ.get("KVCANARY_TAP_URL", "").strip()
-        if not url.startswith(("http://", "https://")):
-            raise TapConfigError("KVCANARY_TAP_URL: set it to the monitor's URL (http://host:port)")
+        if not url.startswith(("http://", "https://", *NATS_SCHEMES)):
+            raise TapConfigError(
+                "KVCANARY_TAP_URL: set it to the monitor's URL (http://host:port) or NATS's (nats://host:4222)"
+            )
         token = _secret("KVCANARY_TAP_TOKEN")
-        if token is None:
+        if token is None and not url.startswith(NATS_SCHEMES):
             raise TapConfigError(
                 "KVCANARY_TAP_TOKEN: set it (or KVCANARY_TAP_TOKEN_FILE) to the ingest token"
             )
@@ -81,7 +114,11 @@ class Tap:
         if gateway and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", gateway):
             raise TapConfigError("KVCANARY_TAP_GATEWAY: up to 64 letters, digits and _.:- only")
         host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:64]
-        return cls(url, token, key, gateway=gateway or host, **sender)
+        partitions, prefix = _nats_env()
+        sender.setdefault("flush_seconds", _flush_env())
+        return cls(
+            url, token, key, gateway=gateway or host, partitions=partitions, subject_prefix=prefix, **sender
+        )
 
     def observe(self, exchange: Exchange) -> None:
         """Queue one exchange for summary; the work happens on the tap's thread."""
@@ -95,7 +132,71 @@ class Tap:
         return {"sent": s.sent, "dropped": s.dropped, "rejected": s.rejected, "pending": s.pending}
 
     def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (up to ``timeout`` seconds), then stop; a second call does nothing."""
         self.sender.close(timeout)
+
+    def shutdown(self) -> None:
+        """The gateway is going away: send what is queued (up to ``EXIT_FLUSH_SECONDS``), stop,
+        and say how many records were left unsent, if any."""
+        self.close(EXIT_FLUSH_SECONDS)
+        if left := self.sender.pending:
+            log.error(
+                "kvcanary tap: %d records not sent at exit (the monitor or NATS did not take them)", left
+            )
+
+
+#: How long a gateway's exit waits for the tap's last records to be acknowledged.
+EXIT_FLUSH_SECONDS = 5.0
+
+
+def _flush_at_exit(ref: weakref.ref[Tap]) -> None:
+    tap = ref()
+    if tap is not None:
+        tap.shutdown()
+
+
+NATS_SCHEMES = ("nats://", "tls://")
+
+
+def _nats_env() -> tuple[int, str]:
+    """Return the partitions and the subject prefix from the environment; raise TapConfigError."""
+    text = os.environ.get("KVCANARY_TAP_PARTITIONS", "").strip() or "16"
+    if not text.isdigit() or not 1 <= int(text) <= 1024:
+        raise TapConfigError("KVCANARY_TAP_PARTITIONS: a whole number from 1 to 1024")
+    prefix = os.environ.get("KVCANARY_TAP_SUBJECT_PREFIX", "").strip() or "kvcanary.traffic"
+    if not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", prefix):
+        raise TapConfigError("KVCANARY_TAP_SUBJECT_PREFIX: tokens of letters, digits, _ and - joined by dots")
+    return int(text), prefix
+
+
+def _flush_env() -> float:
+    """Return ``KVCANARY_TAP_FLUSH_SECONDS`` (default 1): how long a record may wait for its batch."""
+    text = os.environ.get("KVCANARY_TAP_FLUSH_SECONDS", "").strip() or "1"
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0.01 <= seconds <= 60:
+        raise TapConfigError("KVCANARY_TAP_FLUSH_SECONDS: seconds from 0.01 to 60")
+    return seconds
+
+
+def _transport(
+    url: str, token: str | None, partitions: int, subject_prefix: str, timeout_seconds: float
+) -> Transport | None:
+    """Return the JetStream sink for a NATS URL (imported only then), or None: the Sender's HTTP."""
+    if not url.startswith(NATS_SCHEMES):
+        return None
+    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        # A URL is logged (NATS away) where a token never is.
+        raise TapConfigError("KVCANARY_TAP_URL: no credentials in the URL; use KVCANARY_TAP_TOKEN(_FILE)")
+    try:
+        from kvcanary.tap.jetstream import JetStreamTransport
+    except ImportError:
+        raise TapConfigError("KVCANARY_TAP_URL: a nats:// URL needs nats-py (pip install nats-py)") from None
+    return JetStreamTransport(
+        url, token, partitions=partitions, subject_prefix=subject_prefix, timeout_seconds=timeout_seconds
+    )
 
 
 def _drop_counter() -> Any:

@@ -11,6 +11,10 @@ deployment, caller and usage, the messages and the assembled response (streams i
 hook turns it into an :class:`~kvcanary.tap.record.Exchange` and queues it; summarizing and
 sending happen on the tap's own thread. Configured from the environment (``kvcanary.tap``).
 
+When the proxy shuts down (SIGTERM), the tap sends what it still holds after LiteLLM has drained
+its logging callbacks (:func:`flush_in_proxy_shutdown`): the proxy, like uvicorn under it, ends
+by raising SIGTERM again, so the process dies by the signal and no exit hook would run.
+
 If the proxy cannot import an installed module by that path, put a file ``kvcanary_tap.py``
 beside the config holding ``from kvcanary.tap.litellm import tap`` and name
 ``kvcanary_tap.tap`` instead (LiteLLM resolves callback paths from the config's folder).
@@ -18,7 +22,10 @@ beside the config holding ``from kvcanary.tap.litellm import tap`` and name
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import sys
 from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
@@ -71,6 +78,27 @@ class KVCanaryTap(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type 
         self._observe(kwargs, _failure_status(kwargs))
 
 
+def flush_in_proxy_shutdown(tap: Tap) -> bool:
+    """Make the proxy's shutdown send the tap's queued records first; False where no proxy runs
+    here (the SDK alone: the tap's exit hook covers a normal exit)."""
+    server = sys.modules.get("litellm.proxy.proxy_server")
+    shutdown = getattr(server, "proxy_shutdown_event", None)
+    if shutdown is None or getattr(shutdown, "kvcanary_tap", None) is tap:
+        return False
+
+    @functools.wraps(shutdown)
+    async def flushed_then_shut_down(*args: Any, **kwargs: Any) -> Any:
+        # Off the loop: the flush waits for acknowledgements (up to EXIT_FLUSH_SECONDS).
+        await asyncio.to_thread(tap.shutdown)
+        return await shutdown(*args, **kwargs)
+
+    flushed_then_shut_down.kvcanary_tap = tap  # type: ignore[attr-defined]
+    # The lifespan looks the name up when it shuts down, so replacing the module's global is enough.
+    server.proxy_shutdown_event = flushed_then_shut_down  # type: ignore[union-attr]
+    return True
+
+
 #: The instance ``litellm_settings.callbacks`` names, built when the proxy loads its config: a
 #: missing or wrong variable stops the proxy there with a message naming it, not at a request.
 tap = KVCanaryTap(Tap.from_env())
+flush_in_proxy_shutdown(tap.tap)

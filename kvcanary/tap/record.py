@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import math
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,7 +127,9 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
     markers = list(dict.fromkeys(m.group(0) for m in MARKER_RE.finditer(exchange.response)))
     status = exchange.status if isinstance(exchange.status, int) and 100 <= exchange.status <= 599 else 500
     return {
-        "id": _name(exchange.request_id),
+        # A gateway that gave no id gets one made here, once: a record resent after a lost
+        # acknowledgement is then known again by the monitor (JetStream redelivers by message).
+        "id": _name(exchange.request_id) or f"tap-{secrets.token_hex(12)}",
         "time": _epoch(exchange.started),
         # A caller named by its key is named by the key's digest: never by a key.
         "caller": key_digest(exchange.caller, fingerprinter.key)

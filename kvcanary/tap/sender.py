@@ -11,6 +11,12 @@ either bound the oldest not being sent are dropped and counted. The count is exp
 gateway side and reported to the monitor in the next batch it takes. Each batch carries an id, so
 one the monitor judged but whose answer was lost is not judged twice when it is sent again.
 
+How a batch leaves is the :class:`Transport`'s: :class:`HttpTransport` posts it to the monitor's
+``/api/v1/traffic`` (taken whole or not at all); ``kvcanary/tap/jetstream.py`` publishes a
+batch's records of each partition as a message to NATS JetStream, where the records up to the first
+whose message was not acknowledged leave the queue and the rest wait. The queue's bounds, the
+backoff and the drop counts are the same for both.
+
 The thread survives anything a try can raise (a gateway's odd payload, a monitor that answers
 nonsense): the failure is logged and the batch waits for the next try.
 """
@@ -27,7 +33,8 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.record import Exchange, summarize
@@ -61,6 +68,80 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}))
 
 
+@dataclass(frozen=True)
+class Batch:
+    """The oldest records waiting, as one try sends them. ``id`` stays the same when the same records
+    are tried again; ``dropped``: records dropped since the last report the monitor took."""
+
+    id: str
+    gateway: str
+    dropped: int
+    records: list[dict[str, Any]]
+
+
+class Transport(Protocol):
+    """How a batch leaves the tap. Called on the tap's thread only; never raises for the network."""
+
+    def send(self, batch: Batch) -> tuple[int, int]:
+        """Return (how many records from the head of ``batch`` were taken, how many of those were
+        refused for ever). Taken records leave the queue; the rest wait for the next try."""
+        ...
+
+    def close(self) -> None:
+        """Let go of connections and threads (the tap is closing)."""
+        ...
+
+
+class HttpTransport:
+    """Posts a batch to the monitor's ``/api/v1/traffic``: taken whole (some records perhaps refused
+    with 422) or not at all."""
+
+    def __init__(self, url: str, token: str, timeout_seconds: float = 5.0):
+        self.url = url.rstrip("/") + "/api/v1/traffic"
+        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self.timeout_seconds = timeout_seconds
+        self._encoded: tuple[str, bytes] = ("", b"")  # a retry does not serialize the batch again
+
+    def send(self, batch: Batch) -> tuple[int, int]:
+        if self._encoded[0] != batch.id:
+            body = {"batch": batch.id, "gateway": batch.gateway, "dropped": batch.dropped,
+                    "records": batch.records}  # fmt: skip
+            self._encoded = (batch.id, json.dumps(body).encode())
+        taken, refused = self._post(self._encoded[1], len(batch.records))
+        if taken:
+            self._encoded = ("", b"")
+        return (len(batch.records) if taken else 0), refused
+
+    def _post(self, body: bytes, records: int) -> tuple[bool, int]:
+        """Return (whether the monitor took the batch, how many of its records it refused)."""
+        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+        try:
+            with _OPENER.open(request, timeout=self.timeout_seconds) as answer:
+                answer.read()
+            return True, 0
+        except urllib.error.HTTPError as exc:
+            if exc.code == 422:  # some records refused, the rest judged: the answer says how many
+                try:
+                    refused = int(json.loads(exc.read())["rejected"])
+                except (ValueError, KeyError, TypeError, OSError):
+                    refused = records
+                log.error("kvcanary tap: the monitor refused %d record(s) of a batch (422)", refused)
+                return True, min(max(refused, 0), records)
+            if exc.code in (400, 413):  # refused whole, and would be forever
+                log.error(
+                    "kvcanary tap: the monitor refused a batch (%s): %d records dropped", exc.code, records
+                )
+                return True, records
+            log.warning("kvcanary tap: the monitor answered %s; records wait", exc.code)
+            return False, 0
+        except (OSError, http.client.HTTPException) as exc:
+            log.warning("kvcanary tap: cannot reach the monitor (%s); records wait", exc)
+            return False, 0
+
+    def close(self) -> None:
+        """Nothing is held between posts."""
+
+
 class Sender:
     """Summarizes and posts exchanges from one daemon thread; see the module doc."""
 
@@ -77,9 +158,10 @@ class Sender:
         flush_seconds: float = 1.0,
         timeout_seconds: float = 5.0,
         on_drop: Callable[[int], None] | None = None,
+        transport: Transport | None = None,
     ):
-        self.url = url.rstrip("/") + "/api/v1/traffic"
-        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        """``transport``: how batches leave (default: an :class:`HttpTransport` to ``url``)."""
+        self.transport = transport or HttpTransport(url, token, timeout_seconds)
         self._fingerprinter = fingerprinter
         self.gateway = gateway
         self.batch_records = batch_records
@@ -91,7 +173,6 @@ class Sender:
         self._queued_at: collections.deque[float] = collections.deque()  # beside _records
         self._sending = 0  # records at the head of _records in a post now: never dropped
         self._retry: tuple[str, int, int] | None = None  # the batch not yet taken: id, records, drops
-        self._retry_body: bytes = b""  # its encoded body: a retry does not serialize it again
         #: No post before this (monotonic) while backing off: new exchanges are summarized, not sent.
         self._next_try = 0.0
         self._max_pending = max_pending
@@ -156,6 +237,7 @@ class Sender:
             self._closed = True
             self._lock.notify()
         self._thread.join(timeout)
+        self.transport.close()
 
     def _count_drop(self, n: int) -> None:
         with self._lock:
@@ -236,7 +318,7 @@ class Sender:
                 self._bytes += _held_bytes(record)
 
     def _post_batch(self) -> bool:
-        """Post the oldest records; return False when the monitor did not take them (they stay)."""
+        """Send the oldest records; return False when not all of them were taken (the rest stay)."""
         with self._lock:
             if self._retry is None:  # a retry sends the same records under the same id
                 self._retry = (
@@ -244,53 +326,27 @@ class Sender:
                     min(self.batch_records, len(self._records)),
                     self._unreported_drops,
                 )
-                self._retry_body = b""
             batch_id, self._sending, reported = self._retry
-            batch = [self._records[i] for i in range(self._sending)]
+            records = [self._records[i] for i in range(self._sending)]
         try:
-            if not self._retry_body:
-                body = {"batch": batch_id, "gateway": self.gateway, "dropped": reported, "records": batch}
-                self._retry_body = json.dumps(body).encode()
-            taken, refused = self._post(self._retry_body, len(batch))
+            taken, refused = self.transport.send(Batch(batch_id, self.gateway, reported, records))
         finally:
             with self._lock:
-                sending, self._sending = self._sending, 0
+                self._sending = 0
         if not taken:
             return False
+        taken = min(taken, len(records))
         with self._lock:
-            self._retry, self._retry_body = None, b""
+            # Taken in part (a publish after some acknowledged ones failed): the rest go again as
+            # a new batch; the drop report rode with what was taken (a transport takes nothing
+            # when the part that carried it failed).
+            self._retry = None
             self._unreported_drops -= reported
-            for _ in range(sending):
+            for _ in range(taken):
                 self._bytes -= _held_bytes(self._records.popleft())
                 self._queued_at.popleft()
-            self.sent += len(batch) - refused
+            self.sent += taken - refused
             self.rejected += refused
         if refused:
             self._count_drop(refused)
-        return True
-
-    def _post(self, body: bytes, records: int) -> tuple[bool, int]:
-        """Return (whether the monitor took the batch, how many of its records it refused)."""
-        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
-        try:
-            with _OPENER.open(request, timeout=self.timeout_seconds) as answer:
-                answer.read()
-            return True, 0
-        except urllib.error.HTTPError as exc:
-            if exc.code == 422:  # some records refused, the rest judged: the answer says how many
-                try:
-                    refused = int(json.loads(exc.read())["rejected"])
-                except (ValueError, KeyError, TypeError, OSError):
-                    refused = records
-                log.error("kvcanary tap: the monitor refused %d record(s) of a batch (422)", refused)
-                return True, min(max(refused, 0), records)
-            if exc.code in (400, 413):  # refused whole, and would be forever
-                log.error(
-                    "kvcanary tap: the monitor refused a batch (%s): %d records dropped", exc.code, records
-                )
-                return True, records
-            log.warning("kvcanary tap: the monitor answered %s; records wait", exc.code)
-            return False, 0
-        except (OSError, http.client.HTTPException) as exc:
-            log.warning("kvcanary tap: cannot reach the monitor (%s); records wait", exc)
-            return False, 0
+        return taken == len(records)

@@ -25,6 +25,10 @@ PREFERENCE = ("gateway logs", "LiteLLM_SpendLogs", "recorded traffic")
 FULL = 0.9
 #: Sources covering the window within this share of the best one are taken in ``PREFERENCE`` order.
 SLACK = 0.1
+#: Sources are compared at the coarsest time grain among them: the recorded traffic's minute
+#: counts. Without it a log's exact first and last requests lose up to two minutes against the
+#: same traffic counted by the minute, and the tap would outrank the logs of a short incident.
+GRAIN_S = 60.0
 
 
 @dataclass
@@ -58,8 +62,9 @@ class BlastRadius:
         if not covered:
             return None
         rank = {name: i for i, name in enumerate(PREFERENCE)}
-        best = max(self.coverage(t) for t in covered)
-        near = [t for t in covered if self.coverage(t) >= best - SLACK]
+        share = {t.name: t.coverage(self.scope.start_epoch, self.scope.end_epoch, GRAIN_S) for t in covered}
+        best = max(share.values())
+        near = [t for t in covered if share[t.name] >= best - SLACK]
         return min(near, key=lambda t: rank.get(t.name, len(rank)))
 
     def callers(self) -> list[tuple[str, CallerCount]]:

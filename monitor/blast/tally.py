@@ -9,6 +9,7 @@ apart keeps the answer to callers + buckets rows, however many callers a large i
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -53,13 +54,19 @@ class Tally:
     #: The first and last time (epoch) the source holds anything: how much of the window it covers.
     span: tuple[float, float] | None = None
 
-    def coverage(self, start: float, end: float) -> float:
-        """The share of the window ``[start, end]`` the source's span covers (0 without one)."""
+    def coverage(self, start: float, end: float, grain: float = 0.0) -> float:
+        """The share of the window ``[start, end]`` the source's span covers (0 without one).
+
+        With a ``grain`` (seconds), the span is first widened to whole grains, so that a source
+        timed to the millisecond and one counted by the minute compare alike."""
         if self.span is None or not self.covered:
             return 0.0
         if end <= start:
             return 1.0
-        inside = min(end, self.span[1]) - max(start, self.span[0])
+        first, last = self.span
+        if grain > 0:
+            first, last = math.floor(first / grain) * grain, math.ceil(last / grain) * grain
+        inside = min(end, last) - max(start, first)
         return max(0.0, min(1.0, inside / (end - start)))
 
     def add_callers(self, rows: Iterable[tuple[Any, ...]]) -> None:

@@ -30,7 +30,7 @@ from monitor.commands.demo_stack import (
     free_port,
     missing_binaries,
     start_observability,
-    stop_process,
+    stop_processes,
 )
 from monitor.config.settings import Settings, parse_settings
 from monitor.runs.runner import RunSummary
@@ -247,9 +247,11 @@ async def _serve(
                 break
 
     async def stop_after() -> None:
-        if duration is not None:
-            await asyncio.sleep(duration)
-            server.should_exit = True
+        deadline = None if duration is None else time.monotonic() + duration
+        while not server.should_exit:
+            if _TERMINATED or (deadline is not None and time.monotonic() >= deadline):
+                server.should_exit = True
+            await asyncio.sleep(0.2)
 
     tasks = [asyncio.create_task(narrate()), asyncio.create_task(stop_after())]
     if gateway is not None:
@@ -276,8 +278,19 @@ def _where_to_look(settings: Settings, obs: Observability | None) -> None:
     print("  Ctrl-C to stop.\n", flush=True)
 
 
+#: Set by a SIGTERM that came while the demo's event loop ran: the loop then stops the server.
+_TERMINATED = False
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+    # Inside the event loop a SystemExit can land in a task that swallows it (uvicorn's lifespan
+    # startup does), and the demo would run on: the loop's watcher stops the server instead.
+    global _TERMINATED
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise SystemExit(128 + signum) from None
+    _TERMINATED = True
 
 
 def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_caught: bool = False) -> int:
@@ -316,15 +329,13 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         monitor = Monitor(settings, on_summary=printer)
         print(f"  monitor   http://127.0.0.1:{port}  probes {', '.join(INTERVALS)}\n", flush=True)
         asyncio.run(_serve(monitor, settings, printer, obs, duration, until_caught, gateway))
+        if _TERMINATED:
+            raise SystemExit(128 + signal.SIGTERM)
         paged = obs is None or printer.paged is not None
         return 0 if printer.caught and printer.healthy_green() and paged else 1
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        if obs is not None:
-            obs.stop()
-        for proc in procs:
-            stop_process(proc)
+    finally:  # all at once: a SIGTERM'd demo is gone within one grace, however loaded the machine
+        gateway_procs = [gateway.proc] if gateway is not None else []
+        stop_processes([*gateway_procs, *(obs.procs if obs else []), *procs])
 
 
 def _observability(workdir: Path, port: int, urls: dict[str, str]) -> Observability | None:

@@ -49,8 +49,7 @@ class Observability:
             return []
 
     def stop(self) -> None:
-        for proc in self.procs:
-            stop_process(proc)
+        stop_processes(self.procs)
 
 
 def missing_binaries() -> list[str]:
@@ -136,10 +135,21 @@ def free_port() -> int:
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
     """Stop ``proc``'s process group: SIGTERM, then SIGKILL after 10 seconds."""
-    if proc.poll() is None:
+    stop_processes([proc])
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], grace: float = 10.0) -> None:
+    """Stop every process group at once: SIGTERM to all, then SIGKILL to those still there after
+    ``grace`` seconds, so that stopping five takes one grace at most, not five."""
+    running = [p for p in procs if p.poll() is None]
+    for proc in running:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in running:
         try:
-            proc.wait(10)
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)

@@ -177,9 +177,65 @@ class AlertingConfig(Strict):
         return None if v is None else http_url(v)
 
 
+_SUBJECT = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$"
+_NAME = r"^[A-Za-z0-9_-]+$"
+
+
+class JetStreamConfig(Strict):
+    """Gateway traffic read from NATS JetStream (``monitor/traffic/jetstream.py``), where the taps
+    publish it (``KVCANARY_TAP_URL=nats://...``)."""
+
+    url: str = Field("nats://127.0.0.1:4222", max_length=2048)
+    # The stream this monitor creates (or updates) at start, on <subject_prefix>.0 to .<partitions - 1>.
+    stream: str = Field("KVCANARY_TRAFFIC", pattern=_NAME, max_length=64)
+    subject_prefix: str = Field("kvcanary.traffic", pattern=_SUBJECT, max_length=200)
+    # Deployments are spread over this many partitions (the taps' KVCANARY_TAP_PARTITIONS: the same).
+    partitions: int = Field(16, ge=1, le=1024)
+    # The KV bucket where replicas share out the partitions (heartbeats and claims, 6 s leases).
+    bucket: str = Field("kvcanary_partitions", pattern=_NAME, max_length=64)
+    # How long the stream keeps a record not yet judged (a judged one leaves it: a work queue), so
+    # one sent while every monitor was down is still judged, and in a blast radius, when they come
+    # back; and the most it holds so (then taps keep theirs, bounded, and count drops).
+    max_age_days: float = Field(7, gt=0, le=3650)
+    max_bytes: int = Field(8 * 1024**3, ge=1024**2)
+    # Copies of the stream in a NATS cluster (1: one server; 3: survives losing one).
+    stream_replicas: int = Field(1, ge=1, le=5)
+    # A resend of a record within this long is dropped by JetStream (Nats-Msg-Id); the monitor
+    # remembers judged record ids twice as long, so a redelivery is never judged again.
+    duplicate_window_seconds: float = Field(900, ge=10, le=DAY)
+    # A record a replica took and did not acknowledge (it died) is delivered again after this long.
+    ack_wait_seconds: float = Field(30, ge=1, le=3600)
+    # Records of one partition out at once, unacknowledged (a few pulled batches).
+    max_ack_pending: int = Field(1000, ge=1, le=100_000)
+    token_env: EnvName = "KVCANARY_NATS_TOKEN"
+    token_file: Path | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _nats_url(cls, v: str) -> str:
+        if not re.match(r"^(nats|tls)://[^/\s]+$", v):
+            raise ValueError("must be nats://HOST:PORT (or tls://HOST:PORT)")
+        if "@" in v:  # a URL is logged and shown on /healthz, where a token never is
+            raise ValueError("must not carry credentials; use token_env or token_file")
+        return v
+
+    @model_validator(mode="after")
+    def _window_covers_redelivery(self) -> JetStreamConfig:
+        if self.duplicate_window_seconds < 2 * self.ack_wait_seconds:
+            raise ValueError(
+                "duplicate_window_seconds: must be at least twice ack_wait_seconds (a redelivery "
+                "comes ack_wait_seconds after a delivery and must find its record still remembered)"
+            )
+        return self
+
+
 class TrafficConfig(Strict):
     """Gateway traffic (``POST /api/v1/traffic``, ``monitor/traffic/``)."""
 
+    # Where records come from besides POST /api/v1/traffic (which always answers): http, nothing
+    # more; jetstream, the stream of traffic.jetstream, consumed by all replicas as one group.
+    source: Literal["http", "jetstream"] = "http"
+    jetstream: JetStreamConfig = JetStreamConfig()
     # A token that may post traffic and read nothing; the API token may post too.
     ingest_token_env: EnvName = "KVCANARY_INGEST_TOKEN"
     ingest_token_file: Path | None = None
@@ -192,6 +248,15 @@ class TrafficConfig(Strict):
     overlap_min_run: int = Field(8, ge=2, le=1024)
     # A check that only passed is recorded at most this often per (target, node): its resolve clock.
     pass_interval_seconds: float = Field(60, ge=0, le=DAY)
+
+    def restart_keys(self, new: TrafficConfig) -> list[str]:
+        """Return the keys of ``new`` that differ and that a running process cannot take up (the
+        stream consumer is built on them), for a reload to refuse; ``jetstream`` only where it is
+        read (a block unused before and after may change)."""
+        keys = ["traffic.source"] if self.source != new.source else []
+        if "jetstream" in (self.source, new.source) and self.jetstream != new.jetstream:
+            keys.append("traffic.jetstream")
+        return keys
 
 
 class LogSourceConfig(Strict):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
+from monitor.metrics.stream import StreamCollector
 from monitor.recording.health import WriteHealth
 from probes.base import ProbeResult, Verdict
 
@@ -331,6 +332,9 @@ class MonitorMetrics:
 
     def watch_outbox(self, backlog: Callable[[], tuple[int, float]]) -> None:
         self._general.register(OutboxCollector(backlog))
+
+    def watch_stream(self, report: Callable[[], dict[str, Any]]) -> None:
+        self._general.register(StreamCollector(report))
 
     def declare_alertmanagers(self, urls: Iterable[str]) -> None:
         for url in urls:

@@ -161,6 +161,16 @@ class Pager:
         self.delivery.metrics.alert_failures.set(self.failures)
         return wait
 
+    async def stop(self, task: asyncio.Task[None]) -> None:
+        """Stop ``task`` (this pager's :meth:`run_forever`), deliver what is pending if the
+        Alertmanagers answer within the alerting timeout, and close the connections."""
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.drain(), timeout=self.settings.alerting.timeout_seconds)
+        await self.delivery.aclose()
+
     async def drain(self) -> int:
         """Deliver claimed events in order; return how many were delivered."""
         done = 0

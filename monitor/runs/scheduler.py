@@ -13,6 +13,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
+from apscheduler.events import EVENT_JOB_SUBMITTED, JobSubmissionEvent
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
@@ -81,7 +82,30 @@ def build_scheduler(
             # and replays its spool within the first minute.
             next_run_time=now + timedelta(seconds=min(interval, FIRST_HOUSEKEEPING_SECONDS)),
         )
+    scheduler.add_listener(_noting_due(runner), EVENT_JOB_SUBMITTED)
     return scheduler
+
+
+def _noting_due(runner: ProbeRunner) -> Callable[[JobSubmissionEvent], None]:
+    """Return a listener that tells ``runner`` when each probe run was due (its schedule lag)."""
+
+    def submitted(event: JobSubmissionEvent) -> None:
+        prefix, _, rest = event.job_id.partition(":")
+        if prefix == "probe" and event.scheduled_run_times:
+            target, _, kind = rest.rpartition(":")
+            runner.note_due(target, kind, event.scheduled_run_times[-1])
+
+    return submitted
+
+
+def run_now(scheduler: AsyncIOScheduler, target: str, kinds: Sequence[str]) -> None:
+    """Move the next run of each of ``target``'s ``kinds`` to now, where this replica runs it (a
+    paused job is another replica's)."""
+    now = datetime.now(UTC)
+    for kind in kinds:
+        job = scheduler.get_job(probe_job_id(target, kind))
+        if job is not None and job.next_run_time is not None:
+            job.modify(next_run_time=now)
 
 
 def add_probe_jobs(

@@ -369,3 +369,19 @@ class TrafficMinute(Base):
     # Of ``answered``, how many were the monitor's own tenants' (excluded from a blast radius).
     own: Mapped[int] = mapped_column(Integer, server_default="0")
     max_prompt_chars: Mapped[int] = mapped_column(BigInteger)
+
+
+class TrafficJudged(Base):
+    """A record id judged from the JetStream stream (``monitor/traffic/jetstream.py``), written in
+    the transaction that stores what judging it found: a redelivered message (its replica died
+    before the acknowledgement, or the acknowledgement was lost) or a tap's late resend finds its
+    id here and is acknowledged without being judged again. Kept twice the stream's duplicate
+    window (``traffic.jetstream.duplicate_window_seconds``), so the table stays as small as what
+    can still come again, not as the stream."""
+
+    __tablename__ = "traffic_judged"
+    __table_args__ = (Index("ix_traffic_judged_judged_at", "judged_at"),)
+
+    partition: Mapped[int] = mapped_column(Integer, primary_key=True)
+    record_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    judged_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.storage.db import as_utc
+from monitor.storage.judged_rows import prune_judged
 from monitor.storage.models import Incident, ProbeResultRow
+from monitor.storage.traffic_rows import prune_traffic
 
 #: Evidence keys whose values are (redacted) text a target returned: ``excerpt``, ``baseline_excerpt``.
 EXCERPT_SUFFIX = "excerpt"
@@ -101,3 +104,16 @@ def in_batches(session_factory: sessionmaker[Session], step: Callable[..., int])
         total += done
         if done < PRUNE_BATCH:
             return total
+
+
+def prune_round(
+    session_factory: sessionmaker[Session], *, minute_days: float, judged_keep_seconds: float
+) -> tuple[int, int]:
+    """One round of retention, a batch per transaction: expired probe results deleted, expired
+    excerpts purged, traffic minutes older than ``minute_days`` and judged ids older than
+    ``judged_keep_seconds`` pruned. Return (results deleted, results whose excerpts were purged)."""
+    removed = in_batches(session_factory, prune_expired)
+    purged = in_batches(session_factory, purge_excerpts)
+    in_batches(session_factory, partial(prune_traffic, minute_days=minute_days))
+    in_batches(session_factory, partial(prune_judged, keep_seconds=judged_keep_seconds))
+    return removed, purged

@@ -25,7 +25,7 @@ import collections
 import hashlib
 import logging
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from monitor.recording.port import RecordingPort
 from monitor.runs.replicas import Membership
+from monitor.storage.judged_rows import mark_judged
 from monitor.storage.target_rows import upsert_targets
 from monitor.storage.traffic_rows import write_traffic
 from monitor.traffic.judge import Judged, TrafficJudge
@@ -166,16 +167,27 @@ class TrafficIngest:
             self._answers.popitem(last=False)
         return answer
 
-    async def _ingest(self, batch: TrafficBatch, records: list[TrafficRecord]) -> dict[str, Any]:
+    async def _ingest(
+        self, batch: TrafficBatch, records: list[TrafficRecord], marks: Sequence[tuple[int, str]] = ()
+    ) -> dict[str, Any]:
         gateway = self._gateway(batch.gateway)
         judged = await self.judge.judge(records, gateway)
-        if judged.kept or judged.minutes:
-            await asyncio.to_thread(self._write, judged)
+        if judged.kept or judged.minutes or marks:
+            await asyncio.to_thread(self._write, judged, marks)
         if batch.dropped:
             self.judge.metrics.traffic_dropped.labels(gateway).inc(batch.dropped)
         if self.port is not None and judged.results:
             await asyncio.gather(*(self.port.submit(item) for item in judged.results))
         return judged.answer()
+
+    async def ingest_marked(
+        self, gateway: str, records: list[TrafficRecord], marks: Sequence[tuple[int, str]], dropped: int = 0
+    ) -> dict[str, Any]:
+        """Judge records read from the JetStream stream here, whoever owns their deployment (the
+        stream's partitions decided that), and store them with their ``(partition, record id)``
+        marks in one transaction; return once the rows are stored and the results recorded."""
+        envelope = TrafficBatch.model_construct(batch=None, gateway=gateway, dropped=dropped, records=[])
+        return await self._ingest(envelope, records, marks)
 
     def _gateway(self, name: str) -> str:
         name = name or "unnamed"
@@ -183,8 +195,9 @@ class TrafficIngest:
             self._gateways.add(name)
         return name if name in self._gateways else "other"
 
-    def _write(self, judged: Judged) -> None:
+    def _write(self, judged: Judged, marks: Sequence[tuple[int, str]] = ()) -> None:
         with self.session_factory.begin() as session:
+            mark_judged(session, marks, datetime.now(UTC))
             missing = {name for name, _ in judged.kept} | {key[0] for key in judged.minutes}
             missing -= self._target_ids.keys()
             if missing:  # a target's row, made at start or reload unless the database was away then

@@ -24,14 +24,15 @@ touches the disk, and a fingerprint reveals nothing without the gateway's key.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
 
 #: The tap's stand-in for a response fingerprint its own prompt holds (``kvcanary.tap.fingerprints.OWN``).
 OWN = 0
 
 
-@dataclass(frozen=True)
-class Overlap:
+class Overlap(NamedTuple):
     """The longest run a response shares with another caller."""
 
     run: int
@@ -39,9 +40,10 @@ class Overlap:
     fingerprints: int  # the response's fingerprints, for the ratio
 
 
-@dataclass(frozen=True)
-class _Entry:
-    seq: int
+class _Entry(NamedTuple):
+    """One exchange held: its serial number, who sent it, when, and its distinct fingerprints."""
+
+    serial: int
     caller: str
     at: float
     fingerprints: tuple[int, ...]
@@ -49,7 +51,27 @@ class _Entry:
 
 class OverlapWindow:
     """Fingerprints by caller within a window; see the module doc. Not thread-safe: one judge
-    holds it, under the deployment's lock."""
+    holds it, under the deployment's lock.
+
+    The judge's hottest path (every fingerprint of every record), so the window is kept in maps
+    that whole-exchange operations change (``dict.update``, ``map``, set operations: a few hundred
+    machine instructions a fingerprint) rather than a Python loop per fingerprint (thousands):
+
+    - each caller's ``{fingerprint: the serial number of its latest entry holding it}``;
+    - each fingerprint's holders, while fewer than ``common_callers``: the caller, for the one
+      holder almost every fingerprint has, else ``{caller: None}`` in the order they came (which
+      caller a tie names); a common fingerprint's holders are kept apart, so that a look-up finds
+      it as a run breaker, like one nobody holds. They change only when a caller starts or stops
+      holding a fingerprint, not when it sends one again;
+    - the entries, oldest first, and by serial number how many fingerprints each is still its
+      caller's latest of: an exchange whose every fingerprint its caller sent again since (a
+      conversation's history, a document quoted again) expires without a look at any of them.
+
+    The maps hold numbers and names, never objects, so that the cycle collector does not track
+    them: a window of 250,000 fingerprints held by objects costs every full collection a walk
+    over all of them (measured: more than twice the window's own work while it fills).
+    Callers' names are interned, so that a name is found by identity wherever it is compared.
+    """
 
     def __init__(
         self, window_seconds: float = 900.0, max_fingerprints: int = 250_000, common_callers: int = 3
@@ -58,9 +80,12 @@ class OverlapWindow:
         self.max_fingerprints = max_fingerprints
         self.common_callers = common_callers
         self._entries: collections.deque[_Entry] = collections.deque()
-        self._holders: dict[int, dict[str, int]] = {}  # fingerprint -> {caller: seq of its last entry}
+        self._latest: dict[int, int] = {}  # entry serial -> how many prints it is the latest of
+        self._serial = 0
+        self._mine: dict[str, dict[int, int]] = {}  # caller -> {print: its latest entry's serial}
+        self._holders: dict[int, str | dict[str, None]] = {}  # held by fewer than common_callers
+        self._common: dict[int, dict[str, None]] = {}  # held by common_callers or more
         self._held = 0
-        self._seq = 0
 
     @property
     def held(self) -> int:
@@ -76,55 +101,127 @@ class OverlapWindow:
     ) -> Overlap:
         """Return the longest run of ``response`` another caller (not one ``excused``) holds."""
         self._expire(now)
-        own, skip = set(prompt), {caller, *excused}
-        runs: dict[str, int] = {}
+        found = list(map(self._holders.get, response))  # None: nobody's, or common
+        skip = {sys.intern(caller), *excused}
+        # Most answers: every print nobody's, common, or held by the reader (or one excused) alone.
+        if found.count(None) + sum(map(found.count, skip)) == len(found):
+            return Overlap(0, "", len(response))
+        own: set[int] | None = None  # the prompt's prints, made only if another's print is met
+        runs: dict[str, int] = {}  # each other caller's run ending at the print before
         best, best_caller = 0, ""
-        for fingerprint in response:
-            holders = self._holders.get(fingerprint)
-            if fingerprint == OWN or fingerprint in own or not holders or len(holders) >= self.common_callers:
-                runs = {}
+        for fingerprint, holders in zip(response, found, strict=True):
+            if holders is None or (type(holders) is str and holders in skip):
+                if runs:
+                    runs = {}
                 continue
-            runs = {other: runs.get(other, 0) + 1 for other in holders if other not in skip}
-            for other, run in runs.items():
+            if own is None:
+                own = set(prompt)  # OWN too, were it there: the window holds no OWN
+            if fingerprint in own:
+                runs = {}
+            elif type(holders) is str:  # the one caller who holds it
+                run = runs.get(holders, 0) + 1
+                runs = {holders: run}
                 if run > best:
-                    best, best_caller = run, other
+                    best, best_caller = run, holders
+            else:
+                runs = {other: runs.get(other, 0) + 1 for other in holders if other not in skip}
+                for other, run in runs.items():
+                    if run > best:
+                        best, best_caller = run, other
         return Overlap(best, best_caller, len(response))
 
     def holds_all(self, caller: str, prints: list[int]) -> bool:
         """Whether ``caller`` holds every one of ``prints`` (OWN aside) in the window; False for none."""
         distinct = set(prints) - {OWN}
-        return bool(distinct) and all(caller in self._holders.get(f, ()) for f in distinct)
+        mine = self._mine.get(caller)
+        return bool(distinct) and mine is not None and mine.keys() >= distinct
 
     def add(self, caller: str, fingerprints: list[int], now: float) -> None:
         """Hold one exchange's fingerprints (its prompt's and its response's) for the window."""
-        distinct = dict.fromkeys(fingerprints)
-        distinct.pop(OWN, None)
-        if not distinct:
+        caller = sys.intern(caller)
+        serial = self._serial
+        fresh = dict.fromkeys(fingerprints, serial)
+        fresh.pop(OWN, None)
+        if not fresh:
             return
-        unique = tuple(distinct)
-        self._seq += 1
-        seq, held = self._seq, self._holders
-        self._entries.append(_Entry(seq, caller, now, unique))
-        # The judge's hottest loop (every fingerprint of every record): no new dict for one held.
-        for fingerprint in unique:
+        self._serial += 1
+        prints = tuple(fresh)
+        self._entries.append(_Entry(serial, caller, now, prints))
+        self._latest[serial] = len(prints)
+        mine = self._mine.get(caller)
+        if mine is None:
+            mine = self._mine[caller] = {}
+        before = list(map(mine.get, fresh))  # each print's latest entry of the caller, or None
+        mine.update(fresh)
+        # The entries this one takes prints from (most often one: the exchange sent again, or
+        # none: new text), and None for the prints the caller starts holding.
+        latest = self._latest
+        for was in (before[0],) if before.count(before[0]) == len(before) else set(before):
+            if was is None:
+                everything = before.count(None) == len(before)
+                self._join(caller, prints if everything else [
+                    f for f, was in zip(prints, before, strict=True) if was is None
+                ])  # fmt: skip
+            else:
+                latest[was] -= before.count(was)
+        self._held += len(prints)
+        self._expire(now)
+
+    def _join(self, caller: str, started: Sequence[int]) -> None:
+        """Make ``caller`` a holder of ``started``, prints it did not hold."""
+        held, common, enough = self._holders, self._common, self.common_callers
+        known = held.keys() & started
+        if common:
+            known |= common.keys() & started
+        if enough > 1:
+            held.update(dict.fromkeys([f for f in started if f not in known] if known else started, caller))
+        else:  # one caller makes a print common
+            common.update({f: {caller: None} for f in started if f not in known})
+        for fingerprint in known:
             holders = held.get(fingerprint)
             if holders is None:
-                held[fingerprint] = {caller: seq}
-            else:
-                holders[caller] = seq
-        self._held += len(unique)
-        self._expire(now)
+                common[fingerprint][caller] = None
+                continue
+            if isinstance(holders, str):
+                holders = held[fingerprint] = {holders: None}
+            holders[caller] = None
+            if len(holders) >= enough:
+                common[fingerprint] = holders
+                del held[fingerprint]
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_seconds
-        entries, held = self._entries, self._holders
+        entries = self._entries
         while entries and (entries[0].at < horizon or self._held > self.max_fingerprints):
             entry = entries.popleft()
             self._held -= len(entry.fingerprints)
-            caller, seq = entry.caller, entry.seq
-            for fingerprint in entry.fingerprints:
-                holders = held.get(fingerprint)
-                if holders is not None and holders.get(caller) == seq:
-                    del holders[caller]
-                    if not holders:
-                        del held[fingerprint]
+            if latest := self._latest.pop(entry.serial):
+                self._stop_holding(entry, latest)
+
+    def _stop_holding(self, entry: _Entry, latest: int) -> None:
+        """Drop the ``latest`` prints ``entry`` is its caller's latest of: no later exchange of it
+        holds them."""
+        caller, mine, serial = entry.caller, self._mine[entry.caller], entry.serial
+        prints = entry.fingerprints
+        ended = prints if latest == len(prints) else [f for f in prints if mine[f] == serial]
+        if len(ended) == len(mine):
+            del self._mine[caller]  # its last entry: nothing of the caller is held now
+        else:
+            for fingerprint in ended:
+                del mine[fingerprint]
+        held, common, enough = self._holders, self._common, self.common_callers
+        for fingerprint in ended:
+            holders = held.get(fingerprint)
+            if holders is None:  # a common print
+                holders = common[fingerprint]
+                del holders[caller]
+                if len(holders) < enough:
+                    del common[fingerprint]
+                    if holders:
+                        held[fingerprint] = holders if len(holders) > 1 else next(iter(holders))
+            elif isinstance(holders, str):
+                del held[fingerprint]
+            else:
+                del holders[caller]
+                if len(holders) == 1:
+                    held[fingerprint] = next(iter(holders))

@@ -103,6 +103,10 @@ def monitor_metrics(n: int) -> str:
     lines += [
         f'kvcanary_traffic_unmatched_records_total{{gateway="gw0"}} {n}',
         f'kvcanary_traffic_tap_dropped_records_total{{gateway="gw0"}} {2 * n}',
+        "kvcanary_traffic_stream_lag_seconds 0.4",
+        "kvcanary_traffic_stream_replicas 2",
+        f'kvcanary_traffic_stream_records_total{{outcome="judged"}} {300 * n}',
+        f'kvcanary_traffic_stream_records_total{{outcome="duplicate"}} {n}',
         'kvcanary_cross_tenant_leaks_total{target="defective"} 1',
         f"kvcanary_incidents_open_read_timestamp_seconds {now - 1}",
         "kvcanary_database_up 1",

@@ -118,14 +118,16 @@ def start_proxy(
     callback: str | list[str] | None = TAP_CALLBACK,
     callers: dict[str, tuple[str, str]] | None = None,
     files: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Proxy:
     """Start a proxy in ``folder``; with ``tap_env`` None, no callback at all. ``files`` are written
-    beside the config first (a callback module of the test's own)."""
+    beside the config first (a callback module of the test's own); ``port``: where it listens (a
+    free one unless told: a restarted gateway takes its old one)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in (files or {}).items():
         (folder / name).write_text(text)
     config = write_proxy_config(folder, models, callback if tap_env is not None else None, callers)
-    port = free_port()
+    port = port or free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("KVCANARY_TAP", "PYTHON"))},
         "LITELLM_OFFLINE_MODE": "true",

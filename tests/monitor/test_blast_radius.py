@@ -327,3 +327,26 @@ def test_the_incident_page_shows_the_counts_the_callers_a_chart_and_the_disclosu
     assert section.count("<rect ") >= 2 and "<script" not in html
     assert "Disclosure summary" in section and "engine version 0.5.9" in section
     assert "the monitor&#39;s own canary tenants" in section
+
+
+def test_sources_are_compared_by_the_minute_so_exact_logs_are_not_outranked_by_minute_counts() -> None:
+    # A 4-minute window from 12:00:00; the same traffic ran 12:00:50-12:03:10. The tap counts it by
+    # the minute (12:00-12:04); the logs hold the exact times: 2 min 20 s of 4, 0.42 below the tap.
+    from monitor.blast.question import Bound, Criterion, Scope, Window
+    from monitor.blast.report import BlastRadius
+    from monitor.blast.tally import Tally
+
+    t0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    window = Window(Bound(t0, "start"), Bound(t0 + timedelta(minutes=4), "end"))
+    scope = Scope("shared", 1, "node", window, Criterion("over_pool", "over the pool"), ("x",), None)
+    epoch = t0.timestamp()
+    tap = Tally("recorded traffic", "rows", covered=True, span=(epoch, epoch + 240))
+    logs = Tally("gateway logs", "*.jsonl", covered=True, span=(epoch + 50, epoch + 190))
+    assert (
+        logs.coverage(scope.start_epoch, scope.end_epoch)
+        < tap.coverage(scope.start_epoch, scope.end_epoch) - 0.4
+    )
+    assert BlastRadius({}, scope, [tap, logs]).primary is logs
+    # Logs that miss whole minutes the tap saw (rotated away) still lose to it.
+    rotated = Tally("gateway logs", "*.jsonl", covered=True, span=(epoch + 130, epoch + 190))
+    assert BlastRadius({}, scope, [tap, rotated]).primary is tap

@@ -208,6 +208,7 @@ def test_the_defective_target_opens_a_critical_incident_that_resolves_once_fixed
     # A manual run through the API runs every probe of the target and reports the verdicts.
     ran = httpx.post(
         f"{dep.url}/api/v1/targets/{dep.name('healthy')}/run",
+        params={"wait": 110},  # every probe of the target: past the default 30 s on a loaded machine
         headers={"Authorization": f"Bearer {dep.token}"},
         timeout=120,
     )

@@ -39,11 +39,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 def fill(disk: Path) -> Path:
     """Write a file until the disk is full; return it."""
     filler = disk / "filler"
-    with filler.open("wb") as out:
+    # Unbuffered: a buffered file still holds the write that failed, and closing it tries that
+    # write again and raises ENOSPC out of the `with`.
+    with filler.open("wb", buffering=0) as out:
         try:
             while True:
                 out.write(b"\0" * 65536)
-                out.flush()
         except OSError:
             pass
     return filler

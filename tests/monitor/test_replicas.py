@@ -20,14 +20,20 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
-import psycopg
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, text
 
 from monitor.runs.replicas import HEARTBEAT_SECONDS, LEASE_SECONDS
-from tests.conftest import PG_HOST, PG_PORT, REPO, WorkerProcess, free_port, stop_process, wait_http
+from tests.conftest import (
+    REPO,
+    WorkerProcess,
+    free_port,
+    own_database,
+    stop_process,
+    wait_http,
+)
 from tests.services import wait_for
 
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]
@@ -39,13 +45,7 @@ TOKEN = "replica-test-token-0123456789"
 
 @pytest.fixture
 def database_url() -> Iterator[str]:
-    name = f"kvcanary_replicas_{uuid.uuid4().hex[:8]}"
-    admin = f"host={PG_HOST} port={PG_PORT} user=postgres dbname=postgres"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/{name}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    yield from own_database("kvcanary_replicas")
 
 
 def start_replicas(

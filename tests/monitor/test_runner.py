@@ -22,7 +22,7 @@ from monitor.recording.recorder import Recorder
 from monitor.recording.spool import Spool
 from monitor.recording.writer import BatchWriter
 from monitor.runs.runner import ProbeRunner, RunSummary
-from monitor.runs.scheduler import assign, build_scheduler, next_in_phase
+from monitor.runs.scheduler import assign, build_scheduler, next_in_phase, run_now
 from monitor.storage.db import make_engine, make_session_factory
 from monitor.storage.models import Incident, ProbeResultRow
 from monitor.targets.openai_http import OpenAIHttpTarget
@@ -233,3 +233,35 @@ def test_every_replica_places_a_pairs_runs_at_the_same_moments() -> None:
     start = datetime(2026, 11, 30, 12, 0, 3, tzinfo=UTC)
     assert next_in_phase(start, 60, 0.5) == datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
     assert next_in_phase(start, 60, 0.0) == datetime(2026, 11, 30, 12, 1, 0, tzinfo=UTC)
+
+
+def test_run_now_moves_only_this_replicas_jobs_and_the_runner_hears_when_each_was_due() -> None:
+    settings = settings_for("http://127.0.0.1:1", interval_seconds=600)
+
+    class Noting(ProbeRunner):
+        due: list[tuple[str, str, datetime]] = []
+
+        def note_due(self, target: str, kind: str, due: datetime) -> None:
+            self.due.append((target, kind, due))
+
+        async def run_scheduled(self, target_name: str, kind: str) -> list[RunSummary]:
+            return []  # the clock is what is tested here, not a run
+
+    base = runner_for(settings)
+    runner = Noting(settings, base.clients, MarkerBook(), base.metrics, None, None)
+
+    async def run() -> list[tuple[str, str, datetime]]:
+        scheduler = build_scheduler(settings, runner, owns=lambda target, kind: kind != "boundary")
+        scheduler.start()
+        asked = datetime.now(UTC)
+        run_now(scheduler, "t", ["canary", "boundary"])  # boundary is another replica's: paused
+        for _ in range(100):
+            if runner.due:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        scheduler.shutdown(wait=False)
+        assert all(due >= asked - timedelta(seconds=1) for _, _, due in runner.due)
+        return runner.due
+
+    assert [(t, k) for t, k, _ in asyncio.run(run())] == [("t", "canary")]

@@ -8,14 +8,17 @@ and at the network seam for the three ways the probe hangs up and for the abort 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
 
 from monitor.runs.execute import execute_probe
 from probes.base import Verdict
+from probes.hangup import abandoned_prompt
 from probes.markers import MarkerBook
 from tests.probes.probe_harness import (
+    KEYS,
     Call,
     FakeEngine,
     Reference,
@@ -30,14 +33,23 @@ def judged(worker: Reference, **options: Any) -> tuple[Verdict, str, dict[str, A
     return run_kind("hangup", worker, **options)
 
 
+#: A worker whose abandoned answers run long: the copy model writes 512 tokens in about 60 ms, and
+#: on a loaded machine an answer that short was once over before the worker saw its client go (no
+#: abort to count, rightly). 4,096 tokens take it seconds.
+LONG_ANSWERS = ("--mode", "aggregated", "--kv-pool-tokens", "16384", "--context-window", "16384")
+
+
 def test_a_worker_that_stops_abandoned_requests_passes_and_counts_the_aborts(reference) -> None:  # type: ignore[no-untyped-def]
-    verdict, reason, evidence = judged(reference("--mode", "aggregated", "--kv-pool-tokens", "4096"))
+    verdict, reason, evidence = judged(reference(*LONG_ANSWERS), abandoned_max_tokens=4096)
     assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence
     assert [a["step"] for a in evidence["abandoned"]] == ["mid_stream", "before_body", "client_timeout"]
     assert all(a["hung_up"] for a in evidence["abandoned"]), evidence["abandoned"]
     # Each hang-up reached the engine as an abort: the streams' at their next write, the plain
     # answer's through the handler watching for its client's disconnect.
     assert evidence["aborts_counted"] >= 3, evidence
+    # ... each within the probe's wait, before its canaries went (a stream's abort once waited for
+    # the garbage collector to close the worker's event generator), each waited for on its own.
+    assert all(a["abort_seen_seconds"] is not None for a in evidence["abandoned"]), evidence["abandoned"]
     assert len(evidence["tenants"]) == 6
 
 
@@ -108,3 +120,85 @@ def test_an_abort_count_that_stands_still_after_real_hang_ups_is_a_mismatch() ->
     verdict, reason, evidence = asyncio.run(go())
     assert (verdict, reason) == (Verdict.MISMATCH, "abort_not_counted"), evidence
     assert evidence["aborts_counted"] == 0
+
+
+class SlowToSeeAborts(FakeEngine):
+    """Counts each abandoned request as aborted only ``lag`` seconds after it came (an engine that
+    notices a client gone late), and keeps when each completion call came."""
+
+    lag = 0.3
+
+    def __init__(self) -> None:
+        super().__init__(reply=slow_json)
+        self.came: list[tuple[float, str, bool]] = []  # (when, tenant, abandoned)
+
+    def aborted(self, now: float) -> int:
+        return sum(1 for at, _, abandoned in self.came if abandoned and now - at >= self.lag)
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        now = asyncio.get_running_loop().time()
+        if request.url.path == "/metrics":
+            name = "sglang:num_aborted_requests_total"
+            page = f"# TYPE {name} counter\n{name} {self.aborted(now)}\n"
+            return httpx.Response(200, text=page)
+        if request.url.path.endswith("completions"):
+            body = json.loads(request.content)
+            tenant = next(t for t, k in KEYS.items() if request.headers.get("authorization") == f"Bearer {k}")
+            self.came.append((now, tenant, body["max_tokens"] >= 200))
+        return await super().__call__(request)
+
+
+def test_canaries_follow_a_hang_up_once_the_engine_counted_it_the_tenant_that_hung_up_last() -> None:
+    fake = SlowToSeeAborts()
+
+    async def go() -> tuple[Verdict, str, dict[str, Any]]:
+        async with fake.target(engine="sglang") as target:
+            config = target._config.model_copy(update={"probes": ["hangup"]})
+            result, _ = await execute_probe("hangup", target, MarkerBook(), config)
+        return result.verdict, result.reason, result.evidence
+
+    verdict, reason, evidence = asyncio.run(go())
+    assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence
+    starts = [i for i, (_, _, abandoned) in enumerate(fake.came) if abandoned]
+    assert len(starts) == 3
+    for n, i in enumerate(starts):
+        at, abandoner, _ = fake.came[i]
+        followers = fake.came[i + 1 : starts[n + 1] if n + 1 < len(starts) else None]
+        # What an engine hands on goes to whoever it admits next: not before it saw the hang-up,
+        # and another tenant first (here: bob and alice take turns hanging up).
+        assert followers and all(when - at >= fake.lag for when, _, _ in followers), followers
+        tenants = [t for _, t, _ in followers]
+        assert tenants[-1] == abandoner and sorted(tenants) == ["alice", "bob"], followers
+
+
+class MissesTheFirstAbort(SlowToSeeAborts):
+    """Counts every abandoned request but the first at once (its answer was over before the
+    engine saw its client go: nothing left to abort)."""
+
+    lag = 0.0
+
+    def aborted(self, now: float) -> int:
+        return max(0, super().aborted(now) - 1)
+
+
+def test_a_hang_up_the_engine_never_counted_does_not_hold_up_the_next() -> None:
+    async def go() -> dict[str, Any]:
+        async with MissesTheFirstAbort().target(engine="sglang") as target:
+            config = target._config.model_copy(update={"probes": ["hangup"]})
+            result, _ = await execute_probe("hangup", target, MarkerBook(), config)
+        return result.evidence
+
+    evidence = asyncio.run(go())
+    # Each hang-up is waited for from the count just before it: the first one's miss leaves the
+    # others' waits alone (counted from the run's start, each would have waited out its 2 s).
+    seen = [a["abort_seen_seconds"] for a in evidence["abandoned"]]
+    assert seen[0] is None and None not in seen[1:], evidence["abandoned"]
+    assert evidence["aborts_counted"] == 2
+
+
+def test_the_abandoned_prompt_is_as_long_in_characters_as_its_answer_may_be_in_tokens() -> None:
+    # An engine that echoes or continues the pattern then writes the whole budget, still writing
+    # when the probe hangs up; no tokenizer makes fewer characters than tokens.
+    for budget in (16, 512, 4096):
+        prompt = abandoned_prompt("KVC-00-ab", budget)
+        assert len(prompt) >= budget and prompt.count("KVC-00-ab") >= 2, budget

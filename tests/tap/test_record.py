@@ -81,6 +81,14 @@ def test_names_timings_and_keys_are_made_to_fit_and_no_key_leaves() -> None:
     assert record_of(key_hash="hashed-jwt-" + "ab" * 32)["key_hash"] == "ab" * 32
 
 
+def test_a_request_the_gateway_gave_no_id_gets_one_of_its_own() -> None:
+    first, second = record_of(request_id=""), record_of(request_id="")
+    # Unique per exchange (the monitor judges each record once by its id), and a gateway's id kept.
+    assert re.fullmatch("tap-[0-9a-f]{24}", first["id"]) and first["id"] != second["id"]  # type: ignore[arg-type]
+    assert record_of(request_id="chatcmpl-1")["id"] == "chatcmpl-1"
+    TrafficRecord.model_validate(first)
+
+
 def test_litellm_payloads_become_exchanges() -> None:
     payload = {
         "id": "chatcmpl-1", "api_base": "http://127.0.0.1:8000/v1", "model": "openai/m",
