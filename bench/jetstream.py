@@ -62,13 +62,10 @@ from bench.jetstream_rig import (  # noqa: E402
     PARTITIONS,
     Database,
     Monitor,
-    Names,
-    OwnNats,
     Traffic,
     close_tap,
     connected,
     cpu_seconds,
-    delete_names,
     exchange,
     monitor_config,
     new_names,
@@ -82,9 +79,10 @@ from kvcanary.tap.jetstream import JetStreamTransport  # noqa: E402
 from kvcanary.tap.record import summarize  # noqa: E402
 from monitor.traffic.partitions import LEASE_SECONDS, STEP_SECONDS  # noqa: E402
 from monitor.traffic.stream_setup import durable_name  # noqa: E402
+from tests.jetstream import OwnNats, StreamNames, delete_created  # noqa: E402
 
 
-def bench_throughput(monitor: Monitor, db: Database, nats_url: str, names: Names, records: int) -> None:
+def bench_throughput(monitor: Monitor, db: Database, nats_url: str, names: StreamNames, records: int) -> None:
     prefix = f"tp-{uuid.uuid4().hex[:6]}-"
     fp = Fingerprinter(KEY)
     made = [summarize(exchange(f"{prefix}{i}", i), fp) for i in range(records)]
@@ -114,7 +112,7 @@ def bench_throughput(monitor: Monitor, db: Database, nats_url: str, names: Names
 
 
 def bench_delay(
-    monitor: Monitor, db: Database, nats_url: str, names: Names, rate: float, seconds: float
+    monitor: Monitor, db: Database, nats_url: str, names: StreamNames, rate: float, seconds: float
 ) -> None:
     prefix = f"dl-{uuid.uuid4().hex[:6]}-"
     n = int(rate * seconds)
@@ -150,7 +148,7 @@ def bench_delay(
 
 
 async def _kill_holding_unacked(
-    victim: Monitor, nats_url: str, names: Names, owned: list[int]
+    victim: Monitor, nats_url: str, names: StreamNames, owned: list[int]
 ) -> tuple[float, set[str], int]:
     """SIGKILL ``victim`` once its consumers hold messages pulled and not acknowledged (else after
     10 s anyway); return the time of the kill, the ids of the records in those, and the messages of
@@ -191,7 +189,7 @@ def _record_ids(payload: bytes) -> set[str]:
 
 
 def bench_replicas(
-    db: Database, nats_url: str, names: Names, folder: Path, rate: float, ack_wait: float,
+    db: Database, nats_url: str, names: StreamNames, folder: Path, rate: float, ack_wait: float,
     started: Callable[[Monitor], None],
 ) -> None:  # fmt: skip
     """The replica-loss figures (the module doc); ``started`` is handed each replica, to stop it."""
@@ -297,14 +295,14 @@ def main() -> None:
         if args.nats:
             nats_url = args.nats
         else:
-            server = OwnNats(folder / "nats-store")
+            server = OwnNats(folder / "nats-store").start()
             cleanup.callback(server.stop)
             nats_url = server.url
         print(f"nats: {nats_url}")
 
-        def named() -> Names:
+        def named() -> StreamNames:
             names = new_names()
-            cleanup.callback(delete_names, nats_url, names)
+            cleanup.callback(delete_created, names, nats_url)
             return names
 
         def database() -> Database:

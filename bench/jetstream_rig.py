@@ -5,19 +5,15 @@ Everything binds to 127.0.0.1; everything started is stopped by its owner."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +31,7 @@ from kvcanary.tap.jetstream import JetStreamTransport  # noqa: E402
 from kvcanary.tap.record import Exchange  # noqa: E402
 from kvcanary.tap.sender import Batch  # noqa: E402
 from tests.conftest import free_port, stop_process  # noqa: E402  (as bench/tap_litellm.py does)
+from tests.jetstream import StreamNames, replica_config  # noqa: E402
 
 KEY = b"bench-fingerprint-key-0123456789"
 TOKEN = "bench-token-0123456789abcdef"
@@ -42,7 +39,6 @@ PARTITIONS = 16
 MAX_BYTES = 64 * 1024**2
 BASES = [f"http://10.2.0.{i}:8000/v1" for i in range(1, 25)]
 CALLERS = 8
-NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 TEXT = "\n".join(
     p.read_text(errors="replace") for p in sorted(Path("/usr/share/common-licenses").glob("*")) if p.is_file()
 )
@@ -84,60 +80,14 @@ def exchange(record_id: str, i: int) -> Exchange:
 # --- NATS, PostgreSQL and the monitor as processes -------------------------------------------------
 
 
-class OwnNats:
-    """A ``nats-server -js`` of the bench's own on a free loopback port, its store in ``store``."""
-
-    def __init__(self, store: Path):
-        self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        args = [NATS_SERVER, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store)]
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-
-        def answers() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.5):
-                return True
-            return False
-
-        until("nats-server to listen", answers, 15, 0.05)
-
-    def stop(self) -> None:
-        stop_process(self.proc, timeout=20)
-
-
-@dataclass(frozen=True)
-class Names:
-    """One part's stream, bucket and subject prefix, deleted after it."""
-
-    stream: str
-    bucket: str
-    subject_prefix: str
-
-
-def new_names() -> Names:
+def new_names() -> StreamNames:
+    """A stream, bucket and subject prefix of the bench's own (deleted after it)."""
     tag = uuid.uuid4().hex[:10]
-    return Names(f"KVC_BENCH_{tag}", f"kvc_bench_{tag}", f"kvcbench.{tag}")
+    return StreamNames(f"KVC_BENCH_{tag}", f"kvc_bench_{tag}", f"kvcbench.{tag}")
 
 
 async def connected(url: str) -> nats.NATS:
     return await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=1, connect_timeout=2)
-
-
-def delete_names(url: str, names: Names) -> None:
-    async def delete() -> None:
-        client = await connected(url)
-        js = client.jetstream(timeout=5)
-        with contextlib.suppress(Exception):
-            await js.delete_stream(names.stream)
-        with contextlib.suppress(Exception):
-            await js.delete_key_value(names.bucket)
-        await client.close()
-
-    with contextlib.suppress(Exception):  # NATS is gone already (its store goes with it)
-        asyncio.run(asyncio.wait_for(delete(), 20))
 
 
 class Database:
@@ -182,21 +132,12 @@ class Database:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
 
 
-def monitor_config(database_url: str, names: Names, nats_url: str, ack_wait: float) -> dict[str, Any]:
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: no probe finds an engine, quickly
-    targets = [
-        {"name": f"t{i:02d}", "base_url": dead, "engine": "reference", "model": "m",
-         "tenants": [{"name": "a"}, {"name": "b"}], "probes": ["canary"], "interval_seconds": 3600,
-         "gateway_api_bases": [base]}
-        for i, base in enumerate(BASES)
-    ]  # fmt: skip
-    jetstream = {
-        "url": nats_url, "stream": names.stream, "bucket": names.bucket,
-        "subject_prefix": names.subject_prefix, "partitions": PARTITIONS, "max_bytes": MAX_BYTES,
-        "ack_wait_seconds": ack_wait, "duplicate_window_seconds": max(900, 2 * ack_wait),
-    }  # fmt: skip
-    return {"database_url": database_url, "targets": targets,
-            "traffic": {"source": "jetstream", "jetstream": jetstream}}  # fmt: skip
+def monitor_config(database_url: str, names: StreamNames, nats_url: str, ack_wait: float) -> dict[str, Any]:
+    """A replica's config over the bench's deployments (the tests' config, the bench's stream)."""
+    return replica_config(
+        database_url, names, BASES, nats_url, partitions=PARTITIONS, max_bytes=MAX_BYTES,
+        ack_wait_seconds=ack_wait, duplicate_window_seconds=max(900, 2 * ack_wait),
+    )  # fmt: skip
 
 
 class Monitor:
@@ -308,7 +249,7 @@ class Traffic(threading.Thread):
         self.join(10)
 
 
-def new_tap(nats_url: str, names: Names) -> Tap:
+def new_tap(nats_url: str, names: StreamNames) -> Tap:
     """The real tap as ``KVCANARY_TAP_URL=nats://...`` makes it, the Sender's defaults unchanged."""
     return Tap(
         nats_url, None, KEY, gateway="bench", partitions=PARTITIONS, subject_prefix=names.subject_prefix

@@ -33,8 +33,8 @@ judged there (``aborts_counted`` is None).
 Cost: 3 abandoned requests (prompts of ``abandoned_max_tokens`` characters, 512 by default: about 150
 tokens each on a real tokenizer; the engine stops each answer after a few tokens, at most
 ``abandoned_max_tokens`` where it does not) and ``3 T`` canaries (at most 96 new tokens each), plus the lone
-canary every 10 minutes and a metric scrape per node before, after, and every 50 ms while a real
-hang-up is not counted yet (at most 2 s each); default interval 600 s.
+canary every 10 minutes and a metric scrape per node before and after the run, before each hang-up,
+and every 50 ms while a real hang-up is not counted yet (at most 2 s each); default interval 600 s.
 """
 
 from __future__ import annotations

@@ -19,10 +19,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import psycopg
 import pytest
+
+if TYPE_CHECKING:
+    from tests.jetstream import OwnNats, StreamNames
 
 REPO = Path(__file__).resolve().parent.parent
 PG_HOST, PG_PORT = "127.0.0.1", int(os.environ.get("KVCANARY_TEST_PG_PORT", "5432"))
@@ -103,6 +107,22 @@ def _start_local_pg() -> None:
         if _pg_up():
             return
         time.sleep(0.2)
+
+
+@pytest.fixture
+def stream_names() -> Iterator[StreamNames]:
+    """A stream, bucket and subject prefix of one test's own on the machine's NATS, deleted after it."""
+    from tests.jetstream import names_deleted_after  # it imports this module
+
+    yield from names_deleted_after()
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[OwnNats]:
+    """A NATS server of one test's own (started by the test), stopped after it."""
+    from tests.jetstream import own_server
+
+    yield from own_server(tmp_path / "nats-store")
 
 
 @pytest.fixture(scope="session")

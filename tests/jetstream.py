@@ -221,7 +221,11 @@ class Port:
 # --- replicas, as `kvcanary serve` processes ------------------------------------------------------
 
 
-def replica_config(database_url: str, names: StreamNames, bases: list[str]) -> dict[str, Any]:
+def replica_config(
+    database_url: str, names: StreamNames, bases: list[str], url: str = NATS_URL, **stream: Any
+) -> dict[str, Any]:
+    """A ``kvcanary serve`` config judging ``bases``' traffic from ``names``' stream at ``url``
+    (``stream``: more of ``traffic.jetstream``, over the tests' short ack wait and window)."""
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: the judge reads no facts, quickly
     targets = [
         {"name": f"t{i:02d}", "base_url": dead, "engine": "reference", "model": "m",
@@ -229,7 +233,7 @@ def replica_config(database_url: str, names: StreamNames, bases: list[str]) -> d
          "gateway_api_bases": [base]}
         for i, base in enumerate(bases)
     ]  # fmt: skip
-    jetstream = names.config(ack_wait_seconds=3, duplicate_window_seconds=30)
+    jetstream = names.config(url, **{"ack_wait_seconds": 3, "duplicate_window_seconds": 30, **stream})
     return {"database_url": database_url, "targets": targets,
             "traffic": {"source": "jetstream", "jetstream": jetstream}}  # fmt: skip
 

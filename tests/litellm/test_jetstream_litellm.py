@@ -33,7 +33,7 @@ from openai import APIConnectionError, APIStatusError, OpenAI
 from kvcanary.tap.jetstream import partition_of
 from monitor.storage.db import make_engine, make_session_factory
 from tests.conftest import WorkerProcess, own_database, stop_process
-from tests.jetstream import NATS_URL, StreamNames, counted, names_deleted_after, stream_report, wait_until
+from tests.jetstream import NATS_URL, StreamNames, counted, stream_report, wait_until
 from tests.litellm.conftest import CALLERS, Proxy, start_proxy
 from tests.litellm.test_blast_radius_litellm import DEFECTIVE, by_caller
 from tests.litellm.test_tap_litellm import ask, client_of, customer_sentence, wait_calibrated
@@ -93,11 +93,6 @@ def leak(proxy: Proxy, key: str, rng: random.Random) -> None:
     for _ in range(LEAKS_PER_PHASE):
         over = " ".join(customer_sentence(rng, team, 60) for _ in range(6))  # ~2,300 bytes: tokens
         ask(client_of(proxy, key), "shop", [{"role": "user", "content": over}], stream=False, max_tokens=32)
-
-
-@pytest.fixture
-def stream_names() -> Iterator[StreamNames]:
-    yield from names_deleted_after()
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
@@ -43,24 +42,12 @@ from tests.jetstream import (
     counted,
     exchange,
     in_process,
-    names_deleted_after,
     new_names,
-    own_server,
     tap,
     until,
 )
 
 pytestmark = pytest.mark.external_service
-
-
-@pytest.fixture
-def stream_names() -> Iterator[StreamNames]:
-    yield from names_deleted_after()
-
-
-@pytest.fixture
-def own_nats(tmp_path: Path) -> Iterator[OwnNats]:
-    yield from own_server(tmp_path / "nats-store")
 
 
 # --- one monitor, in process ---------------------------------------------------------------------

@@ -30,7 +30,6 @@ from tests.jetstream import (
     StreamNames,
     counted,
     exchange,
-    names_deleted_after,
     replica_config,
     shares,
     stream_report,
@@ -40,11 +39,6 @@ from tests.jetstream import (
 from tests.monitor.served import Served
 
 pytestmark = pytest.mark.external_service
-
-
-@pytest.fixture
-def stream_names() -> Iterator[StreamNames]:
-    yield from names_deleted_after()
 
 
 # --- replicas, as processes on the real PostgreSQL -----------------------------------------------

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,6 @@ from tests.jetstream import (
     NATS_URL,
     OwnNats,
     StreamNames,
-    names_deleted_after,
     new_names,
     own_server,
     wait_until,
@@ -42,16 +40,6 @@ pytestmark = pytest.mark.external_service
 
 KEY = b"a-test-fingerprint-key-0123456789"
 BASES = [f"http://10.1.0.{i}:8000/v1" for i in range(1, 7)]
-
-
-@pytest.fixture
-def stream_names() -> Iterator[StreamNames]:
-    yield from names_deleted_after()
-
-
-@pytest.fixture
-def own_nats(tmp_path: Path) -> Iterator[OwnNats]:
-    yield from own_server(tmp_path / "nats-store")
 
 
 def exchange(i: int) -> Exchange:
