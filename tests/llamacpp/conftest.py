@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import free_port, stop_process, wait_http
@@ -126,7 +127,7 @@ def llamacpp_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Calla
     """Yield ``start(n_ctx=256, interrupt_requests=True, extra=())``, which returns a ready server.
 
     Ask for a multiple of 256: llama.cpp pads the context up to one, and llama-cpp-python then fails
-    with a 500 on prompts that fall into the padding (see test_llamacpp_server.py).
+    with a 500 on prompts that fall into the padding (see test_llamacpp_context.py).
 
     ``interrupt_requests=False`` stops the server from cutting a running stream when another request
     arrives (its default cuts it). ``extra`` is passed to ``llama_cpp.server`` as more flags, for
@@ -158,3 +159,10 @@ def llamacpp_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Calla
 def llamacpp_server(llamacpp_servers: Callable[..., LlamaCppServer]) -> LlamaCppServer:
     """The shared server: the tiny model as ``tiny``, ``--n_ctx 256``, default flags."""
     return llamacpp_servers()
+
+
+@pytest.fixture(scope="module")
+def client(llamacpp_server: LlamaCppServer) -> Iterator[httpx.Client]:
+    """A client of the shared server, one per test module."""
+    with httpx.Client(base_url=llamacpp_server.url, timeout=30.0) as c:
+        yield c

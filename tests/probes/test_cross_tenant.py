@@ -12,6 +12,7 @@ from probes.cross_tenant import DEFAULT_PLANT_CHARS, PLANT_HEADROOM, plant_chars
 from probes.markers import MARKER_RE, MarkerBook
 from tests.probes.probe_harness import (
     CLEAN,
+    PLACEHOLDER,
     Call,
     FakeEngine,
     Reference,
@@ -49,12 +50,11 @@ def test_it_reports_an_error_not_a_leak_when_the_port_is_unreachable(unreachable
     assert result.evidence["failures"][0]["error_kind"] == "connect"
 
 
-def test_its_planted_markers_come_back_as_a_leak_when_another_tenant_reads_stale_pages(
-    shared_reference,
-) -> None:
-    # The scene's own requests fill every page the over-capacity read is handed, so the worker's
-    # earlier history does not matter.
-    worker = shared_reference("disaggregated-placeholder")
+def test_its_planted_markers_come_back_as_a_leak_when_another_tenant_reads_stale_pages(reference) -> None:
+    # The scene's own requests fill every page the over-capacity read is handed, on a worker of its
+    # own: a shared one may still be finishing an earlier test's request, and pages freed mid-scene
+    # go to the front of the free list, ahead of bob's.
+    worker = reference(*PLACEHOLDER)
     book = MarkerBook()
 
     async def scene() -> tuple[ProbeResult, ProbeResult]:
@@ -67,7 +67,7 @@ def test_its_planted_markers_come_back_as_a_leak_when_another_tenant_reads_stale
 
     planted, overflow = asyncio.run(scene())
     assert planted.verdict is Verdict.PASS
-    assert overflow.verdict is Verdict.LEAK
+    assert overflow.verdict is Verdict.LEAK, (overflow.reason, overflow.detail)
     assert {(leak["owner_tenant"], leak["reader_tenant"]) for leak in overflow.evidence["leaks"]} == {
         ("bob", "alice")
     }
