@@ -19,15 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.llamacpp.calls import (
-    BOS,
-    EOS,
-    chat,
-    complete,
-    count_tokens,
-    stream_lines,
-    text_of,
-)
+from tests.llamacpp.calls import BOS, EOS, chat, complete, count_tokens, stream_lines, text_of
 from tests.llamacpp.conftest import LlamaCppServer
 
 pytestmark = pytest.mark.llamacpp
