@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import duckdb
 import psycopg
 
-from monitor.blast.compute import BlastSources, blast_radius
-from monitor.blast.logs import logs_tally
-from monitor.blast.question import Bound, Criterion, Scope, Window
-from monitor.config.settings import IncidentConfig, RetentionConfig, Settings
-from monitor.incidents import record_result
-from monitor.storage.db import make_engine, make_session_factory, upgrade
-from monitor.storage.target_rows import upsert_targets
-from probes.base import ProbeResult, Verdict
+from kvcanary.monitor.blast.compute import BlastSources, blast_radius
+from kvcanary.monitor.blast.logs import logs_tally
+from kvcanary.monitor.blast.question import Bound, Criterion, Scope, Window
+from kvcanary.monitor.config.settings import IncidentConfig, RetentionConfig, Settings
+from kvcanary.monitor.incidents import record_result
+from kvcanary.monitor.storage.db import make_engine, make_session_factory, upgrade
+from kvcanary.monitor.storage.target_rows import upsert_targets
+from kvcanary.probes.base import ProbeResult, Verdict
 
 PG = os.environ.get("KVCANARY_BENCH_PG", "host=127.0.0.1 port=5432 user=postgres")
 TARGETS = 8

@@ -3,13 +3,13 @@
     .venv/bin/python bench/bug_zoo.py matrix [--runs 3] [--kinds canary,...] [--defects NAME,...]
     .venv/bin/python bench/bug_zoo.py rates [--rates 0.5,0.2,0.1] [--seeds 3] [--max-runs 40] [--defects ...]
 
-Both drive real reference workers (``python -m workers``, one process per configuration, on
+Both drive real reference workers (``python -m kvcanary.workers``, one process per configuration, on
 loopback) through the monitor's own target client and ``execute_probe``, as ``kvcanary serve`` runs
 a kind, two tenants, a 15 s request timeout (5 s for ``duplicate_ids``: ``rid-collision`` leaves
 one request hanging until it).
 
 - **matrix**: every kind ``--runs`` times against each defect's worker (``--bug NAME``) and against
-  the same worker without the flag (the fix); prints a markdown table of verdicts (README).
+  the same worker without the flag (the fix); prints a markdown table of verdicts (docs/performance.md).
 - **rates**: for each defect and each ``--rates`` value ``p`` (``--bug-rate p``: the defect acts on
   a fraction ``p`` of its trigger events), runs the kind that targets it until its first catch
   (a ``leak``; a ``mismatch`` where that is what the defect produces) and reads the trigger events
@@ -37,12 +37,13 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from monitor.config.targets import TargetConfig  # noqa: E402  (run as a script from the repository)
-from monitor.runs.execute import execute_probe  # noqa: E402
-from monitor.targets.openai_http import OpenAIHttpTarget  # noqa: E402
-from monitor.targets.scrape import parse_samples  # noqa: E402
-from probes.base import Verdict  # noqa: E402
-from probes.markers import MarkerBook  # noqa: E402
+from kvcanary.monitor.commands.processes import free_port  # noqa: E402
+from kvcanary.monitor.config.targets import TargetConfig  # noqa: E402  (run as a script from the repository)
+from kvcanary.monitor.runs.execute import execute_probe  # noqa: E402
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget  # noqa: E402
+from kvcanary.monitor.targets.scrape import parse_samples  # noqa: E402
+from kvcanary.probes.base import Verdict  # noqa: E402
+from kvcanary.probes.markers import MarkerBook  # noqa: E402
 
 KEYS = {"alice": "bench-key-alice", "bob": "bench-key-bob"}
 BASE = ("--mode", "aggregated", "--kv-pool-tokens", "8192", "--page-size", "16", "--context-window", "8192")
@@ -64,24 +65,16 @@ TIMEOUTS = {"duplicate_ids": 5.0}
 KINDS = ("canary", "cross_tenant", "boundary", "needle", *dict.fromkeys(kind for _, kind in DEFECTS.values()))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def worker(*flags: str) -> Iterator[str]:
     """Run a reference worker with ``flags`` and the tenants' keys; yield its URL."""
     port = free_port()
     keys = [arg for tenant, key in KEYS.items() for arg in ("--api-key", f"{key}={tenant}")]
-    argv = [sys.executable, "-m", "workers", "--port", str(port), *flags, *keys]
+    argv = [sys.executable, "-m", "kvcanary.workers", "--port", str(port), *flags, *keys]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # torch's import alone took over a minute on a loaded 2-core run
         while True:
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:

@@ -37,19 +37,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from monitor.app import Monitor  # noqa: E402  (run as a script from the repository)
-from monitor.config.settings import parse_settings  # noqa: E402
-from monitor.runs.runner import RunSummary  # noqa: E402
-from monitor.storage.db import upgrade  # noqa: E402
+from kvcanary.monitor.app import Monitor  # noqa: E402  (run as a script from the repository)
+from kvcanary.monitor.commands.processes import free_port  # noqa: E402
+from kvcanary.monitor.config.settings import parse_settings  # noqa: E402
+from kvcanary.monitor.runs.runner import RunSummary  # noqa: E402
+from kvcanary.monitor.storage.db import upgrade  # noqa: E402
 
 GOAL_P99_SECONDS = 2.0
 KEYS = {"KVC_BENCH_A": "bench-key-a", "KVC_BENCH_B": "bench-key-b"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stub(delay: float) -> tuple[str, subprocess.Popen[bytes]]:

@@ -68,24 +68,25 @@ from bench.jetstream_rig import (  # noqa: E402
     cpu_seconds,
     exchange,
     monitor_config,
+    named_by_exchange,
     new_names,
     new_tap,
     percentile,
     publish_all,
     until,
 )
+from kvcanary.monitor.traffic.partitions import LEASE_SECONDS, STEP_SECONDS  # noqa: E402
+from kvcanary.monitor.traffic.stream_setup import durable_name  # noqa: E402
 from kvcanary.tap.fingerprints import Fingerprinter  # noqa: E402
 from kvcanary.tap.jetstream import JetStreamTransport  # noqa: E402
 from kvcanary.tap.record import summarize  # noqa: E402
-from monitor.traffic.partitions import LEASE_SECONDS, STEP_SECONDS  # noqa: E402
-from monitor.traffic.stream_setup import durable_name  # noqa: E402
-from tests.jetstream import OwnNats, StreamNames, delete_created  # noqa: E402
+from tests.support.jetstream import OwnNats, StreamNames, delete_created  # noqa: E402
 
 
 def bench_throughput(monitor: Monitor, db: Database, nats_url: str, names: StreamNames, records: int) -> None:
     prefix = f"tp-{uuid.uuid4().hex[:6]}-"
     fp = Fingerprinter(KEY)
-    made = [summarize(exchange(f"{prefix}{i}", i), fp) for i in range(records)]
+    made = named_by_exchange([summarize(exchange(f"{prefix}{i}", i), fp) for i in range(records)])
     transport = JetStreamTransport(nats_url, None, partitions=PARTITIONS, subject_prefix=names.subject_prefix)
     try:
         idle_from, idle_cpu = time.monotonic(), cpu_seconds(monitor.pid)

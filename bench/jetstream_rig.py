@@ -30,8 +30,8 @@ from kvcanary.tap import Tap  # noqa: E402
 from kvcanary.tap.jetstream import JetStreamTransport  # noqa: E402
 from kvcanary.tap.record import Exchange  # noqa: E402
 from kvcanary.tap.sender import Batch  # noqa: E402
-from tests.conftest import free_port, stop_process  # noqa: E402  (as bench/tap_litellm.py does)
-from tests.jetstream import StreamNames, replica_config  # noqa: E402
+from tests.support import free_port, stop_process  # noqa: E402  (as bench/tap_litellm.py does)
+from tests.support.jetstream import StreamNames, replica_config  # noqa: E402
 
 KEY = b"bench-fingerprint-key-0123456789"
 TOKEN = "bench-token-0123456789abcdef"
@@ -224,6 +224,7 @@ class Traffic(threading.Thread):
         send = transport.send
 
         def timed(batch: Batch) -> tuple[int, int]:
+            named_by_exchange(batch.records)
             taken, refused = send(batch)
             now = time.time()
             for record in batch.records[:taken]:
@@ -247,6 +248,15 @@ class Traffic(threading.Thread):
     def stop(self) -> None:
         self.halt.set()
         self.join(10)
+
+
+def named_by_exchange(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give each record its exchange's id (the bench's ``<prefix><i>``, unique in the run) as its
+    identity, in place: the tap makes an id of its own (``tap-`` and random digits), and the figures
+    find each record's judging time in ``traffic_judged`` by the part's prefix and the exchange."""
+    for record in records:
+        record["id"] = record.get("upstream_id") or record["id"]
+    return records
 
 
 def new_tap(nats_url: str, names: StreamNames) -> Tap:

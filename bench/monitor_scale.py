@@ -11,14 +11,13 @@ first run is spread over one interval, and first runs cost more), then measures 
 to noise), runs/s achieved against scheduled, schedule lag p50/p99
 (``kvcanary_schedule_lag_seconds``), RSS per target, start-up time, and the size and time of a
 ``/metrics`` scrape. Replicas share the monitor's core (this machine has two). The last lines
-are a Markdown table for the README.
+are a Markdown table for docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,16 +32,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from monitor.config.settings import parse_settings  # noqa: E402  (run as a script from the repository)
+from kvcanary.monitor.commands.processes import free_port  # noqa: E402
+from kvcanary.monitor.config.settings import parse_settings  # noqa: E402  (run as a script from the repository)
 
 TOKEN = "bench-token-0123456789abcdef"
 PROBE_SETS = {"canary": ["canary"], "default": ["canary", "cross_tenant", "boundary"]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pinned(core: int) -> object:

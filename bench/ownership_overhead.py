@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.config import WorkerConfig
-from workers.engine import Engine
-from workers.request import ErrorEvent, Event
+from kvcanary.workers.config import WorkerConfig
+from kvcanary.workers.engine import Engine
+from kvcanary.workers.request import ErrorEvent, Event
 
 CONFIGS: dict[str, dict[str, bool]] = {
     "baseline": {},

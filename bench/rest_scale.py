@@ -23,7 +23,6 @@ import multiprocessing
 import os
 import random
 import secrets
-import socket
 import statistics
 import sys
 import time
@@ -38,9 +37,10 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from monitor.api.deps import TimeRange, cursor_scope, encode_cursor
-from monitor.storage.db import upgrade
-from monitor.storage.queries import Key
+from kvcanary.monitor.api.deps import TimeRange, cursor_scope, encode_cursor
+from kvcanary.monitor.commands.processes import free_port
+from kvcanary.monitor.storage.db import upgrade
+from kvcanary.monitor.storage.queries import Key
 
 PG = "host=127.0.0.1 port=5432 user=postgres"
 #: The revision before the list indexes: the table is filled there and the indexes built after.
@@ -210,8 +210,8 @@ def serve(url: str, port: int, token: str) -> None:
     """Run the real app on 127.0.0.1:``port`` with the scheduler off (in a child process)."""
     import uvicorn
 
-    from monitor.app import Monitor, create_app
-    from monitor.config.settings import Settings
+    from kvcanary.monitor.app import Monitor, create_app
+    from kvcanary.monitor.config.settings import Settings
 
     os.environ["KVCANARY_API_TOKEN"] = token
     tenants = [{"name": "alice"}, {"name": "bob"}]
@@ -224,12 +224,6 @@ def serve(url: str, port: int, token: str) -> None:
     )
     app = create_app(Monitor(settings), start_scheduler=False)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --- the measurement ---------------------------------------------------------------------------------

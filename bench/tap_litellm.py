@@ -7,7 +7,10 @@ exchanges (three quarters prompt, one quarter answer), p50 and p99 in millisecon
 - ``proxy``: through LiteLLM 1.110.2 without the tap (the proxy's own overhead: direct to proxy);
 - ``proxy+noop``: through LiteLLM with a logging callback that does nothing (what any logging
   callback costs there: LiteLLM builds its logging payload once one is registered);
-- ``proxy+tap``: through LiteLLM with ``kvcanary.tap.litellm.tap`` posting to a sink.
+- ``proxy+tap``: through LiteLLM with ``kvcanary.tap.litellm.tap`` posting to a sink;
+- ``proxy+tap+q``: the same with the quarantine filter on (``KVCANARY_TAP_QUARANTINE=1``, issue 36),
+  the sink serving a set of 50 quarantined deployments, none of them this group's: what the filter
+  adds to every request that it lets through.
 
 The backend is a small OpenAI-shaped server that answers at once with a reply of the asked size,
 and the sink takes every batch: what is timed is the gateway, not an engine or a monitor.
@@ -31,11 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
-from tests.conftest import stop_process
-from tests.litellm.conftest import CALLERS, litellm_ready, start_proxy
+from tests.support import stop_process
+from tests.support.litellm import CALLERS, litellm_ready, start_proxy
 
 NOOP = "from litellm.integrations.custom_logger import CustomLogger\n\nnoop = CustomLogger()\n"
 SIZES = {"1KB": 1024, "16KB": 16 * 1024, "1MB": 1024 * 1024}
+#: 50 quarantined deployments on other hosts: the filter looks each of the group's up and keeps it.
+QUARANTINE_SET = {
+    "version": 1,
+    "generated_at": "2026-12-03T12:00:00Z",
+    "deployments": [
+        {"target": f"t{i}", "api_bases": [f"http://10.9.0.{i}:8000"], "enforced": True, "incident_id": i,
+         "reason": "bench", "since": "2026-12-03T12:00:00Z"}
+        for i in range(50)
+    ],
+}  # fmt: skip
 TEXT = Path("/usr/share/common-licenses/GPL-3").read_text() * 40
 
 
@@ -45,7 +58,10 @@ class Backend(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # else keep-alive requests stall on delayed ACKs
 
-    def do_GET(self) -> None:  # /v1/models, /health
+    def do_GET(self) -> None:  # /v1/models, /health; the monitor's quarantine set
+        if self.path.startswith("/api/v1/quarantine"):
+            self._send(QUARANTINE_SET)
+            return
         self._send({"data": [{"id": "m"}]})
 
     def do_POST(self) -> None:
@@ -97,6 +113,27 @@ def timings(url: str, key: str, size: int, n: int) -> tuple[float, float]:
     return took[len(took) // 2], took[min(len(took) - 1, int(len(took) * 0.99))]
 
 
+def filter_cost(backend: str, n: int = 20_000) -> tuple[float, float]:
+    """The quarantine filter's own time per request in this process (p50, p99 in microseconds): the
+    set the backend serves, a group of three deployments of which none is quarantined."""
+    from kvcanary.tap.litellm_quarantine import QuarantineFilter
+    from kvcanary.tap.quarantine import QuarantineWatch
+
+    watch = QuarantineWatch(backend, "bench-token-0123456789", start=False)
+    assert watch.poll_once(), "the backend's quarantine set was not read"
+    keep = QuarantineFilter(watch, count=lambda target, mode: None).keep
+    group = [
+        {"model_name": "shop", "litellm_params": {"api_base": f"http://10.8.0.{i}:8000/v1"}} for i in range(3)
+    ]
+    took = []
+    for _ in range(n):
+        start = time.perf_counter()
+        keep("shop", group)
+        took.append((time.perf_counter() - start) * 1e6)
+    took.sort()
+    return took[n // 2], took[int(n * 0.99)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -117,6 +154,9 @@ def main() -> None:
             "proxy": start_proxy(Path(tmp) / "plain", {"shop": backend}, None),
             "proxy+noop": start_proxy(noop, {"shop": backend}, tap_env, callback="noop_logger.noop"),
             "proxy+tap": start_proxy(Path(tmp) / "tap", {"shop": backend}, tap_env),
+            "proxy+tap+q": start_proxy(
+                Path(tmp) / "quarantine", {"shop": backend}, {**tap_env, "KVCANARY_TAP_QUARANTINE": "1"}
+            ),
         }
         try:
             print(f"{'exchange':>8} {'path':>10} {'p50 ms':>8} {'p99 ms':>8}")
@@ -129,8 +169,13 @@ def main() -> None:
                 p50 = {name: row[0] for name, row in rows.items()}
                 proxy, callback = p50["proxy"] - p50["direct"], p50["proxy+noop"] - p50["proxy"]
                 tap = p50["proxy+tap"] - p50["proxy+noop"]
-                added = f"the proxy {proxy:.2f}, a callback {callback:.2f}, the tap {tap:.2f}"
+                p99 = {name: row[1] for name, row in rows.items()}
+                fence = p50["proxy+tap+q"] - p50["proxy+tap"], p99["proxy+tap+q"] - p99["proxy+tap"]
+                added = f"the proxy {proxy:.2f}, a callback {callback:.2f}, the tap {tap:.2f}, "
+                added += f"the filter {fence[0]:.2f} (p99 {fence[1]:.2f})"
                 print(f"{label:>8}  p50 added: {added}")
+            p50, p99 = filter_cost(backend)
+            print(f"the quarantine filter in process: p50 {p50:.1f} us, p99 {p99:.1f} us per request")
         finally:
             for started in proxies.values():
                 stop_process(started.proc)

@@ -4,11 +4,12 @@
   the four checks, the overlap window filling), in batches of 300 records of 1 KB exchanges;
 - ``tap``: the tap's work per exchange (summary and fingerprints: what runs on its thread, after
   the response is sent) for 1 KB, 16 KB and 1 MB exchanges, p50 and p99;
-- ``overlap``: the overlap rule's false alarms on real text nobody here wrote (the documentation
-  and licence texts Debian ships, ``/usr/share/doc`` and ``/usr/share/common-licenses``), sent by
-  several callers who share a system prompt and licences, with answers quoting their own
-  prompts; and its recall on injected leaks (an answer carrying a stretch of another caller's
-  prompt, 40 to 200 words).
+- ``overlap``: for each overlap rule asked (``--rules``: ``8`` is a run of 8 prints of anything,
+  ``-/4`` a run of 4 prints one other caller alone asked (the settings' default), ``8/4`` either),
+  its false alarms by kind on benign traffic of real text nobody here wrote
+  (``bench/overlap_corpus.py``), its recall on private passages of 40, 80 and 200 words leaked into
+  another caller's answer, and its CPU time. ``KVCANARY_BENCH_TREE=<a checkout> ... --overlap-only``
+  measures that checkout's window and check on the same traffic (the rules its window knows).
 
 ``--against REV`` gives the ``judge`` figure only, side by side: the same bodies (made once, by
 this tree's tap) judged by commit ``REV`` (exported into a temporary folder, removed after) and by
@@ -17,6 +18,7 @@ machine shared with other work weighs on both alike; it prints each round's figu
 and the ratio (the median of the rounds' ratios).
 
     .venv/bin/python bench/traffic.py [--records 30000] [--callers 8]
+    .venv/bin/python bench/traffic.py --overlap-only [--rules 8 -/4 8/4] [--exchanges 5000]
     .venv/bin/python bench/traffic.py --against HEAD [--rounds 5] [--records 30000]
 """
 
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gzip
+import inspect
 import json
 import os
 import pickle
@@ -35,27 +39,42 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # The tree whose monitor is imported: this one, or (a turn of ``--against``) the exported commit's.
 sys.path.insert(0, os.environ.get("KVCANARY_BENCH_TREE") or str(Path(__file__).resolve().parent.parent))
 
 from prometheus_client import CollectorRegistry
 
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.metrics.registry import MonitorMetrics
+from kvcanary.monitor.targets.calibration import TokenCalibration
+from kvcanary.monitor.traffic.judge import TrafficJudge
+
+try:  # the checks as a package (one file a check), or as the one module they were before
+    from kvcanary.monitor.traffic.checks.overlap_run import (
+        OVERLAP_MIN_RUN,
+        longest_unexcused_run,
+        overlap_check,
+    )
+except ImportError:
+    from kvcanary.monitor.traffic.checks import (  # type: ignore[no-redef]
+        OVERLAP_MIN_RUN,
+        longest_unexcused_run,
+        overlap_check,
+    )
+from kvcanary.monitor.traffic.overlap import OverlapWindow
+from kvcanary.monitor.traffic.schema import TrafficRecord, read_batch
+from kvcanary.probes.markers import MarkerBook
+from kvcanary.probes.target import ServerCapacity
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.record import Exchange, summarize
-from monitor.config.settings import Settings
-from monitor.metrics.registry import MonitorMetrics
-from monitor.targets.calibration import TokenCalibration
-from monitor.traffic.checks import OVERLAP_MIN_RUN
-from monitor.traffic.judge import TrafficJudge
-from monitor.traffic.overlap import OverlapWindow
-from monitor.traffic.schema import read_batch
-from probes.markers import MarkerBook
-from probes.target import ServerCapacity
+
+# The benign corpus beside this file (after the tree: a tree measured by ``--against`` has none).
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from overlap_corpus import KEY, LEAK_WORDS, benign_traffic, private_leaks, records_of
 
 HERE = Path(__file__).resolve().parent.parent
-KEY = b"bench-fingerprint-key-0123456789"
 BATCH = 300
 
 
@@ -199,61 +218,92 @@ def bench_tap(docs: list[str]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def bench_overlap(docs: list[str], callers: int, exchanges: int) -> dict[str, Any]:
-    """False alarms on benign traffic sharing boilerplate; recall on injected leaks.
+class Rule(NamedTuple):
+    """An overlap rule: a run of ``min_run`` prints of anything another caller sent (None: not
+    counted), or (where the window knows what callers asked) of ``prompt_run`` prints another
+    caller sent in a prompt (None: not counted). The settings' default is ``Rule(None, 4)``."""
 
-    Each caller's own text comes from documents no other caller reads (``docs[k::callers]``), as
-    customers' own data does; every caller may send the same system prompt and Debian's licences
-    (boilerplate); a benign answer quotes the caller's own prompt, a licence or the system prompt.
-    A leak is an answer carrying a stretch of another caller's own text, as the tap would send it.
-    """
-    tap = Fingerprinter(KEY)
-    rng = random.Random(3)
-    licences = sorted(Path("/usr/share/common-licenses").glob("*"))
-    shared = [p.read_text(errors="replace")[:3000] for p in licences if p.is_file()][:6]
-    system = (
-        "You are the assistant of a software company. Answer in English, briefly, and cite the text you use."
+    min_run: int | None
+    prompt_run: int | None = None
+
+    def __str__(self) -> str:
+        runs = [f"run {self.min_run}"] if self.min_run else []
+        return ", ".join(runs + ([f"prompts {self.prompt_run}"] if self.prompt_run else []))
+
+
+#: A run no answer reaches: a rule turned off, for a check that takes a number.
+NEVER = 1 << 30
+
+
+def prompt_run_leaked(
+    caller: str, prompt: list[int], response: list[int], window: OverlapWindow, now: float, rule: Rule
+) -> bool:
+    """Whether ``rule`` flags the answer, as the overlap check applies it (without adding the
+    exchange to the window): the run of anything first, then the shorter run of what others asked."""
+    anything = rule.min_run or NEVER
+    found = longest_unexcused_run(
+        caller, prompt, response, window, now, min(anything, rule.prompt_run or NEVER)
     )
+    if found is None or found.run >= anything:
+        return found is not None
+    if rule.prompt_run is None or found.run < rule.prompt_run:  # a run of asked prints is no longer
+        return False
+    asked = window.asked
+    found = longest_unexcused_run(caller, prompt, response, asked, now, rule.prompt_run)
+    return found is not None and found.run >= rule.prompt_run
+
+
+def judge_benign(records: list[TrafficRecord], rule: Rule) -> tuple[OverlapWindow, list[bool], float]:
+    """Judge the benign records in order as the overlap check does; return the window, each
+    record's verdict (a leak or not) and the CPU-seconds the rule took."""
     window = OverlapWindow(900, 2_000_000, 3)
-    alarms, seen = 0, []
+    leaks: list[bool] = []
+    start = time.process_time()
+    # The check as the tree has it: with the prompt rule (this tree), or a run of anything only.
+    both = "min_prompt_run" in inspect.signature(overlap_check).parameters
+    runs = (rule.min_run, rule.prompt_run or NEVER) if both else (rule.min_run,)
+    for i, record in enumerate(records):
+        found = overlap_check(record, window, float(i), *runs)
+        leaks.append(found is not None and found.verdict == "leak")
+    return window, leaks, time.process_time() - start
 
-    def record(caller: str, prompt: str, response: str, at: float) -> tuple[list[int], list[int]]:
-        ex = Exchange("r", at, caller, "team", "http://x", prompt=prompt, response=response)
-        prints = summarize(ex, tap)["fingerprints"]
-        return prints["prompt"], prints["response"]
 
-    for i in range(exchanges):
-        k = i % callers
-        own_docs = docs[k::callers]
-        doc = rng.choice(own_docs)
-        at = rng.randrange(max(1, len(doc) - 2500))
-        own = doc[at : at + 2000]
-        licence = rng.choice(shared) if rng.random() < 0.5 else ""
-        quote = rng.choice([own[200:900], (licence or system)[300:1000], system])
-        prompt_fp, response_fp = record(
-            f"c{k}", "\n".join([system, licence, own]), "Here it is: " + quote, float(i)
-        )
-        alarms += window.longest_run(f"c{k}", prompt_fp, response_fp, float(i)).run >= OVERLAP_MIN_RUN
-        window.add(f"c{k}", prompt_fp + response_fp, float(i))
-        seen.append((k, own))
-    caught = {40: [0, 0], 80: [0, 0], 200: [0, 0]}
-    for _ in range(300):
-        victim, text = seen[-1 - rng.randrange(200)]
-        reader = (victim + 1) % callers
-        words = text.split()
-        for n, tally in caught.items():
-            start = rng.randrange(max(1, len(words) - n))
-            asked = "Summarize our meeting notes, please."
-            _, leaked = record(
-                f"c{reader}", asked, "Sure. " + " ".join(words[start : start + n]), float(exchanges)
-            )
-            tally[0] += window.longest_run(f"c{reader}", [], leaked, float(exchanges)).run >= OVERLAP_MIN_RUN
-            tally[1] += 1
-    return {
-        "benign": exchanges,
-        "false_alarms": alarms,
-        "recall": {n: t[0] / t[1] for n, t in caught.items()},
-    }
+def bench_overlap(
+    docs: list[str], callers: int, exchanges: int, rules: list[Rule]
+) -> dict[Rule, dict[str, Any]]:
+    """For each rule: false alarms on the benign traffic (by kind) as the overlap check judges it,
+    recall on private passages of 40, 80 and 200 words leaked to another caller (judged against
+    the window the benign traffic left), and the rule's CPU time per benign record."""
+    sent, private = benign_traffic(docs, callers, exchanges)
+    records = records_of(sent)
+    leaks = private_leaks(sent, private, callers)
+    tap, asked = Fingerprinter(KEY), "Summarize our meeting notes, please."
+    asked_fp = [tap.whole(asked)]
+    leaked = [(v, n, tap.fingerprints("Sure. " + passage)[0]) for v, n, passage in leaks]
+    kinds = collections.Counter(s.kind for s in sent)
+    out: dict[Rule, dict[str, Any]] = {}
+    for rule in rules:
+        window, verdicts, took = judge_benign(records, rule)
+        alarms = collections.Counter(s.kind for s, leak in zip(sent, verdicts, strict=True) if leak)
+        caught: dict[int, list[int]] = {n: [0, 0] for n in LEAK_WORDS}
+        for victim, n, fp in leaked:
+            reader = f"c{(victim + 1) % callers}"
+            caught[n][0] += prompt_run_leaked(reader, asked_fp, fp, window, float(exchanges), rule)
+            caught[n][1] += 1
+        out[rule] = {
+            "alarms": alarms,
+            "kinds": kinds,
+            "recall": {n: hit / total for n, (hit, total) in caught.items()},
+            "us_per_record": took / len(records) * 1e6,
+        }
+    return out
+
+
+def parse_rule(text: str) -> Rule:
+    """``8`` (a run of 8 prints of anything), ``8/4`` (that, or 4 of another caller's prompt) or
+    ``-/4`` (4 of another caller's prompt only: the settings' default)."""
+    first, _, second = text.partition("/")
+    return Rule(None if first == "-" else int(first), int(second) if second else None)
 
 
 def main() -> None:
@@ -265,6 +315,15 @@ def main() -> None:
     parser.add_argument("--exchanges", type=int, default=5000)
     parser.add_argument("--against", metavar="REV", help="the judge figure only, beside commit REV's")
     parser.add_argument("--rounds", type=int, default=5, help="turns of each tree, with --against")
+    parser.add_argument("--overlap-only", action="store_true", help="the overlap figures only")
+    parser.add_argument(
+        "--rules",
+        type=parse_rule,
+        nargs="+",
+        default=[Rule(OVERLAP_MIN_RUN), Rule(4), Rule(None, 4), Rule(None, 5), Rule(OVERLAP_MIN_RUN, 4)],
+        help="overlap rules to measure: N (a run of N prints), N/M (or M of another caller's prompt), "
+        "-/M (M of another caller's prompt only: the default)",
+    )
     parser.add_argument("--judge-bodies", type=Path, help=argparse.SUPPRESS)  # one turn of --against
     args = parser.parse_args()
     if args.judge_bodies is not None:
@@ -275,13 +334,18 @@ def main() -> None:
     if args.against is not None:
         judge_against(docs, args.records, args.against, args.rounds)
         return
-    print(f"judge: {bench_judge(docs, args.records):,.0f} records per CPU-second (batches of {BATCH})")
-    for label, (p50, p99) in bench_tap(docs).items():
-        print(f"tap: {label} exchange: p50 {p50:.2f} ms, p99 {p99:.2f} ms of work on the tap's thread")
-    o = bench_overlap(docs, args.callers, args.exchanges)
-    recall = ", ".join(f"{n} words {r:.0%}" for n, r in o["recall"].items())
-    alarms = f"{o['false_alarms']} false alarms in {o['benign']} benign exchanges of {args.callers} callers"
-    print(f"overlap: {alarms}; recall on injected leaks: {recall}")
+    if not args.overlap_only:
+        print(f"judge: {bench_judge(docs, args.records):,.0f} records per CPU-second (batches of {BATCH})")
+        for label, (p50, p99) in bench_tap(docs).items():
+            print(f"tap: {label} exchange: p50 {p50:.2f} ms, p99 {p99:.2f} ms of work on the tap's thread")
+    asked = hasattr(OverlapWindow, "longest_asked_run")  # not in older trees
+    rules = [rule for rule in args.rules if asked or (rule.min_run and not rule.prompt_run)]
+    for rule, o in bench_overlap(docs, args.callers, args.exchanges, rules).items():
+        recall = ", ".join(f"{n} words {r:.0%}" for n, r in o["recall"].items())
+        kinds = ", ".join(f"{kind} {o['alarms'][kind]}/{n}" for kind, n in sorted(o["kinds"].items()))
+        alarms = f"{sum(o['alarms'].values())} false alarms in {args.exchanges} benign exchanges"
+        print(f"overlap ({rule}): {alarms} of {args.callers} callers ({kinds}); recall on private "
+              f"leaked passages: {recall}; {o['us_per_record']:.0f} µs of CPU a record")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from grafana_foundation_sdk.builders.dashboard import Dashboard
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
-from dashboards import overview, workers
+from kvcanary.dashboards import overview, workers
 
 DASHBOARDS_DIR = Path(__file__).resolve().parent
 #: File name -> the function that builds it. One line per dashboard.

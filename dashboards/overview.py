@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders.dashboard import Dashboard
 
-from dashboards.panels import (
+from kvcanary.dashboards.containment import containment_row
+from kvcanary.dashboards.panels import (
     BLUE,
     GREEN,
     ORANGE,
@@ -23,7 +24,7 @@ from dashboards.panels import (
     table_panel,
     timeseries_panel,
 )
-from dashboards.traffic import traffic_row
+from kvcanary.dashboards.traffic import traffic_row
 
 UID = "kvcanary-overview"
 PAIR = 'target=~"$target", probe=~"$probe"'
@@ -71,6 +72,7 @@ def build() -> Dashboard:
     _incidents(grid)
     _cost(grid)
     _capacity(grid)
+    containment_row(grid)
     traffic_row(grid)
     _health(grid)
     _health_trends(grid)

@@ -2,13 +2,15 @@
 
 Every record the monitor judges counts once per check it ran (``kvcanary_traffic_records_total``):
 the ``marker`` check runs on every routed record, so its count is the records judged. Where the taps
-publish to NATS JetStream (``traffic.source: jetstream``), the last two panels show each replica's
-place in the stream (``kvcanary_traffic_stream_*``); over HTTP they stay empty.
+publish to NATS JetStream (``traffic.source: jetstream``), the last panels show each replica's
+place in the stream (``kvcanary_traffic_stream_*``): whether every partition is consumed, what the
+partitions' bucket holds that no real replica writes, lag, and what was taken; over HTTP they stay
+empty.
 """
 
 from __future__ import annotations
 
-from dashboards.panels import GREEN, ORANGE, RED, Grid, Query, stat_panel, timeseries_panel
+from kvcanary.dashboards.panels import GREEN, ORANGE, RED, Grid, Query, stat_panel, timeseries_panel
 
 TARGET = 'target=~"$target"'
 RECORDS = f"kvcanary_traffic_records_total{{{TARGET}"
@@ -82,10 +84,34 @@ def traffic_row(grid: Grid) -> None:
         timeseries_panel(
             "Traffic stream: records taken",
             "Records each replica took from the stream per second, by outcome: judged, duplicate "
-            "(delivered again after a replica's loss, judged before) and rejected (not a valid record).",
+            "(delivered again after a replica's loss, judged before), rejected (not a valid record) "
+            "and misrouted (on a partition its deployment does not hash to: not judged).",
             [Query(f"sum by (instance, outcome) ({TAKEN})", "{{instance}} {{outcome}}")],
             "reqps",
-            colors={".*rejected": RED, ".*duplicate": ORANGE},
+            colors={".*rejected": RED, ".*misrouted": RED, ".*duplicate": ORANGE},
+        ),
+        w=12, h=6,
+    )  # fmt: skip
+    grid.add(
+        stat_panel(
+            "Traffic stream partitions unconsumed",
+            "Partitions no replica consumes now (the stream's partitions less those the replicas pull "
+            "from): their customers' records wait unjudged. A deleted consumer or stream is made again "
+            "within seconds; KVCanaryTrafficPartitionsUnconsumed fires past 5 minutes.",
+            [Query(f"max({STREAM}partitions) - sum({STREAM}partition_consuming)", instant=True)],
+            steps=((GREEN, None), (RED, 1.0)),
+        ),
+        w=6, h=6,
+    )  # fmt: skip
+    grid.add(
+        timeseries_panel(
+            "Traffic stream bucket anomalies",
+            "What the partitions' KV bucket holds that no set of real replicas writes, by kind, the "
+            "most any replica reads: replicas over traffic.jetstream.max_replicas, claims without a "
+            "heartbeat, partitions withheld past a lease. KVCanaryTrafficBucketForged fires past 2 minutes.",
+            [Query(f"max by (kind) ({STREAM}bucket_anomalies)", "{{kind}}")],
+            "short",
+            colors={".*": RED},
         ),
         w=12, h=6,
     )  # fmt: skip

@@ -1,7 +1,8 @@
-"""kvcanary as a wheel installs it: the repository's top-level folders under one namespace.
+"""kvcanary: one installed package, the code the tests run.
 
-In a checkout ``monitor/``, ``probes/``, ``workers/``, ``migrations/``, ``alerts/`` and
-``dashboards/`` sit at the top and import each other by those names. The wheel installs them as
-``kvcanary.monitor``, ``kvcanary.probes``, ... with their imports rewritten (``setup.py``), so it
-claims no generic top-level name. This package itself holds only the console script's entry point.
+The repository keeps ``monitor/``, ``probes/``, ``workers/``, ``migrations/``, ``alerts/`` and
+``dashboards/`` at the top, and ``kvcanary/<folder>`` links to each, so every import names the
+package users install (``kvcanary.monitor``, ``kvcanary.probes``, ...) in a checkout, an editable
+install and the wheel alike, and no generic top-level name is claimed. The gateway tap
+(``kvcanary.tap``) and the wire both sides share (``kvcanary.wire``) live here too.
 """

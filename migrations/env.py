@@ -21,8 +21,8 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "pyproject.toml").is_file() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from monitor.storage import models  # noqa: E402  (registers the tables on Base.metadata)
-from monitor.storage.db import make_engine  # noqa: E402
+from kvcanary.monitor.storage import models  # noqa: E402  (registers the tables on Base.metadata)
+from kvcanary.monitor.storage.db import make_engine  # noqa: E402
 
 config = context.config
 target_metadata = models.Base.metadata

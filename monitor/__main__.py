@@ -1,3 +1,3 @@
-from monitor.commands.cli import main
+from kvcanary.monitor.commands.cli import main
 
 main()

@@ -24,22 +24,30 @@ from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.api.main import build_http_app
-from monitor.api.state import ApiState
-from monitor.config.reload import plan, restart_needed
-from monitor.config.secrets import alertmanager_headers, api_token, ingest_token, marker_key, tenant_keys
-from monitor.config.settings import ConfigError, Settings, load_settings
-from monitor.config.targets import TargetConfig
-from monitor.metrics.registry import MonitorMetrics
-from monitor.paging.pager import Delivery, Pager, paging_health
-from monitor.recording.port import RecordingPort
-from monitor.recording.recorder import Recorder
-from monitor.recording.spool import open_spool
-from monitor.recording.writer import BatchWriter
-from monitor.runs.replicas import HEARTBEAT_SECONDS, Membership
-from monitor.runs.run_now import RunNow
-from monitor.runs.runner import ProbeRunner, RunSummary, run_keys
-from monitor.runs.scheduler import (
+from kvcanary.monitor.api.main import build_http_app
+from kvcanary.monitor.api.state import ApiState
+from kvcanary.monitor.config.reload import plan, restart_needed
+from kvcanary.monitor.config.secrets import (
+    alertmanager_headers,
+    api_token,
+    ingest_token,
+    marker_key,
+    tenant_keys,
+)
+from kvcanary.monitor.config.settings import ConfigError, Settings, load_settings
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.containment import Containment
+from kvcanary.monitor.metrics.registry import MonitorMetrics
+from kvcanary.monitor.paging.pager import Delivery, Pager, paging_health
+from kvcanary.monitor.recording.port import RecordingPort
+from kvcanary.monitor.recording.recorder import Recorder
+from kvcanary.monitor.recording.spool import open_spool
+from kvcanary.monitor.recording.writer import BatchWriter
+from kvcanary.monitor.runs.discovery import DISCOVERY_TICK_SECONDS, GatewayDiscovery
+from kvcanary.monitor.runs.replicas import HEARTBEAT_SECONDS, Membership
+from kvcanary.monitor.runs.run_now import RunNow
+from kvcanary.monitor.runs.runner import ProbeRunner, RunSummary, run_keys
+from kvcanary.monitor.runs.scheduler import (
     PRUNE_INTERVAL_SECONDS,
     REPLAY_INTERVAL_SECONDS,
     add_probe_jobs,
@@ -48,27 +56,29 @@ from monitor.runs.scheduler import (
     probe_job_id,
     run_now,
 )
-from monitor.storage import outbox
-from monitor.storage.db import check_migrated, make_engine, make_session_factory
-from monitor.storage.incident_rows import open_incident_counts
-from monitor.storage.retention import prune_round
-from monitor.storage.sqlite_file import sqlite_file_of
-from monitor.targets.http import HttpClient
-from monitor.targets.openai_http import OpenAIHttpTarget
-from monitor.targets.wire import Limits
-from monitor.traffic.ingest import TrafficIngest
-from monitor.traffic.judge import TrafficJudge, own_key_digests
-from probes.markers import MarkerBook
+from kvcanary.monitor.storage import outbox
+from kvcanary.monitor.storage.db import check_migrated, make_engine, make_session_factory
+from kvcanary.monitor.storage.incident_rows import open_incident_counts
+from kvcanary.monitor.storage.retention import prune_round
+from kvcanary.monitor.storage.sqlite_file import sqlite_file_of
+from kvcanary.monitor.targets.http import HttpClient
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.monitor.targets.wire import Limits
+from kvcanary.monitor.traffic.ingest import HttpIngest, StreamPublisher
+from kvcanary.monitor.traffic.judge import TrafficJudge, own_key_digests
+from kvcanary.monitor.traffic.pipeline import TrafficPipeline
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.markers import MarkerBook
 
 if TYPE_CHECKING:
-    from monitor.traffic.jetstream import TrafficStream
+    from kvcanary.monitor.traffic.jetstream import TrafficStream
 
 log = logging.getLogger("kvcanary")
 
 #: How often a SQLite file is checked for having been deleted or replaced under the process.
 FILE_CHECK_SECONDS = 2
-#: What a node's configuration change re-runs at once (the capacity audit that saw it has just run).
-REAUDIT_KINDS = ("version", "boundary")
+#: How often the quarantine rules are applied (and at once when a recording changed an incident).
+CONTAINMENT_SECONDS = 1.0
 
 
 class Monitor:
@@ -136,15 +146,19 @@ class Monitor:
         self.runner.owns = self.membership.owns
         self.ingest_token = ingest_token(settings)
         judge = TrafficJudge(settings, self.clients, self.markers, self.metrics, own_key_digests(keys))
-        self.traffic = TrafficIngest(judge, self.port, self.session_factory, self.membership, self.token)
+        # One pipeline for posted and streamed records; posts are published to the stream if used.
+        jetstream = settings.traffic.jetstream
+        pipeline = TrafficPipeline(judge, self.port, self.session_factory, jetstream.partitions)
         self.stream: TrafficStream | None = None
+        publisher = None
         if settings.traffic.source == "jetstream":
-            from monitor.traffic.jetstream import TrafficStream  # nats-py only when used
-            from monitor.traffic.stream_setup import nats_token
+            from kvcanary.monitor.traffic.jetstream import TrafficStream  # nats-py only when used
+            from kvcanary.monitor.traffic.stream_setup import nats_token
 
-            jetstream = settings.traffic.jetstream
-            self.stream = TrafficStream(jetstream, self.traffic, self.membership.id, nats_token(jetstream))
+            self.stream = TrafficStream(jetstream, pipeline, self.membership.id, nats_token(jetstream))
             self.metrics.watch_stream(self.stream.report)
+            publisher = StreamPublisher(jetstream, self.stream.connection)
+        self.traffic = HttpIngest(pipeline, self.membership, publisher)
         self._beat()  # know the other replicas before the first run, not a heartbeat later
         self.recorder.ensure_targets(settings.targets)
         if (stored := self.recorder.load_states()) is not None:
@@ -157,10 +171,22 @@ class Monitor:
             self.metrics.watch_outbox(self._outbox_backlog)
             delivery = Delivery(am_headers, self.metrics, settings.alerting.timeout_seconds)
             self.pager = Pager(settings, self.session_factory, delivery, link_key=self.token)
+        # Which deployments the gateways stop sending customers to (monitor/containment.py).
+        self.containment = Containment(self.session_factory, lambda: self.settings, self._quarantine_changed)
+        self._containing: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
+        self.metrics.watch_containment(
+            lambda: [t.name for t in self.settings.targets],
+            lambda: [(q.target, q.enforced) for q in self.containment.known],
+        )
+        # Nodes found from SGLang gateways (monitor/runs/discovery.py), taken up as a reload would.
+        self.discovery = GatewayDiscovery(settings, self.http, limits)
         self.scheduler = build_scheduler(
             settings,
             self.runner,
             housekeeping=[
+                ("gateway-discovery", self.discover, DISCOVERY_TICK_SECONDS),
+                ("containment", self.contain, CONTAINMENT_SECONDS),
                 ("prune", self.prune, PRUNE_INTERVAL_SECONDS),
                 ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
                 ("heartbeat", self.heartbeat, HEARTBEAT_SECONDS),
@@ -172,13 +198,29 @@ class Monitor:
     def _page_now(self) -> None:
         if self.pager is not None:
             self.pager.nudge()  # an incident changed: page now, not at the next poll
+        # and quarantine now: a gateway reads the set within a second of it changing
+        if self._containing is None or self._containing.done():
+            self._containing = asyncio.get_running_loop().create_task(self.contain())
+
+    def _quarantine_changed(self) -> None:
+        """A target's quarantine changed (called from a thread): its alerts say so now."""
+        if self.pager is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.pager.resend_now)
+
+    async def contain(self) -> None:
+        """Apply the quarantine rules (``monitor/containment.py``); a database away skips a round."""
+        try:
+            await asyncio.to_thread(self.containment.sync)
+        except SQLAlchemyError as exc:
+            log.warning("quarantine rules skipped: the database did not answer (%s)", type(exc).__name__)
 
     def _reaudit(self, target: TargetConfig, node: str) -> None:
         """A node's configuration changed: run the deployment audits now, not at their next interval,
         and let probes that size their prompts by the node's capacity read it again."""
         self.clients[target.name].forget_capacity()
         self.traffic.judge.facts.forget_pools(target.name)  # gateway records: judged by the new pool
-        due = [k for k in REAUDIT_KINDS if k in target.probes]
+        # The capacity audit that saw the change has just run; the kinds that say so run again now.
+        due = [k for k in target.probes if REGISTRY[k].reaudit_on_config_change]
         run_now(self.scheduler, target.name, due)
         where = f"{target.name}@{node}" if node else target.name
         log.warning("configuration of %s changed: re-auditing %s now", where, ", ".join(due) or "nothing")
@@ -260,19 +302,34 @@ class Monitor:
         async with self._reloading:  # a SIGHUP and a POST at once: one after the other, in order
             return await self._reload(why)
 
-    async def _reload(self, why: str) -> str | None:
+    @staticmethod
+    def _node_kinds(settings: Settings, name: str) -> list[str]:
+        target = settings.target(name)
+        return [k for k in target.probes if REGISTRY[k].scope == "node"] if target is not None else []
+
+    async def discover(self) -> None:
+        """Read the SGLang gateways that are due; a change of their nodes is taken up as a reload."""
+        if await self.discovery.refresh():
+            async with self._reloading:
+                await self._reload("nodes found from a gateway changed", nodes_only=True)
+
+    async def _reload(self, why: str, nodes_only: bool = False) -> str | None:
         try:
-            if self.config_path is None:
-                raise ConfigError("no config file to reload from")
-            new = load_settings(self.config_path)
-            restart = restart_needed(self.settings, new) + self.settings.traffic.restart_keys(new.traffic)
-            if restart:
-                raise ConfigError(f"{self.config_path}: {restart[0]}: cannot change on reload; restart")
-            keys = tenant_keys(new)
+            if nodes_only:  # the file in force, with the nodes its gateways list now
+                new, keys = self.discovery.configured, self._keys
+            else:
+                if self.config_path is None:
+                    raise ConfigError("no config file to reload from")
+                new = load_settings(self.config_path)
+                restart = restart_needed(self.settings, new) + self.settings.traffic.restart_keys(new.traffic)
+                if restart:
+                    raise ConfigError(f"{self.config_path}: {restart[0]}: cannot change on reload; restart")
+                keys = tenant_keys(new)
         except ConfigError as exc:
             self.metrics.reload_ok.set(0)
             log.error("reload (%s) refused, the configuration in force stays: %s", why, exc)
             return str(exc)
+        new = self.discovery.take_up(new)
         rekeyed = frozenset(t for (t, tenant), key in keys.items() if self._keys.get((t, tenant), key) != key)
         change = plan(self.settings, new, rekeyed)
         self._keys = keys
@@ -280,7 +337,8 @@ class Monitor:
         for name in change.added + change.changed:
             self.clients[name] = self._client(new.target(name), keys)  # type: ignore[arg-type]
         for name in change.removed + change.changed:
-            self.metrics.forget(name)
+            # Only its node series go when only its nodes changed: the other kinds' figures stand.
+            self.metrics.forget(name, self._node_kinds(new, name) if name in change.nodes_only else None)
         self.settings = self.runner.settings = self.recorder.settings = new
         if self.pager is not None:
             self.pager.settings = new
@@ -291,6 +349,10 @@ class Monitor:
             with contextlib.suppress(JobLookupError):
                 self.scheduler.remove_job(probe_job_id(target, kind))
         add_probe_jobs(self.scheduler, new, self.runner, change.jobs_added, self.membership.owns)
+        # A node that joined is audited now, not an interval later; one that left took the node
+        # series of its target with it (above), which its remaining nodes' audits give back now.
+        for name in dict.fromkeys(target for target, _ in change.nodes_joined + change.nodes_left):
+            run_now(self.scheduler, name, self._node_kinds(new, name))
         await asyncio.to_thread(self.recorder.ensure_targets, new.targets)
         for client in old_clients.values():  # closed once their runs in flight are over
             asyncio.get_running_loop().create_task(self.runner.close_when_idle(client))
@@ -304,6 +366,7 @@ class Monitor:
     def start(self) -> None:
         if self._stop_asked_at is not None:  # SIGTERM came during start-up: start nothing
             return
+        self._loop = asyncio.get_running_loop()
         if not self.scheduler.running:
             self.scheduler.start()
         if self.pager is not None and self._pager_task is None:
@@ -341,7 +404,6 @@ class Monitor:
         for client in self.clients.values():
             await client.aclose()
         await self.http.aclose()
-        await self.traffic.aclose()
         await asyncio.to_thread(self.writer.close)
         if len(self.spool):
             await asyncio.to_thread(self.recorder.replay)
@@ -386,6 +448,7 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
         ingest_token=monitor.ingest_token,
         traffic=monitor.traffic,
         judge=monitor.traffic.judge,
+        containment=monitor.containment,
     )
     app = build_http_app(state, lifespan=lifespan)
     # Routers read the settings in force: a reload hands them the new ones.

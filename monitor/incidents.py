@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from monitor.storage.db import as_utc, utcnow
-from monitor.storage.error_streaks import error_streak, link_errors
-from monitor.storage.incident_rows import (
+from kvcanary.monitor.storage.db import as_utc, utcnow
+from kvcanary.monitor.storage.error_streaks import error_streak, link_errors
+from kvcanary.monitor.storage.incident_rows import (
     Recording,
     RecordOutcome,
     count_failure,
@@ -37,15 +37,15 @@ from monitor.storage.incident_rows import (
     resolve_incident,
     try_open,
 )
-from monitor.storage.models import Incident, IncidentEvent
-from monitor.storage.result_rows import incident_title, new_probe_result
-from monitor.storage.target_rows import upsert_target
+from kvcanary.monitor.storage.models import Incident, IncidentEvent
+from kvcanary.monitor.storage.result_rows import incident_title, new_probe_result
+from kvcanary.monitor.storage.target_rows import upsert_target
 
 if TYPE_CHECKING:
     from sqlalchemy import Row
 
-    from monitor.config.settings import IncidentConfig, RetentionConfig
-    from probes.base import ProbeResult as ProbeOutcome
+    from kvcanary.monitor.config.settings import IncidentConfig, RetentionConfig
+    from kvcanary.probes.base import ProbeResult as ProbeOutcome
 
 #: Severity opened by each failing verdict; errors open ``warning`` (see module docstring).
 SEVERITY_FOR = {"leak": "critical", "mismatch": "high", "error": "warning"}

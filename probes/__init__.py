@@ -5,21 +5,21 @@ The key is the kind's name in ``targets.yml``, its file name and its ``probe`` m
 
 from __future__ import annotations
 
-from probes.base import Probe
-from probes.boundary import BoundaryProbe
-from probes.canary import CanaryProbe
-from probes.capacity import CapacityProbe
-from probes.counters import CountersProbe
-from probes.cross_tenant import CrossTenantProbe
-from probes.duplicate_ids import DuplicateIdsProbe
-from probes.full_batch import FullBatchProbe
-from probes.hangup import HangupProbe
-from probes.needle import NeedleProbe
-from probes.prefix_cache import PrefixCacheProbe
-from probes.replay import ReplayProbe
-from probes.session import SessionProbe
-from probes.shared_prefix import SharedPrefixProbe
-from probes.version import VersionProbe
+from kvcanary.probes.base import Probe
+from kvcanary.probes.boundary import BoundaryProbe
+from kvcanary.probes.canary import CanaryProbe
+from kvcanary.probes.capacity import CapacityProbe
+from kvcanary.probes.counters import CountersProbe
+from kvcanary.probes.cross_tenant import CrossTenantProbe
+from kvcanary.probes.duplicate_ids import DuplicateIdsProbe
+from kvcanary.probes.full_batch import FullBatchProbe
+from kvcanary.probes.hangup import HangupProbe
+from kvcanary.probes.needle import NeedleProbe
+from kvcanary.probes.prefix_cache import PrefixCacheProbe
+from kvcanary.probes.replay import ReplayProbe
+from kvcanary.probes.session import SessionProbe
+from kvcanary.probes.shared_prefix import SharedPrefixProbe
+from kvcanary.probes.version import VersionProbe
 
 REGISTRY: dict[str, type[Probe]] = {
     "canary": CanaryProbe,

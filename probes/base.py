@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from probes.markers import LeakHit, MarkerBook, redact_markers
-from probes.target import Completion, CompletionRequest, Node, TargetClient
+from kvcanary.probes.markers import LeakHit, MarkerBook, redact_markers
+from kvcanary.probes.target import Completion, CompletionRequest, Node, TargetClient
 
 
 class Verdict(enum.StrEnum):
@@ -166,6 +166,15 @@ class Probe(ABC):
     #: ``target``: one run judges the serving path; ``node``: the runner runs the probe once per
     #: node (``ctx.node``), and each node's result and incident stand alone.
     scope: ClassVar[str] = "target"
+    #: Tenants a target must name for the kind to run (judging what crosses tenants takes two).
+    min_tenants: ClassVar[int] = 1
+    #: Run at once when a node's configuration changes (the capacity audit saw its fingerprint move).
+    reaudit_on_config_change: ClassVar[bool] = False
+    #: Its findings are about a node's KV pool against the context window: a blast radius then
+    #: starts at the node's first capacity reading below the window.
+    judges_pool: ClassVar[bool] = False
+    #: Its results carry the node's capacity figures, exported as the node's gauges.
+    exports_node_capacity: ClassVar[bool] = False
 
     async def run(self, ctx: ProbeContext) -> ProbeResult:
         """Run :meth:`probe` and return its judged result; never raise (a crash is an ``error``)."""

@@ -39,9 +39,9 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
-from probes.markers import redact_markers
-from probes.target import Completion, CompletionRequest, ServerCapacity
+from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
+from kvcanary.probes.markers import redact_markers
+from kvcanary.probes.target import Completion, CompletionRequest, ServerCapacity
 
 #: Tokens over the limit the prompt may end at: as tight as a BPE tokenizer allows, within a page.
 OVERSHOOT_TOKENS = 8
@@ -101,6 +101,8 @@ class BoundaryProbe(Probe):
     """Send a prompt just over the node's KV capacity; pass only on a refusal before generating."""
 
     kind = "boundary"
+    reaudit_on_config_change = True
+    judges_pool = True
     default_interval_seconds = 300.0
     options_model = BoundaryOptions
 

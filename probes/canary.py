@@ -33,18 +33,18 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
-from probes.base import (
+from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
+from kvcanary.probes.base import (
     prompt_tokens_dropped as prompt_tokens_dropped,
 )
-from probes.markers import marker_hash, redact_markers
-from probes.target import Completion, CompletionRequest
+from kvcanary.probes.markers import marker_hash, redact_markers
+from kvcanary.probes.target import Completion, CompletionRequest
 
 #: Short on purpose: the reference worker echoes its prompt from position 0, real models copy it.
 REPEAT_PROMPT = "Repeat this code exactly, with nothing else: {marker}"
 #: Enough for an echoing model to reach past the nonce (the prompt is 90 characters).
 MAX_TOKENS = 96
-_SEVERITY = {Verdict.MISMATCH: 2, Verdict.ERROR: 1, Verdict.PASS: 0}
+_SEVERITY = {Verdict.LEAK: 3, Verdict.MISMATCH: 2, Verdict.ERROR: 1, Verdict.PASS: 0}
 
 
 #: How long one count of the canary prompt's tokens is trusted: a tokenizer changes only with the model.

@@ -18,6 +18,14 @@ Why the verdict is sound: it compares two numbers the node states about itself, 
 - A window or a pool the node does not publish is an ``error`` naming what was missing and where
   it was looked for, never a pass. An operator can state either (``context_window``,
   ``kv_pool_tokens``) when the engine does not publish it.
+- A decode pool is reported, not judged: a decode node holds running sequences, each handed over
+  by a prefill node that admitted it, not one prompt against the window (the disclosure's first
+  advice is about the prefill pool; the capacity alert leaves ``pool="decode"`` out for the same
+  reason). A node is a decode node when the engine says so (``disaggregation_mode``: SGLang's decode
+  server states its pool as ``max_total_num_tokens``, with no pool name) or, where it states no
+  mode, when its role does (``nodes:`` or its gateway). The engine's own word comes first: it is
+  what admission runs by, and a node listed as decode that serves both phases must be judged. Such
+  a node passes with the reason ``decode_pool_not_judged`` and its figures.
 
 The result's measurements carry the figures (window, each pool, the lowest ratio); the runner
 exports them as ``kvcanary_node_kv_pool_tokens`` and ``kvcanary_node_context_window_tokens``.
@@ -36,8 +44,8 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
-from probes.target import ServerCapacity
+from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
+from kvcanary.probes.target import ServerCapacity
 
 #: The pool size the fixed deployment chose: about twice the context window.
 DEFAULT_HEADROOM = 2.0
@@ -54,6 +62,8 @@ class CapacityProbe(Probe):
     """Compare every KV pool of a node with the context window it advertises."""
 
     kind = "capacity"
+    judges_pool = True
+    exports_node_capacity = True
     scope = "node"
     options_model = CapacityOptions
     # Cheap (one lookup, no completion) and the first to see a changed node: run it often.
@@ -64,16 +74,45 @@ class CapacityProbe(Probe):
         found = await ctx.target.node_capacity(node)
         window = ctx.options.get("context_window") or found.context_window
         stated_pool = ctx.options.get("kv_pool_tokens")
+        role = node_role(node.role, found.disaggregation_mode)
         pools = {"stated": int(stated_pool)} if stated_pool else dict(found.pools)
         if not pools and found.kv_pool_tokens:
-            pools = {node.role: found.kv_pool_tokens}
-        evidence = _evidence(node.name, node.role, found, window, pools)
+            pools = {role: found.kv_pool_tokens}
+        evidence = _evidence(node.name, role, found, window, pools)
+        if role != node.role:
+            evidence["configured_role"] = node.role
+        if role == "decode" and pools:
+            return _with_fingerprint(decode_figures(window, pools, evidence), configuration(found), ctx.state)
         missing = [name for name, value in (("context window", window), ("KV pool", pools)) if not value]
         if missing or window is None:
             detail = f"{' and '.join(missing)} not published by {node.info_url} (looked at {found.source})"
             return ProbeResult(Verdict.ERROR, "capacity_unknown", detail, evidence)
-        result = judge_capacity(window, pools, float(ctx.options.get("headroom", DEFAULT_HEADROOM)), evidence)
+        judged = {name: tokens for name, tokens in pools.items() if name != "decode"} or pools
+        headroom = float(ctx.options.get("headroom", DEFAULT_HEADROOM))
+        result = judge_capacity(window, judged, headroom, evidence)
+        # Every pool is exported, the decode pool beside the judged ones (the alert tells them apart).
+        result.measurements.update({f"pool_tokens.{name}": tokens for name, tokens in pools.items()})
+        result.evidence["pools"] = pools
         return _with_fingerprint(result, configuration(found), ctx.state)
+
+
+def node_role(configured: str, stated: str | None) -> str:
+    """Return the node's role: as the engine states it (``disaggregation_mode`` prefill, decode, or
+    SGLang's "null" for neither), else as configured or found from its gateway."""
+    if stated in ("prefill", "decode"):
+        return stated
+    return "aggregated" if stated == "null" else configured
+
+
+def decode_figures(window: int | None, pools: dict[str, int], evidence: dict[str, Any]) -> ProbeResult:
+    """Return a decode node's pools as figures, unjudged (module docstring): a pass that says so."""
+    measurements: dict[str, float] = {f"pool_tokens.{name}": tokens for name, tokens in pools.items()}
+    shown = ", ".join(f"{name} pool {tokens:,} tokens" for name, tokens in pools.items())
+    if window is not None:
+        measurements["context_window_tokens"] = window
+        shown += f" (context window {window:,})"
+    detail = f"{shown}: a decode node's pool holds running sequences and is not judged against the window"
+    return ProbeResult(Verdict.PASS, "decode_pool_not_judged", detail, evidence, measurements)
 
 
 def judge_capacity(

@@ -20,21 +20,51 @@ Why the check is sound:
   above its old value. A series missing from one page keeps its last value. On the first read of
   a node the increase is counted from zero: the counters then cover the node's whole life so
   far, which the evidence says.
-- Verdicts: ownership violations increased → ``leak``; placeholder substitutions or corrupted
-  requests increased → ``mismatch``; dirty page reuse increased on a node that must zero freed pages
-  (its ``kvcanary_worker_info{zero_freed_pages="true"}``, or ``require_zeroed_pages: true``) →
+- A finding holds for ``lookback_seconds`` (900): a counter judged on the increase between two
+  reads alone reads pass, mismatch, pass, ... when its fault recurs every other read (the
+  monitor's own ``boundary`` runs provoke a defective node's substitutions once a run), and an
+  operator reads each pass as a recovery. So each read's increases are kept in the state with
+  their times, and a counter is judged on what it gained within the lookback, as Prometheus's
+  ``increase(x[15m])`` would; the detail says this read's increase and the lookback's, read by
+  read. A node whose fault stopped passes once its last increase is older than the lookback, or
+  at its first read after a restart (the fix deployed: the old process's increases are not held
+  against the new one).
+- Verdicts: ownership violations increased → ``leak``; placeholder substitutions, corrupted
+  requests or KV read after its release (vLLM's NIXL ``notifications_after_expiry``) increased →
+  ``mismatch``; dirty page reuse increased on a node that must zero freed pages (its
+  ``kvcanary_worker_info{zero_freed_pages="true"}``, or ``require_zeroed_pages: true``) →
   ``mismatch``; metrics unreachable or unparseable → ``error``. The evidence names the node, each
   series, and its values before and after.
+- Balances (:data:`~probes.engine_counters.ENGINE_BALANCES`): vLLM counts every prompt token once in
+  ``prompt_tokens_total`` and once by source; a whole above the sum of its parts at this read and at
+  the previous one (the same process) earns the balance's verdict (``mismatch``). One read alone is
+  not enough: a scrape can fall between the engine's two increments. The counters are totals since
+  the process started, so a shortfall holds until it restarts. A balance that holds is no isolation
+  counter: a node whose only judged figures are balances still says ``not_exposed`` when they hold.
+- State gauges (LMCache's load-error blocks and health inside vLLM) are read as they stand and listed
+  in the evidence, never judged.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from typing import Any
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
-from probes.engine_counters import CANONICAL, Canonical, names_for
-from probes.target import Node
+from pydantic import Field
+
+from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
+from kvcanary.probes.engine_counters import (
+    CANONICAL,
+    ENGINE_BALANCES,
+    Balance,
+    Canonical,
+    balance_gaps,
+    gauge_readings,
+    names_for,
+    series_of,
+)
+from kvcanary.probes.target import Node
 
 #: Every process exporting Prometheus metrics from a client library says when it started: a change
 #: is a restart, even when a counter already climbed back above its old value.
@@ -46,6 +76,8 @@ _RANK = {Verdict.LEAK: 2, Verdict.MISMATCH: 1, Verdict.PASS: 0}
 class CountersOptions(ProbeOptions):
     # None: believe the node's own statement (the reference worker's kvcanary_worker_info).
     require_zeroed_pages: bool | None = None
+    # How long a counter's increase keeps its finding: 0 judges each read alone.
+    lookback_seconds: float = Field(900.0, ge=0, le=7 * 86400)
 
 
 class CountersProbe(Probe):
@@ -64,13 +96,28 @@ class CountersProbe(Probe):
         zeroing = ctx.options.get("require_zeroed_pages")
         if zeroing is None:
             zeroing = _worker_says_zeroing(samples)
-        return judge_counters(ctx.target.engine, node, samples, ctx.state, zeroing=bool(zeroing))
+        lookback = float(ctx.options.get("lookback_seconds", 900.0))
+        return judge_counters(
+            ctx.target.engine, node, samples, ctx.state, zeroing=bool(zeroing), now=time.time(),
+            lookback_seconds=lookback,
+        )  # fmt: skip
 
 
 def judge_counters(
-    engine: str, node: Node, samples: dict[str, float], previous: dict[str, Any], *, zeroing: bool
+    engine: str,
+    node: Node,
+    samples: dict[str, float],
+    previous: dict[str, Any],
+    *,
+    zeroing: bool,
+    now: float | None = None,
+    lookback_seconds: float = 0.0,
 ) -> ProbeResult:
-    """Return the verdict on ``samples`` against the ``previous`` state; the new state rides on it."""
+    """Return the verdict on ``samples`` against the ``previous`` state; the new state rides on it.
+
+    ``now`` is the read's time (seconds since the epoch; None: the clock's); a judged counter's
+    increases within ``lookback_seconds`` before it, kept in the state, count with this read's."""
+    now = time.time() if now is None else now
     names = names_for(engine)
     before: dict[str, float] = dict(previous.get("counters", {}))
     started = samples.get(_STARTED)
@@ -78,9 +125,12 @@ def judge_counters(
     restarted = started is not None and previous.get("started") not in (None, started)
     before_series = {} if restarted else dict(previous.get("series", {}))
     by_series = "series" in previous and not restarted
-    now: dict[str, float] = {}
+    values: dict[str, float] = {}
     kept: dict[str, float] = {}
-    series, not_exposed, missing, findings = [], [], [], []
+    series, not_exposed, missing = [], [], []
+    increases: dict[str, float] = {}  # this read's, of the counters judged on this node
+    began_again: set[str] = set()  # counters a series of which went down: its process restarted
+    findings: list[tuple[Canonical, float, float]] = []  # (counter, this read's, the lookback's)
     for counter in CANONICAL:
         if not names[counter.name]:
             not_exposed.append(counter.name)
@@ -89,11 +139,13 @@ def judge_counters(
         if not present:
             missing.append(counter.name)
             continue
-        current = {k: v for n in present for k, v in _series(samples, n).items()}
+        current = {k: v for n in present for k, v in series_of(samples, n).items()}
         value = sum(samples[n] for n in present)
-        now[counter.name] = value
+        values[counter.name] = value
         if by_series:  # each series against its own last value: one of them restarting is not all
             increase = sum(_increase(before_series.get(k), v) for k, v in current.items())
+            if any(v < before_series.get(k, v) for k, v in current.items()):
+                began_again.add(counter.name)
         else:  # the first read, a restart, or a state written before series were kept
             increase = _increase(None if restarted else before.get(counter.name), value)
         # A series absent from this page keeps its last value: back later, it is not new.
@@ -102,9 +154,25 @@ def judge_counters(
             {"counter": counter.name, "series": present, "before": before.get(counter.name), "after": value,
              "increase": increase}
         )  # fmt: skip
-        if increase > 0 and _judged(counter, zeroing):
-            findings.append((counter, increase))
-    state = {"counters": now, "series": kept, "started": started, "read_at": datetime.now(UTC).isoformat()}
+        if _judged(counter, zeroing):
+            increases[counter.name] = increase
+    # A restarted process (the fix deployed, as often as not) starts a lookback of its own: what the
+    # process before it did is not held against it. Without a start time, a counter that went
+    # down says its process began again (engines without process_start_time_seconds).
+    forget = {c.name for c in CANONICAL} if restarted else began_again
+    recent = _recent(previous, increases, now, lookback_seconds, forget)
+    for counter in CANONICAL:
+        gained = sum(r["increases"].get(counter.name, 0) for r in recent)
+        if counter.name in increases and gained > 0:
+            findings.append((counter, increases[counter.name], gained))
+    gaps = balance_gaps(engine, samples)
+    prior = previous.get("balances")  # absent from states written before balances were kept
+    short = _short_balances(engine, gaps, prior if isinstance(prior, dict) and not restarted else {})
+    state = {
+        "counters": values, "series": kept, "started": started,
+        "read_at": datetime.fromtimestamp(now, UTC).isoformat(), "recent": recent,
+        "balances": {name: figures["gap"] for name, figures in gaps.items()},
+    }  # fmt: skip
     evidence = {
         "node": node.name,
         "role": node.role,
@@ -115,25 +183,87 @@ def judge_counters(
         "not_exposed": not_exposed,
         "missing": missing,
         "zeroing_required": zeroing,
+        "lookback_seconds": lookback_seconds,
+        "recent_increases": recent,
+        "balances": gaps,
+        "gauges": gauge_readings(engine, samples),
     }
-    judged = [c for c in CANONICAL if c.verdict is not None and c.name in now]
-    if not judged:
+    said = [(c.verdict or Verdict.PASS, f"{c.name}_increased",
+             _finding(c, n, g, recent, lookback_seconds, node)) for c, n, g in findings]  # fmt: skip
+    said += [(b.verdict, f"{b.name}_unbalanced", _unbalanced(b, gaps[b.name], n, node)) for b, n in short]
+    judged = [c for c in CANONICAL if c.verdict is not None and c.name in values]
+    if not said and not judged:
         detail = f"{engine} exposes none of the judged counters on {_where(node)} ({', '.join(not_exposed)})"
         return ProbeResult(Verdict.ERROR, "not_exposed", detail, evidence, {}, state)
-    if not findings:
+    if not said:
         detail = f"{len(judged)} isolation counter(s) unchanged on {_where(node)}"
         return ProbeResult(Verdict.PASS, "counters_clean", detail, evidence, {}, state)
-    worst = max(findings, key=lambda f: _RANK[f[0].verdict or Verdict.PASS])[0]
-    detail = "; ".join(f"{c.name} +{n:g} on {_where(node)}: {c.meaning}" for c, n in findings)
-    reason = f"{worst.name}_increased"
-    return ProbeResult(worst.verdict or Verdict.PASS, reason, detail, evidence, {}, state)
+    verdict, reason, _ = max(said, key=lambda f: _RANK[f[0]])
+    return ProbeResult(verdict, reason, "; ".join(f[2] for f in said), evidence, {}, state)
 
 
-def _series(samples: dict[str, float], name: str) -> dict[str, float]:
-    """Return each series of counter ``name`` by its ``name{labels}`` key (the plain name if unlabelled)."""
-    prefix = name + "{"
-    labelled = {k: v for k, v in samples.items() if k.startswith(prefix)}
-    return labelled or {name: samples[name]}
+def _short_balances(
+    engine: str, gaps: dict[str, dict[str, float]], before: dict[str, Any]
+) -> list[tuple[Balance, float]]:
+    """Return the balances of ``engine`` short at this read and at the previous one, each with the
+    previous read's gap: one short read alone may be a scrape between the engine's two increments."""
+    short = []
+    for balance in ENGINE_BALANCES.get(engine, ()):
+        gap, earlier = gaps.get(balance.name, {}).get("gap", 0.0), before.get(balance.name)
+        if gap > 0 and isinstance(earlier, int | float) and earlier > 0:
+            short.append((balance, float(earlier)))
+    return short
+
+
+def _unbalanced(balance: Balance, figures: dict[str, float], before: float, node: Node) -> str:
+    """Say by how much a balance fell short, now and at the previous read."""
+    return (
+        f"{balance.name} short on {_where(node)}: {balance.whole} {figures['whole']:g} against "
+        f"{figures['parts']:g} by source ({figures['gap']:g} put down to none; {before:g} at the previous "
+        f"read): {balance.meaning}"
+    )
+
+
+def _recent(
+    previous: dict[str, Any], increases: dict[str, float], now: float, lookback: float, forget: set[str]
+) -> list[dict[str, Any]]:
+    """Return the reads within ``lookback`` of ``now`` that increased a judged counter, oldest
+    first, this one last if it did: ``{"at": epoch seconds, "increases": {counter: n}}``; the
+    increases of the counters in ``forget`` (their process began again) before this read left out."""
+    kept = []
+    for read in previous.get("recent", []):
+        if _read_within(read, now, lookback):
+            left = {name: n for name, n in read["increases"].items() if name not in forget}
+            if left:
+                kept.append({"at": read["at"], "increases": left})
+    gained = {name: n for name, n in increases.items() if n > 0}
+    if gained:
+        kept.append({"at": now, "increases": gained})
+    return kept[-64:]  # a bound: a counter climbing every read needs only the lookback's sum
+
+
+def _read_within(read: Any, now: float, lookback: float) -> bool:
+    """Whether ``read`` (a kept read, as the state stores it) is well formed and within the lookback."""
+    if not isinstance(read, dict) or not isinstance(read.get("increases"), dict):
+        return False
+    at = read.get("at")
+    return isinstance(at, int | float) and 0 <= now - at <= lookback
+
+
+def _finding(
+    counter: Canonical, read: float, gained: float, recent: list[dict[str, Any]], lookback: float, node: Node
+) -> str:
+    """Say what a counter gained: at this read, and within the lookback, read by read."""
+    if read == gained:
+        return f"{counter.name} +{read:g} on {_where(node)}: {counter.meaning}"
+    times = ", ".join(
+        f"+{r['increases'][counter.name]:g} at {datetime.fromtimestamp(r['at'], UTC):%H:%M:%S}"
+        for r in recent if counter.name in r["increases"]
+    )  # fmt: skip
+    return (
+        f"{counter.name} +{gained:g} in the last {lookback:g} s on {_where(node)} ({times} UTC; +{read:g} "
+        f"since the previous read, so the finding holds): {counter.meaning}"
+    )
 
 
 def _of(key: str, names: list[str]) -> bool:

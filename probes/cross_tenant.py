@@ -28,10 +28,10 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
-from probes.canary import MAX_TOKENS, repeat_prompt
-from probes.markers import redact_markers
-from probes.target import Completion, CompletionRequest
+from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
+from kvcanary.probes.canary import MAX_TOKENS, repeat_prompt
+from kvcanary.probes.markers import redact_markers
+from kvcanary.probes.target import Completion, CompletionRequest
 
 #: Pages a planting prompt should span, so that markers land in many pages of the pool.
 PLANT_PAGES = 16
@@ -91,6 +91,7 @@ class CrossTenantProbe(Probe):
     """Plant every tenant's markers in the KV cache, read as every tenant, and look for foreign ones."""
 
     kind = "cross_tenant"
+    min_tenants = 2
     options_model = CrossTenantOptions
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:

@@ -49,7 +49,7 @@ from pydantic import (
     model_validator,
 )
 
-from probes.yamlfile import DuplicateKeyError, error_lines, load_yaml
+from kvcanary.probes.yamlfile import DuplicateKeyError, error_lines, load_yaml
 
 DEFECTS_FILE = Path(__file__).resolve().parent / "data" / "isolation_defects.yml"
 #: Engine families an entry may name.

@@ -16,6 +16,10 @@ tenant's own nonce a ``mismatch``; a tenant left without an answer is an ``error
 tenant's answer then says whether it took that tenant's tokens). Where the model does not repeat
 (a lone canary says so, :mod:`probes.triggers`), foreign markers alone are judged.
 
+The defect acts only on requests in flight together. The requests leave at once, but an engine
+may finish one tenant's tiny answer before it reads the other's request (a loaded host): that run
+sees nothing, and a defect that is there shows within a few runs.
+
 Cost: ``T`` tiny completions at once (the canary's prompt, at most 96 new tokens) per run, plus
 the lone canary every 10 minutes; default
 interval 300 s (about 12 ``T`` requests an hour per target).
@@ -26,10 +30,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from probes.base import Probe, ProbeContext, ProbeResult
-from probes.canary import TenantCheck, canary_request, repeat_prompt
-from probes.markers import marker_hash
-from probes.triggers import TriggerOptions, conclude, judge_own, model_repeats
+from kvcanary.probes.base import Probe, ProbeContext, ProbeResult
+from kvcanary.probes.canary import TenantCheck, canary_request, repeat_prompt
+from kvcanary.probes.markers import marker_hash
+from kvcanary.probes.triggers import TriggerOptions, conclude, judge_own, model_repeats
 
 
 class DuplicateIdsProbe(Probe):
@@ -50,8 +54,8 @@ class DuplicateIdsProbe(Probe):
 
     async def _check(self, ctx: ProbeContext, tenant: str, shared: str, repeats: bool | None) -> TenantCheck:
         marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
-        prompt = repeat_prompt(marker)
-        c = await ctx.complete(tenant, canary_request(ctx, prompt, request_id=shared))
+        request = canary_request(ctx, repeat_prompt(marker), request_id=shared)
+        c = await ctx.complete(tenant, request)
         # The prompt-token check is the canary's; here the question is whose answer came back.
-        verdict, reason, detail = judge_own(c, prompt, marker, repeats, ctx.markers)
+        verdict, reason, detail = judge_own(c, request, marker, repeats, ctx.markers)
         return TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)

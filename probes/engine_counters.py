@@ -6,13 +6,18 @@ its source or scraped from it; see ``tests/fixtures/engines/README.md``), or to 
 empty tuple means "not exposed by this engine", which the ``counters`` probe reports as such and
 never reads as a pass. Names are sample names as scraped (``_total`` included); a counter with
 labels (``reason``, ``code``) is summed over them.
+
+Beside the counters, two smaller tables: balances (a counter an engine breaks down by source, whose
+parts must add up to it: judged by the ``counters`` probe when they stop doing so) and state gauges
+(a value read as it stands, reported as evidence, never judged). Where each name comes from, and why
+each verdict: ``docs/engines.md`` §3.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from probes.base import Verdict
+from kvcanary.probes.base import Verdict
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,28 @@ CANONICAL: tuple[Canonical, ...] = (
     ),
     Canonical("ownership_checks", "block-table entries checked against page owners"),
     Canonical("admission_rejections", "requests refused at admission"),
+    Canonical(
+        "kv_read_after_release",
+        "a decode node finished reading KV its prefill peer no longer held (the lease had expired, the "
+        "pages freed and possibly reused before the read ended): it decoded over KV nobody vouched for",
+        Verdict.MISMATCH,
+    ),
     Canonical("kv_transfer_failures", "disaggregated KV transfers that failed"),
+    Canonical(
+        "kv_lease_expiries",
+        "KV a prefill node kept for its decode peer and released when the lease ran out, or a read a "
+        "decode node declined as too late: the peer did not read it in time",
+    ),
+    Canonical(
+        "kv_notification_failures",
+        "completion notices a decode node could not send its prefill peer: that peer keeps the pages "
+        "until its lease runs out",
+    ),
+    Canonical(
+        "prefill_retries",
+        "prefills that released their KV and queued again to yield to requests the decode side admitted "
+        "(optimistic prefill): the request's KV was recomputed",
+    ),
     Canonical("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
     Canonical("prefix_cache_hits", "prompt tokens served from the prefix cache"),
     Canonical("preemptions", "requests preempted (their KV freed and recomputed later)"),
@@ -66,13 +92,19 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "corrupted_requests": (),
         "ownership_checks": ("kvcanary_kv_ownership_checks_total",),
         "admission_rejections": ("kvcanary_admission_rejections_total",),
+        "kv_read_after_release": (),
         "kv_transfer_failures": (),
+        "kv_lease_expiries": (),
+        "kv_notification_failures": (),
+        "prefill_retries": (),
         "prefix_cache_queries": ("kvcanary_prefix_cache_queries_total",),
         "prefix_cache_hits": ("kvcanary_prefix_cache_hits_total",),
         "preemptions": (),
     },
     # vLLM v1 (0.32 CPU build scraped in tests/fixtures/metrics/vllm.txt; corrupted_requests only
-    # with VLLM_COMPUTE_NANS_IN_LOGITS). No page-ownership or placeholder counter exists.
+    # with VLLM_COMPUTE_NANS_IN_LOGITS). No page-ownership or placeholder counter exists. The nixl_*
+    # counters only with the NixlConnector (kv_connector/v1/nixl/stats.py of 0.32.0): failed transfers
+    # already count handshake and notification failures, which the notification counter repeats.
     "vllm": {
         "ownership_violations": (),
         "placeholder_substitutions": (),
@@ -80,13 +112,18 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "corrupted_requests": ("vllm:corrupted_requests_total",),
         "ownership_checks": (),
         "admission_rejections": ("vllm:admission_rejections_total",),
-        "kv_transfer_failures": ("vllm:nixl_num_failed_transfers_total",),  # NixlConnector only
+        "kv_read_after_release": ("vllm:nixl_num_notifications_after_expiry_total",),
+        "kv_transfer_failures": ("vllm:nixl_num_failed_transfers_total",),
+        "kv_lease_expiries": ("vllm:nixl_num_kv_expired_reqs_total",),
+        "kv_notification_failures": ("vllm:nixl_num_failed_notifications_total",),
+        "prefill_retries": (),
         "prefix_cache_queries": ("vllm:prefix_cache_queries_total",),
         "prefix_cache_hits": ("vllm:prefix_cache_hits_total",),
         "preemptions": ("vllm:num_preemptions_total",),
     },
-    # SGLang's srt/metrics/collector.py (2026, commit 00ae9c15): PD transfer and bootstrap failures,
-    # retractions; nothing on page owners (tests/fixtures/engines/README.md).
+    # SGLang's srt/metrics/collector.py (2026, commit 00ae9c15), srt/observability/metrics_collector.py
+    # in 0.5.23: PD transfer and bootstrap failures, prefill retries, retractions; nothing on page
+    # owners (tests/fixtures/engines/README.md). Its own KV canary (--kv-canary) only logs.
     "sglang": {
         "ownership_violations": (),
         "placeholder_substitutions": (),
@@ -94,10 +131,14 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "corrupted_requests": (),
         "ownership_checks": (),
         "admission_rejections": (),
+        "kv_read_after_release": (),
         "kv_transfer_failures": (
             "sglang:num_transfer_failed_reqs_total",
             "sglang:num_bootstrap_failed_reqs_total",
         ),
+        "kv_lease_expiries": (),
+        "kv_notification_failures": (),
+        "prefill_retries": ("sglang:num_prefill_retries_total",),
         "prefix_cache_queries": ("sglang:prompt_tokens_total",),
         "prefix_cache_hits": ("sglang:cached_tokens_total",),
         "preemptions": ("sglang:num_retracted_requests_total",),
@@ -110,7 +151,11 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "corrupted_requests": (),
         "ownership_checks": (),
         "admission_rejections": (),
+        "kv_read_after_release": (),
         "kv_transfer_failures": (),
+        "kv_lease_expiries": (),
+        "kv_notification_failures": (),
+        "prefill_retries": (),
         "prefix_cache_queries": ("llamacpp:prompt_tokens_total",),
         "prefix_cache_hits": ("llamacpp:prompt_tokens_cached_total",),
         "preemptions": (),
@@ -124,6 +169,106 @@ def names_for(engine: str) -> dict[str, tuple[str, ...]]:
     """Return the canonical -> sample names map of ``engine`` (every canonical counter present)."""
     table = ENGINE_COUNTERS.get(engine, {})
     return {c.name: tuple(table.get(c.name, ())) for c in CANONICAL}
+
+
+def series_of(samples: dict[str, float], name: str) -> dict[str, float]:
+    """Return each series of sample ``name`` by its ``name{labels}`` key (the plain name if unlabelled;
+    empty when the page has none)."""
+    prefix = name + "{"
+    labelled = {k: v for k, v in samples.items() if k.startswith(prefix)}
+    return labelled or ({name: samples[name]} if name in samples else {})
+
+
+@dataclass(frozen=True)
+class Balance:
+    """A counter an engine also breaks down by source: the sum of ``parts`` over their labels must
+    equal ``whole``. The ``counters`` probe judges a shortfall that two reads in a row show."""
+
+    name: str
+    whole: str
+    parts: str
+    meaning: str
+    verdict: Verdict
+
+
+#: engine family -> its balances. vLLM's PromptTokenStats (v1/metrics/stats.py, 0.32.0) states the
+#: invariant ``computed + local_cache_hit + external_kv_transfer = total``, and v1/metrics/loggers.py
+#: increments both counters from that one record; some releases between add the one recomputed
+#: token of a full cache hit to local_cache_hit, so there the parts may exceed the whole, never fall
+#: short of it.
+ENGINE_BALANCES: dict[str, tuple[Balance, ...]] = {
+    "vllm": (
+        Balance(
+            "prompt_token_sources",
+            "vllm:prompt_tokens_total",
+            "vllm:prompt_tokens_by_source_total",
+            "prompt tokens the engine counted but put down to no source (not computed, not from its "
+            "prefix cache, not received over a KV connector): KV of unknown origin under those prompts, "
+            "or books that no longer hold",
+            Verdict.MISMATCH,
+        ),
+    ),
+}
+
+
+def balance_gaps(engine: str, samples: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Return, per balance of ``engine`` whose two counters ``samples`` has, the whole, the sum of
+    its parts and the gap (the whole less the parts: tokens put down to no source)."""
+    gaps = {}
+    for balance in ENGINE_BALANCES.get(engine, ()):
+        if balance.whole in samples and balance.parts in samples:
+            whole, parts = samples[balance.whole], samples[balance.parts]
+            gaps[balance.name] = {"whole": whole, "parts": parts, "gap": whole - parts}
+    return gaps
+
+
+@dataclass(frozen=True)
+class StateGauge:
+    """A gauge an engine keeps beside its counters: read as it stands, series by series, and reported
+    as evidence (its series off ``sound`` named), never judged on its own."""
+
+    name: str
+    sample: str
+    meaning: str
+    #: What each series of a sound node reads.
+    sound: float
+
+
+#: engine family -> its state gauges. LMCache's connector inside vLLM (LMCacheConnectorV1) writes its
+#: gauges into vLLM's page (lmcache/observability.py ``_dynamic_metrics``, commit 0353be82): both are
+#: read at scrape time by a callback, the health one as ``lmcache:lmcache_is_healthy`` (its docs page
+#: says ``lmcache:is_healthy``, which no code read registers).
+ENGINE_GAUGES: dict[str, tuple[StateGauge, ...]] = {
+    "vllm": (
+        StateGauge(
+            "kv_load_error_blocks",
+            "lmcache:connector_invalid_block_ids_count",
+            "blocks whose KV the connector failed to load, not yet taken by vLLM to recompute (it takes "
+            "them every step, so a standing count is an engine not taking them)",
+            0.0,
+        ),
+        StateGauge(
+            "kv_offload_healthy",
+            "lmcache:lmcache_is_healthy",
+            "LMCache's health monitor: 0 while a storage backend fails its checks and LMCache blocks "
+            "its operations (requests recompute)",
+            1.0,
+        ),
+    ),
+}
+
+
+def gauge_readings(engine: str, samples: dict[str, float]) -> list[dict[str, object]]:
+    """Return the reading of each state gauge of ``engine`` that ``samples`` has: its value summed,
+    and the series off their sound value."""
+    readings: list[dict[str, object]] = []
+    for gauge in ENGINE_GAUGES.get(engine, ()):
+        series = series_of(samples, gauge.sample)
+        if series:
+            off = {key: value for key, value in series.items() if value != gauge.sound}
+            reading = {"gauge": gauge.name, "sample": gauge.sample, "value": sum(series.values())}
+            readings.append({**reading, "sound": gauge.sound, "off": off, "meaning": gauge.meaning})
+    return readings
 
 
 #: engine family -> the sample counting requests aborted because their client went away. SGLang's

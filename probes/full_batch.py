@@ -17,8 +17,9 @@ that cannot occur in the answer, and every fifth with ``n`` = 2, sampled and not
 the engine takes it (vLLM, SGLang; every choice is scanned; vLLM refuses ``n`` > 1 when greedy).
 Judged as the canary (:mod:`probes.triggers`): another tenant's marker anywhere is a
 ``leak``, another request's marker a ``mismatch``; a greedy answer without its own marker is a
-``mismatch`` where the model repeats, while sampled and penalised answers are judged on other
-markers only (a penalty or a temperature may change a faithful copy).
+``mismatch`` where the model repeats (the marker ends within the first 65 characters sent, before
+greedy answers can drift), while sampled and penalised answers are judged on other markers only (a
+penalty or a temperature may change a faithful copy).
 
 Cost: ``size`` requests (32 by default) of about 40 prompt tokens and at most 192 new ones each,
 plus the lone canary every 10 minutes; default interval 1,800 s.
@@ -31,11 +32,11 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeResult
-from probes.canary import TenantCheck
-from probes.markers import marker_hash
-from probes.target import CompletionRequest
-from probes.triggers import (
+from kvcanary.probes.base import Probe, ProbeContext, ProbeResult
+from kvcanary.probes.canary import TenantCheck
+from kvcanary.probes.markers import marker_hash
+from kvcanary.probes.target import CompletionRequest
+from kvcanary.probes.triggers import (
     QUESTION_TEMPLATE,
     TriggerOptions,
     conclude,
@@ -112,6 +113,6 @@ async def _row(ctx: ProbeContext, i: int, repeats: bool | None) -> TenantCheck:
     request = CompletionRequest(prompt=prompt, chat=bool(ctx.options.get("chat", True)), **fields)
     c = await ctx.complete(tenant, request)
     # A sampled or penalised answer may change a faithful copy: only other markers count there.
-    verdict, reason, detail = judge_own(c, prompt, marker, repeats if greedy else False, ctx.markers)
+    verdict, reason, detail = judge_own(c, request, marker, repeats if greedy else False, ctx.markers)
     check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
     return step_check(check, f"row {i}")

@@ -20,8 +20,9 @@ tenant that hung up sends one once theirs are answered: what an engine hands on 
 admits next, and that is then another tenant, however slow the machine. Judged as the canary
 (:mod:`probes.triggers`): the abandoned marker, or any other tenant's, in an answer is a ``leak``;
 a canary that lost its own nonce (for instance to the rest of its own tenant's abandoned answer) a
-``mismatch`` where the model repeats. The abandoned answers are scanned for foreign markers as
-well, never judged for their own.
+``mismatch`` where the model repeats (the canary's 90-character prompt: due before greedy answers
+can drift). The abandoned answers are scanned for foreign markers as well, never judged for their
+own.
 
 Where the engine counts aborted requests (the reference worker's ``kvcanary_requests_aborted_total``,
 SGLang's ``sglang:num_aborted_requests_total``), the count on the target's nodes must move after
@@ -45,11 +46,11 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeResult, Verdict
-from probes.canary import TenantCheck
-from probes.engine_counters import aborted_requests
-from probes.target import Completion, CompletionRequest
-from probes.triggers import TriggerOptions, canary_check, conclude, model_repeats, sizing_capacity
+from kvcanary.probes.base import Probe, ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.canary import TenantCheck
+from kvcanary.probes.engine_counters import aborted_requests
+from kvcanary.probes.target import Completion, CompletionRequest
+from kvcanary.probes.triggers import TriggerOptions, canary_check, conclude, model_repeats, sizing_capacity
 
 #: A long answer, so that it is still being written when the probe hangs up: the prompt asks for
 #: the code on line after line and shows it so (``abandoned_prompt``).

@@ -48,11 +48,11 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
-from probes.boundary import MAX_SIZING_ROUNDS, USAGE_SAFETY_SHARE
-from probes.canary import prompt_tokens_dropped
-from probes.markers import marker_hash, redact_markers
-from probes.target import Completion, CompletionRequest
+from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
+from kvcanary.probes.boundary import MAX_SIZING_ROUNDS, USAGE_SAFETY_SHARE
+from kvcanary.probes.canary import prompt_tokens_dropped
+from kvcanary.probes.markers import marker_hash, redact_markers
+from kvcanary.probes.target import Completion, CompletionRequest
 
 #: Room for a chat template (role tags, a default system prompt) that the raw count does not see.
 TEMPLATE_HEADROOM = 64

@@ -62,9 +62,9 @@ from typing import Any
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
-from probes.markers import redact_markers
-from probes.target import Completion, CompletionRequest
+from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict, excerpt, unjudgeable
+from kvcanary.probes.markers import redact_markers
+from kvcanary.probes.target import Completion, CompletionRequest
 
 #: Different lengths (24 to about 200 characters): at most ~200 tokens even for a byte-level tokenizer,
 #: so that any context of 256 holds the longest with 32 new tokens.

@@ -14,8 +14,15 @@ all tenants at once), then makes traffic the conversations must survive: one can
 at most ``max_churn_tokens``; 0 sends none), so that a cache that holds the conversations must
 evict, offload or overwrite them. Then every conversation continues at once (``revisit``): the
 whole history sent back, as clients do, and the question "what was the code?". Judged as the
-canary (:mod:`probes.triggers`): any foreign marker is a ``leak``; a continued answer without its
-own marker a ``mismatch`` where the model repeats, foreign markers only where it does not.
+canary (:mod:`probes.triggers`), on what a correct engine must reproduce exactly:
+- any other tenant's marker, in any answer, is a ``leak``; so is another request's marker of the
+  same tenant in a continued conversation (``restored_foreign_conversation``): only another
+  conversation's K/V holds it, and one API key often serves many end users;
+- the own marker is judged in the answers that ask for it (the other traffic's canaries and the
+  revisit, whose history opens with the marker: the first 96 characters sent), never in the first
+  turn, which asks for "OK"; a continued answer without it is a ``mismatch`` where the model
+  repeats. Benign divergence of long answers starts after about a hundred tokens and cannot reach
+  a code that an echo writes in its first hundred and an instruction model answers with.
 
 Cost: ``3 T`` chat requests (the revisit's prompt holds the first turn and its answer: a few
 hundred tokens), the burst (the pool's size in prompt tokens, one new token each: 4,096 prompt
@@ -31,12 +38,12 @@ from typing import NamedTuple
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeResult
-from probes.canary import TenantCheck
-from probes.markers import marker_hash
-from probes.prefix_cache.prompts import fresh_text
-from probes.target import CompletionRequest, ServerCapacity
-from probes.triggers import (
+from kvcanary.probes.base import Probe, ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.canary import TenantCheck
+from kvcanary.probes.markers import marker_hash
+from kvcanary.probes.prefix_cache.prompts import fresh_text
+from kvcanary.probes.target import CompletionRequest, ServerCapacity
+from kvcanary.probes.triggers import (
     QUESTION_TEMPLATE,
     TriggerOptions,
     canary_check,
@@ -101,8 +108,10 @@ async def _first_turn(
 ) -> tuple[TenantCheck, Turn]:
     marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
     prompt = FIRST_TURN.format(marker=marker)
-    c = await ctx.complete(tenant, _chat(ctx, prompt, cap=cap))
-    verdict, reason, detail = judge_own(c, prompt, marker, repeats, ctx.markers)
+    request = _chat(ctx, prompt, cap=cap)
+    c = await ctx.complete(tenant, request)
+    # The first turn asks for "OK", not the code: only other requests' markers are judged here.
+    verdict, reason, detail = judge_own(c, request, marker, repeats, ctx.markers, asked=False)
     check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
     turn = Turn(marker_id, marker, (("user", prompt), ("assistant", c.text[:ANSWER_CHARS] if c.ok else "OK")))
     return step_check(check, "first_turn"), turn
@@ -112,8 +121,14 @@ async def _revisit(
     ctx: ProbeContext, tenant: str, turn: Turn, repeats: bool | None, cap: int | None
 ) -> TenantCheck:
     """Continue ``tenant``'s conversation: its history back, and the question about its marker."""
-    c = await ctx.complete(tenant, _chat(ctx, REVISIT, history=turn.history, cap=cap))
-    verdict, reason, detail = judge_own(c, REVISIT, turn.marker, repeats, ctx.markers)
+    request = _chat(ctx, REVISIT, history=turn.history, cap=cap)
+    c = await ctx.complete(tenant, request)
+    verdict, reason, detail = judge_own(c, request, turn.marker, repeats, ctx.markers)
+    if reason == "other_request_marker":
+        # Only another conversation's K/V holds another request's marker: a restored foreign
+        # context, whichever of its own tenant's end users that conversation was.
+        verdict, reason = Verdict.LEAK, "restored_foreign_conversation"
+        detail = f"{detail}: the conversation was continued from another conversation's context"
     check = TenantCheck(tenant, turn.marker_id, marker_hash(turn.marker), None, c, verdict, reason, detail)
     return step_check(check, "revisit")
 

@@ -24,9 +24,13 @@ the canary's question, in these steps:
    adapters the target serves), the same counter rule per adapter;
 5. ``system``: one identical user message (the prefix and "repeat your code") under a per-tenant
    system message carrying the tenant's marker.
-Judged as the canary (:mod:`probes.triggers`): a foreign marker anywhere is a ``leak``, a 200
-without the tenant's own marker a ``mismatch`` where the model repeats, foreign markers only where
-it does not.
+Judged as the canary (:mod:`probes.triggers`), on what a correct engine must reproduce exactly: a
+foreign marker anywhere is a ``leak`` (what a cache keyed on part of the request serves), another
+request's marker of the same tenant a ``mismatch``. The own marker is due only in the ``system``
+step, where it leads what is sent; in the other steps it follows the shared prefix, and an echoing
+model would reach it only after a few hundred tokens of verbatim copy, past where benign
+nondeterminism lets long greedy answers diverge: there a 200 without it is no evidence and passes
+on foreign markers alone. The counter rule of the salted and adapter steps is a count, not a copy.
 
 Cost: ``4 T`` requests (``3 T`` without salts) plus one per adapter, each about ``P + 40`` prompt
 tokens (``P`` the prefix: 256 tokens at the default 8 pages of 16) and at most ``P + 136`` new
@@ -40,13 +44,13 @@ import asyncio
 
 from pydantic import Field
 
-from probes.base import Probe, ProbeContext, ProbeResult, Verdict
-from probes.canary import TenantCheck
-from probes.markers import marker_hash
-from probes.prefix_cache import SALT_ENGINES
-from probes.prefix_cache.prompts import PromptSize, cached, fresh_text, salt, size_prefix
-from probes.target import CompletionRequest
-from probes.triggers import (
+from kvcanary.probes.base import Probe, ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.canary import TenantCheck
+from kvcanary.probes.markers import marker_hash
+from kvcanary.probes.prefix_cache import SALT_ENGINES
+from kvcanary.probes.prefix_cache.prompts import PromptSize, cached, fresh_text, salt, size_prefix
+from kvcanary.probes.target import CompletionRequest
+from kvcanary.probes.triggers import (
     QUESTION_TEMPLATE,
     TriggerOptions,
     conclude,
@@ -131,8 +135,9 @@ class _Run:
         adapter) must not be served the prefix from cache."""
         marker_id, marker = self.ctx.markers.plant(self.ctx.target.name, tenant)
         prompt = f"{self.prefix}\n{QUESTION_TEMPLATE.format(marker=marker)}"
-        c = await self.ctx.complete(tenant, self._request(prompt, cache_salt=cache_salt, model=model))
-        verdict, reason, detail = judge_own(c, prompt, marker, self.repeats, self.ctx.markers)
+        request = self._request(prompt, cache_salt=cache_salt, model=model)
+        c = await self.ctx.complete(tenant, request)
+        verdict, reason, detail = judge_own(c, request, marker, self.repeats, self.ctx.markers)
         fresh_domain = cache_salt is not None or model is not None
         if verdict is Verdict.PASS and fresh_domain and cached(c) >= self.size.hit_tokens:
             domain = "cache_salt" if cache_salt is not None else "adapter"
@@ -153,6 +158,6 @@ class _Run:
         if not self.chat:  # a raw completion has no system message: the marker leads the prompt
             request = self._request(f"{system}\n{self.prefix}\n{SYSTEM_QUESTION}")
         c = await self.ctx.complete(tenant, request)
-        verdict, reason, detail = judge_own(c, request.prompt, marker, self.repeats, self.ctx.markers)
+        verdict, reason, detail = judge_own(c, request, marker, self.repeats, self.ctx.markers)
         check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
         return step_check(check, "system")

@@ -113,12 +113,25 @@ class ServerCapacity:
 @dataclass(frozen=True)
 class Node:
     """One serving node of a target. ``name`` is empty for a target that lists no nodes (one node
-    at its base URL). ``role`` is ``aggregated`` (one node does both phases), ``prefill`` or ``decode``."""
+    at its base URL). ``role`` is ``aggregated`` (one node does both phases), ``prefill`` or ``decode``;
+    a prefill node behind SGLang's gateway hands its K/V over at ``bootstrap_port`` of its host."""
 
     name: str
     role: str
     info_url: str
     metrics_url: str
+    bootstrap_port: int | None = None
+
+
+@dataclass(frozen=True)
+class ServingPath:
+    """One prefill node and one decode node a disaggregated request can be served by, as SGLang's
+    gateway pairs them. Each pair is a path of its own: its K/V hand-off, its decode pages."""
+
+    prefill: Node
+    decode: Node
+    #: The pair's name where a node's name goes (results, incidents; ``path_name``).
+    name: str
 
 
 @dataclass(frozen=True)
@@ -164,3 +177,8 @@ class TargetClient(Protocol):
         ...
 
     async def count_tokens(self, text: str) -> int | None: ...
+
+    def via(self, path: ServingPath) -> TargetClient:
+        """Return this target with every completion sent down ``path`` (its prefill and decode nodes,
+        as SGLang's gateway sends a request), its capacity that of the path's prefill node."""
+        ...

@@ -17,6 +17,16 @@ strict). An operator who knows may state ``repeats: true`` or ``false`` and skip
 lone canary that fails for the incident's reasons (a stale decode) also reads as "does not
 repeat": the ``canary`` kind reports that fault itself, and these kinds still catch what crosses
 tenants.
+
+Only what a correct engine must reproduce exactly is judged, so benign drift never pages: another
+request's marker anywhere (it can come back only from that request's KV, cache entry or answer:
+never by chance), and the request's own marker only where it is **due** (:func:`own_marker_due`):
+the request asks for it back and it sits within the first :data:`OWN_MARKER_HORIZON_CHARS`
+characters of what the request sends. A copy model writes those before its 100th token, where the
+greedy answers of real engines start to diverge (batch nondeterminism), and an instruction model
+writes the code first anyway; a marker further in (after a shared prefix, say) would come back
+only through a long verbatim repetition, which a correct engine need not give. Wrapping (``Sure:``,
+quotes) cannot hide a marker that is there, and a failed request is an ``error``, never a verdict.
 """
 
 from __future__ import annotations
@@ -24,8 +34,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from probes.base import ProbeContext, ProbeResult, Verdict, unjudgeable
-from probes.canary import (
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict, unjudgeable
+from kvcanary.probes.canary import (
     CanaryOptions,
     CanaryProbe,
     TenantCheck,
@@ -34,9 +44,9 @@ from probes.canary import (
     judge_answer,
     repeat_prompt,
 )
-from probes.cross_tenant import CAPACITY_MAX_AGE_SECONDS
-from probes.markers import MARKER_RE, MarkerBook, marker_hash
-from probes.target import Completion, ServerCapacity
+from kvcanary.probes.cross_tenant import CAPACITY_MAX_AGE_SECONDS
+from kvcanary.probes.markers import MARKER_RE, MarkerBook, marker_hash
+from kvcanary.probes.target import Completion, CompletionRequest, ServerCapacity
 
 #: How long one lone canary's answer (does the model repeat?) is trusted: it changes with the model.
 REPEATS_TTL_SECONDS = 600.0
@@ -44,6 +54,9 @@ REPEATS_TTL_SECONDS = 600.0
 #: carries the marker, and a cache serving a request's leading pages from another request serves
 #: the whole marker (a prompt's last page is always computed, and the question fills it).
 QUESTION_TEMPLATE = "Remember this code: {marker}\nRepeat the code exactly, with nothing else."
+#: How far into what a request sends (system message, earlier turns, prompt) its own marker may end
+#: and still be due back: the canary's whole prompt is 90 characters.
+OWN_MARKER_HORIZON_CHARS = 96
 FOREIGN_ONLY = "foreign_markers_only"
 OWN_AND_FOREIGN = "own_and_foreign_markers"
 
@@ -93,31 +106,74 @@ async def model_repeats(ctx: ProbeContext) -> bool | None:
     return _remembered(ctx.state, time.time(), any_age=True)
 
 
+def sent_text(request: CompletionRequest) -> str:
+    """Return what ``request`` sends, in the order a copy model writes it back: the system message,
+    the earlier turns, the prompt, one per line."""
+    parts = [request.system] if request.system else []
+    return "\n".join([*parts, *(text for _, text in request.history), request.prompt])
+
+
+def own_marker_due(request: CompletionRequest, marker: str) -> bool:
+    """Return whether a correct engine must write ``marker`` back for ``request``: it ends within
+    the first :data:`OWN_MARKER_HORIZON_CHARS` characters of what the request sends (the caller
+    knows whether the request asks for it at all)."""
+    at = sent_text(request).find(marker)
+    return at >= 0 and at + len(marker) <= OWN_MARKER_HORIZON_CHARS
+
+
 def judge_own(
-    c: Completion, prompt: str, marker: str, repeats: bool | None, book: MarkerBook
+    c: Completion,
+    request: CompletionRequest,
+    marker: str,
+    repeats: bool | None,
+    book: MarkerBook,
+    *,
+    asked: bool = True,
 ) -> tuple[Verdict, str, str]:
     """Judge one answer as the canary does, and more strictly: an answer must carry no marker but
     its own. Another tenant's is a leak (``ctx.complete`` found it); another of its own tenant's
     markers (one given to another request) a ``mismatch``: another request's K/V or answer came
-    back, within the tenant. Where the model does not repeat, a judgeable 2xx with no such marker
-    passes, saying why; where nobody knows (the lone canary got no answer and none was kept), a
-    missing own marker is an ``error``, not a mismatch."""
+    back, within the tenant.
+
+    The own marker is judged only where it is due: ``asked`` (the request asks for it back) and
+    early in what was sent (:func:`own_marker_due`), and where the model repeats. Otherwise a
+    judgeable 2xx with no other marker passes, saying why; where nobody knows whether the model
+    repeats (the lone canary got no answer and none was kept), a missing own marker is an
+    ``error``, not a mismatch."""
     others = live_markers(c.text, book) - {"KVC-" + marker[4:].lower()}
     if others and unjudgeable(c) is None:
         detail = f"the answer carries {len(others)} marker(s) given to other requests"
         return Verdict.MISMATCH, "other_request_marker", detail
-    if repeats is False and unjudgeable(c) is None and c.ok:
-        return Verdict.PASS, "no_foreign_marker", "no foreign marker (the model does not repeat)"
-    verdict, reason, detail = judge_answer(c, prompt, marker, None)
+    due = asked and own_marker_due(request, marker)
+    if (repeats is False or not due) and unjudgeable(c) is None and c.ok:
+        why = "the model does not repeat" if repeats is False else _not_due(asked)
+        return Verdict.PASS, "no_foreign_marker", f"no foreign marker ({why})"
+    verdict, reason, detail = judge_answer(c, request.prompt, marker, None)
     if repeats is None and reason == "nonce_missing":
         return Verdict.ERROR, "repeats_unknown", "no own marker, and whether this model repeats is unknown"
     return verdict, reason, detail
+
+
+def _not_due(asked: bool) -> str:
+    if not asked:
+        return "own marker not judged: the request does not ask for it back"
+    return (
+        f"own marker not judged: it sits past the first {OWN_MARKER_HORIZON_CHARS} characters sent, "
+        "where only a long verbatim copy would bring it back"
+    )
 
 
 def conclude(checks: list[TenantCheck], repeats: bool | None, ctx: ProbeContext) -> ProbeResult:
     """Return the run's result: the worst check decides; the evidence says how answers were judged."""
     result = combine(checks)
     result.evidence["judged"] = FOREIGN_ONLY if repeats is False else OWN_AND_FOREIGN
+    intact = sum(c.reason == "nonce_intact" for c in checks)
+    if result.verdict is Verdict.PASS and intact:  # the strongest pass a run has is its own
+        result.reason = "nonce_intact"
+        result.detail = (
+            f"own markers back intact in {intact} answer(s) where due; no foreign marker in any of "
+            f"{len(checks)}"
+        )
     if result.verdict is Verdict.PASS and repeats is False:
         result.reason = "no_foreign_marker"
         result.detail = (
@@ -136,9 +192,9 @@ def conclude(checks: list[TenantCheck], repeats: bool | None, ctx: ProbeContext)
 async def canary_check(ctx: ProbeContext, tenant: str, step: str, repeats: bool | None) -> TenantCheck:
     """Send ``tenant`` a canary (:mod:`probes.canary`'s request) as ``step`` of a run and judge it."""
     marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
-    prompt = repeat_prompt(marker)
-    c = await ctx.complete(tenant, canary_request(ctx, prompt))
-    verdict, reason, detail = judge_own(c, prompt, marker, repeats, ctx.markers)
+    request = canary_request(ctx, repeat_prompt(marker))
+    c = await ctx.complete(tenant, request)
+    verdict, reason, detail = judge_own(c, request, marker, repeats, ctx.markers)
     return step_check(
         TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail), step
     )

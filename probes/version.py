@@ -28,8 +28,8 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
-from probes.defects import (
+from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
+from kvcanary.probes.defects import (
     VERSIONED_ENGINES,
     Defect,
     DefectsFileError,
@@ -40,7 +40,7 @@ from probes.defects import (
     node_version,
     shipped,
 )
-from probes.target import Node, ServerCapacity
+from kvcanary.probes.target import Node, ServerCapacity
 
 #: Where each engine family publishes its version (what ``monitor/targets/capacity.py`` reads).
 VERSION_WHERE = {
@@ -84,6 +84,7 @@ class VersionProbe(Probe):
     """Check a node's engine version and facts against the known isolation defects."""
 
     kind = "version"
+    reaudit_on_config_change = True
     scope = "node"
     options_model = VersionOptions
     default_interval_seconds = 300.0

@@ -36,16 +36,17 @@ export KVCANARY_VLLM_VENV="${KVCANARY_VLLM_VENV:-$CACHE/venv-vllm}"
 export KVCANARY_LLAMACPP_WHEELS="${KVCANARY_LLAMACPP_WHEELS:-$CACHE/wheels}"
 export KVCANARY_LLAMACPP_VENV="${KVCANARY_LLAMACPP_VENV:-$CACHE/venv-llamacpp}"
 export KVCANARY_LITELLM_VENV="${KVCANARY_LITELLM_VENV:-$CACHE/venv-litellm}"
+export KVCANARY_SGLANG_ROUTER_VENV="${KVCANARY_SGLANG_ROUTER_VENV:-$CACHE/venv-sglang-router}"
 mkdir -p "$CACHE"
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"; [ -z "${nats_pid:-}" ] || { kill "$nats_pid"; rm -rf "$nats_dir"; }' EXIT
 declare -A setups=()
-for name in vllm llamacpp litellm; do
+for name in vllm llamacpp litellm sglang-router; do
   bash "scripts/setup-$name.sh" >"$logs/$name.log" 2>&1 &
   setups[$name]=$!
 done
 failed=0
-for name in vllm llamacpp litellm; do
+for name in vllm llamacpp litellm sglang-router; do
   if wait "${setups[$name]}"; then
     grep "^setup-$name:" "$logs/$name.log" | tail -n 1
   else
@@ -55,7 +56,7 @@ for name in vllm llamacpp litellm; do
   fi
 done
 [ "$failed" = 0 ] || exit 1
-export KVCANARY_REQUIRE_VLLM=1 KVCANARY_REQUIRE_LLAMACPP=1 KVCANARY_REQUIRE_LITELLM=1
+export KVCANARY_REQUIRE_VLLM=1 KVCANARY_REQUIRE_LLAMACPP=1 KVCANARY_REQUIRE_LITELLM=1 KVCANARY_REQUIRE_SGLANG_ROUTER=1
 export KVCANARY_REQUIRE_PROMETHEUS=1
 
 # Tests run on parallel workers (pytest-xdist): most of the suite's time is spent waiting on real

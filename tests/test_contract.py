@@ -12,16 +12,24 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def root_of(module: str) -> str:
+    """Return the folder or distribution ``module`` belongs to: ``kvcanary.monitor.app`` is the
+    monitor's (every folder imports as ``kvcanary.<folder>``), ``torch.nn`` torch's."""
+    return module.removeprefix("kvcanary.").split(".")[0]
+
+
 def imported_roots(package: str) -> dict[str, set[str]]:
-    """Return {file: top-level modules it imports} for every .py file under ``package``."""
+    """Return {file: folders and distributions it imports} for every .py file under ``package``."""
     found: dict[str, set[str]] = {}
     for path in sorted((REPO / package).rglob("*.py")):
         roots: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                roots |= {alias.name.split(".")[0] for alias in node.names}
+                roots |= {root_of(alias.name) for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                roots.add(node.module.split(".")[0])
+                roots.add(root_of(node.module))
+                if node.module == "kvcanary":  # from kvcanary import monitor
+                    roots |= {alias.name for alias in node.names}
         found[str(path.relative_to(REPO))] = roots
     return found
 
@@ -41,7 +49,8 @@ def test_packages_import_only_across_allowed_walls(package: str, forbidden: set[
 
 def test_the_monitor_cli_loads_without_torch() -> None:
     code = (
-        "import sys, monitor.commands.cli, monitor.app, monitor.commands.demo, monitor.commands.check; "
+        "import sys, kvcanary.monitor.commands.cli, kvcanary.monitor.app, kvcanary.monitor.commands.demo, "
+        "kvcanary.monitor.commands.check; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
@@ -58,8 +67,8 @@ def documented_metrics(doc: str) -> set[str]:
 def test_every_monitor_metric_is_documented_and_every_documented_one_exported() -> None:
     from prometheus_client import CollectorRegistry
 
-    from monitor.metrics.registry import MonitorMetrics
-    from monitor.recording.spool import Spool
+    from kvcanary.monitor.metrics.registry import MonitorMetrics
+    from kvcanary.monitor.recording.spool import Spool
 
     metrics = MonitorMetrics(CollectorRegistry())
     metrics.declare("t", {"canary": 30.0})
@@ -72,6 +81,7 @@ def test_every_monitor_metric_is_documented_and_every_documented_one_exported() 
     report = {"connected": True, "replicas": 1, "partitions": [0], "judged": 0, "duplicates": 0,
               "rejected": 0, "pending_messages": 0, "lag_seconds": 0.0}  # fmt: skip
     metrics.watch_stream(lambda: report)
+    metrics.watch_containment(lambda: ["t"], lambda: [])
     exported = set()
     for family in metrics.registry.collect():
         exported.add(family.name + ("_total" if family.type == "counter" else ""))

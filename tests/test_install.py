@@ -1,11 +1,13 @@
-"""The built wheel installs and runs on its own, and claims no generic top-level name (issue 10).
+"""The package a user installs is the code the tests run, and it claims no generic top-level name.
 
 The repository keeps ``monitor/``, ``probes/``, ``workers/``, ``migrations/``, ``alerts/`` and
-``dashboards/`` at the top; the wheel installs them under ``kvcanary`` with their imports rewritten
-by ``setup.py``. The rewrite is tested on its own first (fast). The slow tests build the wheel
-from a copy of the working tree, install it into a fresh venv (dependencies from a wheelhouse
-cached in ``~/.cache/kvcanary/``, built once from the configured indexes; no torch), and run the
-console script from an empty folder: migrate SQLite, serve, answer, stop on SIGTERM.
+``dashboards/`` at the top, and ``kvcanary/<folder>`` is a link to each: a checkout, an editable
+install and the wheel import the same names (``kvcanary.monitor``, ...), and the wheel's files are
+the repository's, byte for byte, with nothing rewritten at build time. The fast tests hold the
+checkout to that; the slow ones build the wheel from a copy of the working tree, install it into a
+fresh venv (dependencies from a wheelhouse cached in ``~/.cache/kvcanary/``, built once from the
+configured indexes; no torch), and run the console script from an empty folder: migrate SQLite,
+serve, answer, stop on SIGTERM, and ``kvcanary check`` a real reference worker.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import ast
 import contextlib
 import email
 import hashlib
-import importlib.util
 import os
 import platform
 import shutil
@@ -23,124 +24,45 @@ import subprocess
 import sys
 import textwrap
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import REPO, free_port, wait_http
+from tests.support import REPO, free_port, wait_http
 
 ROOTS = ("monitor", "probes", "workers", "migrations", "alerts", "dashboards")
-Rewrite = Callable[[str], str]
 
 
-def load_setup() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvcanary_setup", REPO / "setup.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # setup() itself runs only as a script
-    return module
+# --- the checkout -----------------------------------------------------------------------------------------
 
 
-# --- the import rewrite ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def namespaced() -> Rewrite:
-    rewrite: Rewrite = load_setup().namespaced
-    return rewrite
-
-
-def test_it_moves_from_imports_under_kvcanary_keeping_the_statement_as_written(namespaced: Rewrite) -> None:
-    source = textwrap.dedent(
-        """\
-        from monitor.config.settings import (  # the settings
-            Settings,
-            load_settings as load,
-        )
-        from probes import REGISTRY
-        from dashboards import overview, workers
-        """
-    )
-    assert namespaced(source) == textwrap.dedent(
-        """\
-        from kvcanary.monitor.config.settings import (  # the settings
-            Settings,
-            load_settings as load,
-        )
-        from kvcanary.probes import REGISTRY
-        from kvcanary.dashboards import overview, workers
-        """
-    )
-
-
-def test_it_rewrites_plain_imports_so_that_they_bind_the_same_names(namespaced: Rewrite) -> None:
-    source = textwrap.dedent(
-        """\
-        import monitor
-        import monitor as m
-        import monitor.storage.db as db
-        import os, workers.cli, json
-        def f():
-            import probes.base
-            return probes.base
-        """
-    )
-    assert namespaced(source) == textwrap.dedent(
-        """\
-        from kvcanary import monitor
-        from kvcanary import monitor as m
-        import kvcanary.monitor.storage.db as db
-        import os; import kvcanary.workers.cli; from kvcanary import workers; import json
-        def f():
-            import kvcanary.probes.base; from kvcanary import probes
-            return probes.base
-        """
-    )
-
-
-def test_it_leaves_strings_comments_relative_imports_and_other_modules_alone(namespaced: Rewrite) -> None:
-    source = textwrap.dedent(
-        '''\
-        """Run ``python -m workers``; see monitor.commands.cli."""
-        # from monitor import x
-        import monitoring
-        from monitoring.probes import y
-        from . import monitor
-        from .workers import z
-        patch = "monitor.runs.runner.run"
-        def g():
-            raise ValueError("x") from monitor
-        def h():
-            yield from workers
-        '''
-    )
-    assert namespaced(source) == source
-
-
-def test_it_counts_columns_in_characters_after_non_ascii_text(namespaced: Rewrite) -> None:
-    source = 'label = "état"; import monitor  # é\nü = 1; from probes.base import Verdict\n'
-    assert namespaced(source) == (
-        'label = "état"; from kvcanary import monitor  # é\nü = 1; from kvcanary.probes.base import Verdict\n'
-    )
-
-
-def test_it_refuses_an_import_it_cannot_rewrite_on_its_own_lines(namespaced: Rewrite) -> None:
-    with pytest.raises(ValueError, match="line 1"):
-        namespaced("import os, \\\n    monitor\n")
-
-
-def test_every_repository_module_keeps_its_lines_and_loses_every_generic_import(namespaced: Rewrite) -> None:
+def test_each_folder_is_linked_under_kvcanary() -> None:
     for root in ROOTS:
-        for path in (REPO / root).rglob("*.py"):
-            source = path.read_text(encoding="utf-8")
-            rewritten = namespaced(source)
-            assert rewritten.count("\n") == source.count("\n"), path
-            assert generic_imports(rewritten) == [], path
-            assert namespaced(rewritten) == rewritten, path  # idempotent: a rebuild changes nothing
+        link = REPO / "kvcanary" / root
+        assert link.is_symlink() and os.readlink(link) == f"../{root}", link
+        assert link.resolve() == (REPO / root).resolve()
+
+
+def repository_modules() -> list[Path]:
+    """Every Python file of the repository (the folders, the tap, the tests, the benchmarks)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return [REPO / name for name in filter(None, listed.split("\0")) if (REPO / name).is_file()]
+
+
+def test_no_module_imports_a_folder_by_its_generic_name() -> None:
+    """``import monitor`` beside ``import kvcanary.monitor`` would load one file as two modules (two
+    registries, two settings): every import names the package users install."""
+    found = {
+        str(path.relative_to(REPO)): names
+        for path in repository_modules()
+        if (names := generic_imports(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}
 
 
 def generic_imports(source: str) -> list[str]:
@@ -176,7 +98,10 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     copy = tmp_path_factory.mktemp("source")
     listed = ok(run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO))
     for name in filter(None, listed.stdout.split("\0")):
-        if (REPO / name).is_file():  # a tracked file deleted in the working tree is not built
+        if (REPO / name).is_symlink():  # kvcanary/<folder>: a link, as a clone has it
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(REPO / name), copy / name)
+        elif (REPO / name).is_file():  # a tracked file deleted in the working tree is not built
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, copy / name)
     return copy
@@ -222,7 +147,9 @@ def test_the_wheel_holds_only_the_kvcanary_package_with_its_data(source: Path, w
         assert must in names
     assert not any(n.endswith((".pyc", ".db")) or "/__pycache__/" in n for n in names)
     assert {n: generic_imports(s) for n, s in sources.items() if generic_imports(s)} == {}
-    assert "from kvcanary.monitor.commands.cli import main" in sources["kvcanary/cli.py"]
+    # The very files the tests run: nothing is rewritten at build time.
+    for name, text in sources.items():
+        assert text == (source / name).read_text(encoding="utf-8"), name
 
 
 def wheelhouse(wheel: Path, python: Path) -> Path:
@@ -385,3 +312,47 @@ def test_migrating_in_process_leaves_the_generic_names_unimportable(venv: Path, 
         """
     )
     ok(run([venv / "python", "-c", check], cwd=empty_dir, env=clean_env()))
+
+
+@pytest.mark.slow
+def test_the_installed_check_judges_a_real_reference_worker(
+    venv: Path, empty_dir: Path, start_worker: Any
+) -> None:
+    """The deploy gate from the wheel alone: ``kvcanary check`` against a healthy reference worker
+    (started from this checkout: the wheel's venv has no torch) passes, and against the incident's
+    defective one fails on the leak it finds."""
+    keys = {"alice": "kvc-install-key-alice-0001", "bob": "kvc-install-key-bob-0002"}
+    for tenant, key in keys.items():
+        (empty_dir / f"key-{tenant}").write_text(key)
+    api_keys = ["--api-key", f"{keys['alice']}=alice", "--api-key", f"{keys['bob']}=bob"]
+    shape = ["--page-size", "16", "--context-window", "8192"]
+    healthy = start_worker("--mode", "aggregated", "--kv-pool-tokens", "4096", *shape, *api_keys)
+    defective = start_worker(
+        "--mode", "disaggregated", "--prefill-pool-tokens", "1024", "--decode-pool-tokens", "4096",
+        "--admission", "placeholder", *shape, *api_keys,
+    )  # fmt: skip
+
+    def check(url: str) -> subprocess.CompletedProcess[str]:
+        config = empty_dir / "check.yml"
+        config.write_text(
+            textwrap.dedent(
+                f"""\
+                database_url: sqlite:///{empty_dir / "check.db"}
+                targets:
+                  - name: ref
+                    base_url: {url}
+                    engine: reference
+                    model: kvcanary-reference
+                    tenants:
+                      - {{name: alice, api_key_file: {empty_dir / "key-alice"}}}
+                      - {{name: bob, api_key_file: {empty_dir / "key-bob"}}}
+                    probes: [canary, cross_tenant, boundary]
+                """
+            )
+        )
+        return run([venv / "kvcanary", "check", "--config", config], cwd=empty_dir, env=clean_env())
+
+    passed = check(healthy.url)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    failed = check(defective.url)
+    assert failed.returncode == 1 and "boundary" in failed.stdout, failed.stdout + failed.stderr

@@ -30,8 +30,8 @@ import pytest
 import yaml
 from sqlalchemy import create_engine, text
 
-from monitor.commands.dashboards import panel_queries
-from tests.conftest import (
+from kvcanary.monitor.commands.dashboards import panel_queries
+from tests.support import (
     REPO,
     WorkerProcess,
     free_port,
@@ -39,7 +39,7 @@ from tests.conftest import (
     stop_process,
     wait_http,
 )
-from tests.services import Alertmanager, Prometheus, start_alertmanager, start_prometheus, wait_for
+from tests.support.services import Alertmanager, Prometheus, start_alertmanager, start_prometheus, wait_for
 
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]
 
@@ -60,7 +60,13 @@ QUIET_RULES = {
     "KVCanaryDatabaseDown": "the database is up",
     "KVCanaryOwnershipViolation": "no worker verifies ownership here (tests/probes/test_counters.py does)",
     "KVCanaryDirtyPageReuse": "no worker here is configured to zero freed pages",
+    "KVCanaryPathNotJudged": "no prefill x decode paths here (tests/monitor/runs/test_gateway_paths.py "
+    "runs the rule on a real Prometheus over a real gateway's paths)",
     "KVCanaryTrafficStreamBehind": "no traffic stream here (alerts/tests/pipeline.test.yml runs its series)",
+    "KVCanaryTrafficPartitionsUnconsumed": "no traffic stream here (alerts/tests/traffic_stream.test.yml "
+    "and tests/monitor/traffic/test_traffic_jetstream_faults.py run its series)",
+    "KVCanaryTrafficBucketForged": "no traffic stream here (alerts/tests/traffic_bucket.test.yml and "
+    "tests/monitor/traffic/test_traffic_bucket_rogue.py run its series)",
 }
 #: Prometheus's rules that must fire on the defective worker, from the monitor's and the worker's metrics.
 RULES_FIRING = (
@@ -81,9 +87,12 @@ QUIET_PANELS = {
             "Traffic stream replicas",
             "Traffic stream lag",
             "Traffic stream: records taken",
+            "Traffic stream partitions unconsumed",
+            "Traffic stream bucket anomalies",
         ),
         "no gateway tap posts traffic in this stack",
     ),
+    "Path age, in intervals": "no prefill x decode paths here (tests/monitor/runs/test_gateway_paths.py)",
 }
 
 

@@ -1,6 +1,6 @@
 """The kvcanary reference serving worker: a small paged-KV torch engine behind an OpenAI-compatible API.
 
-It stands alone: nothing here imports ``monitor`` or ``probes``. Run it with ``python -m workers``.
+It stands alone: nothing here imports ``monitor`` or ``probes``. Run it with ``python -m kvcanary.workers``.
 """
 
 from __future__ import annotations

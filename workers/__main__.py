@@ -1,7 +1,7 @@
-"""Entry point: ``python -m workers [flags]`` (see ``python -m workers --help``)."""
+"""Entry point: ``python -m kvcanary.workers [flags]`` (see ``python -m kvcanary.workers --help``)."""
 
 from __future__ import annotations
 
-from workers.cli import main
+from kvcanary.workers.cli import main
 
 raise SystemExit(main())

@@ -11,7 +11,10 @@ which is ``min(C, admission pool) - 1``; the admission pool is the unified pool 
      replace the input by the one-token placeholder ``[0]``. Prefill computes and transfers one token
      while decode still believes the sequence is ``L`` tokens long and preallocates pages for it.
 3. Disaggregated only: ``L`` larger than the decode pool can ever hold (``decode pool - 1``) is
-   rejected ``kv_capacity`` in both admission modes.
+   rejected ``kv_capacity`` in both admission modes. A prefill server (``--mode prefill``) skips this
+   rule, since the decode pool is another server's; a decode server (``--mode decode``) plans with
+   rules 1 and 3 on its own pool and never substitutes: the prefill server decides, and the decode
+   server decodes the length it believes, whatever prefill transferred (``workers.pd_serving``).
 
 Generation budget: ``min(max_tokens, L, C - L)`` new tokens (the echo is complete after ``L``), and
 decode reserves ``min(L + budget, decode pool)`` tokens of pages up front; when a reservation is
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.config import WorkerConfig
+from kvcanary.workers.config import WorkerConfig
 
 PLACEHOLDER_INPUT = (0,)
 
@@ -70,10 +73,11 @@ def plan_admission(config: WorkerConfig, prompt_ids: list[int], max_tokens: int)
         if config.effective_admission != "placeholder":
             raise _over_capacity(length, config.max_req_input_len)
         placeholder = True
-    decode_pool = config.pool_tokens[config.decode_pool_name]
+    budget = min(max_tokens, length, config.context_window - length)
+    # The prefill server cannot know the decode server's pool: the decode server checks its own.
+    decode_pool = config.decode_pool_limit or length + budget
     if length > decode_pool - 1:
         raise _over_capacity(length, decode_pool - 1)
-    budget = min(max_tokens, length, config.context_window - length)
     return AdmissionPlan(
         input_ids=PLACEHOLDER_INPUT if placeholder else tuple(prompt_ids),
         decode_len=length,

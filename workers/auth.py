@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from workers.errors import WorkerError
+from kvcanary.workers.errors import WorkerError
 
 ANONYMOUS = "anonymous"
 

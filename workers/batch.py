@@ -35,9 +35,9 @@ from collections.abc import Collection
 
 import torch
 
-from workers.kv_cache import SCRATCH_PAGE, PagePool
-from workers.model import DecodeStep
-from workers.request import Request
+from kvcanary.workers.kv_cache import SCRATCH_PAGE, PagePool
+from kvcanary.workers.model import DecodeStep
+from kvcanary.workers.request import Request
 
 StepViews = tuple[torch.Tensor, torch.Tensor]  # block tables, expected ownership words
 

@@ -1,4 +1,4 @@
-"""``python -m workers``: parse flags into a WorkerConfig and serve it.
+"""``python -m kvcanary.workers``: parse flags into a WorkerConfig and serve it.
 
 A bad flag value exits 2 with a message naming the flag (argparse's convention).
 """
@@ -9,8 +9,15 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from workers.auth import load_keys_file, parse_key_spec
-from workers.config import ADMISSIONS, BUGS, DEPRECATED_MODES, MODES, PREFIX_CACHE_MODES, WorkerConfig
+from kvcanary.workers.auth import load_keys_file, parse_key_spec
+from kvcanary.workers.config import (
+    ADMISSIONS,
+    BUGS,
+    DEPRECATED_MODES,
+    MODES,
+    PREFIX_CACHE_MODES,
+    WorkerConfig,
+)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -24,7 +31,7 @@ def _default_device() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser; every flag carries a help string."""
     parser = argparse.ArgumentParser(
-        prog="python -m workers",
+        prog="python -m kvcanary.workers",
         description="kvcanary reference serving worker: a paged-KV copy model behind an OpenAI API. "
         "It reproduces the disaggregated placeholder leak (--mode disaggregated --admission placeholder), "
         "its fix (--admission reject) and owner-verified pages (--verify-ownership).",
@@ -74,15 +81,33 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
         "--mode",
         choices=[*MODES, *DEPRECATED_MODES],
         default="aggregated",
-        help="aggregated: one unified KV pool for prefill and decode; disaggregated: a pool each "
+        help="aggregated: one unified KV pool for prefill and decode; disaggregated: a pool each, in "
+        "this one process; prefill or decode: one half of disaggregated serving as its own server, "
+        "behind SGLang's model gateway (--pd-disaggregation), the K/V handed over a socket "
         "(default: %(default)s; 'single' is 0.1's deprecated name for aggregated)",
+    )
+    add(
+        "--bootstrap-port",
+        type=int,
+        metavar="N",
+        help="--mode prefill: the port (on --host) where decode servers fetch each request's K/V; "
+        "give the gateway the same number (--prefill URL N)",
+    )
+    add(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="--mode prefill/decode: seconds either side waits for the other's K/V hand-off before "
+        "failing the request with HTTP 500 (default: %(default)s)",
     )
     add(
         "--admission",
         choices=ADMISSIONS,
         default="reject",
-        help="disaggregated mode: reject over-capacity prompts with HTTP 400 (the fix), or replace them by a "
-        "one-token placeholder that decodes over stale pages (the defect of sgl-project/sglang#30233); "
+        help="disaggregated or prefill mode: reject over-capacity prompts with HTTP 400 (the fix), or "
+        "replace them by a one-token placeholder that decodes over stale pages (the defect of "
+        "sgl-project/sglang#30233); "
         "aggregated mode always rejects (default: %(default)s)",
     )
     add(
@@ -95,9 +120,14 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
     add(
         "--prefill-pool-tokens",
         type=int,
-        help="prefill pool tokens, which admission checks (default: --kv-pool-tokens)",
+        help="prefill pool tokens, which admission checks (disaggregated or prefill mode; "
+        "default: --kv-pool-tokens)",
     )
-    add("--decode-pool-tokens", type=int, help="decode pool tokens (default: --kv-pool-tokens)")
+    add(
+        "--decode-pool-tokens",
+        type=int,
+        help="decode pool tokens (disaggregated or decode mode; default: --kv-pool-tokens)",
+    )
     add("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     add(
         "--context-window",
@@ -205,6 +235,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         bug_rate=args.bug_rate,
         bugs=frozenset(args.bug),
         log_level=args.log_level,
+        bootstrap_port=args.bootstrap_port,
+        kv_transfer_timeout=args.kv_transfer_timeout,
     )
 
 
@@ -225,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from workers.server import serve
+    from kvcanary.workers.server import serve
 
     serve(config)
     return 0

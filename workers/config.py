@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MODES = ("aggregated", "disaggregated")
+#: ``prefill`` and ``decode`` are the two halves of disaggregated serving as separate servers behind
+#: SGLang's model gateway (``workers.pd_api``); ``disaggregated`` runs both halves in one process.
+MODES = ("aggregated", "disaggregated", "prefill", "decode")
+PD_MODES = ("prefill", "decode")
 # 0.1 called the aggregated mode "single" (a word that also named its pool and the monitor's node role).
 # The old spelling still runs for one release and keeps 0.1's wire names (mode="single", pool="single"),
 # so dashboards and queries written against them keep working until they move to the new ones.
@@ -32,7 +35,7 @@ BUGS = (
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """Settings of one worker process; see ``python -m workers --help`` for each flag."""
+    """Settings of one worker process; see ``python -m kvcanary.workers --help`` for each flag."""
 
     host: str = "127.0.0.1"
     port: int = 30000
@@ -56,6 +59,10 @@ class WorkerConfig:
     bugs: frozenset[str] = frozenset()
     bug_rate: float = 1.0
     log_level: str = "info"
+    #: ``--mode prefill``: where the decode server fetches each room's K/V (on ``host``).
+    bootstrap_port: int | None = None
+    #: PD modes: how long either side waits for the other in a KV hand-off (SGLang's bootstrap timeout).
+    kv_transfer_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         _require(
@@ -89,8 +96,9 @@ class WorkerConfig:
                 f"--lora-adapter must be a non-empty name other than the served model's, got {name!r}",
             )
         _require(self.session_cache >= 0, f"--session-cache must be 0 or more, got {self.session_cache}")
+        self._check_pd_flags()
         _require(
-            not self.session_cache or (self.prefix_cache == "off" and not self.disaggregated),
+            not self.session_cache or (self.prefix_cache == "off" and self.mode in ("aggregated", "single")),
             "--session-cache needs --mode aggregated and --prefix-cache off (restores are the request's "
             "own writes, never shared pages)",
         )
@@ -113,10 +121,48 @@ class WorkerConfig:
         for key, tenant in self.api_keys.items():
             _require(bool(key) and bool(tenant), "--api-key entries need a non-empty KEY and TENANT")
 
+    def _check_pd_flags(self) -> None:
+        """Refuse the flags that make no sense for the prefill or the decode server (or outside them)."""
+        if self.mode == "prefill":
+            _require(self.bootstrap_port is not None, "--mode prefill needs --bootstrap-port N")
+            _require(
+                self.decode_pool_tokens is None,
+                "--decode-pool-tokens is for --mode decode or disaggregated, not --mode prefill",
+            )
+        else:
+            _require(self.bootstrap_port is None, "--bootstrap-port is for --mode prefill only")
+        if self.bootstrap_port is not None:
+            _require(
+                1 <= self.bootstrap_port <= 65535 and self.bootstrap_port != self.port,
+                f"--bootstrap-port must be in 1..65535 and not --port, got {self.bootstrap_port}",
+            )
+        if self.mode == "decode":
+            _require(
+                self.prefill_pool_tokens is None,
+                "--prefill-pool-tokens is for --mode prefill or disaggregated, not --mode decode",
+            )
+            _require(
+                self.admission == "reject",
+                "--admission is the prefill server's: --mode decode takes no --admission placeholder",
+            )
+            _require(
+                self.prefix_cache == "off",
+                "--prefix-cache needs a mode that prefills: --mode decode keeps every page its request's own",
+            )
+        _require(
+            self.kv_transfer_timeout > 0,
+            f"--kv-transfer-timeout must be positive, got {self.kv_transfer_timeout}",
+        )
+
     @property
     def disaggregated(self) -> bool:
-        """Return True when prefill and decode have pools of their own."""
+        """Return True when prefill and decode have pools of their own in this one process."""
         return self.mode == "disaggregated"
+
+    @property
+    def prefills(self) -> bool:
+        """Return True when this process prefills through a pool of its own (``prefill`` names it)."""
+        return self.mode in ("disaggregated", "prefill")
 
     @property
     def unified_pool_name(self) -> str:
@@ -125,6 +171,10 @@ class WorkerConfig:
 
     def _pool_flags(self) -> dict[str, int]:
         """Return each configured pool size under the flag that set it."""
+        if self.mode == "prefill":
+            return {"--prefill-pool-tokens": self.prefill_tokens_requested}
+        if self.mode == "decode":
+            return {"--decode-pool-tokens": self.decode_tokens_requested}
         if not self.disaggregated:
             return {"--kv-pool-tokens": self.kv_pool_tokens}
         return {
@@ -144,10 +194,15 @@ class WorkerConfig:
 
     @property
     def pool_tokens(self) -> dict[str, int]:
-        """Return the usable tokens of each pool by name: ``unified``, or ``prefill`` and ``decode``.
+        """Return the usable tokens of each pool by name: ``unified``, or ``prefill`` and ``decode``
+        (one of them for the prefill or the decode server).
 
         A pool holds whole pages only, so a size that is not a multiple of ``page_size`` is rounded down.
         """
+        if self.mode == "prefill":
+            return {"prefill": self._whole_pages(self.prefill_tokens_requested)}
+        if self.mode == "decode":
+            return {"decode": self._whole_pages(self.decode_tokens_requested)}
         if not self.disaggregated:
             return {self.unified_pool_name: self._whole_pages(self.kv_pool_tokens)}
         return {
@@ -160,13 +215,31 @@ class WorkerConfig:
 
     @property
     def admission_pool_tokens(self) -> int:
-        """Return the pool that admission checks: the unified pool, or the prefill pool."""
-        return self.pool_tokens["prefill" if self.disaggregated else self.unified_pool_name]
+        """Return the pool that admission checks: the unified pool, the prefill pool, or on the decode
+        server its own pool (the one thing it can check; the prefill server checks its pool)."""
+        return self.pool_tokens[self.prompt_pool_name]
+
+    @property
+    def prompt_pool_name(self) -> str:
+        """Return the name of the pool prompts are computed into (the decode server computes none,
+        so its own pool stands in)."""
+        if self.prefills:
+            return "prefill"
+        return "decode" if self.mode == "decode" else self.unified_pool_name
 
     @property
     def decode_pool_name(self) -> str:
-        """Return the name of the pool that decode reads from."""
-        return "decode" if self.disaggregated else self.unified_pool_name
+        """Return the name of the pool that decode reads from. The prefill server decodes nothing: its
+        running batch, always empty, is built over its prefill pool."""
+        if self.mode == "prefill":
+            return "prefill"
+        return "decode" if self.mode in ("disaggregated", "decode") else self.unified_pool_name
+
+    @property
+    def decode_pool_limit(self) -> int | None:
+        """Return the tokens of the pool decode preallocates from, None on the prefill server (which
+        cannot know the decode server's pool)."""
+        return None if self.mode == "prefill" else self.pool_tokens[self.decode_pool_name]
 
     @property
     def prefix_cache_pool_name(self) -> str | None:
@@ -177,7 +250,7 @@ class WorkerConfig:
         """
         if self.prefix_cache == "off":
             return None
-        return "prefill" if self.disaggregated else self.unified_pool_name
+        return self.prompt_pool_name
 
     @property
     def max_req_input_len(self) -> int:
@@ -190,8 +263,10 @@ class WorkerConfig:
 
     @property
     def effective_admission(self) -> str:
-        """Return the admission behaviour in force (aggregated mode always rejects, as SGLang's non-PD)."""
-        return self.admission if self.disaggregated else "reject"
+        """Return the admission behaviour in force: the prefill side's choice (in-process or a prefill
+        server); aggregated mode always rejects, as SGLang's non-PD, and a decode server never
+        substitutes (prefill does)."""
+        return self.admission if self.prefills else "reject"
 
     @property
     def context_exceeds_pool(self) -> bool:

@@ -17,6 +17,7 @@ copies cached and computed positions alike into the request's own decode pages (
 never shared). Before that copy, with ``--verify-ownership``, the prefill pages must hold exactly
 the words the request expects, as decode pages must before each decode read. ``--session-cache``
 restores in step 2 and saves in step 4 (``workers.session_cache``); ``--bug`` hooks in via ``workers.zoo``.
+The prefill and the decode server (``--mode prefill``/``decode``) replace step 2: ``workers.pd_serving``.
 
 ``admit_waiting`` and ``decode_once`` are public so that the benchmark can drive the engine without
 the thread.
@@ -30,22 +31,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from workers.admission import AdmissionPlan, AdmissionRejected, plan_admission
-from workers.batch import ForeignPages, PagesRefused, RunningBatch
-from workers.config import WorkerConfig
-from workers.kv_cache import PagePool, build_pools
-from workers.metrics import WorkerMetrics
-from workers.model import HEAD_DIM, CopyModel
-from workers.prefix_cache import PageLease, PrefixCache
-from workers.request import OWNERSHIP_VIOLATION, ErrorEvent, Event, FinishEvent, Request, TokenEvent
-from workers.session_cache import SessionCache, restore_into, save_from
-from workers.transfer import TransferManifest, transfer_kv
-from workers.zoo import Zoo
+from kvcanary.workers.admission import AdmissionPlan, AdmissionRejected, plan_admission
+from kvcanary.workers.batch import ForeignPages, PagesRefused, RunningBatch
+from kvcanary.workers.config import WorkerConfig
+from kvcanary.workers.kv_cache import PagePool, build_pools
+from kvcanary.workers.metrics import WorkerMetrics
+from kvcanary.workers.model import HEAD_DIM, CopyModel
+from kvcanary.workers.prefix_cache import PageLease, PrefixCache
+from kvcanary.workers.request import OWNERSHIP_VIOLATION, ErrorEvent, Event, FinishEvent, Request, TokenEvent
+from kvcanary.workers.session_cache import SessionCache, restore_into, save_from
+from kvcanary.workers.transfer import TransferManifest, transfer_kv
+from kvcanary.workers.zoo import Zoo
 
-log = logging.getLogger("workers.engine")
+log = logging.getLogger("kvcanary.workers.engine")
 INTERNAL_ERROR = ErrorEvent(500, "internal engine error", "internal_error", 500)
 
 
@@ -84,7 +86,7 @@ class Engine:
             for name, pool in self.pools.items()
         }
         self.decode_pages = self.page_caches[config.decode_pool_name]
-        self.prompt_pages = self.page_caches["prefill" if config.disaggregated else config.unified_pool_name]
+        self.prompt_pages = self.page_caches[config.prompt_pool_name]
         self.batch = RunningBatch(
             max_batch=config.max_batch,
             # A reservation never exceeds the context window nor the pool (see workers.admission).
@@ -119,10 +121,15 @@ class Engine:
         adapter: str | None = None,
     ) -> Request:
         """Plan admission and queue the request; raise ``AdmissionRejected`` (HTTP 400) without queueing.
-
-        ``cache_salt`` (validated by the caller: None or a non-empty string) limits prefix cache hits
-        to requests with the same salt.
+        ``cache_salt`` (None or a non-empty string) limits prefix cache hits to requests with the same salt.
         """
+        plan = self.plan(prompt_ids, max_tokens)
+        return self.enqueue(
+            plan, tenant=tenant, emit=emit, cache_salt=cache_salt, client_id=client_id, adapter=adapter
+        )
+
+    def plan(self, prompt_ids: list[int], max_tokens: int) -> AdmissionPlan:
+        """Return the admission plan of a prompt, counted; raise ``AdmissionRejected`` (HTTP 400)."""
         try:
             plan = plan_admission(self.config, prompt_ids, max_tokens)
         except AdmissionRejected as rejected:
@@ -133,18 +140,18 @@ class Engine:
             log.warning(
                 "placeholder substituted for a %d-token prompt (--admission placeholder)", plan.decode_len
             )
+        return plan
+
+    def enqueue(self, plan: AdmissionPlan, **fields: Any) -> Request:
+        """Queue a planned request; ``fields`` are the ``Request``'s own (tenant, emit, ...)."""
         with self._wakeup:
             # Ids are unique and never reused: ownership words name the request that wrote a page, and
             # verification needs no two requests to share one (see workers.model.entries_owned).
             request = Request(
                 request_id=next(self._request_ids),
-                tenant=tenant,
-                tenant_index=self._tenants.setdefault(tenant, len(self._tenants) + 1),
+                tenant_index=self._tenants.setdefault(fields["tenant"], len(self._tenants) + 1),
                 plan=plan,
-                emit=emit,
-                cache_salt=cache_salt,
-                client_id=client_id,
-                adapter=adapter,
+                **fields,
             )
             self.zoo.submitted(request)
             self._waiting.append(request)
@@ -179,7 +186,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                while not self._stopping and not self._waiting and not self.batch:
+                while not self._stopping and not self._has_work():
                     self._wakeup.wait()
                 if self._stopping:
                     return
@@ -190,6 +197,10 @@ class Engine:
             except Exception:
                 log.exception("engine step failed; failing the running requests")
                 self._fail_running(INTERNAL_ERROR)
+
+    def _has_work(self) -> bool:
+        """Return True when the engine thread has something to do (called holding ``_wakeup``)."""
+        return bool(self._waiting or self.batch)
 
     def admit_waiting(self) -> int:
         """Move waiting requests into the batch (FIFO) while they fit; return how many joined."""
@@ -206,10 +217,7 @@ class Engine:
                 self._let_go(request)
                 continue
             try:
-                self._prefill(request)
-                self.batch.add(request)
-                for to, event in self.zoo.joined(request):
-                    self._deliver(request, to, event)
+                self._join(request)
             except PagesRefused as refused:
                 self._refuse_pages(request, refused)
                 continue
@@ -221,6 +229,13 @@ class Engine:
                 continue
             joined += 1
         return joined
+
+    def _join(self, request: Request) -> None:
+        """Prefill an admitted request and add it to the running batch."""
+        self._prefill(request)
+        self.batch.add(request)
+        for to, event in self.zoo.joined(request):
+            self._deliver(request, to, event)
 
     def _refuse_pages(self, request: Request, refused: PagesRefused) -> None:
         """Fail a request refused for its pages; give back each of its pages once, except held ones."""
@@ -294,9 +309,7 @@ class Engine:
         if self.config.verify_ownership and self.prompt_pages.enabled:
             self._verify_prefill_pages(request, lease, prefill_pool)
         # Decode preallocates for the length it believes (decode_len), whatever prefill computed.
-        decode_pages = self.decode_pool.pages_for(plan.reserve_tokens)
-        request.pages = self.decode_pool.alloc(decode_pages, request_id=rid)
-        self.batch.refuse_shared(rid, request.pages)
+        self._preallocate(request)
         manifest = TransferManifest(
             request_id=rid,
             tenant=request.tenant,
@@ -305,6 +318,12 @@ class Engine:
             dst_pages=tuple(request.pages[: len(lease.pages)]),
         )
         transfer_kv(manifest, prefill_pool, self.decode_pool, tenant_index=request.tenant_index)
+
+    def _preallocate(self, request: Request) -> None:
+        """Give the request its decode pages for the length it believes, refusing pages held twice."""
+        pages = self.decode_pool.pages_for(request.plan.reserve_tokens)
+        request.pages = self.decode_pool.alloc(pages, request_id=request.request_id)
+        self.batch.refuse_shared(request.request_id, request.pages)
 
     def _verify_prefill_pages(self, request: Request, lease: PageLease, pool: PagePool) -> None:
         """Raise ``ForeignPages`` unless every prefill page holds the word the request expects: the

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger("workers.errors")
+log = logging.getLogger("kvcanary.workers.errors")
 
 
 class WorkerError(Exception):

@@ -20,12 +20,12 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from workers.admission import AdmissionRejected
-from workers.engine import Engine
-from workers.errors import WorkerError
-from workers.protocol import GenerationRequest, ResponseShape, Usage
-from workers.request import ErrorEvent, Event, FinishEvent, Request, TokenEvent
-from workers.tokenizer import StreamDecoder, decode
+from kvcanary.workers.admission import AdmissionRejected
+from kvcanary.workers.engine import Engine
+from kvcanary.workers.errors import WorkerError
+from kvcanary.workers.protocol import GenerationRequest, ResponseShape, Usage
+from kvcanary.workers.request import ErrorEvent, Event, FinishEvent, Request, TokenEvent
+from kvcanary.workers.tokenizer import StreamDecoder, decode
 
 #: How often a plain answer's handler looks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.01
@@ -68,7 +68,7 @@ def _usage(event: FinishEvent) -> Usage:
     return Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
 
 
-def _error_of(event: ErrorEvent) -> WorkerError:
+def error_of(event: ErrorEvent) -> WorkerError:
     return WorkerError(event.status, event.message, type=event.type, code=event.code)
 
 
@@ -96,11 +96,29 @@ async def generate(
             client_id=body.rid or client_id or body.user,  # the client's id for it, if it gave one
         )
     except AdmissionRejected as rejected:
-        raise WorkerError(400, rejected.message, type="BadRequestError", code=400) from None
+        raise rejection_error(rejected) from None
+    return await respond(engine, request, channel, shape, body, http)
+
+
+def rejection_error(rejected: AdmissionRejected) -> WorkerError:
+    """Return the HTTP 400 of an admission refusal (SGLang's wording is in the message)."""
+    return WorkerError(400, rejected.message, type="BadRequestError", code=400)
+
+
+async def respond(
+    engine: Engine,
+    request: Request,
+    channel: EventChannel,
+    shape: ResponseShape,
+    body: GenerationRequest,
+    http: HttpRequest | None,
+) -> Response:
+    """Return the response of a queued ``request`` whose events arrive on ``channel``, plain or
+    streamed; raise ``WorkerError`` for an error before its first token."""
     try:
         first = await channel.next()
         if isinstance(first, ErrorEvent):
-            raise _error_of(first)
+            raise error_of(first)
         if body.stream:
             events = _sse(engine, request, shape, channel, first, include_usage=body.include_usage)
             return ClosingStream(events, media_type="text/event-stream")
@@ -150,7 +168,7 @@ async def _collect(shape: ResponseShape, channel: EventChannel, event: Event) ->
             usage = _usage(event)
             return shape.complete(decode(tokens), event.reason, usage)
         else:
-            raise _error_of(event)
+            raise error_of(event)
         event = await channel.next()
 
 
@@ -186,7 +204,7 @@ async def _sse(
                     yield _data(shape.usage_chunk(_usage(event)))
                 break
             else:
-                yield _data(_error_of(event).body())
+                yield _data(error_of(event).body())
                 break
             event = await channel.next()
         finished = True

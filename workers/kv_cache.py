@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the pools a configuration asks for
-    from workers.config import WorkerConfig
+    from kvcanary.workers.config import WorkerConfig
 
 SCRATCH_PAGE = 0
 

@@ -15,12 +15,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from workers import __version__
-from workers.config import WorkerConfig
-from workers.kv_cache import PagePool
+from kvcanary.workers import __version__
+from kvcanary.workers.config import WorkerConfig
+from kvcanary.workers.kv_cache import PagePool
 
 if TYPE_CHECKING:  # the collector only reads the batch's counter
-    from workers.batch import RunningBatch
+    from kvcanary.workers.batch import RunningBatch
 
 REJECTION_REASONS = ("context_window", "kv_capacity")
 KNOWN_STATUS_CODES = ("200", "400", "401", "404", "500")
@@ -95,6 +95,14 @@ class WorkerMetrics:
         self.prefix_cache_hits = Counter(
             "kvcanary_prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r
         )
+        # Only the prefill and decode servers (--mode prefill/decode) move these: SGLang's PD transfer
+        # and bootstrap failures, as seen from each side of the hand-off (workers.pd_transfer).
+        self.kv_transfer_failures = Counter(
+            "kvcanary_kv_transfer_failures",
+            "KV hand-offs between a prefill and a decode server that failed, by the side that saw it.",
+            ["side"],
+            registry=r,
+        )
         self.worker_info = Gauge(
             "kvcanary_worker_info",
             "Always 1; the labels are the worker's version and the isolation settings in force.",
@@ -109,6 +117,8 @@ class WorkerMetrics:
             self.admission_rejections.labels(reason=reason)
         for code in KNOWN_STATUS_CODES:
             self.requests.labels(code=code)
+        for side in ("prefill", "decode"):
+            self.kv_transfer_failures.labels(side=side)
 
     def describe(self, config: WorkerConfig) -> None:
         """Export the constants of ``config``: the context window and ``kvcanary_worker_info``."""

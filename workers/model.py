@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.kv_cache import SCRATCH_PAGE, PagePool
+from kvcanary.workers.kv_cache import SCRATCH_PAGE, PagePool
 
 HEAD_DIM = 64
 VOCAB_SIZE = 256

@@ -11,13 +11,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
 
-from workers.auth import resolve_tenant
-from workers.config import WorkerConfig
-from workers.engine import Engine
-from workers.errors import WorkerError
-from workers.generation import generate
-from workers.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape, TokenizeRequest
-from workers.tokenizer import encode, render_chat
+from kvcanary.workers.auth import resolve_tenant
+from kvcanary.workers.config import WorkerConfig
+from kvcanary.workers.engine import Engine
+from kvcanary.workers.errors import WorkerError
+from kvcanary.workers.pd_api import serve_generation
+from kvcanary.workers.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape, TokenizeRequest
+from kvcanary.workers.tokenizer import encode, render_chat
 
 router = APIRouter()
 
@@ -81,7 +81,7 @@ async def completions(
     """Complete ``prompt``: the CopyModel echoes the prompt as its KV cache holds it."""
     adapter = _check_model(config, body.model)
     shape = ResponseShape("completion", body.model)
-    return await generate(
+    return await serve_generation(
         engine,
         shape,
         encode(body.prompt),
@@ -105,7 +105,7 @@ async def chat_completions(
     """Answer ``messages``: the reply echoes the rendered chat prompt (see ``workers.tokenizer``)."""
     adapter = _check_model(config, body.model)
     shape = ResponseShape("chat", body.model)
-    return await generate(
+    return await serve_generation(
         engine,
         shape,
         _chat_prompt(body.messages),

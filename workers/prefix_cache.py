@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from workers.kv_cache import PagePool
+from kvcanary.workers.kv_cache import PagePool
 
 if TYPE_CHECKING:  # the defect's trigger only
-    from workers.zoo import BugTrigger
+    from kvcanary.workers.zoo import BugTrigger
 
 ROOT_DIGEST = bytes(32)
 #: With ``--bug prefix-key-partial``, the pages whose tokens a key still covers (64 tokens at page 16).

@@ -40,6 +40,10 @@ class GenerationRequest(BaseModel):
     #: SGLang's client request id; OpenAI's end-user id. Only the ``rid-collision`` bug reads them.
     rid: str | None = None
     user: str | None = None
+    #: SGLang's model gateway adds these for a prefill and a decode server (``workers.pd_api``).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
     @field_validator("cache_salt", mode="before")
     @classmethod

@@ -9,8 +9,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from workers.admission import AdmissionPlan
+from kvcanary.workers.admission import AdmissionPlan
+
+if TYPE_CHECKING:  # the decode server's received K/V
+    from kvcanary.workers.pd_transfer import KVHandoff
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,10 @@ class Request:
     adapter: str | None = None
     #: The id the client gave the request (SGLang's ``rid``, ``X-Request-Id``, the body's ``user``).
     client_id: str | None = None
+    #: Prefill and decode servers: the gateway's ``bootstrap_room`` the request's K/V travel under.
+    bootstrap_room: int | None = None
+    #: Decode server: the K/V the prefill server sent, until written into the request's pages.
+    handoff: KVHandoff | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     pages: list[int] = field(default_factory=list)
     shared_words: dict[int, int] = field(default_factory=dict)

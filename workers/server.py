@@ -4,6 +4,8 @@ Besides the OpenAI routes (``workers.openai_api``) it serves:
 
 - ``GET /health``: 200 once the engine thread runs.
 - ``GET /get_server_info`` and ``GET /server_info``: SGLang's shape (see ``server_info``).
+- ``GET /get_model_info`` and ``GET /model_info``: SGLang's shape (see ``model_info``); the model
+  gateway reads both when a worker registers.
 - ``GET /metrics``: Prometheus text from the worker's own registry (``docs/worker-metrics.md``).
 """
 
@@ -20,15 +22,17 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from workers import __version__
-from workers.config import DEPRECATED_MODES, UNIFIED_POOL, WorkerConfig
-from workers.engine import Engine
-from workers.errors import install_error_handlers
-from workers.metrics import WorkerMetrics
-from workers.openai_api import router
+from kvcanary.workers import __version__
+from kvcanary.workers.config import DEPRECATED_MODES, UNIFIED_POOL, WorkerConfig
+from kvcanary.workers.errors import install_error_handlers
+from kvcanary.workers.metrics import WorkerMetrics
+from kvcanary.workers.openai_api import router
+from kvcanary.workers.pd_serving import build_engine
 
-log = logging.getLogger("workers.server")
+log = logging.getLogger("kvcanary.workers.server")
 COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+#: ``disaggregation_mode`` as SGLang names it: the in-process pair advertises its admitting side.
+DISAGGREGATION_MODES = {"disaggregated": "prefill", "prefill": "prefill", "decode": "decode"}
 
 
 def server_info(config: WorkerConfig) -> dict[str, Any]:
@@ -40,11 +44,14 @@ def server_info(config: WorkerConfig) -> dict[str, Any]:
     """
     return {
         "context_length": config.context_window,
+        "context_len": config.context_window,
         "max_total_num_tokens": config.admission_pool_tokens,
         "max_req_input_len": config.max_req_input_len,
         "page_size": config.page_size,
         "max_running_requests": config.max_batch,
-        "disaggregation_mode": "prefill" if config.disaggregated else "null",
+        "disaggregation_mode": DISAGGREGATION_MODES.get(config.mode, "null"),
+        "dp_size": 1,
+        "tp_size": 1,
         "version": f"kvcanary-reference {__version__}",
         "served_model_name": config.served_model_name,
         "kv_pools": config.pool_tokens,
@@ -54,6 +61,22 @@ def server_info(config: WorkerConfig) -> dict[str, Any]:
         "prefix_cache": config.prefix_cache,
         "session_cache": config.session_cache,
         "status": "ready",
+        **({"bootstrap_port": config.bootstrap_port} if config.bootstrap_port is not None else {}),
+    }
+
+
+def model_info(config: WorkerConfig) -> dict[str, Any]:
+    """Return SGLang's ``/model_info`` shape, which the model gateway reads when a worker registers."""
+    return {
+        "model_path": config.served_model_name,
+        "tokenizer_path": None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": "kvcanary-copy",
+        "architectures": ["CopyModel"],
     }
 
 
@@ -81,7 +104,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
     """Return the worker app; its lifespan starts and stops the engine thread."""
     metrics = WorkerMetrics()
     metrics.describe(config)
-    engine = Engine(config, metrics)
+    engine = build_engine(config, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -107,6 +130,11 @@ def create_app(config: WorkerConfig) -> FastAPI:
     @app.get("/server_info")
     async def get_server_info() -> dict[str, Any]:
         return server_info(config)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return model_info(config)
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
@@ -134,6 +162,6 @@ def serve(config: WorkerConfig) -> None:
             UNIFIED_POOL,
             DEPRECATED_MODES[config.mode],
         )
-    if not config.disaggregated and config.admission == "placeholder":
+    if not config.prefills and config.admission == "placeholder":
         log.warning("--admission placeholder has no effect in aggregated mode: the non-PD path rejects")
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level)

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from workers.config import WorkerConfig
-from workers.kv_cache import PagePool
-from workers.request import Request
+from kvcanary.workers.config import WorkerConfig
+from kvcanary.workers.kv_cache import PagePool
+from kvcanary.workers.request import Request
 
 if TYPE_CHECKING:  # the defect's trigger only
-    from workers.zoo import BugTrigger
+    from kvcanary.workers.zoo import BugTrigger
 
 
 class SessionEntry(NamedTuple):

@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from workers.metrics import WorkerMetrics
-from workers.request import ErrorEvent, Event, FinishEvent, Request
+from kvcanary.workers.metrics import WorkerMetrics
+from kvcanary.workers.request import ErrorEvent, Event, FinishEvent, Request
 
 Delivery = tuple[Request, Event]
 

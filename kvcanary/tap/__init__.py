@@ -8,7 +8,11 @@ monitor's. Configured from the environment by :meth:`Tap.from_env`:
   Or NATS JetStream (``nats://nats:4222``, :mod:`kvcanary.tap.jetstream`, needs ``nats-py``): each
   record is published on ``kvcanary.traffic.<partition>``, kept until JetStream acknowledges it;
 - ``KVCANARY_TAP_TOKEN`` or ``KVCANARY_TAP_TOKEN_FILE``: the monitor's ingest token (or API token);
-  for NATS, its auth token, and optional (a server without auth takes none);
+  for NATS, its auth token, or the password of ``KVCANARY_TAP_NATS_USER``, and optional (a server
+  without auth takes none);
+- ``KVCANARY_TAP_NATS_USER`` (NATS only): the user the tap logs in as, with the token as its
+  password: a server's permissions are per user (``docs/nats-permissions.conf``: a ``tap`` user may
+  publish to its subjects and nothing else), which a shared token cannot give;
 - ``KVCANARY_TAP_PARTITIONS`` (NATS only, default 16): the partitions records are spread over, by
   deployment; the same number as the monitor's ``traffic.jetstream.partitions``;
 - ``KVCANARY_TAP_SUBJECT_PREFIX`` (NATS only, default ``kvcanary.traffic``): the monitor's
@@ -18,7 +22,11 @@ monitor's. Configured from the environment by :meth:`Tap.from_env`:
   one, a random key per process (overlap is then seen only within one gateway process);
 - ``KVCANARY_TAP_GATEWAY``: a name for this gateway in the monitor's metrics (default: the host);
 - ``KVCANARY_TAP_FLUSH_SECONDS`` (default 1): how long a record waits for others to fill its batch,
-  most of the delay from a response to its verdict; shorter costs more, smaller batches.
+  most of the delay from a response to its verdict; shorter costs more, smaller batches;
+- ``KVCANARY_TAP_QUARANTINE=1``: the LiteLLM callback also keeps the deployments the monitor
+  quarantined out of routing (``quarantine.py``, ``litellm_quarantine.py``), reading the set every
+  ``KVCANARY_TAP_QUARANTINE_POLL_SECONDS`` (default 1) from the monitor at ``KVCANARY_TAP_URL``, or
+  at ``KVCANARY_TAP_QUARANTINE_URL`` with ``KVCANARY_TAP_QUARANTINE_TOKEN`` where records go to NATS.
 """
 
 from __future__ import annotations
@@ -72,12 +80,14 @@ class Tap:
         gateway: str = "",
         partitions: int = 16,
         subject_prefix: str = "kvcanary.traffic",
+        nats_user: str | None = None,
         **sender: Any,
     ):
-        """``url``: the monitor (http, https) or NATS (nats, tls); ``partitions`` and
-        ``subject_prefix`` are NATS's only."""
+        """``url``: the monitor (http, https) or NATS (nats, tls); ``partitions``,
+        ``subject_prefix`` and ``nats_user`` are NATS's only."""
         self._drops = _drop_counter()
-        transport = _transport(url, token, partitions, subject_prefix, sender.get("timeout_seconds", 5.0))
+        timeout = sender.get("timeout_seconds", 5.0)
+        transport = _transport(url, token, partitions, subject_prefix, timeout, nats_user)
         self.sender = Sender(
             url, token or "", Fingerprinter(key), gateway=gateway, on_drop=self._drops, transport=transport,
             **sender,
@@ -115,10 +125,12 @@ class Tap:
             raise TapConfigError("KVCANARY_TAP_GATEWAY: up to 64 letters, digits and _.:- only")
         host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:64]
         partitions, prefix = _nats_env()
+        user = os.environ.get("KVCANARY_TAP_NATS_USER", "").strip() or None
         sender.setdefault("flush_seconds", _flush_env())
         return cls(
-            url, token, key, gateway=gateway or host, partitions=partitions, subject_prefix=prefix, **sender
-        )
+            url, token, key, gateway=gateway or host, partitions=partitions, subject_prefix=prefix,
+            nats_user=user, **sender,
+        )  # fmt: skip
 
     def observe(self, exchange: Exchange) -> None:
         """Queue one exchange for summary; the work happens on the tap's thread."""
@@ -182,7 +194,12 @@ def _flush_env() -> float:
 
 
 def _transport(
-    url: str, token: str | None, partitions: int, subject_prefix: str, timeout_seconds: float
+    url: str,
+    token: str | None,
+    partitions: int,
+    subject_prefix: str,
+    timeout_seconds: float,
+    nats_user: str | None = None,
 ) -> Transport | None:
     """Return the JetStream sink for a NATS URL (imported only then), or None: the Sender's HTTP."""
     if not url.startswith(NATS_SCHEMES):
@@ -195,8 +212,9 @@ def _transport(
     except ImportError:
         raise TapConfigError("KVCANARY_TAP_URL: a nats:// URL needs nats-py (pip install nats-py)") from None
     return JetStreamTransport(
-        url, token, partitions=partitions, subject_prefix=subject_prefix, timeout_seconds=timeout_seconds
-    )
+        url, token, partitions=partitions, subject_prefix=subject_prefix, timeout_seconds=timeout_seconds,
+        user=nats_user,
+    )  # fmt: skip
 
 
 def _drop_counter() -> Any:

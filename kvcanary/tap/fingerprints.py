@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterator, Sequence
 
 NGRAM = 8
 SAMPLE_BITS = 2
@@ -50,6 +51,41 @@ def cut(text: str) -> str:
         return text
     half = MAX_TEXT_CHARS // 2
     return f"{text[:half]} {text[-half:]}"
+
+
+def cut_joined(parts: Sequence[str], sep: str = "\n") -> str:
+    """Return ``cut(sep.join(parts))``, joining no more of the parts than that: work in proportion
+    to what is fingerprinted and to the number of parts, not to their length."""
+    if joined_length(parts, sep) <= MAX_TEXT_CHARS:
+        return sep.join(parts)
+    half = MAX_TEXT_CHARS // 2
+    head = _first_chars(_pieces(parts, sep), half)
+    tail = _first_chars(_pieces(parts[::-1], sep), half, from_end=True)
+    return f"{head} {tail}"
+
+
+def joined_length(parts: Sequence[str], sep: str = "\n") -> int:
+    """Return ``len(sep.join(parts))`` without joining them."""
+    return sum(map(len, parts)) + len(sep) * max(len(parts) - 1, 0)
+
+
+def _pieces(parts: Sequence[str], sep: str) -> Iterator[str]:
+    for i, part in enumerate(parts):
+        if i:
+            yield sep
+        yield part
+
+
+def _first_chars(pieces: Iterator[str], count: int, *, from_end: bool = False) -> str:
+    """Return the first ``count`` characters of the pieces joined, or with ``from_end`` (pieces
+    given last first) the last ``count`` of them, in text order."""
+    taken: list[str] = []
+    for piece in pieces:
+        if count <= 0:
+            break
+        taken.append(piece[-count:] if from_end else piece[:count])
+        count -= len(taken[-1])
+    return "".join(reversed(taken) if from_end else taken)
 
 
 class Fingerprinter:

@@ -33,7 +33,6 @@ import contextlib
 import json
 import logging
 import threading
-import zlib
 from collections.abc import Coroutine
 from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -46,41 +45,24 @@ from nats.aio.client import Client
 
 from kvcanary.tap.sender import Batch
 
+# The wire's names and rules, shared with the monitor (re-exported: callers import them from here).
+from kvcanary.wire import DROPPED_HEADER as DROPPED_HEADER
+from kvcanary.wire import GATEWAY_HEADER as GATEWAY_HEADER
+from kvcanary.wire import PARTITIONS as PARTITIONS
+from kvcanary.wire import RECORDS_HEADER as RECORDS_HEADER
+from kvcanary.wire import SUBJECT_PREFIX as SUBJECT_PREFIX
+from kvcanary.wire import partition_of as partition_of
+
 log = logging.getLogger("kvcanary.tap")
 
-SUBJECT_PREFIX = "kvcanary.traffic"
-PARTITIONS = 16
 #: Seconds a connection attempt may take; a dead NATS costs one such wait per backoff step.
 CONNECT_TIMEOUT_SECONDS = 2
-#: Headers the monitor reads beside the record: the gateway's name, and its drop report.
-GATEWAY_HEADER = "Kvcanary-Gateway"
-DROPPED_HEADER = "Kvcanary-Dropped"
-#: Set on a message carrying records (their count): the monitor reads it as the HTTP body it is.
-RECORDS_HEADER = "Kvcanary-Records"
 #: A message's most bytes: well under NATS's default max_payload (1 MB), with a batch's headers;
 #: under a server's own max_payload, less ``HEADER_BYTES`` for the headers, where that is smaller.
 MESSAGE_BYTES = 512 * 1024
 HEADER_BYTES = 1024
 #: What a message's records are wrapped in: the HTTP ingest's body, ``{"records":[...]}``.
 _OPEN, _CLOSE = b'{"records":[', b"]}"
-
-
-def api_base_key(url: str) -> str:
-    """Return ``url`` as the monitor compares routes (``monitor/traffic/judge.py``: no trailing
-    slash or ``/v1``, lower-case scheme and host), so a deployment's spellings share one partition.
-    A copy, since the tap imports nothing of the monitor's; a test holds the two equal."""
-    url = url.strip().rstrip("/")
-    if url[-3:].lower() == "/v1":
-        url = url[:-3].rstrip("/")
-    scheme, sep, rest = url.partition("://")
-    host, slash, path = rest.partition("/")
-    return f"{scheme.lower()}{sep}{host.lower()}{slash}{path}"
-
-
-def partition_of(api_base: str, partitions: int) -> int:
-    """Return the partition of a deployment: CRC-32 of its normalized api_base, modulo ``partitions``
-    (the same in every tap process and language, unlike Python's salted ``hash``)."""
-    return zlib.crc32(api_base_key(api_base).encode()) % partitions
 
 
 class JetStreamTransport:
@@ -94,9 +76,13 @@ class JetStreamTransport:
         partitions: int = PARTITIONS,
         subject_prefix: str = SUBJECT_PREFIX,
         timeout_seconds: float = 5.0,
+        user: str | None = None,
     ):
+        """``token``: NATS's auth token, or ``user``'s password where a user is given (a server's
+        permissions are per user: ``docs/nats-permissions.conf``)."""
         self.url = url
         self._token = token
+        self._user = user
         self.partitions = partitions
         self.subject_prefix = subject_prefix
         self.timeout_seconds = timeout_seconds
@@ -106,12 +92,27 @@ class JetStreamTransport:
         # Drops reported by batches that had no message to carry the report (every record too
         # large): the Sender counts them reported, so they ride with the next message published.
         self._report_carried = 0
-        self._connecting = asyncio.Lock()  # the first send may meet the connection begun here
+        self._start_loop()
+        # Connect now, not at the first record: a NATS that is not there is said at the gateway's start.
+        asyncio.run_coroutine_threadsafe(self._connected(), self._loop)
+
+    def _start_loop(self) -> None:
+        """Start the client's own event loop in a daemon thread (the tap's thread only waits on it)."""
+        self._connecting = asyncio.Lock()  # the first send may meet the connection begun at start
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvcanary-tap-nats", daemon=True)
         self._thread.start()
-        # Connect now, not at the first record: a NATS that is not there is said at the gateway's start.
-        asyncio.run_coroutine_threadsafe(self._connected(), self._loop)
+
+    def after_fork_in_child(self) -> None:
+        """Start afresh in a forked child (``kvcanary.tap.sender``'s fork handling): the parent's loop
+        thread is not here and its connection's socket is the parent's, so neither is touched (not
+        closed: that would cut the parent's); a loop of the child's own connects at its first send.
+        A drop report the parent carried is the parent's to send."""
+        self._client = None
+        self._last_error = None
+        self._failing = False
+        self._report_carried = 0
+        self._start_loop()
 
     def send(self, batch: Batch) -> tuple[int, int]:
         """Publish the batch's messages; return (records acknowledged from the head, how many of
@@ -152,9 +153,6 @@ class JetStreamTransport:
             return None
         except FutureCancelled:  # close() ended a send in flight: its records wait, untaken
             return None
-
-    def subject_of(self, record: dict[str, Any]) -> str:
-        return f"{self.subject_prefix}.{partition_of(str(record.get('api_base', '')), self.partitions)}"
 
     async def _send(self, batch: Batch) -> tuple[int, int]:
         client = await self._connected()
@@ -202,20 +200,8 @@ class JetStreamTransport:
     def messages_of(
         self, batch: Batch, limit: int = MESSAGE_BYTES
     ) -> list[tuple[str, bytes, dict[str, str], int]]:
-        """The batch as messages: ``(subject, payload, headers, index of its first record in the
-        batch)``, a partition's records together in their order, each at most ``limit`` bytes (a
-        record larger than that alone goes as a message of its own)."""
-        by_subject: dict[str, list[tuple[int, bytes]]] = {}
-        for i, record in enumerate(batch.records):
-            by_subject.setdefault(self.subject_of(record), []).append((i, _encode(record)))
-        out: list[tuple[str, bytes, dict[str, str], int]] = []
-        for subject, encoded in by_subject.items():
-            for part, chunk in enumerate(_chunks(encoded, limit)):
-                headers = {GATEWAY_HEADER: batch.gateway, RECORDS_HEADER: str(len(chunk)),
-                           "Nats-Msg-Id": f"{batch.id}.{subject.rsplit('.', 1)[1]}.{part}"}  # fmt: skip
-                payload = _OPEN + b",".join(e for _, e in chunk) + _CLOSE
-                out.append((subject, payload, headers, chunk[0][0]))
-        return out
+        """:func:`messages_of` under this transport's partitions and subject prefix."""
+        return messages_of(batch, self.partitions, self.subject_prefix, limit)
 
     async def _connected(self) -> Client | None:
         async with self._connecting:
@@ -232,8 +218,11 @@ class JetStreamTransport:
         try:
             # No reconnecting inside the client: the Sender's backoff paces the tries, and a
             # fresh connection per outage leaves no publish buffered in a dead one.
+            credentials: dict[str, Any] = (
+                {"user": self._user, "password": self._token or ""} if self._user else {"token": self._token}
+            )
             self._client = await nats.connect(
-                self.url, token=self._token, allow_reconnect=False, max_reconnect_attempts=1,
+                self.url, **credentials, allow_reconnect=False, max_reconnect_attempts=1,
                 reconnect_time_wait=0.1, connect_timeout=CONNECT_TIMEOUT_SECONDS, error_cb=note,
                 name="kvcanary-tap",
             )  # fmt: skip
@@ -271,6 +260,31 @@ class JetStreamTransport:
             log.warning(
                 "kvcanary tap: %s at %s (%s); records wait", what or "cannot reach NATS", self.url, why
             )
+
+
+def subject_of(record: dict[str, Any], partitions: int, prefix: str = SUBJECT_PREFIX) -> str:
+    """Return the subject ``record`` is published on: ``<prefix>.<partition of its api_base>``."""
+    return f"{prefix}.{partition_of(str(record.get('api_base', '')), partitions)}"
+
+
+def messages_of(
+    batch: Batch, partitions: int, prefix: str = SUBJECT_PREFIX, limit: int = MESSAGE_BYTES
+) -> list[tuple[str, bytes, dict[str, str], int]]:
+    """Return the batch as messages: ``(subject, payload, headers, index of its first record in
+    the batch)``, a partition's records together in their order, each at most ``limit`` bytes (a
+    record larger than that alone goes as a message of its own). The wire of ``docs/tap-protocol.md``:
+    a tap in another language must make the same bytes (``tests/fixtures/wire/golden.json``)."""
+    by_subject: dict[str, list[tuple[int, bytes]]] = {}
+    for i, record in enumerate(batch.records):
+        by_subject.setdefault(subject_of(record, partitions, prefix), []).append((i, _encode(record)))
+    out: list[tuple[str, bytes, dict[str, str], int]] = []
+    for subject, encoded in by_subject.items():
+        for part, chunk in enumerate(_chunks(encoded, limit)):
+            headers = {GATEWAY_HEADER: batch.gateway, RECORDS_HEADER: str(len(chunk)),
+                       "Nats-Msg-Id": f"{batch.id}.{subject.rsplit('.', 1)[1]}.{part}"}  # fmt: skip
+            payload = _OPEN + b",".join(e for _, e in chunk) + _CLOSE
+            out.append((subject, payload, headers, chunk[0][0]))
+    return out
 
 
 def _header_bytes(headers: dict[str, str]) -> int:

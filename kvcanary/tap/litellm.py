@@ -15,6 +15,10 @@ When the proxy shuts down (SIGTERM), the tap sends what it still holds after Lit
 its logging callbacks (:func:`flush_in_proxy_shutdown`): the proxy, like uvicorn under it, ends
 by raising SIGTERM again, so the process dies by the signal and no exit hook would run.
 
+With ``KVCANARY_TAP_QUARANTINE=1`` the same callback also keeps the deployments the monitor
+quarantined out of routing (:class:`KVCanaryQuarantiningTap`, ``kvcanary/tap/litellm_quarantine.py``);
+without it the callback is the plain tap and LiteLLM runs no deployment filter for it.
+
 If the proxy cannot import an installed module by that path, put a file ``kvcanary_tap.py``
 beside the config holding ``from kvcanary.tap.litellm import tap`` and name
 ``kvcanary_tap.tap`` instead (LiteLLM resolves callback paths from the config's folder).
@@ -32,6 +36,8 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from kvcanary.tap import Tap
 from kvcanary.tap.litellm_payload import exchange_of
+from kvcanary.tap.litellm_quarantine import QuarantineFilter
+from kvcanary.tap.quarantine import watch_from_env
 
 log = logging.getLogger("kvcanary.tap")
 
@@ -78,6 +84,35 @@ class KVCanaryTap(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type 
         self._observe(kwargs, _failure_status(kwargs))
 
 
+class KVCanaryQuarantiningTap(KVCanaryTap):
+    """The tap, and LiteLLM's router kept off the deployments the monitor quarantined: LiteLLM runs
+    a callback's ``async_filter_deployments`` only where its class overrides it, hence a class of
+    its own."""
+
+    def __init__(self, tap: Tap, quarantine: QuarantineFilter):
+        super().__init__(tap)
+        self.quarantine = quarantine
+
+    async def async_filter_deployments(
+        self,
+        model: str,
+        healthy_deployments: list[Any],
+        messages: Any,
+        request_kwargs: dict[str, Any] | None = None,
+        parent_otel_span: Any = None,
+    ) -> list[Any]:
+        return self.quarantine.keep(model, healthy_deployments)
+
+
+def callback_from_env() -> KVCanaryTap:
+    """Return the tap configured from the environment, quarantining where it is switched on."""
+    tap = Tap.from_env()
+    watch = watch_from_env()
+    if watch is None:
+        return KVCanaryTap(tap)
+    return KVCanaryQuarantiningTap(tap, QuarantineFilter(watch))
+
+
 def flush_in_proxy_shutdown(tap: Tap) -> bool:
     """Make the proxy's shutdown send the tap's queued records first; False where no proxy runs
     here (the SDK alone: the tap's exit hook covers a normal exit)."""
@@ -100,5 +135,5 @@ def flush_in_proxy_shutdown(tap: Tap) -> bool:
 
 #: The instance ``litellm_settings.callbacks`` names, built when the proxy loads its config: a
 #: missing or wrong variable stops the proxy there with a message naming it, not at a request.
-tap = KVCanaryTap(Tap.from_env())
+tap = callback_from_env()
 flush_in_proxy_shutdown(tap.tap)

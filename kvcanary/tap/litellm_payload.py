@@ -6,59 +6,83 @@ anywhere: the shapes are LiteLLM 1.110.2's (``id``, ``api_base``, ``model``, ``m
 as epoch floats, ``messages``, ``response`` assembled for streams too, ``end_user``, and
 ``metadata.user_api_key_*``).
 
+The payload's ``id`` (the engine's response id, as LiteLLM reports it) becomes the exchange's
+``request_id`` and the record's ``upstream_id``: data, never the record's identity, which the tap
+makes per exchange (``record.record_id``). Neither ``id`` nor ``litellm_call_id`` can be that: an
+engine may give every response one id, and LiteLLM takes ``litellm_call_id`` from a client's
+``x-litellm-call-id`` header when one is sent (``resolve_litellm_call_id``).
+
 When LiteLLM redacts messages (``turn_off_message_logging``, or a caller's redaction), the payload
 holds ``redacted-by-litellm`` in their place: such a text is no one's, so it is sent as none (no
 size of 19 characters for a prompt of any length, no prints), and the exchange says it was
 redacted (``extra["redacted"]``) for the tap to warn about.
+
+The hook runs on the proxy's event loop, so reading a payload does no work in proportion to its
+texts: the messages' and choices' texts are passed as parts (``Exchange.prompt_parts``,
+``response_parts``), never joined here; the tap's thread joins what it fingerprints.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvcanary.tap.fingerprints import joined_length
 from kvcanary.tap.record import Exchange
 
 #: What LiteLLM puts in place of a redacted text (``litellm.constants.REDACTED_BY_LITELLM``).
 REDACTED = "redacted-by-litellm"
 
 
-def _text(content: Any) -> str:
-    """Return the text of a message's content: a string, or a list of parts with ``text``."""
+def _parts(content: Any) -> list[str]:
+    """Return the texts of a message's content: a string, or those of a list of parts with ``text``."""
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, list):
-        return "\n".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
-    return ""
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
 
 
-def prompt_of(messages: Any) -> tuple[str, int]:
-    """Return the prompt's text (every message's content, one per line) and its message count."""
+def _text_of(content: Any) -> tuple[str, ...]:
+    """Return a message's content as parts of its text, which is those parts joined by newlines."""
+    parts = _parts(content)
+    return tuple(parts) if parts else ("",)
+
+
+def prompt_of(messages: Any) -> tuple[tuple[str, ...], int]:
+    """Return the prompt's text as parts (every message's content, one per line: the text is the
+    parts joined by newlines) and its message count."""
     if isinstance(messages, str):
-        return messages, 1
+        return (messages,), 1
     if not isinstance(messages, list):
-        return "", 0
-    return "\n".join(_text(m.get("content")) for m in messages if isinstance(m, dict)), len(messages)
+        return (), 0
+    parts = tuple(p for m in messages if isinstance(m, dict) for p in _text_of(m.get("content")))
+    return parts, len(messages)
 
 
-def response_of(response: Any) -> tuple[str, str | None, int | None]:
-    """Return the answer's text (every choice), its finish reason and its cached prompt tokens."""
+def response_of(response: Any) -> tuple[tuple[str, ...], str | None, int | None]:
+    """Return the answer's text as parts (every choice's text that is not empty, one per line: the
+    text is the parts joined by newlines), its finish reason and its cached prompt tokens."""
     if not isinstance(response, dict):
-        return "", None, None
-    texts, finish = [], None
+        return (), None, None
+    texts: list[tuple[str, ...]] = []  # each the parts of one text
+    finish = None
     for choice in response.get("choices") or []:
         if not isinstance(choice, dict):
             continue
         message = choice.get("message") or choice.get("delta") or {}
-        texts.append(_text(message.get("content")) if isinstance(message, dict) else "")
+        texts.append(_text_of(message.get("content")) if isinstance(message, dict) else ("",))
         if isinstance(choice.get("text"), str):
-            texts.append(choice["text"])
+            texts.append((choice["text"],))
         finish = finish or choice.get("finish_reason")
     usage = response.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {} if isinstance(usage, dict) else {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return "\n".join(t for t in texts if t), finish, cached
+    return tuple(p for text in texts if joined_length(text) for p in text), finish, cached
+
+
+def _redacted(parts: tuple[str, ...]) -> bool:
+    """Whether the text the parts make is LiteLLM's placeholder (looked at only when short)."""
+    return joined_length(parts) <= 4 * len(REDACTED) and "\n".join(parts).strip() == REDACTED
 
 
 def caller_of(metadata: dict[str, Any], end_user: Any) -> tuple[str, str]:
@@ -81,8 +105,8 @@ def exchange_of(payload: dict[str, Any], status: int) -> Exchange:
     caller, kind = caller_of(metadata, payload.get("end_user"))
     prompt, messages = prompt_of(payload.get("messages"))
     response, finish, cached = response_of(payload.get("response"))
-    redacted = REDACTED in (prompt.strip(), response.strip())
-    prompt, response = ("" if t.strip() == REDACTED else t for t in (prompt, response))
+    redacted = _redacted(prompt) or _redacted(response)
+    prompt, response = (() if _redacted(t) else t for t in (prompt, response))
     start, end = payload.get("startTime"), payload.get("endTime")
     first = payload.get("completionStartTime")
     number = (int, float)
@@ -100,9 +124,9 @@ def exchange_of(payload: dict[str, Any], status: int) -> Exchange:
         finish_reason=finish,
         latency_seconds=end - start if isinstance(start, number) and isinstance(end, number) else None,
         ttft_seconds=first - start if isinstance(start, number) and isinstance(first, number) else None,
-        prompt=prompt,
+        prompt_parts=prompt,
         messages=messages,
-        response=response,
+        response_parts=response,
         prompt_tokens=payload.get("prompt_tokens"),
         completion_tokens=payload.get("completion_tokens"),
         cached_tokens=cached,

@@ -1,12 +1,17 @@
 """One exchange seen by a gateway, and the summary of it the monitor receives.
 
 :class:`Exchange` is what a gateway knows about one request once its response is sent: who asked,
-which deployment answered, how, and the texts. :meth:`Exchange.bounded` cuts the texts to what the
-fingerprints read (head and tail) once their sizes are taken, so a queued exchange holds at most
-``MAX_TEXT_CHARS`` of each text however long the prompt was. :func:`summarize` turns it into the
-record posted to ``/api/v1/traffic``: sizes, usage, timings, the marker-shaped strings of the
-response (the monitor checks their seals) and keyed fingerprints. Every field is made to fit the
-monitor's bounds here, so no customer's input can get a batch refused. The texts go no further.
+which deployment answered, how, and the texts (whole, or as their messages' parts). Building one
+and queueing it costs a request nothing in proportion to the prompt: the texts are held by
+reference. On the tap's thread, :meth:`Exchange.bounded` takes their sizes (UTF-8 bytes counted in
+steps of ``COUNT_CHUNK_CHARS``, so that thread never holds the interpreter long from the gateway's
+own) and cuts them to what the fingerprints read (head and tail, never joining more of the parts
+than that), and :func:`summarize` turns the exchange into the record posted to
+``/api/v1/traffic``: its own id (made once per exchange: the gateway's id is carried as
+``upstream_id``, since engines repeat theirs), sizes, usage, timings, the marker-shaped strings of
+the response (the monitor checks their seals) and keyed fingerprints. Every field is made to fit
+the monitor's bounds here, and every name printable (:func:`printable_name`), so no customer's
+input can get a batch refused or forge what a person reads. The texts go no further.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import hmac
 import math
 import re
 import secrets
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcanary.tap.fingerprints import MAX_FINGERPRINTS, OWN, Fingerprinter, cut
+from kvcanary.tap.fingerprints import MAX_FINGERPRINTS, OWN, Fingerprinter, cut_joined, joined_length
 
 #: The shape of a kvcanary marker (``probes/markers.py``: ``KVC-<8 hex id>-<32 hex secret>``), any
 #: case. The monitor opens each one; a string of this shape it did not seal is nobody's marker.
@@ -30,12 +36,24 @@ MAX_MARKERS = 32
 MAX_NAME_CHARS = 200
 CALLER_KINDS = ("team", "key_alias", "key_hash", "end_user", "unknown")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+#: Characters of a non-ASCII text encoded at a time to count its UTF-8 bytes (about a millisecond).
+COUNT_CHUNK_CHARS = 256 * 1024
+#: Unicode categories of a name's characters shown as U+FFFD: format characters (bidi overrides,
+#: embeddings and isolates, zero-width spaces and joiners, LRM/RLM, BOM, tags), lone surrogates,
+#: private use.
+_HIDDEN = frozenset({"Cf", "Cs", "Co"})
+#: ... and as a space: controls (C0, DEL, C1) and line and paragraph separators.
+_BREAKS = frozenset({"Cc", "Zl", "Zp"})
+_SPACES = re.compile(r"\s+")
 
 
 @dataclass
 class Exchange:
-    """One request and its response as the gateway saw them. Times are epoch seconds."""
+    """One request and its response as the gateway saw them. Times are epoch seconds.
+
+    ``request_id`` is the id the gateway reports for the response (LiteLLM's ``id``: the engine's
+    response id), sent as the record's ``upstream_id``: data, never the record's identity, since
+    engines and gateways repeat it (:func:`summarize`)."""
 
     request_id: str
     started: float
@@ -53,6 +71,12 @@ class Exchange:
     prompt: str = ""
     messages: int = 0
     response: str = ""
+    #: The texts as their parts (a prompt's messages, a response's choices), to be joined by
+    #: newlines; used in place of ``prompt`` and ``response`` when set. A gateway's hook that has
+    #: them apart passes them so: joining them is work in proportion to the prompt, which
+    #: :meth:`bounded` does on the tap's thread, and only for what is fingerprinted.
+    prompt_parts: tuple[str, ...] | None = None
+    response_parts: tuple[str, ...] | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
@@ -62,24 +86,71 @@ class Exchange:
     response_chars: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def texts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Return the prompt's and the response's parts (one part each where given whole)."""
+        prompt = self.prompt_parts if self.prompt_parts is not None else (self.prompt,)
+        return prompt, self.response_parts if self.response_parts is not None else (self.response,)
+
+    def held_chars(self) -> int:
+        """Return the characters the exchange's texts hold, in time proportional to their parts."""
+        return sum(joined_length(parts) for parts in self.texts())
+
     def bounded(self) -> Exchange:
-        """Return this exchange with its sizes taken and its texts cut to what is fingerprinted."""
+        """Return this exchange with its sizes taken and its texts whole in ``prompt`` and
+        ``response``, cut to what is fingerprinted. Work in proportion to the prompt (its UTF-8
+        bytes are counted), in steps: for the tap's thread, never a request's."""
         if self.prompt_chars is not None:
             return self
-        prompt_bytes = (
-            len(self.prompt) if self.prompt.isascii() else len(self.prompt.encode("utf-8", "surrogatepass"))
-        )
+        prompt, response = self.texts()
         return dataclasses.replace(
-            self, prompt=cut(self.prompt), response=cut(self.response), prompt_chars=len(self.prompt),
-            prompt_bytes=prompt_bytes, response_chars=len(self.response),
+            self, prompt=cut_joined(prompt), response=cut_joined(response), prompt_parts=None,
+            response_parts=None, prompt_chars=joined_length(prompt),
+            prompt_bytes=sum(map(utf8_length, prompt)) + max(len(prompt) - 1, 0),
+            response_chars=joined_length(response),
         )  # fmt: skip
 
 
-def _name(value: object) -> str:
-    """A name fit for the record: plain (no control characters), at most ``MAX_NAME_CHARS``, and
-    valid UTF-8 (a lone surrogate, written as JSON, gets the whole batch refused unparsed)."""
-    name = _CONTROL_RE.sub("", str(value or ""))[:MAX_NAME_CHARS]
-    return name if name.isascii() else name.encode("utf-8", "replace").decode()
+def utf8_length(text: str) -> int:
+    """Return ``len(text.encode("utf-8", "surrogatepass"))``, encoding ``COUNT_CHUNK_CHARS`` at a
+    time: one encode of a 50 MB text holds the interpreter (the GIL) 50-100 ms, stalling every other
+    thread of the gateway, its event loop's included; a chunk holds it about a millisecond."""
+    if text.isascii():  # a flag of the string: no scan
+        return len(text)
+    return sum(
+        len(text[start : start + COUNT_CHUNK_CHARS].encode("utf-8", "surrogatepass"))
+        for start in range(0, len(text), COUNT_CHUNK_CHARS)
+    )
+
+
+def printable_name(value: object) -> str:
+    """Return ``value`` as a name fit for the record: printable, at most ``MAX_NAME_CHARS``.
+
+    A record's names (its id, caller, deployment, model, finish reason, the gateway's name) reach
+    incident titles, Alertmanager annotations, the incident page, CSV and terminals, and a customer
+    writes some of them (LiteLLM's ``end_user``). What could forge or hide text there is replaced:
+
+    - controls (C0 such as ESC, NUL, CR and LF; DEL; C1 such as NEL and CSI) and the line and
+      paragraph separators U+2028 and U+2029 become a space: they start escape sequences or new
+      lines (a fake "resolved" line in an annotation);
+    - format characters become U+FFFD, so that tampering shows: the bidi embeddings and overrides
+      U+202A-U+202E and isolates U+2066-U+2069 (which reorder what is shown), the zero-width
+      characters U+200B-U+200F (joiners, LRM and RLM: which make two names look alike) and the BOM
+      U+FEFF, and the rest of Unicode's ``Cf``; lone surrogates too (not UTF-8: JSON written with
+      one gets the whole batch refused unparsed), and private-use characters;
+    - runs of white space become one space, and the ends are trimmed.
+
+    This is the monitor's own rule for names (``probes/untrusted.py``'s ``plain``), so what the tap
+    sends is what the monitor keeps. A printable name is kept as it is. The work is bounded
+    whatever was sent: at most ``4 * MAX_NAME_CHARS`` characters are looked at.
+    """
+    name = str(value or "")[: MAX_NAME_CHARS * 4]
+    if name.isprintable():  # the common case: one scan in C
+        return name[:MAX_NAME_CHARS]
+    shown = []
+    for char in name:
+        category = unicodedata.category(char)
+        shown.append(" " if category in _BREAKS else "\ufffd" if category in _HIDDEN else char)
+    return _SPACES.sub(" ", "".join(shown)).strip()[:MAX_NAME_CHARS]
 
 
 def _count(value: object) -> int | None:
@@ -112,8 +183,22 @@ def key_digest(value: str, key: bytes) -> str:
     return hmac.new(key, value.encode(), hashlib.sha256).hexdigest()
 
 
+def record_id() -> str:
+    """Return a new record's identity: ``tap-`` and 24 hex digits (96 random bits), made once per
+    exchange.
+
+    The monitor judges a record once by this id (a resend after a lost acknowledgement, a JetStream
+    redelivery), so it must differ between any two exchanges. No id from outside does: engines
+    repeat response ids (a fixed id on every stream, a counter that restarts with the process),
+    and LiteLLM's own ``litellm_call_id`` is the client's ``x-litellm-call-id`` header when one is
+    sent. Any of them as the identity got a second response with a seen id acknowledged as a
+    duplicate and never judged. The gateway's id goes as ``upstream_id``, data only."""
+    return f"tap-{secrets.token_hex(12)}"
+
+
 def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any]:
-    """Return the record of ``exchange``: everything the monitor judges, and no text."""
+    """Return the record of ``exchange``: everything the monitor judges, and no text. Its ``id``
+    is made here (:func:`record_id`), once: the sender keeps the record, so a resend carries it."""
     exchange = exchange.bounded()
     every_prompt_fp, prompt_cut = fingerprinter.fingerprints(exchange.prompt, cap=None)
     # The whole prompt's print first: two callers who sent the same prompt are told apart from a
@@ -127,22 +212,21 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
     markers = list(dict.fromkeys(m.group(0) for m in MARKER_RE.finditer(exchange.response)))
     status = exchange.status if isinstance(exchange.status, int) and 100 <= exchange.status <= 599 else 500
     return {
-        # A gateway that gave no id gets one made here, once: a record resent after a lost
-        # acknowledgement is then known again by the monitor (JetStream redelivers by message).
-        "id": _name(exchange.request_id) or f"tap-{secrets.token_hex(12)}",
+        "id": record_id(),
+        "upstream_id": printable_name(exchange.request_id),
         "time": _epoch(exchange.started),
         # A caller named by its key is named by the key's digest: never by a key.
         "caller": key_digest(exchange.caller, fingerprinter.key)
         if exchange.caller_kind == "key_hash"
-        else _name(exchange.caller),
+        else printable_name(exchange.caller),
         "caller_kind": exchange.caller_kind if exchange.caller_kind in CALLER_KINDS else "unknown",
         "key_hash": key_digest(exchange.key_hash, fingerprinter.key) if exchange.key_hash else "",
-        "api_base": _name(exchange.api_base),
-        "model": _name(exchange.model),
-        "model_group": _name(exchange.model_group),
+        "api_base": printable_name(exchange.api_base),
+        "model": printable_name(exchange.model),
+        "model_group": printable_name(exchange.model_group),
         "stream": bool(exchange.stream),
         "status": status,
-        "finish_reason": _name(exchange.finish_reason) or None,
+        "finish_reason": printable_name(exchange.finish_reason) or None,
         "latency_seconds": _seconds(exchange.latency_seconds),
         "ttft_seconds": _seconds(exchange.ttft_seconds),
         "prompt": {

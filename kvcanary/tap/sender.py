@@ -1,8 +1,10 @@
 """The tap's one background thread: exchanges in, summaries out to the monitor in batches.
 
-Nothing here ever blocks or fails the gateway's request: :meth:`Sender.put` cuts the texts to what
-is fingerprinted (so the queue is bounded in bytes as well as in entries), appends and returns.
-The thread summarizes (so fingerprinting runs off the gateway's event loop), batches up to
+Nothing here ever blocks or fails the gateway's request: :meth:`Sender.put` appends the exchange
+as it is given (its texts by reference, their lengths taken in time proportional to their parts,
+not their characters, so the queue is bounded in bytes as well as in entries) and returns. The
+thread takes the texts' sizes and cuts them to what is fingerprinted (:meth:`Exchange.bounded`),
+summarizes (so fingerprinting runs off the gateway's event loop), batches up to
 ``batch_records`` records or ``flush_seconds``, and posts. While the monitor is down, slow or
 redirecting, summaries wait (at most ``max_pending`` in all, holding at most ``max_pending_bytes``
 of texts and prints) and the batch is tried again after ``BACKOFF_SECONDS`` (customer requests
@@ -19,25 +21,34 @@ backoff and the drop counts are the same for both.
 
 The thread survives anything a try can raise (a gateway's odd payload, a monitor that answers
 nonsense): the failure is logged and the batch waits for the next try.
+
+A gateway that forks after building its tap (gunicorn ``--preload``, multiprocessing) gets a
+working tap in each child (``os.register_at_fork``): the fork waits until no thread is inside the
+tap's lock (each sender's lock is taken before the fork and let go after it, in the parent), so no
+child inherits it held by a thread that does not exist there. The child's sender starts afresh:
+a new lock, empty queues and counters (what was queued at the fork is the parent's to send, once),
+its transport told (its ``after_fork_in_child()``, where it has one: the HTTP one forgets the
+parent's encoded batch), and its own thread, started by its first :meth:`Sender.put`, as in any
+process.
 """
 
 from __future__ import annotations
 
 import collections
-import http.client
-import json
 import logging
+import os
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvcanary.tap.fingerprints import Fingerprinter
-from kvcanary.tap.record import Exchange, summarize
+from kvcanary.tap.http import HttpTransport
+from kvcanary.tap.record import Exchange, printable_name, summarize
+from kvcanary.wire import MAX_DROPPED
 
 log = logging.getLogger("kvcanary.tap")
 
@@ -50,22 +61,12 @@ RECORD_BYTES = 1024
 
 
 def _held_bytes(item: Exchange | dict[str, Any]) -> int:
-    """Roughly what a queued exchange (its cut texts) or record (its prints) holds in memory."""
+    """Roughly what a queued exchange (its texts, whole until the tap's thread cuts them) or a
+    record (its prints) holds in memory."""
     if isinstance(item, Exchange):
-        return len(item.prompt) + len(item.response) + RECORD_BYTES
+        return item.held_chars() + RECORD_BYTES
     prints = item["fingerprints"]
     return (len(prints["prompt"]) + len(prints["response"])) * PRINT_BYTES + RECORD_BYTES
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is a misconfigured URL: following it would turn the POST into a GET (urllib does)
-    and carry the token to wherever it points."""
-
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-_OPENER = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}))
 
 
 @dataclass(frozen=True)
@@ -91,55 +92,9 @@ class Transport(Protocol):
         """Let go of connections and threads (the tap is closing)."""
         ...
 
-
-class HttpTransport:
-    """Posts a batch to the monitor's ``/api/v1/traffic``: taken whole (some records perhaps refused
-    with 422) or not at all."""
-
-    def __init__(self, url: str, token: str, timeout_seconds: float = 5.0):
-        self.url = url.rstrip("/") + "/api/v1/traffic"
-        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-        self.timeout_seconds = timeout_seconds
-        self._encoded: tuple[str, bytes] = ("", b"")  # a retry does not serialize the batch again
-
-    def send(self, batch: Batch) -> tuple[int, int]:
-        if self._encoded[0] != batch.id:
-            body = {"batch": batch.id, "gateway": batch.gateway, "dropped": batch.dropped,
-                    "records": batch.records}  # fmt: skip
-            self._encoded = (batch.id, json.dumps(body).encode())
-        taken, refused = self._post(self._encoded[1], len(batch.records))
-        if taken:
-            self._encoded = ("", b"")
-        return (len(batch.records) if taken else 0), refused
-
-    def _post(self, body: bytes, records: int) -> tuple[bool, int]:
-        """Return (whether the monitor took the batch, how many of its records it refused)."""
-        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
-        try:
-            with _OPENER.open(request, timeout=self.timeout_seconds) as answer:
-                answer.read()
-            return True, 0
-        except urllib.error.HTTPError as exc:
-            if exc.code == 422:  # some records refused, the rest judged: the answer says how many
-                try:
-                    refused = int(json.loads(exc.read())["rejected"])
-                except (ValueError, KeyError, TypeError, OSError):
-                    refused = records
-                log.error("kvcanary tap: the monitor refused %d record(s) of a batch (422)", refused)
-                return True, min(max(refused, 0), records)
-            if exc.code in (400, 413):  # refused whole, and would be forever
-                log.error(
-                    "kvcanary tap: the monitor refused a batch (%s): %d records dropped", exc.code, records
-                )
-                return True, records
-            log.warning("kvcanary tap: the monitor answered %s; records wait", exc.code)
-            return False, 0
-        except (OSError, http.client.HTTPException) as exc:
-            log.warning("kvcanary tap: cannot reach the monitor (%s); records wait", exc)
-            return False, 0
-
-    def close(self) -> None:
-        """Nothing is held between posts."""
+    # Optional: ``after_fork_in_child() -> None``, called in a forked child before its first send,
+    # for a transport holding threads, event loops or connections (none of which a child inherits
+    # working). The Sender calls it where the transport has it.
 
 
 class Sender:
@@ -163,37 +118,46 @@ class Sender:
         """``transport``: how batches leave (default: an :class:`HttpTransport` to ``url``)."""
         self.transport = transport or HttpTransport(url, token, timeout_seconds)
         self._fingerprinter = fingerprinter
-        self.gateway = gateway
+        self.gateway = printable_name(gateway)
         self.batch_records = batch_records
         self.flush_seconds = flush_seconds
         self.timeout_seconds = timeout_seconds
         self._on_drop = on_drop
+        self._max_pending = max_pending
+        self._max_bytes = max_pending_bytes
+        self._closed = False
+        self._start_afresh()
+        _SENDERS.add(self)
+
+    def _start_afresh(self) -> None:
+        """Set up the lock, empty queues and zero counters, and no thread yet (the first
+        :meth:`put` starts it): a new sender's state, and a forked child's."""
+        self._lock = threading.Condition()
         self._exchanges: collections.deque[Exchange] = collections.deque()
         self._records: collections.deque[dict[str, Any]] = collections.deque()
         self._queued_at: collections.deque[float] = collections.deque()  # beside _records
         self._sending = 0  # records at the head of _records in a post now: never dropped
+        self._summarizing = 0  # 1 while the thread summarizes an exchange off the queues
         self._retry: tuple[str, int, int] | None = None  # the batch not yet taken: id, records, drops
         #: No post before this (monotonic) while backing off: new exchanges are summarized, not sent.
         self._next_try = 0.0
-        self._max_pending = max_pending
-        self._max_bytes = max_pending_bytes
         self._bytes = 0  # what the queues hold (_held_bytes), under _lock
-        self._lock = threading.Condition()
-        self._closed = False
         #: Counters, read by tests and the gateway's metrics.
         self.sent = 0
         self.dropped = 0
         self.rejected = 0
         self._unreported_drops = 0
+        #: Started by the first put(), in this process (``ident`` is None until then).
         self._thread = threading.Thread(target=self._loop, name="kvcanary-tap", daemon=True)
-        self._thread.start()
 
     def put(self, exchange: Exchange) -> None:
-        """Queue one exchange; past ``max_pending`` or ``max_pending_bytes``, drop the oldest
-        waiting. Never raises."""
-        exchange = exchange.bounded()
-        size = _held_bytes(exchange)
+        """Queue one exchange as it is (its texts are cut on the tap's thread); past
+        ``max_pending`` or ``max_pending_bytes``, drop the oldest waiting. Start the tap's thread
+        if this process has none yet. Never raises."""
+        size = _held_bytes(exchange)  # lengths only: no work in proportion to the texts
         with self._lock:
+            if self._thread.ident is None and not self._closed:
+                self._thread.start()
             while self.pending >= self._max_pending or (
                 self.pending and self._bytes + size > self._max_bytes
             ):
@@ -220,7 +184,8 @@ class Sender:
 
     @property
     def pending(self) -> int:
-        return len(self._exchanges) + len(self._records)
+        """Exchanges and records in the tap: waiting, being summarized or being sent."""
+        return len(self._exchanges) + self._summarizing + len(self._records)
 
     @property
     def pending_bytes(self) -> int:
@@ -229,6 +194,7 @@ class Sender:
 
     @property
     def alive(self) -> bool:
+        """Whether this process's tap thread runs (none does before the first :meth:`put`)."""
         return self._thread.is_alive()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -236,8 +202,18 @@ class Sender:
         with self._lock:
             self._closed = True
             self._lock.notify()
-        self._thread.join(timeout)
+            started = self._thread.ident is not None
+        if started:
+            self._thread.join(timeout)
         self.transport.close()
+
+    def _after_fork_in_child(self) -> None:
+        """Start afresh in a forked child (the module doc): nothing of the parent's queue, lock or
+        thread is the child's."""
+        self._start_afresh()
+        forked = getattr(self.transport, "after_fork_in_child", None)
+        if forked is not None:
+            forked()
 
     def _count_drop(self, n: int) -> None:
         with self._lock:
@@ -300,22 +276,28 @@ class Sender:
         return max(0.0, self.flush_seconds - (now - self._queued_at[0]))
 
     def _summarize_waiting(self) -> None:
+        """Summarize the waiting exchanges one by one; each stays counted in ``pending`` and
+        ``pending_bytes`` while it is summarized (its texts are still held), never dropped then."""
         while True:
             with self._lock:
                 if not self._exchanges:
                     return
                 exchange = self._exchanges.popleft()
-                self._bytes -= _held_bytes(exchange)
+                self._summarizing = 1
             try:
                 record = summarize(exchange, self._fingerprinter)
             except Exception:  # a gateway's odd payload costs its record, never the thread
                 log.exception("kvcanary tap: cannot summarize an exchange; dropped")
+                with self._lock:
+                    self._summarizing = 0
+                    self._bytes -= _held_bytes(exchange)
                 self._count_drop(1)
                 continue
             with self._lock:
+                self._summarizing = 0
                 self._records.append(record)
                 self._queued_at.append(time.monotonic())
-                self._bytes += _held_bytes(record)
+                self._bytes += _held_bytes(record) - _held_bytes(exchange)
 
     def _post_batch(self) -> bool:
         """Send the oldest records; return False when not all of them were taken (the rest stay)."""
@@ -324,7 +306,7 @@ class Sender:
                 self._retry = (
                     uuid.uuid4().hex,
                     min(self.batch_records, len(self._records)),
-                    self._unreported_drops,
+                    min(self._unreported_drops, MAX_DROPPED),  # the rest ride with the next batches
                 )
             batch_id, self._sending, reported = self._retry
             records = [self._records[i] for i in range(self._sending)]
@@ -350,3 +332,33 @@ class Sender:
         if refused:
             self._count_drop(refused)
         return taken == len(records)
+
+
+#: Every sender of this process, for the fork hooks (weakly: a hook keeps no sender alive).
+_SENDERS: weakref.WeakSet[Sender] = weakref.WeakSet()
+#: The senders whose locks the fork in progress holds, taken by ``_before_fork``.
+_HELD: list[Sender] = []
+
+
+def _before_fork() -> None:
+    """Take every sender's lock, so that none is held mid-operation when the process is copied."""
+    _HELD[:] = list(_SENDERS)
+    for sender in _HELD:
+        sender._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for sender in _HELD:
+        sender._lock.release()
+    _HELD.clear()
+
+
+def _after_fork_in_child() -> None:
+    for sender in _HELD:
+        sender._after_fork_in_child()
+    _HELD.clear()
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)

@@ -4,7 +4,7 @@ Revision ID: 3f9c2a1b7d04
 Revises:
 Create Date: 2026-11-29 17:00:00
 
-Hand-written to match monitor/storage/models.py; tests/monitor/test_migrations.py compares the
+Hand-written to match monitor/storage/models.py; tests/monitor/storage/test_migrations.py compares the
 result with the models on SQLite and PostgreSQL. Names follow the naming convention in
 monitor/storage/db.py. downgrade() drops everything upgrade() creates.
 """

@@ -10,7 +10,7 @@ Create Date: 2026-11-30 12:00:00
 - ``incident_event`` gets the pager's claim and retry columns, and an index on ``probe_result_id``
   (pruning a result used to scan every event).
 
-Hand-written to match monitor/storage/models.py (tests/monitor/test_migrations.py compares them).
+Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).
 SQLite alters tables in batch mode (a copy), as env.py configures.
 """
 

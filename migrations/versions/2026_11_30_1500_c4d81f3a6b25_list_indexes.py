@@ -12,7 +12,7 @@ one ordered index range that stops after ``limit`` rows (see monitor/storage/que
   (target_id, probe, started_at) gains ``id`` and (incident_id) gains (started_at, id).
 - incident: (opened_at) gains ``id``; (state, ...), (target_id, ...), (target_id, state, ...).
 
-Hand-written to match monitor/storage/models.py (tests/monitor/test_migrations.py compares them).
+Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).
 On PostgreSQL, CREATE INDEX holds a SHARE lock on the table while it builds: recordings wait (and
 the spool takes over if they wait too long). bench/rest_scale.py prints how long this revision
 takes on the table it fills. downgrade() restores the three indexes it replaced.

@@ -9,7 +9,7 @@ Create Date: 2026-11-30 18:00:00
 - ``probe_result.excerpts_until``: excerpts of target output are purged after
   ``retention.excerpt_days`` while the verdict stays; a partial index finds the rows still due.
 
-Hand-written to match monitor/storage/models.py (tests/monitor/test_migrations.py compares them).
+Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).
 """
 
 from __future__ import annotations

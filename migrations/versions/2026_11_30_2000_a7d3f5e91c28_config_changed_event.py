@@ -8,7 +8,7 @@ Create Date: 2026-11-30 20:00:00
 configuration fingerprint change, each open incident of that target gets the change in its
 timeline (monitor/incidents.py, ``note_config_change``).
 
-Hand-written to match monitor/storage/models.py (tests/monitor/test_migrations.py compares them).
+Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Create Date: 2026-12-01 17:00:00
   or over its node's pool (monitor/traffic/). No text, no fingerprint.
 - ``traffic_minute``: counts of every record per (target, node, caller, minute).
 
-Hand-written to match monitor/storage/models.py (tests/monitor/test_migrations.py compares them).
+Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ receives a gateway's batch hands each deployment's records to the one replica ow
 deployment's traffic (monitor/traffic/ingest.py): each record judged once, each fingerprint
 window in one place.
 
-Hand-written to match monitor/storage/models.py (tests/monitor/test_migrations.py compares them).
+Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).
 """
 
 from __future__ import annotations

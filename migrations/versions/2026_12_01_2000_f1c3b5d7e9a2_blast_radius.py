@@ -13,7 +13,7 @@ Create Date: 2026-12-01 20:00:00
 - ``ix_traffic_record_target_started_id`` on PostgreSQL includes the columns a blast radius reads,
   so that a target's window is read from the index alone (10 M rows: bench/blast_radius.py).
 
-Hand-written to match monitor/storage/models.py (tests/monitor/test_migrations.py compares them).
+Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Create Date: 2026-12-02 12:00:00
   jetstream``, written in the same transaction as the rows judging it produced, and pruned after
   twice the stream's duplicate window (monitor/traffic/jetstream.py).
 
-Hand-written to match monitor/storage/models.py (tests/monitor/test_migrations.py compares them).
+Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).
 """
 
 from __future__ import annotations

@@ -18,14 +18,14 @@ from fastapi.encoders import jsonable_encoder
 from pydantic import StringConstraints
 from sqlalchemy.orm import Session
 
-from monitor.api.deps import MAX_ID, SessionDep
-from monitor.api.schemas import Problem
-from monitor.api.state import api_state
-from monitor.blast.compute import BlastSources, blast_radius, configured_sources
-from monitor.blast.report import BlastRadius
-from monitor.config.secrets import tenant_keys
-from monitor.config.settings import ConfigError, Settings
-from monitor.traffic.judge import TrafficJudge, own_key_digests
+from kvcanary.monitor.api.deps import MAX_ID, SessionDep
+from kvcanary.monitor.api.schemas import Problem
+from kvcanary.monitor.api.state import api_state
+from kvcanary.monitor.blast.compute import BlastSources, blast_radius, configured_sources
+from kvcanary.monitor.blast.report import BlastRadius
+from kvcanary.monitor.config.secrets import tenant_keys
+from kvcanary.monitor.config.settings import ConfigError, Settings
+from kvcanary.monitor.traffic.judge import TrafficJudge, own_key_digests
 
 router = APIRouter(prefix="/incidents", tags=["incidents"])
 

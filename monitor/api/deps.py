@@ -23,9 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.api.state import api_state
-from monitor.storage.db import as_utc
-from monitor.storage.queries import Key
+from kvcanary.monitor.api.state import api_state
+from kvcanary.monitor.storage.db import as_utc
+from kvcanary.monitor.storage.queries import Key
 
 MAX_LIMIT = 500
 
@@ -66,6 +66,19 @@ def token_matches(request: Request, given: str) -> bool:
     """Return whether ``given`` is the API token (compared in constant time); always, without one."""
     expected: str | None = api_state(request).api_token
     return expected is None or hmac.compare_digest(given.encode(), expected.encode())
+
+
+def require_ingest(request: Request, credentials: HTTPAuthorizationCredentials | None) -> None:
+    """Pass for the ingest token (what a gateway's tap holds) or the API token; else raise 401."""
+    given = credentials.credentials if credentials is not None else ""
+    ingest = api_state(request).ingest_token
+    if ingest is not None and hmac.compare_digest(given.encode(), ingest.encode()):
+        return
+    if token_matches(request, given):
+        return
+    raise HTTPException(
+        status.HTTP_401_UNAUTHORIZED, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
+    )
 
 
 #: Ids fit PostgreSQL's integer column; larger values are refused with 422, not a 500.

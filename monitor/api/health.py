@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request, Response
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from monitor.api.schemas import HealthOut
-from monitor.api.state import api_state
+from kvcanary.monitor.api.schemas import HealthOut
+from kvcanary.monitor.api.state import api_state
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query
 
-from monitor.api.deps import (
+from kvcanary.monitor.api.deps import (
     MAX_ID,
     NAME_PATTERN,
     PAGING_HELP,
@@ -16,7 +16,7 @@ from monitor.api.deps import (
     cursor_scope,
     encode_cursor,
 )
-from monitor.api.schemas import (
+from kvcanary.monitor.api.schemas import (
     IncidentDetailOut,
     IncidentEventOut,
     IncidentOut,
@@ -24,8 +24,8 @@ from monitor.api.schemas import (
     ProbeResultOut,
     Problem,
 )
-from monitor.storage import queries
-from monitor.storage.models import Severity, State
+from kvcanary.monitor.storage import queries
+from kvcanary.monitor.storage.models import Severity, State
 
 router = APIRouter(prefix="/incidents", tags=["incidents"])
 

@@ -8,11 +8,22 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Lifespan
 
-from monitor.api import blast, health, incidents, outage, pages, probe_results, runbooks, targets, traffic
-from monitor.api.deps import require_token
-from monitor.api.docs import serve_docs
-from monitor.api.schemas import Problem
-from monitor.api.state import ApiState, api_state
+from kvcanary.monitor.api import (
+    blast,
+    containment,
+    health,
+    incidents,
+    outage,
+    pages,
+    probe_results,
+    runbooks,
+    targets,
+    traffic,
+)
+from kvcanary.monitor.api.deps import require_token
+from kvcanary.monitor.api.docs import serve_docs
+from kvcanary.monitor.api.schemas import Problem
+from kvcanary.monitor.api.state import ApiState, api_state
 
 api_router = APIRouter(
     prefix="/api/v1",
@@ -21,6 +32,7 @@ api_router = APIRouter(
 )
 api_router.include_router(incidents.router)
 api_router.include_router(blast.router)
+api_router.include_router(containment.router)
 api_router.include_router(probe_results.router)
 api_router.include_router(targets.router)
 api_router.include_router(traffic.router)
@@ -44,6 +56,7 @@ def build_http_app(
     app.state.blast_cache = blast.PageCache()  # the incident page's blast radii
     app.include_router(health.router)
     app.include_router(traffic.ingest_router)  # its own auth: the ingest token may post
+    app.include_router(containment.set_router)  # its own auth: the ingest token may read it
     app.include_router(api_router)
     app.include_router(runbooks.router)
     app.include_router(pages.router)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
@@ -30,14 +32,15 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from monitor.api.blast import page_radius
-from monitor.api.deps import MAX_ID, SessionDep, token_matches
-from monitor.api.state import api_state
-from monitor.blast.chart import chart_of
-from monitor.paging.links import runbook_base, signature_ok
-from monitor.paging.pager import ALERTNAMES
-from monitor.storage import queries
-from monitor.storage.retention import has_excerpts, without_excerpts
+from kvcanary.monitor.api.blast import page_radius
+from kvcanary.monitor.api.deps import MAX_ID, SessionDep, token_matches
+from kvcanary.monitor.api.state import api_state
+from kvcanary.monitor.blast.chart import chart_of
+from kvcanary.monitor.containment import changes_since
+from kvcanary.monitor.paging.links import runbook_base, signature_ok
+from kvcanary.monitor.paging.pager import ALERTNAMES
+from kvcanary.monitor.storage import queries
+from kvcanary.monitor.storage.retention import has_excerpts, without_excerpts
 
 router = APIRouter(prefix="/incidents", tags=["pages"])
 log = logging.getLogger("kvcanary.api")
@@ -74,7 +77,8 @@ def incident_page(
     if detail is None:
         raise HTTPException(status_code=403, detail=f"this link does not open incident {incident_id}")
     blast, why = _blast(request, session, incident_id)
-    page = render(detail, runbook_base(api_state(request).settings), blast, why)
+    quarantine = changes_since(session, detail.incident.target, detail.incident.opened_at)
+    page = render(detail, runbook_base(api_state(request).settings), blast, why, quarantine)
     return HTMLResponse(page, headers=_HEADERS)
 
 
@@ -109,10 +113,15 @@ def _allowed(request: Request, incident_id: int, opened_at: datetime, sig: str |
 
 
 def render(
-    detail: queries.IncidentDetail, runbooks: str, blast: dict[str, Any] | None = None, blast_error: str = ""
+    detail: queries.IncidentDetail,
+    runbooks: str,
+    blast: dict[str, Any] | None = None,
+    blast_error: str = "",
+    quarantine: Sequence[Any] = (),
 ) -> str:
     """Return the whole page for ``detail`` (the incident, its events, its latest results), linking
-    to the runbooks under ``runbooks`` as the alerts do; ``blast`` is its blast radius (as JSON)."""
+    to the runbooks under ``runbooks`` as the alerts do; ``blast`` is its blast radius (as JSON),
+    ``quarantine`` the target's quarantine changes since it opened."""
     i = detail.incident
     series = (blast or {}).get("series") or {}
     chart = chart_of(series["counts"], series["start"], series["bucket_seconds"]) if series else None
@@ -127,6 +136,7 @@ def render(
         events=detail.events,
         results=[_shown(r) for r in detail.results],
         page_results=PAGE_RESULTS,
+        quarantine=quarantine,
     )
 
 
@@ -173,6 +183,24 @@ def _figures(r: Any) -> str:
     return " · ".join(f"{name} {value}" for name, value in named if value is not None)
 
 
+#: Unicode categories a page shows as U+FFFD (bidi overrides and isolates, zero-width characters,
+#: surrogates, private use): tampering shows, and nothing reorders what the reader sees.
+_HIDDEN = frozenset({"Cf", "Cs", "Co"})
+
+
+def _printable(value: Any) -> Any:
+    """Return what a template writes for ``value``: a string with no control, bidi or zero-width
+    character (newlines and tabs kept; others become a space or U+FFFD), anything else as it is.
+    Names are made printable where they enter (the traffic schema, ``probes.untrusted``); this is
+    the last guard, for rows stored before that and for whatever a later source forgets."""
+    if not isinstance(value, str) or value.isprintable():
+        return value
+    return "".join(
+        c if c.isprintable() or c in "\n\t" else "\ufffd" if unicodedata.category(c) in _HIDDEN else " "
+        for c in value
+    )
+
+
 def _when(moment: Any) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S UTC") if moment is not None else ""
 
@@ -182,6 +210,7 @@ def _when(moment: Any) -> str:
 _TEMPLATES = Environment(
     loader=FileSystemLoader(pathlib.Path(__file__).resolve().parent / "templates"),
     autoescape=True,
+    finalize=_printable,
     undefined=StrictUndefined,
     trim_blocks=True,
     lstrip_blocks=True,

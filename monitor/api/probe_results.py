@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from monitor.api.deps import (
+from kvcanary.monitor.api.deps import (
     NAME_PATTERN,
     PAGING_HELP,
     PageDep,
@@ -15,9 +15,9 @@ from monitor.api.deps import (
     cursor_scope,
     encode_cursor,
 )
-from monitor.api.schemas import ProbeResultOut, ProbeResultPage
-from monitor.storage import queries
-from monitor.storage.models import Verdict
+from kvcanary.monitor.api.schemas import ProbeResultOut, ProbeResultPage
+from kvcanary.monitor.storage import queries
+from kvcanary.monitor.storage.models import Verdict
 
 router = APIRouter(prefix="/probe-results", tags=["probe results"])
 

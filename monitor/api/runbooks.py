@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException
 from fastapi import Path as PathParam
 from fastapi.responses import PlainTextResponse
 
-import monitor
+from kvcanary import monitor
 
 #: The repository's runbooks. They sit beside the ``monitor`` package, like ``migrations/``.
 RUNBOOKS_DIR = Path(monitor.__file__).resolve().parent.parent / "alerts" / "runbooks"

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Row
 
-from monitor.storage.models import EventKind, IncidentEvent, Severity, State, Verdict
+from kvcanary.monitor.storage.models import EventKind, IncidentEvent, Severity, State, Verdict
 
 
 class _Out(BaseModel):

@@ -15,10 +15,11 @@ from fastapi import Request
 from sqlalchemy.orm import Session, sessionmaker
 
 if TYPE_CHECKING:
-    from monitor.config.settings import Settings
-    from monitor.runs.run_now import RunNow
-    from monitor.traffic.judge import TrafficJudge
-    from monitor.traffic.schema import TrafficBatch, TrafficRecord
+    from kvcanary.monitor.config.settings import Settings
+    from kvcanary.monitor.containment import Containment
+    from kvcanary.monitor.runs.run_now import RunNow
+    from kvcanary.monitor.traffic.judge import TrafficJudge
+    from kvcanary.monitor.traffic.schema import TrafficBatch, TrafficRecord
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,13 @@ class ApiState:
     reload: Callable[[str], Awaitable[str | None]] | None = None
     #: The token that may post gateway traffic and read nothing; None: only the API token may.
     ingest_token: str | None = None
-    #: Judges a posted traffic batch (``monitor/traffic/ingest.py``); None: traffic is not judged here.
-    traffic: Callable[[TrafficBatch, list[TrafficRecord], bool], Awaitable[dict[str, Any]]] | None = None
+    #: Takes a posted batch's valid records (``monitor/traffic/ingest.py``: judged here or published to
+    #: the stream; NotTakenHere: a 503); None: traffic is not judged here.
+    traffic: Callable[[TrafficBatch, list[TrafficRecord]], Awaitable[dict[str, int]]] | None = None
     #: The traffic judge: what blast radii read of it (the own tenants' key digests, calibration).
     judge: TrafficJudge | None = None
+    #: The quarantine set and its changes by hand; None: not served here.
+    containment: Containment | None = None
 
 
 def api_state(request: Request) -> ApiState:

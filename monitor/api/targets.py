@@ -7,12 +7,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 
-from monitor.api.deps import SessionDep
-from monitor.api.schemas import LastVerdictOut, ProbeRunOut, Problem, RunOut, TargetList, TargetOut
-from monitor.api.state import api_state
-from monitor.runs.run_now import RateLimited, RunJob, RunNow
-from monitor.storage import queries
-from monitor.storage.models import public_url
+from kvcanary.monitor.api.deps import SessionDep
+from kvcanary.monitor.api.schemas import LastVerdictOut, ProbeRunOut, Problem, RunOut, TargetList, TargetOut
+from kvcanary.monitor.api.state import api_state
+from kvcanary.monitor.runs.run_now import RateLimited, RunJob, RunNow
+from kvcanary.monitor.storage import queries
+from kvcanary.monitor.storage.models import public_url
 
 router = APIRouter(prefix="/targets", tags=["targets"])
 

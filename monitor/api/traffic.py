@@ -1,25 +1,29 @@
 """``/api/v1/traffic``: gateway taps post records here (``POST``); the kept ones are listed (``GET``).
 
 ``POST`` takes the API token or the ingest token (``traffic.ingest_token_env``), which can post
-traffic and read nothing. The body is read under ``MAX_BODY_BYTES`` (413 past it) and validated
-whole before anything is judged: a malformed, oversized or hostile batch gets a 4xx naming the
-field, and nothing of it is kept. ``GET`` takes the API token, like every read.
+traffic and read nothing. Its valid records go into the one traffic pipeline
+(``monitor/traffic/ingest.py``): judged here, or published to the stream where
+``traffic.source`` is ``jetstream``; a replica that cannot take them now answers 503, and the tap
+keeps them. The body is read under ``MAX_BODY_BYTES`` (413 past it) and validated
+whole, off the event loop (``read_off_loop``), before anything is judged: a malformed,
+oversized or hostile batch gets a 4xx naming the field, and nothing of it is kept. A 422 names
+at most ``MAX_ERRORS`` errors (``MAX_ERRORS_PER_RECORD`` a record) and counts the rest in
+``omitted_errors``: its size is bounded whatever the body held. ``GET`` takes the API token, like
+every read.
 """
 
 from __future__ import annotations
 
-import hmac
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, Security, status
 from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import Field, ValidationError
 
-from monitor.api.deps import (
+from kvcanary.monitor.api.deps import (
     NAME_PATTERN,
     PAGING_HELP,
     PageDep,
@@ -28,14 +32,16 @@ from monitor.api.deps import (
     _bearer,
     cursor_scope,
     encode_cursor,
-    token_matches,
+    require_ingest,
 )
-from monitor.api.schemas import LIMIT_HELP, NEXT_CURSOR_HELP, Problem, _Out
-from monitor.api.state import api_state
-from monitor.storage import traffic_rows
-from monitor.storage.models import Verdict
-from monitor.traffic.checks import CHECKS
-from monitor.traffic.schema import BATCH_SCHEMA, MAX_BODY_BYTES, read_batch
+from kvcanary.monitor.api.schemas import LIMIT_HELP, NEXT_CURSOR_HELP, Problem, _Out
+from kvcanary.monitor.api.state import api_state
+from kvcanary.monitor.storage import traffic_rows
+from kvcanary.monitor.storage.models import Verdict
+from kvcanary.monitor.traffic.checks import CHECKS
+from kvcanary.monitor.traffic.ingest import NotTakenHere
+from kvcanary.monitor.traffic.pipeline import read_off_loop
+from kvcanary.monitor.traffic.schema import BATCH_SCHEMA, MAX_BODY_BYTES, bounded_errors, read_batch
 
 ingest_router = APIRouter(prefix="/api/v1/traffic", tags=["traffic"])
 router = APIRouter(prefix="/traffic", tags=["traffic"])
@@ -45,11 +51,15 @@ CheckName = Annotated[
 
 
 class IngestOut(_Out):
-    accepted: int = Field(description="Records judged (their api_base is a configured target's).")
+    accepted: int = Field(
+        description="Records judged (their api_base is a configured target's); with traffic.source "
+        "jetstream, records the stream took, to be judged by the replica holding their partition."
+    )
     unmatched: int = Field(description="Records whose api_base is no target's or node's: not judged.")
     own: int = Field(0, description="The monitor's own tenants' records (by key hash): counted, not judged.")
     flagged: int = Field(description="Records a check flagged.")
     rejected: int = Field(0, description="Records refused as malformed (a 422 names their fields).")
+    duplicates: int = Field(0, description="Records judged already (a resend): not judged again.")
 
 
 class TrafficRecordOut(_Out):
@@ -57,7 +67,15 @@ class TrafficRecordOut(_Out):
     target: str
     node: str
     gateway: str
-    request_id: str
+    request_id: str = Field(
+        description="The record's identity: the tap's, one per exchange "
+        "(an older tap's record: the gateway's id)."
+    )
+    upstream_id: str = Field(
+        "",
+        description="The gateway's id of the response (the engine's, what the customer got); "
+        "data, not identity: two records may share it. Empty: the gateway gave none.",
+    )
     caller: str
     caller_kind: str
     model: str
@@ -89,18 +107,6 @@ class TrafficPage(_Out):
     limit: int = Field(description=LIMIT_HELP)
 
 
-def _require_ingest(request: Request, credentials: HTTPAuthorizationCredentials | None) -> None:
-    given = credentials.credentials if credentials is not None else ""
-    ingest = api_state(request).ingest_token
-    if ingest is not None and hmac.compare_digest(given.encode(), ingest.encode()):
-        return
-    if token_matches(request, given):
-        return
-    raise HTTPException(
-        status.HTTP_401_UNAUTHORIZED, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
-    )
-
-
 async def _body(request: Request) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -125,20 +131,24 @@ async def post_traffic(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
 ) -> Response | IngestOut:
     """Judge a batch of records from a gateway tap (``kvcanary.tap``): no text, only summaries."""
-    _require_ingest(request, credentials)
+    require_ingest(request, credentials)
     ingest = api_state(request).traffic
     if ingest is None:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "traffic judging is not running here")
     body = await _body(request)
     try:
-        batch, valid = read_batch(body)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
-    # Another replica handing over its share: judged here, whoever this replica thinks owns it.
-    forwarded = "x-kvcanary-forwarded" in request.headers
-    answer = IngestOut(**await ingest(batch, valid.records, forwarded), rejected=valid.refused)
+        batch, valid = await read_off_loop(read_batch, body)
+    except ValidationError as exc:  # the envelope: nothing of the batch is judged
+        errors, omitted = bounded_errors(exc)
+        content = {"detail": jsonable_encoder(errors), "omitted_errors": omitted}
+        return JSONResponse(content, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+    try:
+        answer = IngestOut(**await ingest(batch, valid.records), rejected=valid.refused)
+    except NotTakenHere as exc:  # the tap keeps the records and sends them again
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
     if valid.refused:  # the good records are judged; the tap counts the refused ones and goes on
-        content = {"detail": jsonable_encoder(valid.errors), **answer.model_dump()}
+        content = {"detail": jsonable_encoder(valid.errors), "omitted_errors": valid.omitted}
+        content |= answer.model_dump()
         return JSONResponse(content, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
     return answer
 

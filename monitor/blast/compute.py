@@ -1,14 +1,17 @@
 """Compute an incident's blast radius: the question from its rows, then every source's answer.
 
-``BlastSources`` names what to read besides the monitor's own traffic: log file globs (each with
-its format) and LiteLLM's database. The caller passes the monitor's own tenants' key digests and
-the target's calibration (the serving monitor has both at hand; the CLI asks the target).
+``BlastSources`` holds the list of sources to read (``source.BlastSource``: the monitor's own
+traffic, and where configured a gateway's log files and LiteLLM's database) with what every
+source is asked alike: the monitor's own tenants' key digests, the target's calibration (the
+serving monitor has both at hand; the CLI asks the target) and the callers to leave out. Each
+source is asked in the list's order; nothing here knows which sources there are.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -17,31 +20,37 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from monitor.blast.criterion import criterion_of
-from monitor.blast.logs import logs_requests, logs_tally
-from monitor.blast.question import Scope
-from monitor.blast.recorded import recorded_requests, recorded_tally
-from monitor.blast.report import BlastRadius
-from monitor.blast.spendlogs import spendlogs_requests, spendlogs_tally
-from monitor.blast.window import deployment_at, window_of
-from monitor.config.secrets import litellm_db_url
-from monitor.config.settings import Settings
-from monitor.storage.models import Incident, IncidentEvent, Target
-from monitor.traffic.judge import api_base_key, routes_of
+from kvcanary.monitor.blast.criterion import criterion_of
+from kvcanary.monitor.blast.logs import GatewayLogs, LogSource
+from kvcanary.monitor.blast.question import Scope
+from kvcanary.monitor.blast.recorded import RecordedTraffic
+from kvcanary.monitor.blast.report import BlastRadius
+from kvcanary.monitor.blast.source import BlastSource
+from kvcanary.monitor.blast.spendlogs import SpendLogs
+from kvcanary.monitor.blast.window import deployment_at, window_of
+from kvcanary.monitor.config.secrets import litellm_db_url
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.storage.models import Incident, IncidentEvent, Target
+from kvcanary.monitor.traffic.judge import api_base_key, routes_of
 
 #: Request ids a CSV lists at most (a notification list, not an export of the log).
 CSV_LIMIT = 1_000_000
 
 
+def _recorded_only() -> tuple[BlastSource, ...]:
+    """The list of a ``BlastSources`` made without one: the monitor's own traffic, which every
+    monitor holds (a benchmark's or a test's; the service builds its list in ``configured_sources``)."""
+    return (RecordedTraffic(),)
+
+
 @dataclass(frozen=True)
 class BlastSources:
-    logs: tuple[tuple[str, str], ...] = ()  # (glob, format: auto | litellm | sglang | openai)
-    litellm_db: str | None = None
+    #: The sources, each asked in turn; the report lists them in this order.
+    sources: tuple[BlastSource, ...] = field(default_factory=_recorded_only)
     exclude: tuple[str, ...] = ()
     own_keys: frozenset[str] = field(default_factory=frozenset)
     #: The target's calibration by name (None: unknown, and prompts are sized by reported counts).
     chars_per_token: Callable[[str], float | None] = field(default=lambda _target: None)
-    threads: int = 1
 
 
 def configured_sources(
@@ -49,21 +58,28 @@ def configured_sources(
     *,
     own_keys: frozenset[str],
     chars_per_token: Callable[[str], float | None],
-    logs: Sequence[tuple[str, str]] = (),
+    logs: Sequence[LogSource] = (),
     litellm_db: str | None = None,
     exclude: Sequence[str] = (),
     threads: int = 1,
 ) -> BlastSources:
     """The sources the configuration names (``blast_radius``), with what a caller adds: more log
-    globs, another LiteLLM database, more callers to leave out (the API adds only callers)."""
+    globs (read as one source with the configured ones), another LiteLLM database (in place of the
+    configured one), more callers to leave out (the API adds only callers). ``threads``: what
+    DuckDB may use for one scan of the logs."""
     blast = settings.blast_radius
+    sources: list[BlastSource] = [RecordedTraffic()]
+    globs = [(log.path, log.format) for log in blast.logs] + list(logs)
+    if globs:
+        sources.append(GatewayLogs(globs, threads))
+    url = litellm_db or litellm_db_url(settings)
+    if url:
+        sources.append(SpendLogs(url))
     return BlastSources(
-        logs=tuple((log.path, log.format) for log in blast.logs) + tuple(logs),
-        litellm_db=litellm_db or litellm_db_url(settings),
+        sources=tuple(sources),
         exclude=tuple(dict.fromkeys([*blast.exclude_callers, *exclude])),
         own_keys=own_keys,
         chars_per_token=chars_per_token,
-        threads=threads,
     )
 
 
@@ -103,11 +119,7 @@ def blast_radius(
     if incident is None:
         return None
     scope = scope_of(session, incident, settings, sources, now or datetime.now(UTC))
-    tallies = [recorded_tally(session, scope)]
-    if sources.logs:
-        tallies.append(logs_tally(list(sources.logs), scope, sources.threads))
-    if sources.litellm_db:
-        tallies.append(spendlogs_tally(sources.litellm_db, scope))
+    tallies = [source.tally(session, scope) for source in sources.sources]
     facts = _incident_facts(session, incident, scope.target)
     deployment = deployment_at(session, incident, incident.opened_at)
     return BlastRadius(facts, scope, tallies, deployment)
@@ -128,30 +140,44 @@ def _incident_facts(session: Session, incident: Incident, target: str) -> dict[s
     }  # fmt: skip
 
 
-def request_rows(
-    session: Session, radius: BlastRadius, sources: BlastSources
-) -> list[tuple[str, str, float]]:
+def request_rows(session: Session, radius: BlastRadius) -> list[tuple[str, str, float]]:
     """Return ``(request id, caller, epoch)`` of every response the primary source counts, customers
-    only (exclusions out), oldest first: the notification list."""
-    primary, scope = radius.primary, radius.scope
-    if primary is None:
+    only (exclusions out), oldest first: the notification list, from the source that counted it."""
+    primary = radius.primary
+    if primary is None or primary.source is None:
         return []
-    rows: list[tuple[str, str, bool, float]]
-    if primary.name == "gateway logs":
-        rows = logs_requests(list(sources.logs), scope, CSV_LIMIT, sources.threads)
-    elif primary.name == "LiteLLM_SpendLogs" and sources.litellm_db:
-        rows = spendlogs_requests(sources.litellm_db, scope, CSV_LIMIT)
-    else:
-        rows = recorded_requests(session, scope, CSV_LIMIT)
+    rows = primary.source.requests(session, radius.scope, CSV_LIMIT)
     return [(rid, caller, t) for rid, caller, own, t in rows if not own and caller not in radius.exclude]
 
 
+#: What begins a formula in a spreadsheet (OWASP, "CSV Injection"); OWASP's other two, tab and
+#: carriage return, are control characters and are stripped before a cell is checked.
+FORMULA_STARTS = ("=", "+", "-", "@")
+#: Unicode categories stripped from a cell: controls (C0, DEL, C1), format characters (bidi
+#: overrides, zero-width) and the line and paragraph separators.
+_STRIPPED = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def csv_cell(value: object) -> str:
+    """Return ``value`` as a cell a spreadsheet shows as the text it is: without control or format
+    characters, and with a leading ``'`` where it would begin a formula, spaces before it or not
+    (a caller or request id is the customer's own text). An operator matching an id strips the quote."""
+    text = str(value)
+    if not text.isprintable():  # the rare case: only then is each character looked at
+        text = "".join(c for c in text if unicodedata.category(c) not in _STRIPPED)
+    return "'" + text if text.lstrip(" ").startswith(FORMULA_STARTS) else text
+
+
 def as_csv(rows: list[tuple[str, str, float]], radius: BlastRadius) -> str:
+    """Return the notification list as CSV: one response a line (two responses a gateway gave one
+    id are two lines, their ``started_at`` apart), each cell through ``csv_cell``. ``request_id``
+    is the id the customer got with the response (``recorded.RecordedTraffic.requests``)."""
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(["request_id", "caller", "started_at", "target", "node", "incident"])
     incident = radius.incident
     for rid, caller, t in rows:
         when = datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
-        writer.writerow([rid, caller, when, incident["target"], incident["node"], incident["id"]])
+        row = (rid, caller, when, incident["target"], incident["node"], incident["id"])
+        writer.writerow([csv_cell(cell) for cell in row])
     return out.getvalue()

@@ -18,14 +18,14 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from monitor.blast.question import Criterion
-from monitor.blast.window import POOL_KINDS
-from monitor.storage.models import Incident, ProbeResultRow
-from monitor.traffic.checks import CHECKS
+from kvcanary.monitor.blast.question import Criterion
+from kvcanary.monitor.blast.window import POOL_KINDS
+from kvcanary.monitor.storage.models import Incident, ProbeResultRow
+from kvcanary.monitor.traffic.checks import REGISTRY as TRAFFIC_CHECKS
 
-#: The traffic checks' result kinds whose findings are the records themselves (``capacity`` is a
-#: pool problem: over the pool, whatever was flagged).
-FLAGGED_KINDS = {f"traffic_{check}": check for check in CHECKS if check != "capacity"}
+#: The traffic checks' result kinds whose findings are the records themselves, to their names (a
+#: check that judges the pool is a pool problem: over the pool, whatever was flagged).
+FLAGGED_KINDS = {check.result_kind: check.name for check in TRAFFIC_CHECKS if not check.judges_pool}
 
 
 def criterion_of(session: Session, incident: Incident) -> Criterion:

@@ -107,14 +107,43 @@ def format_of_keys(keys: set[str]) -> str:
     return "openai"
 
 
+#: The longest log line read, in bytes: DuckDB's default ``maximum_object_size``, which ``logs.py``
+#: states to it. A LiteLLM payload carries the prompt, and a million-token prompt is about 4 MB.
+LINE_BYTES = 16 * 1024 * 1024
+#: Telling a format reads at most ``LINE_BYTES`` of a file (decompressed), and parses only lines of
+#: at most this many bytes: the keys that tell a format are in every record, short ones too.
+PARSE_BYTES = 1024 * 1024
+
+
+class LongLine(ValueError):
+    """A file's first line runs past ``LINE_BYTES``: no log line is that long, and it is not read."""
+
+
 def first_json_keys(path: str, lines: int = 1000) -> set[str] | None:
-    """The keys of the first JSON object among a file's first ``lines`` lines (a ``.gz`` file, as
-    logrotate leaves them, read through gzip, as DuckDB reads it); None: there is none."""
+    """Return the keys of the first JSON object among a file's first ``lines`` lines (a ``.gz`` file,
+    as logrotate leaves them, read through gzip, as DuckDB reads it); None: there is none.
+
+    Whatever the file holds, at most ``LINE_BYTES`` are read and a line over ``PARSE_BYTES`` is
+    passed over unparsed: the memory this takes is bounded by those two, not by the file. Raise
+    ``LongLine`` when the first line alone runs past ``LINE_BYTES``; ``OSError`` when the file
+    cannot be read.
+    """
     opener: Any = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as handle:
-        for _, line in zip(range(lines), handle, strict=False):
+    left = LINE_BYTES
+    with opener(path, "rb") as handle:
+        for n in range(lines):
+            line = handle.readline(left)
+            left -= len(line)
+            if not line.endswith(b"\n") and left <= 0:  # cut at the bound, not at a newline
+                if n == 0:
+                    raise LongLine(f"a line over {LINE_BYTES} bytes")
+                return None
+            if not line:
+                return None
+            if len(line) > PARSE_BYTES:
+                continue
             try:
-                found: Any = json.loads(line)
+                found: Any = json.loads(line.decode("utf-8", errors="replace"))
             except ValueError:
                 continue
             if isinstance(found, dict):

@@ -4,10 +4,13 @@ Every configured glob is read as one source: the files (each once, whatever glob
 grouped by format (``log_formats.py``: given, or told from each file's first JSON line or its
 Parquet columns), each group mapped onto the normal columns, and the groups read as one union. A
 line that is no record of its format is counted as unreadable; a file with no record, or that
-DuckDB cannot read, is counted in the tally's notes, never fatal. Notes name no path and quote no
+DuckDB cannot read, is counted in the tally's notes, never fatal. Every JSON-lines file is first
+checked with a bounded read, whatever it holds (``log_formats.first_json_keys``): one whose first
+line runs past ``LINE_BYTES`` is left out unread, with a note. Notes name no path and quote no
 input (the incident page shows them, and an error's input may be a prompt): the files read are
 in the tally's ``detail``, which only the API and the CLI show. The connection's time zone is UTC,
-so a time without an offset is UTC.
+so a time without an offset is UTC. A line reaches the node where it names no ``api_base`` or where
+its ``api_base``'s routing key is one of the scope's (``routing.py``: the judge's rule, as SQL).
 """
 
 from __future__ import annotations
@@ -16,16 +19,30 @@ import glob as globbing
 import logging
 import os
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from monitor.blast.log_formats import COLUMNS, NORMAL, first_json_keys, format_of_keys
-from monitor.blast.question import Scope
-from monitor.blast.tally import Tally
-from monitor.traffic.checks import TOKENS_MARGIN
+from sqlalchemy.orm import Session
+
+from kvcanary.monitor.blast.log_formats import (
+    COLUMNS,
+    LINE_BYTES,
+    NORMAL,
+    LongLine,
+    first_json_keys,
+    format_of_keys,
+)
+from kvcanary.monitor.blast.question import Scope
+from kvcanary.monitor.blast.routing import api_base_key_sql, routed_keys
+from kvcanary.monitor.blast.source import RequestRow
+from kvcanary.monitor.blast.tally import Tally
+from kvcanary.monitor.traffic.checks import TOKENS_MARGIN
 
 log = logging.getLogger("kvcanary.blast")
 LogSource = tuple[str, str]  # (glob, format: auto | litellm | sglang | openai)
+#: The note on a file left out for its first line: the size only (its start may be a prompt).
+LONG_LINE = f"a file whose first line runs past {LINE_BYTES // 2**20} MiB, which no log line does (not read)"
 
 
 def estimate_sql(chars_per_token: float | None) -> str:
@@ -82,10 +99,11 @@ class LogFiles:
 
     def _add(self, path: str, fmt: str) -> None:
         parquet = path.endswith(".parquet")
-        try:  # a Parquet file is checked whatever its format: one bad file must not cost the others
-            keys = (
-                self._parquet_columns(path) if parquet else first_json_keys(path) if fmt == "auto" else None
-            )
+        try:  # every file is checked whatever its format: one bad file must not cost the others
+            keys = self._parquet_columns(path) if parquet else first_json_keys(path)
+        except LongLine:  # the file is left out unread (DuckDB would refuse the whole read for it)
+            self.skipped[LONG_LINE] += 1
+            return
         except Exception as exc:  # a file DuckDB or the OS cannot read: counted, not fatal
             self.skipped[f"a file not read ({type(exc).__name__})"] += 1
             return
@@ -134,16 +152,18 @@ class LogFiles:
                 source = f"SELECT {chosen} FROM read_parquet({files}, union_by_name = true)"
             else:
                 spec = "{" + ", ".join(f"{_quote(k)}: {_quote(v)}" for k, v in columns.items()) + "}"
-                options = f"format = 'newline_delimited', ignore_errors = true, columns = {spec}"
+                options = (
+                    f"format = 'newline_delimited', ignore_errors = true, columns = {spec}, "
+                    f"maximum_object_size = {LINE_BYTES}"
+                )
                 source = f"SELECT * FROM read_json({files}, {options})"
             con.execute(f"CREATE TEMP VIEW raw{n} AS {source}")
             parts.append(NORMAL[fmt].format(raw=f"raw{n}"))
         con.execute("CREATE TEMP VIEW normal AS " + " UNION ALL ".join(f"({p})" for p in parts))
 
 
-_ANNOTATED = """SELECT *, list_contains($own, key_hash) AS own,
-    api_base IS NULL
-      OR list_contains($bases, regexp_replace(rtrim(lower(api_base), '/'), '/v1$', '')) AS routed
+_ANNOTATED = f"""SELECT *, list_contains($own, key_hash) AS own,
+    api_base IS NULL OR list_contains($bases, {api_base_key_sql("api_base")}) AS routed
     FROM normal"""
 #: One pass over the files: caller groups, the customers' buckets and the totals, as grouping
 #: sets; ``GROUPING(c, o, b)`` tells them apart (``SETS``).
@@ -169,14 +189,14 @@ def _params(scope: Scope) -> dict[str, Any]:
         "start": scope.start_epoch,
         "end": scope.end_epoch,
         "own": sorted(scope.own_keys),
-        "bases": [b.lower() for b in scope.api_bases],
+        "bases": routed_keys(scope.api_bases),
         "exclude": list(scope.exclude),
     }
 
 
 def logs_tally(sources: list[LogSource], scope: Scope, threads: int = 1) -> Tally:
     """Count the matching requests in the files the globs name."""
-    tally = Tally("gateway logs", ", ".join(g for g, _ in sources))
+    tally = Tally(GatewayLogs.name, ", ".join(g for g, _ in sources))
     if scope.criterion.kind in ("flagged", "none"):
         tally.notes.append(
             "a log holds no check's verdict: only the monitor's recorded traffic answers this criterion"
@@ -200,9 +220,7 @@ def logs_tally(sources: list[LogSource], scope: Scope, threads: int = 1) -> Tall
     return tally
 
 
-def logs_requests(
-    sources: list[LogSource], scope: Scope, limit: int, threads: int = 1
-) -> list[tuple[str, str, bool, float]]:
+def logs_requests(sources: list[LogSource], scope: Scope, limit: int, threads: int = 1) -> list[RequestRow]:
     files = LogFiles(sources)
     if not files.groups or scope.criterion.kind in ("flagged", "none"):
         return []
@@ -239,3 +257,31 @@ def _add(tally: Tally, rows: list[tuple[Any, ...]], files: LogFiles) -> None:
             "SGLang's log cuts prompts past 2,048 characters (those are sized by the engine's own count) "
             "and names no key (the monitor's own probes are counted as callers)"
         )
+
+
+class GatewayLogs:
+    """A gateway's log files, every configured glob with its format (a ``BlastSource``).
+
+    Trusted most: a log names every request the gateway served, with its id and its exact time.
+    ``threads`` is what DuckDB may use for one scan (the CLI gives it two, the service one).
+    """
+
+    name = "gateway logs"
+    about = "a gateway's log files (JSON lines or Parquet), read in place by DuckDB"
+    trust = 3
+
+    def __init__(self, globs: Sequence[LogSource], threads: int = 1):
+        self.globs = list(globs)
+        self.threads = threads
+
+    def __repr__(self) -> str:
+        return f"GatewayLogs({self.globs!r}, threads={self.threads})"
+
+    def tally(self, session: Session | None, scope: Scope) -> Tally:
+        """Count the matching requests in the files (no database is read: ``session`` is unused)."""
+        tally = logs_tally(self.globs, scope, self.threads)
+        tally.source = self
+        return tally
+
+    def requests(self, session: Session | None, scope: Scope, limit: int) -> list[RequestRow]:
+        return logs_requests(self.globs, scope, limit, self.threads)

@@ -13,9 +13,10 @@ from typing import Any
 from sqlalchemy import BigInteger, and_, cast, func, or_, select
 from sqlalchemy.orm import Session
 
-from monitor.blast.question import Scope
-from monitor.blast.tally import Tally
-from monitor.storage.models import TrafficMinute, TrafficRecordRow
+from kvcanary.monitor.blast.question import Scope
+from kvcanary.monitor.blast.source import RequestRow
+from kvcanary.monitor.blast.tally import Tally
+from kvcanary.monitor.storage.models import TrafficMinute, TrafficRecordRow
 
 R, M = TrafficRecordRow, TrafficMinute
 
@@ -33,34 +34,73 @@ def _nodes(scope: Scope, column: Any) -> Any:
     return True if not scope.node else column.in_(["", scope.node])
 
 
-def recorded_tally(session: Session, scope: Scope) -> Tally:
-    tally = Tally("recorded traffic", "the monitor's traffic_record rows and traffic_minute counts")
-    in_window = [
-        M.target_id == scope.target_id,
-        _nodes(scope, M.node),
-        M.minute >= scope.window.start.at.replace(second=0, microsecond=0),
-        M.minute <= scope.window.end.at,
-    ]
-    records = session.execute(select(func.sum(M.records)).where(*in_window)).scalar_one_or_none()
-    tally.rows_read = int(records or 0)
-    tally.covered = tally.rows_read > 0
-    # What the tap delivered of this target at all (not only in the window): how much of it is seen.
+class RecordedTraffic:
+    """The traffic the gateway tap delivered, as the monitor kept it (a ``BlastSource``).
+
+    Trusted least of the sources: it holds only what the tap saw, and for at-risk counts only
+    minutes, but it is the one source every monitor has.
+    """
+
+    name = "recorded traffic"
+    about = "what the gateway tap delivered: the monitor's kept traffic_record rows and traffic_minute counts"
+    trust = 1
+
+    def __repr__(self) -> str:
+        return "RecordedTraffic()"
+
+    def tally(self, session: Session, scope: Scope) -> Tally:
+        tally = Tally(self.name, "the monitor's traffic_record rows and traffic_minute counts", source=self)
+        in_window = [
+            M.target_id == scope.target_id,
+            _nodes(scope, M.node),
+            M.minute >= scope.window.start.at.replace(second=0, microsecond=0),
+            M.minute <= scope.window.end.at,
+        ]
+        records = session.execute(select(func.sum(M.records)).where(*in_window)).scalar_one_or_none()
+        tally.rows_read = int(records or 0)
+        tally.covered = tally.rows_read > 0
+        tally.span = _delivered(session, scope)
+        if not tally.covered:
+            tally.notes.append("the gateway tap delivered no record of this target in the window")
+        kind = scope.criterion.kind
+        if kind == "at_risk":
+            _count_minutes(session, scope, in_window, tally)
+            tally.notes.append(
+                "requests outside the kept rows are counted by the minute: first and last are minutes"
+            )
+        elif kind in ("over_pool", "flagged"):
+            _count_rows(session, scope, tally)
+        return tally
+
+    def requests(self, session: Session, scope: Scope, limit: int) -> list[RequestRow]:
+        """Return the kept rows that match, oldest first: one per response, however many share an id.
+
+        The request id is the gateway's id of the response (``upstream_id``), which is what a
+        customer holds (the response's ``id``) and what the gateway's logs and LiteLLM's spend log
+        list, so every source names a request alike; where the gateway gave none, the record's own
+        id. Two responses under one repeated upstream id are two lines, told apart by their times:
+        the record's id would tell them apart too, but no customer could look it up. At-risk counts
+        are by the minute and name no request: the list is empty."""
+        if scope.criterion.kind not in ("over_pool", "flagged"):
+            return []
+        shown = func.coalesce(func.nullif(R.upstream_id, ""), R.request_id)
+        query = (
+            select(shown, R.caller, _own(scope), _epoch(R.started_at))
+            .where(and_(*row_filter(scope)))
+            .order_by(R.started_at, R.id)
+            .limit(limit)
+        )
+        return [(rid, caller, bool(own), float(t)) for rid, caller, own, t in session.execute(query)]
+
+
+def _delivered(session: Session, scope: Scope) -> tuple[float, float] | None:
+    """What the tap delivered of this target at all (not only in the window): how much of it is seen."""
     first, last = session.execute(
         select(func.min(M.minute), func.max(M.minute)).where(M.target_id == scope.target_id)
     ).one()
-    if first is not None:
-        tally.span = (first.timestamp(), last.timestamp() + 60)  # a minute row covers its whole minute
-    if not tally.covered:
-        tally.notes.append("the gateway tap delivered no record of this target in the window")
-    kind = scope.criterion.kind
-    if kind == "at_risk":
-        _count_minutes(session, scope, in_window, tally)
-        tally.notes.append(
-            "requests outside the kept rows are counted by the minute: first and last are minutes"
-        )
-    elif kind in ("over_pool", "flagged"):
-        _count_rows(session, scope, tally)
-    return tally
+    if first is None:
+        return None
+    return (first.timestamp(), last.timestamp() + 60)  # a minute row covers its whole minute
 
 
 def _own(scope: Scope) -> Any:
@@ -121,16 +161,3 @@ def _count_minutes(session: Session, scope: Scope, in_window: list[Any], tally: 
     customers = [M.caller.not_in(scope.exclude)] if scope.exclude else []
     buckets = select(bucket, func.sum(M.answered - M.own)).where(*in_window, *customers).group_by(bucket)
     tally.add_buckets((b, n) for b, n in session.execute(buckets) if n)
-
-
-def recorded_requests(session: Session, scope: Scope, limit: int) -> list[tuple[str, str, bool, float]]:
-    """Return ``(request id, caller, own, epoch)`` of the kept rows that match, oldest first."""
-    if scope.criterion.kind not in ("over_pool", "flagged"):
-        return []
-    query = (
-        select(R.request_id, R.caller, _own(scope), _epoch(R.started_at))
-        .where(and_(*row_filter(scope)))
-        .order_by(R.started_at, R.id)
-        .limit(limit)
-    )
-    return [(rid, caller, bool(own), float(t)) for rid, caller, own, t in session.execute(query)]

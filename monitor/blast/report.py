@@ -1,10 +1,11 @@
 """An incident's blast radius put together: the sources' counts, what was excluded and why, and
 the disclosure summary in the shape of the incident's own.
 
-The figures come from one source, the first that covers the window in this order: the gateway's
-logs (every request, with its id), LiteLLM's spend log, the traffic the monitor recorded (what the
-tap delivered). Every source's own count is listed beside them, so a disagreement shows. Where no
-source covers the window the counts are None: unknown, never zero.
+The figures come from one source, the most trusted (``BlastSource.trust``: the gateway's logs,
+every request with its id, then LiteLLM's spend log, then the traffic the monitor recorded, what
+the tap delivered) among those that cover the window about as well as the best one. Every source's
+own count is listed beside them, so a disagreement shows. Where no source covers the window the
+counts are None: unknown, never zero.
 """
 
 from __future__ import annotations
@@ -14,16 +15,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from monitor.blast.question import Criterion, Scope, Window
-from monitor.blast.tally import CallerCount, Tally
+from kvcanary.monitor.blast.question import Criterion, Scope, Window
+from kvcanary.monitor.blast.tally import CallerCount, Tally
 
 OWN = "the monitor's own canary tenants (their key hash)"
 LISTED = "listed by the operator"
-#: The order in which sources are trusted for the figures (see the module doc).
-PREFERENCE = ("gateway logs", "LiteLLM_SpendLogs", "recorded traffic")
 #: A source whose records span this much of the window counts as covering it.
 FULL = 0.9
-#: Sources covering the window within this share of the best one are taken in ``PREFERENCE`` order.
+#: Among the sources covering the window within this share of the best one, the most trusted counts.
 SLACK = 0.1
 #: Sources are compared at the coarsest time grain among them: the recorded traffic's minute
 #: counts. Without it a log's exact first and last requests lose up to two minutes against the
@@ -55,17 +54,15 @@ class BlastRadius:
 
     @functools.cached_property  # the sources are settled when the report is made
     def primary(self) -> Tally | None:
-        """The source the figures come from: the first in ``PREFERENCE`` among those that cover
-        the window about as well as the best does (within ``SLACK``): logs rotated to their last
-        hour do not outrank a tap that saw the whole window."""
+        """The source the figures come from: the most trusted among those that cover the window
+        about as well as the best does (within ``SLACK``): logs rotated to their last hour do not
+        outrank a tap that saw the whole window. Of sources trusted alike, the first listed."""
         covered = [t for t in self.sources if t.covered]
         if not covered:
             return None
-        rank = {name: i for i, name in enumerate(PREFERENCE)}
-        share = {t.name: t.coverage(self.scope.start_epoch, self.scope.end_epoch, GRAIN_S) for t in covered}
-        best = max(share.values())
-        near = [t for t in covered if share[t.name] >= best - SLACK]
-        return min(near, key=lambda t: rank.get(t.name, len(rank)))
+        share = [t.coverage(self.scope.start_epoch, self.scope.end_epoch, GRAIN_S) for t in covered]
+        near = [t for t, s in zip(covered, share, strict=True) if s >= max(share) - SLACK]
+        return max(near, key=_trust)  # max keeps the first of equals
 
     def callers(self) -> list[tuple[str, CallerCount]]:
         found = self.primary
@@ -143,7 +140,8 @@ class BlastRadius:
 
     def _source_json(self, t: Tally) -> dict[str, Any]:
         """One source's own answer; ``responses`` as the headline counts them (exclusions out)."""
-        return {"name": t.name, "read": t.detail, "covered": t.covered, "primary": t is self.primary,
+        return {"name": t.name, "about": t.source.about if t.source is not None else None,
+                "read": t.detail, "covered": t.covered, "primary": t is self.primary,
                 "coverage": round(self.coverage(t), 3), "rows_read": t.rows_read,
                 "responses": t.customer_responses(self.exclude) if t.covered else None,
                 "own_responses": sum(n.responses for n in t.own.values()) if t.covered else None,
@@ -180,6 +178,11 @@ class BlastRadius:
         if self.primary is not None:  # the source's name only: paths and hosts stay behind the API token
             lines.append(f"Counted from {self.primary.name}.")
         return lines
+
+
+def _trust(tally: Tally) -> int:
+    """How far a tally's source is trusted; one counted outside a source list, least of all."""
+    return tally.source.trust if tally.source is not None else 0
 
 
 def _deployment(d: dict[str, Any]) -> str:

@@ -14,12 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.orm import Session
 
-from monitor.blast.logs import SETS, match_sql
-from monitor.blast.question import Scope
-from monitor.blast.tally import Tally
+from kvcanary.monitor.blast.logs import SETS, match_sql
+from kvcanary.monitor.blast.question import Scope
+from kvcanary.monitor.blast.routing import api_base_key_sql, routed_keys
+from kvcanary.monitor.blast.source import RequestRow
+from kvcanary.monitor.blast.tally import Tally
 
 TABLE = '"LiteLLM_SpendLogs"'
 
@@ -43,7 +46,7 @@ _NORMAL = f"""SELECT s.request_id,
         coalesce({_DIGEST} = ANY(:own), false) AS own,
         extract(epoch FROM s."startTime") AS t,
         coalesce(s.status, 'success') = 'success' AS ok,
-        regexp_replace(rtrim(lower(coalesce(s.api_base, '')), '/'), '/v1$', '') = ANY(:bases) AS routed,
+        {api_base_key_sql("coalesce(s.api_base, '')")} = ANY(:bases) AS routed,
         s.prompt_tokens,
         CASE WHEN jsonb_typeof(s.proxy_server_request->'messages') = 'array' THEN {_MESSAGES} END
           AS prompt_chars
@@ -57,8 +60,18 @@ _HELD = f'SELECT extract(epoch FROM min("startTime")), extract(epoch FROM max("s
 
 
 def public(url: str) -> str:
-    """The URL without its password: what a report may show."""
-    return make_url(url).render_as_string(hide_password=True)
+    """Return what a report may show of a database URL: its scheme, host, port and database name.
+
+    Nothing else: not the user or password, and no query or fragment, since libpq takes secrets
+    there too (``?password=``, ``?sslpassword=``, ``?sslkey=``). Raise ``ArgumentError`` (or
+    ``ValueError``) where ``url`` is no database URL.
+    """
+    parsed = make_url(url)
+    # SQLAlchemy keeps what follows a second "@" in the host, and a "#..." in the database name.
+    host = (parsed.host or "").rpartition("@")[2] or None
+    database = (parsed.database or "").partition("#")[0] or None
+    shown = URL.create(parsed.drivername, host=host, port=parsed.port, database=database)
+    return shown.render_as_string(hide_password=False)
 
 
 def spendlogs_engine(url: str) -> Engine:
@@ -82,7 +95,7 @@ def _params(scope: Scope) -> dict[str, Any]:
         "end": scope.end_epoch,
         # Never an empty array: PostgreSQL cannot type one. No key hash or base is "-".
         "own": sorted(scope.own_keys) or ["-"],
-        "bases": [b.lower() for b in scope.api_bases] or ["-"],
+        "bases": routed_keys(scope.api_bases) or ["-"],
         "width": scope.bucket_seconds,
         "exclude": list(scope.exclude),
     }
@@ -93,7 +106,7 @@ def spendlogs_tally(url: str, scope: Scope) -> Tally:
         where = f"{TABLE} at {public(url)}"
     except (ArgumentError, ValueError):
         where = f"{TABLE} (the URL given is not a database URL)"
-    tally = Tally("LiteLLM_SpendLogs", where)
+    tally = Tally(SpendLogs.name, where)
     if scope.criterion.kind in ("flagged", "none"):
         tally.notes.append(
             "LiteLLM's spend log holds no check's verdict: only the recorded traffic answers this criterion"
@@ -140,18 +153,46 @@ def spendlogs_tally(url: str, scope: Scope) -> Tally:
     return tally
 
 
-def spendlogs_requests(url: str, scope: Scope, limit: int) -> list[tuple[str, str, bool, float]]:
-    """The matching rows' ids; raise ValueError (naming the table, not the URL) when it cannot be read."""
-    if scope.criterion.kind in ("flagged", "none"):
-        return []
-    query = f"SELECT request_id, caller, own, t FROM ({_NORMAL}) n WHERE {_match(scope)}"
-    query += f" ORDER BY t LIMIT {int(limit)}"
-    engine = spendlogs_engine(url)
-    try:
-        with engine.connect() as conn:
-            return [(r, c, bool(o), float(t)) for r, c, o, t in conn.execute(text(query), _params(scope))]
-    except SQLAlchemyError as exc:
-        cause = getattr(exc, "orig", None) or exc
-        raise ValueError(f"could not read {TABLE}: {type(cause).__name__}") from None
-    finally:
-        engine.dispose()
+class SpendLogs:
+    """LiteLLM's ``LiteLLM_SpendLogs`` table, read over its URL (a ``BlastSource``).
+
+    The URL holds a password: it is kept private and shown only as ``public`` has it, in the
+    tally's ``detail`` and in this object's ``repr``. Trusted below a gateway's logs (a row lacks
+    the prompt unless LiteLLM was told to store it) and above the recorded traffic.
+    """
+
+    name = "LiteLLM_SpendLogs"
+    about = "LiteLLM's spend log table (its database mode): one row per request it served"
+    trust = 2
+
+    def __init__(self, url: str):
+        self._url = url
+
+    def __repr__(self) -> str:
+        try:
+            return f"SpendLogs({public(self._url)!r})"
+        except (ArgumentError, ValueError):
+            return "SpendLogs(<not a database URL>)"
+
+    def tally(self, session: Session | None, scope: Scope) -> Tally:
+        """Count the matching rows (the monitor's own database is not read: ``session`` is unused)."""
+        tally = spendlogs_tally(self._url, scope)
+        tally.source = self
+        return tally
+
+    def requests(self, session: Session | None, scope: Scope, limit: int) -> list[RequestRow]:
+        """The matching rows' ids; raise ValueError (naming the table, not the URL) when it cannot be read."""
+        if scope.criterion.kind in ("flagged", "none"):
+            return []
+        query = f"SELECT request_id, caller, own, t FROM ({_NORMAL}) n WHERE {_match(scope)}"
+        query += f" ORDER BY t LIMIT {int(limit)}"
+        engine = spendlogs_engine(self._url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(text(query), _params(scope))
+                return [(r, c, bool(o), float(t)) for r, c, o, t in rows]
+        except SQLAlchemyError as exc:
+            cause = getattr(exc, "orig", None) or exc
+            raise ValueError(f"could not read {TABLE}: {type(cause).__name__}") from None
+        finally:
+            engine.dispose()

@@ -14,7 +14,10 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a source makes tallies, so the name is for the checker only
+    from kvcanary.monitor.blast.source import BlastSource
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Tally:
     """One source's answer. ``covered`` is False where the source holds nothing of the target in
     the window (then its zero is no answer); ``note`` says what limits it."""
 
-    name: str  # "recorded traffic", "gateway logs", "LiteLLM_SpendLogs"
+    name: str  # the source's name (``BlastSource.name``)
     detail: str  # what was read (a glob, a table), never a credential
     covered: bool = False
     rows_read: int | None = None
@@ -53,6 +56,9 @@ class Tally:
     buckets: Counter[int] = field(default_factory=Counter)
     #: The first and last time (epoch) the source holds anything: how much of the window it covers.
     span: tuple[float, float] | None = None
+    #: The source that counted it: the report asks it how far it is trusted, and the notification
+    #: list asks it for the ids (None: counted outside a source list, by a reader called alone).
+    source: BlastSource | None = field(default=None, repr=False, compare=False)
 
     def coverage(self, start: float, end: float, grain: float = 0.0) -> float:
         """The share of the window ``[start, end]`` the source's span covers (0 without one).

@@ -18,11 +18,19 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from monitor.blast.question import Bound, Window
-from monitor.storage.models import Incident, ProbeResultRow, Target
+from kvcanary.monitor.blast.question import Bound, Window
+from kvcanary.monitor.storage.models import Incident, ProbeResultRow, Target
+from kvcanary.monitor.traffic.checks import REGISTRY as TRAFFIC_CHECKS
+from kvcanary.probes import REGISTRY
 
-#: Incident kinds whose condition is the node's pool against its window.
-POOL_KINDS = frozenset({"capacity", "boundary", "traffic_capacity"})
+#: Incident kinds whose condition is the node's pool against its window: the probe kinds and the
+#: traffic checks that say so (``traffic_capacity``).
+POOL_KINDS = frozenset(
+    {
+        *(kind for kind, probe in REGISTRY.items() if probe.judges_pool),
+        *(check.result_kind for check in TRAFFIC_CHECKS if check.judges_pool),
+    }
+)
 
 
 def window_of(session: Session, incident: Incident, now: datetime) -> Window:

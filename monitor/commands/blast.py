@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from fastapi.encoders import jsonable_encoder
 
-from monitor.blast.compute import (
+from kvcanary.monitor.blast.compute import (
     CSV_LIMIT,
     BlastSources,
     as_csv,
@@ -27,15 +27,15 @@ from monitor.blast.compute import (
     configured_sources,
     request_rows,
 )
-from monitor.blast.report import BlastRadius
-from monitor.config.secrets import tenant_keys
-from monitor.config.settings import ConfigError, Settings
-from monitor.storage.db import check_migrated, make_engine, make_session_factory
-from monitor.storage.models import Incident, Target
-from monitor.targets.calibration import SAMPLE_TEXT
-from monitor.targets.openai_http import OpenAIHttpTarget
-from monitor.targets.wire import Limits
-from monitor.traffic.judge import own_key_digests
+from kvcanary.monitor.blast.report import BlastRadius
+from kvcanary.monitor.config.secrets import tenant_keys
+from kvcanary.monitor.config.settings import ConfigError, Settings
+from kvcanary.monitor.storage.db import check_migrated, make_engine, make_session_factory
+from kvcanary.monitor.storage.models import Incident, Target
+from kvcanary.monitor.targets.calibration import SAMPLE_TEXT
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.monitor.targets.wire import Limits
+from kvcanary.monitor.traffic.judge import own_key_digests
 
 EXIT_OK, EXIT_NOT_FOUND = 0, 1
 
@@ -93,7 +93,7 @@ def run_blast_radius(
             radius = blast_radius(session, incident_id, settings, sources)
             assert radius is not None  # read above, in this session
             if csv_path is not None:
-                rows = request_rows(session, radius, sources)
+                rows = request_rows(session, radius)
                 csv_path.write_text(as_csv(rows, radius), encoding="utf-8")
                 print(f"kvcanary: {len(rows)} request id(s) written to {csv_path}", file=sys.stderr)
                 _short_list(len(rows), radius)

@@ -12,16 +12,15 @@ import json
 
 import typer
 
-from monitor.config.secrets import tenant_keys
-from monitor.config.settings import Settings
-from monitor.config.targets import TargetConfig
-from monitor.runs.execute import execute_probe
-from monitor.runs.runner import nodes_of_run
-from monitor.targets.openai_http import OpenAIHttpTarget
-from monitor.targets.wire import Limits
-from probes.base import ProbeResult, Verdict
-from probes.markers import MarkerBook
-from probes.target import Node
+from kvcanary.monitor.config.secrets import tenant_keys
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.monitor.runs.runner import Where, bound_to, nodes_of_run
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.monitor.targets.wire import Limits
+from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.markers import MarkerBook
 
 EXIT_OK, EXIT_FAILED, EXIT_UNJUDGED = 0, 1, 3
 
@@ -33,16 +32,17 @@ async def _check_target(
     try:
         rows = []
         for kind in target.probes:
-            for node in nodes_of_run(target, kind):
-                result, _ = await execute_probe(kind, client, markers, target, node=node)
-                rows.append((_where(target.name, node), kind, result))
+            for where in nodes_of_run(target, kind):
+                run_client, node = bound_to(client, where)
+                result, _ = await execute_probe(kind, run_client, markers, target, node=node)
+                rows.append((_where(target.name, where), kind, result))
         return rows
     finally:
         await client.aclose()
 
 
-def _where(target: str, node: Node | None) -> str:
-    return f"{target}@{node.name}" if node is not None and node.name else target
+def _where(target: str, where: Where) -> str:
+    return f"{target}@{where.name}" if where is not None and where.name else target
 
 
 async def _check_all(settings: Settings, only: list[str] | None) -> list[tuple[str, str, ProbeResult]]:

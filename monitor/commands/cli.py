@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from monitor.config.settings import ConfigError, Settings, load_settings
+from kvcanary.monitor.config.settings import ConfigError, Settings, load_settings
 
 app = typer.Typer(
     name="kvcanary",
@@ -28,13 +28,17 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Database migrations (Alembic).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+quarantine_app = typer.Typer(
+    help="The targets the gateways are told to stop sending customers to.", no_args_is_help=True
+)
+app.add_typer(quarantine_app, name="quarantine")
 
 ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="The YAML config file (see kvcanary.example.yml).")
 ]
 EXIT_CONFIG = 2
-#: ``workers`` in a checkout, ``kvcanary.workers`` where the wheel installed everything under ``kvcanary``.
-WORKERS_MODULE = f"{(__package__ or 'monitor.commands').removesuffix('monitor.commands')}workers"
+#: The reference worker, run as a module (the monitor starts workers only as processes).
+WORKERS_MODULE = "kvcanary.workers"
 
 
 def _fail(message: str, code: int = EXIT_CONFIG) -> typer.Exit:
@@ -92,9 +96,9 @@ def serve(
     log_level: Annotated[LogLevel, typer.Option(help="How much to log.")] = LogLevel.info,
 ) -> None:
     """Run the scheduler, the REST API and /metrics until SIGTERM or Ctrl-C."""
-    from monitor.commands.serve import serve_forever
-    from monitor.storage.db import DatabaseNotMigrated
-    from monitor.storage.sqlite_file import DatabaseInUse
+    from kvcanary.monitor.commands.serve import serve_forever
+    from kvcanary.monitor.storage.db import DatabaseNotMigrated
+    from kvcanary.monitor.storage.sqlite_file import DatabaseInUse
 
     settings = _settings(config)
     _logging(log_level.value)
@@ -120,7 +124,7 @@ def check(
     Run it after every change of weights, quantization, parallelism or memory fraction.
     Exit 0 when all pass, 1 on any leak or mismatch, 3 when only errors kept it from judging.
     """
-    from monitor.commands.check import run_check
+    from kvcanary.monitor.commands.check import run_check
 
     settings = _settings(config)
     _logging("warning")
@@ -160,8 +164,8 @@ def blast_radius(
     json_out: Annotated[bool, typer.Option("--json", help="The report as JSON.")] = False,
 ) -> None:
     """Say which responses an incident exposed, of which callers, between when and when."""
-    from monitor.commands.blast import run_blast_radius
-    from monitor.storage.db import DatabaseNotMigrated
+    from kvcanary.monitor.commands.blast import run_blast_radius
+    from kvcanary.monitor.storage.db import DatabaseNotMigrated
 
     settings = _settings(config)
     _logging("warning")
@@ -178,6 +182,44 @@ def blast_radius(
     raise typer.Exit(code)
 
 
+def _quarantine(config: Path, action: str, target: str | None = None, reason: str = "") -> None:
+    from kvcanary.monitor.commands.quarantine import run_quarantine
+    from kvcanary.monitor.storage.db import DatabaseNotMigrated
+
+    settings = _settings(config)
+    _logging("warning")
+    try:
+        with _database_errors(settings.database_url):
+            code = run_quarantine(settings, action, target, reason)
+    except DatabaseNotMigrated as exc:
+        raise _fail(str(exc)) from None
+    raise typer.Exit(code)
+
+
+TargetArg = Annotated[str, typer.Argument(help="The target's name, as in the config.")]
+ReasonOpt = Annotated[str, typer.Option(min=1, max=300, help="Why, in one line: shown to on-call.")]
+
+
+@quarantine_app.command("list")
+def quarantine_list(config: ConfigOpt) -> None:
+    """Print each quarantined target: enforced or observed, by what, since when, why."""
+    _quarantine(config, "list")
+
+
+@quarantine_app.command("put")
+def quarantine_put(target: TargetArg, config: ConfigOpt, reason: ReasonOpt) -> None:
+    """Quarantine a target by hand (enforced whatever the policy) until it is lifted by hand."""
+    _quarantine(config, "put", target, reason)
+
+
+@quarantine_app.command("lift")
+def quarantine_lift(
+    target: TargetArg, config: ConfigOpt, reason: ReasonOpt = "lifted by an operator"
+) -> None:
+    """Lift a target's quarantine; it holds until a new incident. Exit 1 when there was none."""
+    _quarantine(config, "lift", target, reason)
+
+
 @app.command()
 def demo(
     duration: Annotated[
@@ -190,7 +232,7 @@ def demo(
     ] = False,
 ) -> None:
     """Start a healthy and a defective reference worker and the monitor; show the leak being caught."""
-    from monitor.commands.demo import run_demo
+    from kvcanary.monitor.commands.demo import run_demo
 
     _logging("warning")
     raise typer.Exit(run_demo(duration=duration, port=port, workdir=workdir, until_caught=until_caught))
@@ -212,7 +254,7 @@ def db_upgrade(
     revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
 ) -> None:
     """Migrate the configured database to the newest schema (or --revision)."""
-    from monitor.storage.db import upgrade
+    from kvcanary.monitor.storage.db import upgrade
 
     settings = _settings(config)
     with _database_errors(settings.database_url):
@@ -226,7 +268,7 @@ def db_downgrade(
     revision: Annotated[str, typer.Option(help="Target revision, e.g. base or -1.")],
 ) -> None:
     """Revert the configured database to an older schema."""
-    from monitor.storage.db import downgrade
+    from kvcanary.monitor.storage.db import downgrade
 
     settings = _settings(config)
     with _database_errors(settings.database_url):
@@ -265,7 +307,12 @@ def dashboards_push(
     Exit 0 when Grafana saved every dashboard, 1 when it refused one or did not answer, 2 when the
     token, the URL or a dashboard file is missing or unusable. The token is never printed.
     """
-    from monitor.commands.dashboards import DashboardPushError, dashboard_files, push_dashboards, read_token
+    from kvcanary.monitor.commands.dashboards import (
+        DashboardPushError,
+        dashboard_files,
+        push_dashboards,
+        read_token,
+    )
 
     _logging("warning")
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import monitor
+from kvcanary import monitor
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ as they arrive, then the incident with its redacted evidence, and keeps serving 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import signal
 import subprocess
@@ -20,25 +19,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import uvicorn
 
-from monitor.app import Monitor, create_app
-from monitor.commands.demo_gateway import Gateway, maybe_start_gateway, report_blast_radius, run_traffic
-from monitor.commands.demo_stack import (
-    Observability,
-    free_port,
-    missing_binaries,
-    start_observability,
-    stop_processes,
+from kvcanary.monitor.app import Monitor, create_app
+from kvcanary.monitor.commands.demo_gateway import (
+    Gateway,
+    maybe_start_gateway,
+    report_blast_radius,
+    run_traffic,
 )
-from monitor.config.settings import Settings, parse_settings
-from monitor.runs.runner import RunSummary
-from monitor.storage.db import upgrade
-from probes.base import Verdict
+from kvcanary.monitor.commands.demo_stack import Observability, missing_binaries, start_observability
+from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
+from kvcanary.monitor.config.settings import Settings, parse_settings
+from kvcanary.monitor.runs.runner import RunSummary
+from kvcanary.monitor.storage.db import upgrade
+from kvcanary.probes.base import Verdict
 
-#: ``workers`` in a checkout, ``kvcanary.workers`` where the wheel installed everything under ``kvcanary``.
-WORKERS_MODULE = f"{(__package__ or 'monitor.commands').removesuffix('monitor.commands')}workers"
+#: The reference worker, run as a module (the monitor starts workers only as processes).
+WORKERS_MODULE = "kvcanary.workers"
 TENANTS = ("tenant-a", "tenant-b")
 WORKERS = {
     # name: worker flags. The defective node advertises 8,192 tokens of context on a 2,048-token
@@ -88,15 +86,7 @@ def _start_worker(
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker at {url} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"worker at {url} not ready after {timeout:.0f}s")
+    wait_http(url + "/health", timeout, proc, every=0.2)
 
 
 def demo_settings(

@@ -30,16 +30,16 @@ import yaml
 from sqlalchemy import select
 
 import kvcanary.tap
-from monitor.api.blast import sources_of
-from monitor.blast.compute import blast_radius
-from monitor.blast.report import BlastRadius
-from monitor.commands.demo_stack import free_port, stop_process
-from monitor.config.settings import Settings
-from monitor.paging.links import incident_url
-from monitor.storage.models import Incident, Target
+from kvcanary.monitor.api.blast import sources_of
+from kvcanary.monitor.blast.compute import blast_radius
+from kvcanary.monitor.blast.report import BlastRadius
+from kvcanary.monitor.commands.processes import free_port, stop_process
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.paging.links import incident_url
+from kvcanary.monitor.storage.models import Incident, Target
 
 if TYPE_CHECKING:
-    from monitor.app import Monitor
+    from kvcanary.monitor.app import Monitor
 
 #: Customer keys → team. The keys stay in the gateway; the monitor sees the teams.
 CUSTOMERS = {"sk-demo-acme-0001": "acme", "sk-demo-globex-0002": "globex", "sk-demo-initech-0003": "initech"}

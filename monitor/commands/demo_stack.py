@@ -8,13 +8,8 @@ on and says what it skipped.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +17,8 @@ from typing import Any
 import httpx
 import yaml
 
-import monitor
+from kvcanary import monitor
+from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
 
 RULES = Path(monitor.__file__).resolve().parent.parent / "alerts" / "kvcanary.rules.yml"
 BINARIES = ("prometheus", "prometheus-alertmanager")
@@ -115,41 +111,4 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def _ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    name = proc.args[0] if isinstance(proc.args, list) else proc.args
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name!s} exited with {proc.returncode} (see its log in the workdir)")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout:.0f}s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """Stop ``proc``'s process group: SIGTERM, then SIGKILL after 10 seconds."""
-    stop_processes([proc])
-
-
-def stop_processes(procs: list[subprocess.Popen[bytes]], grace: float = 10.0) -> None:
-    """Stop every process group at once: SIGTERM to all, then SIGKILL to those still there after
-    ``grace`` seconds, so that stopping five takes one grace at most, not five."""
-    running = [p for p in procs if p.poll() is None]
-    for proc in running:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for proc in running:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+    wait_http(url + "/-/ready", timeout, proc)

@@ -12,8 +12,8 @@ from types import FrameType
 
 import uvicorn
 
-from monitor.app import Monitor, create_app
-from monitor.config.settings import Settings
+from kvcanary.monitor.app import Monitor, create_app
+from kvcanary.monitor.config.settings import Settings
 
 log = logging.getLogger("kvcanary")
 
@@ -53,7 +53,7 @@ def serve_forever(settings: Settings, config_path: Path | None = None) -> None:
 def _check_stream(settings: Settings) -> None:
     """Reach NATS and create or update the traffic stream before anything starts; raise ConfigError
     naming the URL (``kvcanary serve`` exits 2 with that one line) when it cannot."""
-    from monitor.traffic.stream_setup import nats_token, verify  # nats-py only when used
+    from kvcanary.monitor.traffic.stream_setup import nats_token, verify  # nats-py only when used
 
     jetstream = settings.traffic.jetstream
     asyncio.run(verify(jetstream, nats_token(jetstream)))

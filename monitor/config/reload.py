@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from monitor.config.settings import Settings
+from kvcanary.monitor.config.settings import Settings
 
 #: Keys a running process cannot take up; changing one needs a restart.
 RESTART_KEYS = (
@@ -34,13 +34,18 @@ RESTART_KEYS = (
 
 @dataclass
 class ReloadPlan:
-    """Targets added, removed and changed by name; (target, kind) jobs to add and to remove."""
+    """Targets added, removed and changed by name; (target, kind) jobs to add and to remove; and the
+    (target, node) pairs that joined or left a target that stays (a file's ``nodes:`` or its gateway)."""
 
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
     jobs_added: list[tuple[str, str]] = field(default_factory=list)
     jobs_removed: list[tuple[str, str]] = field(default_factory=list)
+    nodes_joined: list[tuple[str, str]] = field(default_factory=list)
+    nodes_left: list[tuple[str, str]] = field(default_factory=list)
+    #: Changed targets whose change is their nodes alone (what a gateway's nodes change does).
+    nodes_only: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         parts = [f"{len(getattr(self, n))} {n}" for n in ("added", "removed", "changed") if getattr(self, n)]
@@ -73,4 +78,12 @@ def plan(old: Settings, new: Settings, rekeyed: frozenset[str] = frozenset()) ->
     jobs_after = {(t.name, k): t.interval_for(k) for t in new.targets for k in t.probes}
     out.jobs_removed = [j for j in jobs_before if jobs_after.get(j) != jobs_before[j]]
     out.jobs_added = [j for j in jobs_after if jobs_before.get(j) != jobs_after[j]]
+    for name in out.changed:
+        nodes_before = {node.name: node for node in before[name].node_list()}
+        nodes_after = {node.name: node for node in after[name].node_list()}
+        # A node whose address changed is a new node to audit: its pool is another machine's.
+        out.nodes_joined += [(name, n) for n, node in nodes_after.items() if nodes_before.get(n) != node]
+        out.nodes_left += [(name, n) for n in nodes_before if n not in nodes_after]
+        if before[name].model_copy(update={"nodes": []}) == after[name].model_copy(update={"nodes": []}):
+            out.nodes_only.append(name)
     return out

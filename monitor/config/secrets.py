@@ -12,7 +12,7 @@ import hmac
 import os
 from pathlib import Path
 
-from monitor.config.settings import ConfigError, Settings
+from kvcanary.monitor.config.settings import ConfigError, Settings
 
 # The REST token must not be a placeholder someone forgot to change.
 WEAK_TOKENS = {"", "changeme", "change-me", "secret", "token", "password", "kvcanary"}

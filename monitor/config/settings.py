@@ -20,8 +20,15 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from monitor.config.targets import DAY, EnvName, Strict, TargetConfig, http_url
-from probes.yamlfile import DuplicateKeyError, error_lines, load_yaml
+from kvcanary.monitor.config.targets import (
+    DAY,
+    ContainmentPolicy,
+    EnvName,
+    Strict,
+    TargetConfig,
+    http_url,
+)
+from kvcanary.probes.yamlfile import DuplicateKeyError, error_lines, load_yaml
 
 
 class ConfigError(Exception):
@@ -209,6 +216,12 @@ class JetStreamConfig(Strict):
     max_ack_pending: int = Field(1000, ge=1, le=100_000)
     token_env: EnvName = "KVCANARY_NATS_TOKEN"
     token_file: Path | None = None
+    # The NATS user the monitor logs in as, its password the token above; none: the token alone.
+    # A user of its own gives the monitors rights the taps lack (docs/nats-permissions.conf).
+    user: str | None = Field(None, pattern=_NAME, max_length=64)
+    # Live replicas past which the bucket's heartbeats are not believed: more is a writer forging them
+    # (kvcanary_traffic_stream_bucket_anomalies{kind="replicas_over_limit"}).
+    max_replicas: int = Field(64, ge=1, le=10_000)
 
     @field_validator("url")
     @classmethod
@@ -232,8 +245,9 @@ class JetStreamConfig(Strict):
 class TrafficConfig(Strict):
     """Gateway traffic (``POST /api/v1/traffic``, ``monitor/traffic/``)."""
 
-    # Where records come from besides POST /api/v1/traffic (which always answers): http, nothing
-    # more; jetstream, the stream of traffic.jetstream, consumed by all replicas as one group.
+    # How records are judged once: http, taken by POST /api/v1/traffic on a single replica (with
+    # more than one live replica a post is refused with 503); jetstream, the stream of
+    # traffic.jetstream, consumed by all replicas as one group, where POST publishes them too.
     source: Literal["http", "jetstream"] = "http"
     jetstream: JetStreamConfig = JetStreamConfig()
     # A token that may post traffic and read nothing; the API token may post too.
@@ -244,8 +258,13 @@ class TrafficConfig(Strict):
     overlap_max_fingerprints: int = Field(250_000, ge=1000, le=50_000_000)
     # Distinct callers holding a fingerprint that make it common (boilerplate): never a leak.
     overlap_common_callers: int = Field(3, ge=2, le=1000)
-    # Consecutive shared fingerprints (each 8 words, one n-gram in four) that make a suspected leak.
-    overlap_min_run: int = Field(8, ge=2, le=1024)
+    # Consecutive fingerprints (each 8 words, one n-gram in four) of one other caller's prompt that
+    # make a suspected leak: its private input, which a stale KV cache continues (about 20-40 words).
+    overlap_min_prompt_run: int = Field(4, ge=2, le=1024)
+    # Consecutive fingerprints of anything another caller sent or was answered that make a suspected
+    # leak; off by default: answers reciting public text (API docs, quotes, articles) to several
+    # callers look the same (bench/traffic.py: 231 false flags in 5,000 benign exchanges at 8).
+    overlap_min_run: int | None = Field(None, ge=2, le=1024)
     # A check that only passed is recorded at most this often per (target, node): its resolve clock.
     pass_interval_seconds: float = Field(60, ge=0, le=DAY)
 
@@ -291,6 +310,7 @@ class Settings(Strict):
     alerting: AlertingConfig = AlertingConfig()
     traffic: TrafficConfig = TrafficConfig()
     blast_radius: BlastRadiusConfig = BlastRadiusConfig()
+    containment: ContainmentPolicy = ContainmentPolicy()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
     # The secret that seals markers, so replicas and a restarted monitor recognise each other's;
     # without one it is derived from the API token (see monitor/config/secrets.py: marker_key).
@@ -326,6 +346,11 @@ class Settings(Strict):
     def target(self, name: str) -> TargetConfig | None:
         """Return the target named ``name`` (a dict lookup: every probe run asks), or None."""
         return self._by_name.get(name)
+
+    def containment_of(self, target: TargetConfig) -> ContainmentPolicy:
+        """Return ``target``'s containment policy: the top-level one with what the target states."""
+        stated = target.containment.model_dump(exclude_none=True)
+        return self.containment.model_copy(update=stated) if stated else self.containment
 
 
 def _is_loopback(host: str) -> bool:

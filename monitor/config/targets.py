@@ -6,6 +6,7 @@ the name rules used across the config. :mod:`monitor.config.settings` assembles 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -22,9 +23,9 @@ from pydantic import (
     model_validator,
 )
 
-from probes import REGISTRY
-from probes.target import Node
-from probes.yamlfile import key_path
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.target import Node, ServingPath
+from kvcanary.probes.yamlfile import key_path
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,24 @@ def _env_name(value: str) -> str:
     return value
 
 
+#: What ``path_probes`` is by default: the canary and the admission boundary judge one pair's
+#: hand-off and its decode pages; the other kinds judge what no pair changes.
+PATH_KINDS = ("canary", "boundary")
+#: Paths a target has at most (16 prefill x 16 decode): each costs its kinds' runs every interval.
+MAX_PATHS = 256
+
+
+def path_name(prefill: str, decode: str) -> str:
+    """Return the name of the path (prefill, decode) as a node name (``NAME_RE``, at most 63
+    characters): both names joined by ``--``, cut with a hash of the whole where too long."""
+    name = f"{prefill}--{decode}"
+    if len(name) <= 63:
+        return name
+    digest = hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+    half = (63 - 12) // 2
+    return f"{prefill[:half]}--{decode[:half]}-{digest}"
+
+
 #: A target, tenant or node name (``NAME_RE``).
 Name = Annotated[str, AfterValidator(_name)]
 #: The name of an environment variable a secret is read from (``ENV_RE``).
@@ -55,6 +74,27 @@ EnvName = Annotated[str, AfterValidator(_env_name)]
 class Strict(BaseModel):
     # No inf/nan: an infinite interval or retention passes "> 0" and then overflows a timer.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+Containment = Literal["observe", "quarantine"]
+
+
+class ContainmentPolicy(Strict):
+    """What an open critical leak on a target does to the gateways' routing (``monitor/containment.py``):
+    ``observe`` records that it would quarantine the target; ``quarantine`` has every gateway's tap
+    stop sending customers to it. Set at the top (``containment:``) and, to differ, on a target."""
+
+    mode: Containment = "observe"
+    # A quarantine by an incident ends once the incident resolved and the target then went this
+    # long without any failure: a deployment that leaks one request in four never gets there.
+    lift_after_seconds: float = Field(3600.0, ge=0, le=30 * DAY)
+
+
+class TargetContainment(Strict):
+    """A target's own ``containment:``: what it states replaces the top-level policy's value."""
+
+    mode: Containment | None = None
+    lift_after_seconds: float | None = Field(None, ge=0, le=30 * DAY)
 
 
 class TenantConfig(Strict):
@@ -98,11 +138,14 @@ class NodeConfig(Strict):
     info_url: str | None = Field(None, max_length=2048)
     # Its Prometheus endpoint; default: <info_url>/metrics.
     metrics_url: str | None = Field(None, max_length=2048)
+    # A prefill node's K/V hand-off port (SGLang's --disaggregation-bootstrap-port; the gateway lists
+    # it): with it, each prefill x decode pair of the target is probed as a path of its own.
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
 
     @field_validator("role", mode="before")
     @classmethod
     def _deprecated_role(cls, v: object) -> object:
-        # 0.1 called the aggregated role "single"; accepted for one release (README, Upgrading).
+        # 0.1 called the aggregated role "single"; accepted for one release (CHANGELOG.md, Upgrading).
         if v == "single":
             log.warning("nodes: role 'single' is deprecated and will be refused in 0.3: write 'aggregated'")
             return "aggregated"
@@ -133,12 +176,29 @@ class TargetConfig(Strict):
     # The api_base a gateway names this target by, where it is not base_url or a node's URL
     # (a load balancer's address, say): gateway traffic records to it are this target's.
     gateway_api_bases: list[str] = Field(default_factory=list, max_length=100)
+    # SGLang's model gateway in front of the nodes (base_url may be the gateway itself): its
+    # ``GET /workers`` lists the nodes, read every discovery_interval_seconds and merged after the
+    # listed ``nodes:`` (a listed name wins). Until the gateway first answers, the target has the
+    # listed nodes only: the gateway is no engine, and auditing it as one would judge nothing real.
+    sglang_router: str | None = Field(None, max_length=2048)
+    discovery_interval_seconds: float = Field(15.0, gt=0, le=DAY)
+    # Kinds also sent down every prefill x decode pair itself, as the gateway would send them
+    # (``paths()``; a target with no prefill node that states its bootstrap port has none): each
+    # pair is judged once per interval of the kind, whatever the gateway's policy picks.
+    path_probes: list[str] = Field(default_factory=lambda: list(PATH_KINDS), max_length=len(REGISTRY))
+    # This target's containment policy where it differs from the top-level one.
+    containment: TargetContainment = TargetContainment()
 
     @field_validator("base_url")
     @classmethod
     def _url(cls, v: str) -> str:
         """Accept ``http(s)://host[:port][/prefix]``; a trailing ``/v1`` is dropped (paths add it)."""
         return http_url(v).removesuffix("/v1").rstrip("/")
+
+    @field_validator("sglang_router")
+    @classmethod
+    def _router(cls, v: str | None) -> str | None:
+        return None if v is None else http_url(v)
 
     @field_validator("gateway_api_bases")
     @classmethod
@@ -154,6 +214,14 @@ class TargetConfig(Strict):
         if len(set(v)) != len(v):
             raise ValueError("lists a probe kind twice")
         return v
+
+    @field_validator("path_probes")
+    @classmethod
+    def _path_probes(cls, v: list[str]) -> list[str]:
+        wrong = [p for p in v if p not in REGISTRY or REGISTRY[p].scope != "target"]
+        if wrong:
+            raise ValueError(f"{wrong}: only kinds that judge the serving path run down a pair")
+        return list(dict.fromkeys(v))
 
     @field_validator("probe_intervals")
     @classmethod
@@ -190,8 +258,10 @@ class TargetConfig(Strict):
         nodes = [n.name for n in self.nodes]
         if len(set(nodes)) != len(nodes):
             raise ValueError("nodes: names must be unique")
-        if "cross_tenant" in self.probes and len(self.tenants) < 2:
-            raise ValueError("tenants: the cross_tenant probe needs two or more tenants")
+        for kind in self.probes:
+            needed = REGISTRY[kind].min_tenants
+            if len(self.tenants) < needed:
+                raise ValueError(f"tenants: the {kind} probe needs {needed} or more tenants")
         return self
 
     def interval_for(self, kind: str) -> float:
@@ -201,14 +271,31 @@ class TargetConfig(Strict):
         own = REGISTRY[kind].default_interval_seconds
         return max(float(self.interval_seconds), own) if own is not None else float(self.interval_seconds)
 
+    def path_kinds(self) -> list[str]:
+        """Return the kinds this target runs down each of its paths: ``path_probes`` it runs at all."""
+        return [kind for kind in self.path_probes if kind in self.probes]
+
+    def paths(self) -> list[ServingPath]:
+        """Return every (prefill, decode) pair of the target's nodes, at most ``MAX_PATHS``: prefill
+        nodes whose bootstrap port is known (the gateway lists it) times decode nodes."""
+        nodes = self.node_list()
+        prefills = [n for n in nodes if n.role == "prefill" and n.bootstrap_port is not None]
+        decodes = [n for n in nodes if n.role == "decode"]
+        pairs = [ServingPath(p, d, path_name(p.name, d.name)) for p in prefills for d in decodes]
+        return pairs[:MAX_PATHS]
+
     def node_list(self) -> list[Node]:
-        """Return the target's nodes with every URL filled in; one unnamed node at base_url by default."""
+        """Return the target's nodes with every URL filled in; one unnamed node at base_url by default
+        (none for a target whose nodes come from its SGLang gateway, until the gateway lists them)."""
+        if not self.nodes and self.sglang_router is not None:
+            return []
         if not self.nodes:
             return [Node("", "aggregated", self.base_url, f"{self.base_url}/metrics")]
         out = []
         for node in self.nodes:
             info = node.info_url or self.base_url
-            out.append(Node(node.name, node.role, info, node.metrics_url or f"{info}/metrics"))
+            metrics = node.metrics_url or f"{info}/metrics"
+            out.append(Node(node.name, node.role, info, metrics, node.bootstrap_port))
         return out
 
 

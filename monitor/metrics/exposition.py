@@ -6,7 +6,7 @@ probe path. At 5,000 targets the per-pair series are most of the page: through p
 scrape took 3.9 s holding the GIL, stalling every probe meanwhile. Here each pair's label string is
 escaped once, at declaration, an observation is a few dict and attribute updates, and a scrape is
 one f-string per sample. The same values are also offered to a ``CollectorRegistry`` through
-``collect()`` (for ``generate_latest`` and tests); ``tests/monitor/test_exposition.py`` checks that
+``collect()`` (for ``generate_latest`` and tests); ``tests/monitor/metrics/test_exposition.py`` checks that
 both say the same. Format: https://prometheus.io/docs/instrumenting/exposition_formats/
 """
 
@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from probes.base import Verdict
+from kvcanary.probes.base import Verdict
 
 TOKEN_KINDS = ("prompt", "completion")
 VERDICTS = tuple(v.value for v in Verdict)

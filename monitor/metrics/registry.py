@@ -23,13 +23,15 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
-from monitor.metrics.stream import StreamCollector
-from monitor.recording.health import WriteHealth
-from probes.base import ProbeResult, Verdict
+from kvcanary.monitor.metrics.containment import QuarantineCollector, Quarantined
+from kvcanary.monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
+from kvcanary.monitor.metrics.paths import PathCoverage
+from kvcanary.monitor.metrics.stream import StreamCollector
+from kvcanary.monitor.recording.health import WriteHealth
+from kvcanary.probes.base import ProbeResult, Verdict
 
 if TYPE_CHECKING:
-    from monitor.recording.spool import Spool
+    from kvcanary.monitor.recording.spool import Spool
 
 # ``*_created`` series double the exposition and no rule or dashboard of ours reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -224,6 +226,9 @@ class MonitorMetrics:
         self._incidents: OpenIncidentsCollector | None = None
         self.registry.register(self._general)
         self.registry.register(self.pairs)
+        #: When each prefill x decode path of a disaggregated target was last judged.
+        self.paths = PathCoverage()
+        self._general.register(self.paths)
         # A histogram per (target, probe) is 16 series a pair (80,000 at 5,000 targets); the
         # distribution is kept per probe kind, and each pair's last duration is a gauge.
         self.probe_duration = Histogram(
@@ -308,6 +313,8 @@ class MonitorMetrics:
     def forget(self, target: str, kinds: Iterable[str] | None = None) -> None:
         """Drop the series of a target (or some of its kinds) a reload removed, node facts included."""
         self.pairs.forget(target, kinds)
+        if kinds is None:
+            self.paths.forget(target)
         if kinds is None or "capacity" in kinds:
             for t, node in [key for key in self._node_pools if key[0] == target]:
                 for pool in self._node_pools.pop((t, node)):
@@ -332,6 +339,9 @@ class MonitorMetrics:
 
     def watch_outbox(self, backlog: Callable[[], tuple[int, float]]) -> None:
         self._general.register(OutboxCollector(backlog))
+
+    def watch_containment(self, targets: Callable[[], Iterable[str]], quarantined: Quarantined) -> None:
+        self._general.register(QuarantineCollector(targets, quarantined))
 
     def watch_stream(self, report: Callable[[], dict[str, Any]]) -> None:
         self._general.register(StreamCollector(report))

@@ -1,6 +1,9 @@
 """The traffic stream's series (``traffic.source: jetstream``), read from the consumer's report at
 each scrape: is this replica connected, how many share the partitions, what it has taken, and how
-far behind the stream it is. Each replica exports its own; sum ``records_total`` across them."""
+far behind the stream it is, and which partitions it consumes: a partition no replica consumes
+(``sum`` of ``..._partition_consuming`` below ``..._partitions``) is traffic nobody judges; and
+what it read in the partitions' bucket that no replica wrote (``bucket_anomalies``: a rogue
+writer). Each replica exports its own; sum ``records_total`` across them."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvcanary.monitor.traffic.partitions import ANOMALIES
+
 #: The report's counts and the ``outcome`` label each is exported under.
-OUTCOMES = {"judged": "judged", "duplicates": "duplicate", "rejected": "rejected"}
+OUTCOMES = {"judged": "judged", "duplicates": "duplicate", "rejected": "rejected", "misrouted": "misrouted"}
 
 
 class StreamCollector(Collector):
@@ -35,15 +40,45 @@ class StreamCollector(Collector):
             "Partitions of the traffic stream this replica consumes now.",
             value=len(report["partitions"]),
         )
+        count = int(report.get("partition_count", 0))
+        yield GaugeMetricFamily(
+            "kvcanary_traffic_stream_partitions",
+            "Partitions of the traffic stream (traffic.jetstream.partitions), every replica's to share.",
+            value=count,
+        )
+        consuming = set(report.get("consuming", []))
+        family = GaugeMetricFamily(
+            "kvcanary_traffic_stream_partition_consuming",
+            "1 while this replica consumes the partition (holds its claim, is connected, and its "
+            "consumer is on the server), else 0 (another replica's, or nobody's).",
+            labels=["partition"],
+        )
+        for n in range(count):
+            family.add_metric([str(n)], 1.0 if n in consuming else 0.0)
+        yield family
+        found = report.get("bucket_anomalies", {})
+        anomalies = GaugeMetricFamily(
+            "kvcanary_traffic_stream_bucket_anomalies",
+            "What this replica's last step read in the partitions' KV bucket that no set of real replicas "
+            "writes, by kind: replicas_over_limit (live heartbeats beyond traffic.jetstream.max_replicas), "
+            "claims_without_heartbeat (partitions claimed by a replica with no heartbeat), "
+            "partitions_withheld (partitions this replica is to consume that another has held over a "
+            "lease). Above 0: something other than the monitors writes the bucket.",
+            labels=["kind"],
+        )
+        for kind in ANOMALIES:
+            anomalies.add_metric([kind], float(found.get(kind, 0)))
+        yield anomalies
         records = CounterMetricFamily(
             "kvcanary_traffic_stream_records",
             "Records this replica took from the traffic stream since it started, by outcome: judged; "
             "duplicate (delivered again, judged before: acknowledged, not judged twice); rejected "
-            "(no valid record).",
+            "(no valid record); misrouted (its api_base hashes to another partition than the one it "
+            "came on: acknowledged, not judged).",
             labels=["outcome"],
         )
         for key, outcome in OUTCOMES.items():
-            records.add_metric([outcome], report[key])
+            records.add_metric([outcome], report.get(key, 0))
         yield records
         yield GaugeMetricFamily(
             "kvcanary_traffic_stream_pending_messages",

@@ -13,8 +13,8 @@ import hashlib
 import hmac
 from datetime import datetime
 
-from monitor.config.settings import Settings
-from monitor.storage.db import as_utc
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.storage.db import as_utc
 
 #: 128 bits of the HMAC: unguessable, and short enough for a link in a notification.
 SIGNATURE_HEX = 32

@@ -12,9 +12,13 @@ every ``resend_interval_seconds`` with ``endsAt`` four intervals ahead (Promethe
 so a monitor that dies lets its alerts expire instead of firing forever; a resolved incident is
 sent with ``endsAt`` = when it resolved, and re-sent for a few minutes. An escalation resolves the
 alert of the old severity and fires the new one (their names differ). Labels are bounded and
-stable: ``alertname``, ``target``, ``probe``, ``severity`` and, for node-scoped probes, ``node``.
+stable: ``alertname``, ``target``, ``probe``, ``severity``, for node-scoped probes ``node``, and
+for a traffic check's incident ``check`` (the check's name, found in the traffic checks' registry
+by the incident's kind).
 Descriptions carry figures (tokens sent and reported, pool and window, marker ids), never text a
-target returned.
+target returned. Summaries and descriptions are one printable line each (``probes/untrusted.py``'s
+``plain``): the names in them come from gateways and their customers, and a newline, control or
+bidi character there could forge a line (a fake "resolved") in a receiver that renders them.
 
 While no Alertmanager accepts, rounds back off: the wait doubles from ``poll_interval_seconds`` up
 to ``backoff_max_seconds``, each wait drawn between half and all of it (jitter, so replicas and
@@ -40,11 +44,13 @@ from typing import Any
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config.settings import Settings
-from monitor.metrics.registry import MonitorMetrics
-from monitor.paging.links import incident_url, runbook_base
-from monitor.storage import outbox
-from monitor.storage.outbox import IncidentView, PendingEvent
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.metrics.registry import MonitorMetrics
+from kvcanary.monitor.paging.links import incident_url, runbook_base
+from kvcanary.monitor.storage import outbox
+from kvcanary.monitor.storage.outbox import IncidentView, PendingEvent
+from kvcanary.monitor.traffic.checks import BY_RESULT_KIND as TRAFFIC_CHECKS
+from kvcanary.probes.untrusted import plain
 
 log = logging.getLogger("kvcanary.alerting")
 
@@ -52,6 +58,9 @@ log = logging.getLogger("kvcanary.alerting")
 ALERTNAMES = {"critical": "KVCanaryLeak", "high": "KVCanaryMismatch", "warning": "KVCanaryProbeErrors"}
 #: Resolved alerts are re-sent this long after the incident resolved.
 RESOLVED_RESEND_SECONDS = 300
+#: Characters of an alert's summary and description (Alertmanager receivers truncate far shorter).
+SUMMARY_CHARS = 500
+DESCRIPTION_CHARS = 2000
 #: A claim lapses after this long: a pager that died mid-delivery hands its events on.
 LEASE_SECONDS = 60
 
@@ -124,6 +133,12 @@ class Pager:
 
     def nudge(self) -> None:
         """Ask for a drain now (an incident changed) instead of at the next poll."""
+        self._wake.set()
+
+    def resend_now(self) -> None:
+        """Re-send every alerting incident now, not at the next interval: what an alert says of an
+        incident changed without an event of its own (its target's quarantine)."""
+        self._last_resend = None
         self._wake.set()
 
     async def run_forever(self) -> None:
@@ -253,8 +268,10 @@ class Pager:
         labels = {"alertname": name, "target": incident.target, "probe": incident.probe, "severity": severity}
         if incident.node:
             labels["node"] = incident.node
-        if incident.probe.startswith("traffic_"):  # a gateway traffic check (monitor/traffic/)
-            labels["check"] = incident.probe.removeprefix("traffic_")
+        # An incident keeps only its kind: the traffic check that stores results under it, if any.
+        traffic_check = TRAFFIC_CHECKS.get(incident.probe)
+        if traffic_check is not None:
+            labels["check"] = traffic_check.name
         link = incident_url(base, incident.id, incident.opened_at, self.link_key)
         if firing:
             ends = now + timedelta(seconds=4 * self.settings.alerting.resend_interval_seconds)
@@ -263,10 +280,15 @@ class Pager:
         return {
             "labels": labels,
             "annotations": {
-                "summary": incident.title,
-                "description": describe(incident),
+                "summary": plain(incident.title, SUMMARY_CHARS),
+                "description": plain(describe(incident), DESCRIPTION_CHARS),
                 "runbook_url": f"{runbooks}/{name}",
                 "incident_url": link,
+                **(
+                    {"containment": plain(incident.containment, SUMMARY_CHARS)}
+                    if incident.containment
+                    else {}
+                ),
             },
             "startsAt": _rfc3339(incident.opened_at),
             "endsAt": _rfc3339(ends),

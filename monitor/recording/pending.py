@@ -2,9 +2,10 @@
 
 A probe returns a :class:`~probes.base.ProbeResult`; the runner wraps it once, with what the
 database needs to file it (the target's identity, the kind, the node, when it ran), into a
-:class:`PendingResult`. Every stage after that (``writer.py``, ``recorder.py``, ``spool.py``) takes
-and passes on this one object, and the spool stores it as it is, so a result replayed after a
-restart is the result that was queued.
+:class:`PendingResult`; the traffic judge wraps each check's verdict the same way. Its ``source``
+says which of the two judged it, as a field, never read from the kind's name. Every stage after
+that (``writer.py``, ``recorder.py``, ``spool.py``) takes and passes on this one object, and the
+spool stores it as it is, so a result replayed after a restart is the result that was queued.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from monitor.storage.db import utcnow
-from probes.base import ProbeResult, Verdict
+from kvcanary.monitor.storage.db import utcnow
+from kvcanary.probes.base import ProbeResult, Verdict
 
 if TYPE_CHECKING:
-    from monitor.config.targets import TargetConfig
+    from kvcanary.monitor.config.targets import TargetConfig
+
+#: The sources of a verdict (:attr:`PendingResult.source`).
+PROBE = "probe"
+TRAFFIC = "traffic"
 
 
 @dataclass
@@ -40,6 +45,9 @@ class PendingResult:
     node: str = ""
     state: dict[str, Any] | None = None  # what the probe carries to its next run, stored with the result
     seq: int = field(default=0)
+    #: Who judged: ``probe`` (a probe run) or ``traffic`` (a traffic check on gateway records,
+    #: ``monitor/traffic/checks/``). An entry spooled before the field existed has none: ``probe``.
+    source: str = PROBE
 
     @classmethod
     def of(
@@ -51,9 +59,10 @@ class PendingResult:
         duration: float,
         now: datetime | None = None,
         node: str = "",
+        source: str = PROBE,
     ) -> PendingResult:
         """Wrap ``result`` of a run of ``kind`` on ``target`` (on ``node``) that began at ``started_at``;
-        ``now`` (default: the current time) is when recording is first attempted."""
+        ``now`` (default: the current time) is when recording is first attempted; ``source`` who judged."""
         return cls(
             target=target.name,
             engine=target.engine,
@@ -70,6 +79,7 @@ class PendingResult:
             attempted_at=(now or utcnow()).isoformat(),
             node=node,
             state=result.state,
+            source=source,
         )
 
     @classmethod

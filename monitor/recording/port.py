@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from monitor.incidents import RecordOutcome
-from monitor.recording.pending import PendingResult
-from monitor.recording.recorder import Recorder
-from monitor.recording.writer import BatchWriter
+from kvcanary.monitor.incidents import RecordOutcome
+from kvcanary.monitor.recording.pending import PendingResult
+from kvcanary.monitor.recording.recorder import Recorder
+from kvcanary.monitor.recording.writer import BatchWriter
 
 
 class RecordingPort:

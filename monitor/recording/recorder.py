@@ -30,19 +30,19 @@ from sqlalchemy.exc import (
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config.settings import Settings
-from monitor.config.targets import TargetConfig
-from monitor.incidents import RecordOutcome, note_config_change, record_result
-from monitor.recording.health import WriteHealth
-from monitor.recording.pending import PendingResult
-from monitor.recording.spool import Spool
-from monitor.storage.db import utcnow
-from monitor.storage.incident_rows import open_incident_keys
-from monitor.storage.probe_states import load_state, load_states, save_state
-from monitor.storage.result_rows import insert_rows, probe_result_values
-from monitor.storage.retention import without_excerpts
-from monitor.storage.target_rows import upsert_targets
-from probes.base import ProbeResult
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.incidents import RecordOutcome, note_config_change, record_result
+from kvcanary.monitor.recording.health import WriteHealth
+from kvcanary.monitor.recording.pending import PendingResult
+from kvcanary.monitor.recording.spool import Spool
+from kvcanary.monitor.storage.db import utcnow
+from kvcanary.monitor.storage.incident_rows import open_incident_keys
+from kvcanary.monitor.storage.probe_states import load_state, load_states, save_state
+from kvcanary.monitor.storage.result_rows import insert_rows, probe_result_values
+from kvcanary.monitor.storage.retention import without_excerpts
+from kvcanary.monitor.storage.target_rows import upsert_targets
+from kvcanary.probes.base import ProbeResult
 
 log = logging.getLogger("kvcanary.recorder")
 

@@ -28,8 +28,8 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from monitor.config.settings import Settings
-from monitor.recording.pending import PendingResult
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.recording.pending import PendingResult
 
 log = logging.getLogger("kvcanary.spool")
 

@@ -19,9 +19,9 @@ import queue
 import threading
 import time
 
-from monitor.incidents import RecordOutcome
-from monitor.recording.pending import PendingResult
-from monitor.recording.recorder import Recorder
+from kvcanary.monitor.incidents import RecordOutcome
+from kvcanary.monitor.recording.pending import PendingResult
+from kvcanary.monitor.recording.recorder import Recorder
 
 log = logging.getLogger("kvcanary.writer")
 

@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from monitor.config.targets import TargetConfig
-from probes import REGISTRY
-from probes.base import ProbeContext, ProbeResult, judge
-from probes.markers import MarkerBook
-from probes.target import Node, TargetClient
-from probes.untrusted import plain, word
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.base import ProbeContext, ProbeResult, judge
+from kvcanary.probes.markers import MarkerBook
+from kvcanary.probes.target import Node, TargetClient
+from kvcanary.probes.untrusted import plain, word
 
 log = logging.getLogger("kvcanary.runner")
 

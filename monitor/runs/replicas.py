@@ -27,8 +27,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.storage.db import utcnow
-from monitor.storage.models import MonitorReplica
+from kvcanary.monitor.storage.db import utcnow
+from kvcanary.monitor.storage.models import MonitorReplica
 
 log = logging.getLogger("kvcanary.replicas")
 
@@ -43,15 +43,13 @@ class Membership:
 
     def __init__(self, session_factory: sessionmaker[Session], *, shared: bool, url: str = ""):
         """``shared``: the database can be shared (PostgreSQL); without it this replica owns all.
-        ``url``: where the other replicas reach this one's API."""
+        ``url``: where this replica's API is, as its heartbeat row says (for the operator)."""
         self.session_factory = session_factory
         self.shared = shared
         self.url = url
         self.id = f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(4)}"
         self.started_at = utcnow()
         self.live: tuple[str, ...] = (self.id,)
-        #: Each live replica's URL, as its heartbeat row says.
-        self.urls: dict[str, str] = {self.id: url}
 
     def owner(self, target: str, kind: str) -> str:
         """Return the id of the live replica whose (target, kind) is to run."""
@@ -76,11 +74,7 @@ class Membership:
         alive = now - timedelta(seconds=LEASE_SECONDS)
         with self.session_factory() as session, session.begin():
             session.execute(stmt)
-            rows = session.execute(
-                select(MonitorReplica.id, MonitorReplica.url).where(MonitorReplica.seen_at >= alive)
-            ).all()
-            ids = [row.id for row in rows]
-            self.urls = {**{row.id: row.url for row in rows}, self.id: self.url}
+            ids = list(session.scalars(select(MonitorReplica.id).where(MonitorReplica.seen_at >= alive)))
             # Rows of replicas gone for good: keep the table as small as the fleet.
             session.execute(delete(MonitorReplica).where(MonitorReplica.seen_at < now - timedelta(hours=1)))
         live = tuple(sorted(set(ids) | {self.id}))

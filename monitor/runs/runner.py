@@ -18,19 +18,19 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from monitor.config.settings import Settings
-from monitor.config.targets import TargetConfig
-from monitor.incidents import RecordOutcome
-from monitor.metrics.registry import MonitorMetrics
-from monitor.recording.pending import PendingResult
-from monitor.recording.port import RecordingPort
-from monitor.recording.writer import BatchWriter
-from monitor.runs.execute import execute_probe
-from monitor.runs.slots import FairSlots
-from probes import REGISTRY
-from probes.base import ProbeResult, Verdict
-from probes.markers import MarkerBook
-from probes.target import Node, TargetClient
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.incidents import RecordOutcome
+from kvcanary.monitor.metrics.registry import MonitorMetrics
+from kvcanary.monitor.recording.pending import PendingResult
+from kvcanary.monitor.recording.port import RecordingPort
+from kvcanary.monitor.recording.writer import BatchWriter
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.monitor.runs.slots import FairSlots
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.markers import MarkerBook
+from kvcanary.probes.target import Node, ServingPath, TargetClient
 
 log = logging.getLogger("kvcanary.runner")
 
@@ -84,9 +84,33 @@ class RunKey(NamedTuple):
     node: str
 
 
-def nodes_of_run(target: TargetConfig, kind: str) -> list[Node | None]:
-    """Return what one run of ``kind`` covers: each node for a node-scoped kind, else the target (None)."""
-    return list(target.node_list()) if REGISTRY[kind].scope == "node" else [None]
+#: What one run of a kind covers: a node, a prefill x decode path, or the whole target (None).
+Where = Node | ServingPath | None
+
+
+def nodes_of_run(target: TargetConfig, kind: str) -> list[Where]:
+    """Return what one run of ``kind`` covers: each node for a node-scoped kind; else the target
+    (None), and each prefill x decode path when it is one of the target's path kinds."""
+    if REGISTRY[kind].scope == "node":
+        return list(target.node_list())
+    if kind in target.path_kinds():
+        return [None, *target.paths()]
+    return [None]
+
+
+def bound_to(client: TargetClient, where: Where) -> tuple[TargetClient, Node | None]:
+    """Return the client and node a run covering ``where`` uses: down a path, the path's own client."""
+    if isinstance(where, ServingPath):
+        return client.via(where), None
+    return client, where
+
+
+def declare_paths(metrics: MonitorMetrics, target: TargetConfig) -> None:
+    """Export the coverage series of ``target``'s paths (none when it runs no kind down them)."""
+    kinds = target.path_kinds()
+    paths = [(p.prefill.name, p.decode.name) for p in target.paths()] if kinds else []
+    interval = min((target.interval_for(kind) for kind in kinds), default=0.0)
+    metrics.paths.declare(target.name, paths, interval, time.time())
 
 
 def run_keys(settings: Settings) -> list[RunKey]:
@@ -160,6 +184,7 @@ class ProbeRunner:
         self._due: dict[tuple[str, str], datetime] = {}
         for target in settings.targets:
             metrics.declare(target.name, {kind: target.interval_for(kind) for kind in target.probes})
+            declare_paths(metrics, target)
             for tenant in target.tenants:
                 markers.register(target.name, tenant.name)
 
@@ -196,7 +221,7 @@ class ProbeRunner:
         self,
         target: TargetConfig,
         kind: str,
-        node: Node | None,
+        node: Where,
         client: TargetClient,
         due: datetime | None = None,
     ) -> RunSummary:
@@ -211,6 +236,8 @@ class ProbeRunner:
         now_target = self.settings.target(target.name)
         if now_target is not None and kind in now_target.probes:  # a reload may have removed it meanwhile
             self.metrics.observe(target.name, kind, result, run.duration, time.time(), key[2])
+            if isinstance(node, ServingPath) and result.verdict is not Verdict.ERROR:
+                self.metrics.paths.judged(target.name, (node.prefill.name, node.decode.name), time.time())
         summary = RunSummary(target.name, kind, key[2], result, run.started_at, run.duration, outcome)
         where = f"{target.name}/{kind}" + (f"@{key[2]}" if key[2] else "")
         log.info("%s: %s (%s) in %.2fs", where, result.verdict.value, result.reason, run.duration)
@@ -224,12 +251,13 @@ class ProbeRunner:
         self,
         target: TargetConfig,
         kind: str,
-        node: Node | None,
+        where: Where,
         client: TargetClient,
         key: StateKey,
         due: datetime | None,
     ) -> _Run:
         """Run the probe holding a fair slot; return its judged result (the state to keep set)."""
+        client, node = bound_to(client, where)
         async with self.slots.hold(target.name, slow=target.name not in self.quick) as lease:
             # Past its lease a run waiting on the network gives its slot to the next one.
             lease_ends = asyncio.get_running_loop().call_later(
@@ -259,6 +287,8 @@ class ProbeRunner:
             result.state = None
         elif result.state is not None:
             self._states[key] = result.state
+        if isinstance(where, ServingPath):  # the pair a finding came from, by its nodes' whole names
+            result.evidence["path"] = {"prefill": where.prefill.name, "decode": where.decode.name}
         return _Run(result, started_at, duration)
 
     def take_up(self, settings: Settings) -> None:
@@ -267,6 +297,7 @@ class ProbeRunner:
         names = {t.name for t in settings.targets}
         for target in settings.targets:
             self.metrics.declare(target.name, {kind: target.interval_for(kind) for kind in target.probes})
+            declare_paths(self.metrics, target)
             for tenant in target.tenants:
                 self.markers.register(target.name, tenant.name)
         keys = set(run_keys(settings))

@@ -17,8 +17,8 @@ from apscheduler.events import EVENT_JOB_SUBMITTED, JobSubmissionEvent
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from monitor.config.settings import Settings
-from monitor.runs.runner import ProbeRunner
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.runs.runner import ProbeRunner
 
 log = logging.getLogger("kvcanary.scheduler")
 

@@ -26,7 +26,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
-import monitor
+from kvcanary import monitor
 
 #: The repository's migrations folder. It sits beside the ``monitor`` package, not inside it.
 MIGRATIONS_DIR = Path(monitor.__file__).resolve().parent.parent / "migrations"

@@ -7,8 +7,8 @@ from datetime import datetime
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from monitor.storage.db import as_utc
-from monitor.storage.models import ProbeResultRow
+from kvcanary.monitor.storage.db import as_utc
+from kvcanary.monitor.storage.models import ProbeResultRow
 
 
 def error_streak(

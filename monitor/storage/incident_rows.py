@@ -16,8 +16,8 @@ from sqlalchemy import Row, case, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
-from monitor.storage.result_rows import incident_title
+from kvcanary.monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
+from kvcanary.monitor.storage.result_rows import incident_title
 
 Change = Literal["opened", "escalated", "attached", "resolved"]
 

@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, Integer, Row, Select, bindparam, literal, select, tuple_
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from monitor.storage.db import as_utc
-from monitor.storage.models import Target
+from kvcanary.monitor.storage.db import as_utc
+from kvcanary.monitor.storage.models import Target
 
 #: Rows of an index range one page reads at most when some filters are not in the index. A page
 #: that reads them all and matches none ("node absent" in bench/rest_scale.py) takes about 5 ms at

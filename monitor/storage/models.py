@@ -6,7 +6,7 @@ row (``incident_event``, also the paging outbox), and what a probe carries from 
 ``node`` names the serving node a result or incident is about (``prefill-0``); it is the empty
 string for probes that judge the target as a whole.
 
-The schema itself is created only by ``migrations/``; ``tests/monitor/test_migrations.py`` checks
+The schema itself is created only by ``migrations/``; ``tests/monitor/storage/test_migrations.py`` checks
 that the migrations and these models agree on SQLite and PostgreSQL. Relationships are
 ``lazy="raise"``: a query says what it loads, so no request quietly issues one query per row.
 """
@@ -34,18 +34,21 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from monitor.storage.db import Base, UTCDateTime
+from kvcanary.monitor.storage.db import Base, UTCDateTime
 
 Verdict = Literal["pass", "leak", "mismatch", "error"]
 Severity = Literal["critical", "high", "warning"]
 State = Literal["open", "resolved"]
 EventKind = Literal["opened", "escalated", "resolved", "failure", "config_changed"]
+#: Who or what changed a target's quarantine: an incident, its lifting rule, or an operator.
+QuarantineCause = Literal["incident", "recovered", "operator"]
 
 VERDICTS: tuple[str, ...] = get_args(Verdict)
 #: Worst first; an incident's severity only ever moves towards the front.
 SEVERITIES: tuple[str, ...] = get_args(Severity)
 STATES: tuple[str, ...] = get_args(State)
 EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
+QUARANTINE_CAUSES: tuple[str, ...] = get_args(QuarantineCause)
 
 
 def _one_of(column: str, values: tuple[str, ...]) -> str:
@@ -318,7 +321,11 @@ class TrafficRecordRow(Base):
     target_id: Mapped[int] = mapped_column(ForeignKey("target.id", ondelete="CASCADE"))
     node: Mapped[str] = mapped_column(String(63), server_default="")
     gateway: Mapped[str] = mapped_column(String(64), server_default="")
+    # The record's identity (the tap's, one per exchange; an older tap's record: the gateway's id).
     request_id: Mapped[str] = mapped_column(String(200))
+    # The gateway's id of the response (the engine's: what the customer got), "" where it gave none.
+    # Data, not identity: engines repeat it, so two rows may share it.
+    upstream_id: Mapped[str] = mapped_column(String(200), server_default="")
     caller: Mapped[str] = mapped_column(String(200))
     caller_kind: Mapped[str] = mapped_column(String(16))
     key_hash: Mapped[str] = mapped_column(String(128), server_default="")
@@ -372,7 +379,8 @@ class TrafficMinute(Base):
 
 
 class TrafficJudged(Base):
-    """A record id judged from the JetStream stream (``monitor/traffic/jetstream.py``), written in
+    """A record id (the tap's, one per exchange: never the engine's response id, which repeats)
+    judged from the JetStream stream (``monitor/traffic/jetstream.py``), written in
     the transaction that stores what judging it found: a redelivered message (its replica died
     before the acknowledgement, or the acknowledgement was lost) or a tap's late resend finds its
     id here and is acknowledged without being judged again. Kept twice the stream's duplicate
@@ -385,3 +393,30 @@ class TrafficJudged(Base):
     partition: Mapped[int] = mapped_column(Integer, primary_key=True)
     record_id: Mapped[str] = mapped_column(String(200), primary_key=True)
     judged_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class QuarantineChange(Base):
+    """One change of a target's quarantine: put on (by an incident or an operator) or lifted (by the
+    lifting rule or an operator). Rows are only added; a target's state is its latest row's
+    (``monitor/containment.py``), so a restarted monitor or another replica reads the same set.
+
+    ``enforced`` is False for a quarantine the ``observe`` policy only records: the gateways are
+    told of it and route as before.
+    """
+
+    __tablename__ = "quarantine_change"
+    __table_args__ = (
+        CheckConstraint(_one_of("cause", QUARANTINE_CAUSES), name="cause"),
+        Index("ix_quarantine_change_target_id", "target_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    target_id: Mapped[int] = mapped_column(ForeignKey("target.id", ondelete="CASCADE"))
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+    quarantined: Mapped[bool] = mapped_column(Boolean)
+    enforced: Mapped[bool] = mapped_column(Boolean)
+    cause: Mapped[str] = mapped_column(String(16))
+    # The incident that put the quarantine on (and, on a lift by the rule, the one it ends).
+    incident_id: Mapped[int | None] = mapped_column(ForeignKey("incident.id", ondelete="SET NULL"))
+    # One line: the incident's title, or what the operator wrote.
+    reason: Mapped[str] = mapped_column(String(300))

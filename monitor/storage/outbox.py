@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
-from monitor.storage.db import as_utc
-from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
+from kvcanary.monitor.storage.db import as_utc
+from kvcanary.monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, QuarantineChange, Target
 
 ERROR_CHARS = 200
 
@@ -38,6 +38,8 @@ class IncidentView:
     failure_count: int
     last_reason: str
     result: dict[str, Any] = field(default_factory=dict)
+    #: What the incident's target's quarantine has been since the incident opened, in words ("" none).
+    containment: str = ""
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,7 @@ def incident_views(session: Session, incident_ids: list[int]) -> dict[int, Incid
         .where(Incident.id.in_(incident_ids))
     ).all()
     latest = _latest_failures(session, {incident.id: incident.severity for incident, _ in rows})
+    quarantine = _latest_quarantine(session, {incident.target_id for incident, _ in rows})
     return {
         incident.id: IncidentView(
             id=incident.id,
@@ -197,9 +200,41 @@ def incident_views(session: Session, incident_ids: list[int]) -> dict[int, Incid
             failure_count=incident.failure_count,
             last_reason=incident.last_reason,
             result=latest.get(incident.id, {}),
+            containment=_quarantine_words(quarantine.get(incident.target_id), incident.opened_at),
         )
         for incident, name in rows
     }
+
+
+def _latest_quarantine(session: Session, target_ids: set[int]) -> dict[int, QuarantineChange]:
+    """Return each target's latest quarantine change (``monitor/containment.py``)."""
+    if not target_ids:
+        return {}
+    newest = (
+        select(func.max(QuarantineChange.id))
+        .where(QuarantineChange.target_id.in_(target_ids))
+        .group_by(QuarantineChange.target_id)
+        .scalar_subquery()
+    )
+    return {
+        row.target_id: row
+        for row in session.scalars(select(QuarantineChange).where(QuarantineChange.id.in_(newest)))
+    }
+
+
+def _quarantine_words(change: QuarantineChange | None, opened_at: datetime) -> str:
+    """Say what the target's quarantine has been since the incident opened; "" when nothing changed."""
+    if change is None or as_utc(change.at) < as_utc(opened_at):
+        return ""
+    at = as_utc(change.at).strftime("%Y-%m-%d %H:%M:%SZ")
+    if not change.quarantined:
+        return f"quarantine lifted at {at} ({change.cause}): {change.reason}"
+    state = (
+        "quarantined: the gateways send it no customer"
+        if change.enforced
+        else "would be quarantined (observe)"
+    )
+    return f"{state} since {at} ({change.cause}): {change.reason}"
 
 
 #: The verdict that gives an incident its severity (``monitor/incidents.py``).

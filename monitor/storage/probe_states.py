@@ -10,8 +10,8 @@ from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from monitor.storage.models import ProbeState, Target
-from monitor.storage.storable import jsonable
+from kvcanary.monitor.storage.models import ProbeState, Target
+from kvcanary.monitor.storage.storable import jsonable
 
 
 def save_state(

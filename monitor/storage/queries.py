@@ -31,8 +31,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from monitor.storage.keyset import SCAN_LIMIT, Key, Listing, Page, keyset_page
-from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
+from kvcanary.monitor.storage.keyset import SCAN_LIMIT, Key, Listing, Page, keyset_page
+from kvcanary.monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
 
 __all__ = ["SCAN_LIMIT", "Key", "Page"]  # part of this module's interface; the machinery is keyset.py's
 

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
-from monitor.storage.models import VERDICTS, ProbeResultRow
-from monitor.storage.retention import has_excerpts
-from monitor.storage.storable import jsonable, storable_text
+from kvcanary.monitor.storage.models import VERDICTS, ProbeResultRow
+from kvcanary.monitor.storage.retention import has_excerpts
+from kvcanary.monitor.storage.storable import jsonable, storable_text
 
 if TYPE_CHECKING:
-    from monitor.config.settings import RetentionConfig
-    from probes.base import ProbeResult
+    from kvcanary.monitor.config.settings import RetentionConfig
+    from kvcanary.probes.base import ProbeResult
 
 
 REASON_CHARS = 64

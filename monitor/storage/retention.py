@@ -10,10 +10,10 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.storage.db import as_utc
-from monitor.storage.judged_rows import prune_judged
-from monitor.storage.models import Incident, ProbeResultRow
-from monitor.storage.traffic_rows import prune_traffic
+from kvcanary.monitor.storage.db import as_utc
+from kvcanary.monitor.storage.judged_rows import prune_judged
+from kvcanary.monitor.storage.models import Incident, ProbeResultRow
+from kvcanary.monitor.storage.traffic_rows import prune_traffic
 
 #: Evidence keys whose values are (redacted) text a target returned: ``excerpt``, ``baseline_excerpt``.
 EXCERPT_SUFFIX = "excerpt"

@@ -9,7 +9,7 @@ from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from monitor.storage.models import Target, public_url
+from kvcanary.monitor.storage.models import Target, public_url
 
 
 def upsert_target(

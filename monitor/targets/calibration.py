@@ -3,7 +3,7 @@
 Probes size their prompts by the engine's own tokenizer (``count_tokens``: ``/tokenize``), a path
 apart from the usage a completion reports, which is what the traffic checks doubt. The most
 characters per token the tokenizer made of the probes' texts is the densest text it has been seen
-to pack: the traffic checks (``monitor/traffic/checks.py``) take a prompt's
+to pack: the traffic checks (``monitor/traffic/checks/tokens.py``) take a prompt's
 characters over it as a floor on its tokens. Nothing is assumed before the probes have spoken:
 until a text of at least ``MIN_CHARS`` characters has been counted, there is no calibration and
 the checks that need one do not judge. A probe that counts rarely (the canary keeps its count for

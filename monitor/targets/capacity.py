@@ -7,6 +7,9 @@ The incident's configuration was a context window (1,048,576) larger than the pr
   ``context_length``, ``max_total_num_tokens`` (the pool), ``max_req_input_len``, ``page_size``,
   ``disaggregation_mode``, ``version``; the reference worker adds ``kv_pools`` per role. Behind an
   SGLang PD router the answer is ``{"prefill": [...], "decode": [...]}``, one entry per node.
+  SGLang's ``GET /metrics`` (``--enable-metrics``) states the window and the pool too, as gauges set
+  once at startup (``sglang:context_len``, ``sglang:max_total_num_tokens``): read when neither server
+  info answers, and for the window when the server info has none (the default).
 - vLLM: ``GET /v1/models`` ``max_model_len``; ``GET /metrics`` ``vllm:cache_config_info`` labels
   ``num_gpu_blocks`` x ``block_size``; ``GET /version``.
 - llama.cpp: ``GET /props`` ``default_generation_settings.n_ctx`` (per slot; the slot is the pool).
@@ -26,8 +29,8 @@ from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from probes.target import ServerCapacity
-from probes.untrusted import word
+from kvcanary.probes.target import ServerCapacity
+from kvcanary.probes.untrusted import word
 
 #: Pools kept per node (a node has one to three; an engine sending thousands must not grow series).
 MAX_POOLS = 16
@@ -91,7 +94,7 @@ def _min(*values: int | None) -> int | None:
 async def read_capacity(lookups: Lookups, engine: str) -> ServerCapacity:
     """Return the capacity ``engine`` publishes through ``lookups``; unknown fields stay None."""
     if engine in ("sglang", "reference"):
-        found = await _sglang(lookups)
+        found = await _sglang(lookups, metrics=engine == "sglang")
     elif engine == "vllm":
         found = await _vllm(lookups)
     elif engine == "llamacpp":
@@ -134,7 +137,9 @@ def apply_overrides(found: ServerCapacity, options: dict[str, Any]) -> ServerCap
 # --- SGLang and the reference worker ---------------------------------------------------------------
 
 
-async def _sglang(lookups: Lookups) -> ServerCapacity:
+async def _sglang(lookups: Lookups, *, metrics: bool) -> ServerCapacity:
+    """Read server info; with ``metrics`` (SGLang itself, not the reference worker) fall back to its
+    ``/metrics`` gauges for what server info does not say."""
     # /server_info first: since late 2025 SGLang logs a deprecation warning on every /get_server_info.
     source = "/server_info"
     info = await lookups.get_json(source)
@@ -142,14 +147,72 @@ async def _sglang(lookups: Lookups) -> ServerCapacity:
         source = "/get_server_info"
         info = await lookups.get_json(source)
     if not isinstance(info, dict):
-        return ServerCapacity(context_window=await _max_model_len(lookups), source="/v1/models")
+        stated = await _sglang_gauges(lookups) if metrics else {}
+        cap = _sglang_from_gauges(stated) if stated else ServerCapacity(source="")
+        return await _window_from_models(lookups, cap)
     if isinstance(info.get("prefill"), list) and isinstance(info.get("decode"), list):
         return _sglang_router(info, source)
     cap = _sglang_node(info, source)
-    if cap.context_window is None:  # SGLang reports null unless --context-length was given
+    # SGLang reports null unless --context-length was given: the effective window (0.5.23 included) is
+    # only in /metrics and /v1/models then.
+    if (
+        cap.context_window is None
+        and metrics
+        and (window := (await _sglang_gauges(lookups)).get("context_window"))
+    ):
+        cap.context_window = window
+        cap.source += ",/metrics"
+    return await _window_from_models(lookups, cap)
+
+
+async def _window_from_models(lookups: Lookups, cap: ServerCapacity) -> ServerCapacity:
+    """Return ``cap`` with the window from ``/v1/models`` when nothing else stated it."""
+    if cap.context_window is None:
         cap.context_window = await _max_model_len(lookups)
-        cap.source += ",/v1/models"
+        cap.source = f"{cap.source},/v1/models" if cap.source else "/v1/models"
     return cap
+
+
+#: SGLang's scheduler gauges, set once at startup (srt/observability/metrics_collector.py
+#: ``emit_constants`` in 0.5.23), and the capacity field each states.
+_SGLANG_GAUGES = {
+    "sglang:context_len": "context_window",
+    "sglang:max_total_num_tokens": "kv_pool_tokens",
+    "sglang:page_size": "page_size",
+}
+#: SGLang's ``engine_type`` label (``DisaggregationMode.to_engine_type``) as its server info's mode.
+_SGLANG_ENGINE_TYPES = {"prefill": "prefill", "decode": "decode", "unified": "null"}
+
+
+async def _sglang_gauges(lookups: Lookups) -> dict[str, Any]:
+    """Return what SGLang's ``/metrics`` states of capacity: each field of ``_SGLANG_GAUGES`` (the
+    smallest over its series: one per scheduler, and a request must fit each) and the
+    ``disaggregation_mode`` its ``engine_type`` label says; empty when the page says none of it."""
+    stated: dict[str, Any] = {}
+    try:
+        families = list(text_string_to_metric_families(await lookups.get_text("/metrics") or ""))
+    except Exception:  # A page that does not parse states nothing.
+        return {}
+    for family in families:
+        for sample in family.samples:
+            field = _SGLANG_GAUGES.get(sample.name)
+            if field is None or (value := _int(sample.value)) is None:
+                continue
+            stated[field] = min(value, stated.get(field, value))
+            if mode := _SGLANG_ENGINE_TYPES.get(sample.labels.get("engine_type", "")):
+                stated.setdefault("disaggregation_mode", mode)
+    return stated
+
+
+def _sglang_from_gauges(stated: dict[str, Any]) -> ServerCapacity:
+    """Return the capacity SGLang's ``/metrics`` stated, for a node whose server info is unreachable."""
+    return ServerCapacity(
+        context_window=stated.get("context_window"),
+        kv_pool_tokens=stated.get("kv_pool_tokens"),
+        page_size=stated.get("page_size"),
+        disaggregation_mode=stated.get("disaggregation_mode"),
+        source="/metrics",
+    )
 
 
 def _sglang_node(info: dict[str, Any], source: str) -> ServerCapacity:

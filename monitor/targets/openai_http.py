@@ -19,32 +19,42 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from yarl import URL
 
-from monitor.config.targets import TargetConfig
-from monitor.targets.calibration import TokenCalibration
-from monitor.targets.capacity import apply_overrides, read_capacity
-from monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
-from monitor.targets.scrape import parse_samples
-from monitor.targets.wire import (
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.targets.calibration import TokenCalibration
+from kvcanary.monitor.targets.capacity import apply_overrides, read_capacity
+from kvcanary.monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
+from kvcanary.monitor.targets.paths import PathTarget
+from kvcanary.monitor.targets.scrape import parse_samples
+from kvcanary.monitor.targets.wire import (
     DEFAULT_LIMITS,
     ERROR_BODY_BYTES,
     Limits,
     ResponseTooLarge,
     StreamState,
-    error_message,
     parse_body,
     read_bounded,
     read_limited,
     request_body,
     sse_lines,
+    take_error,
 )
-from probes.target import Completion, CompletionRequest, Fetched, Node, Scraped, ServerCapacity
+from kvcanary.probes.target import (
+    Completion,
+    CompletionRequest,
+    Fetched,
+    Node,
+    Scraped,
+    ServerCapacity,
+    ServingPath,
+    TargetClient,
+)
 
 __all__ = ["ERROR_BODY_BYTES", "OpenAIHttpTarget"]
 
@@ -55,6 +65,11 @@ _MIN_SCRUB_LEN = 8
 
 #: Engines that take SGLang's ``rid`` (a client request id) in the body.
 RID_ENGINES = frozenset({"sglang", "reference"})
+
+
+#: How a completion's body reaches the engine and its answer is read: (tenant, the API path, the
+#: body, the request, the state to read into). ``OpenAIHttpTarget.exchange`` to the base URL by default.
+Send = Callable[[str, str, dict[str, Any], CompletionRequest, StreamState], Coroutine[Any, Any, None]]
 
 
 class HungUp(Exception):
@@ -112,13 +127,24 @@ class OpenAIHttpTarget:
 
     # --- completions ----------------------------------------------------------------------------------
 
-    async def complete(self, tenant: str, request: CompletionRequest) -> Completion:
-        """Send one completion as ``tenant`` and return what came back; never raise (see module doc)."""
+    async def complete(
+        self, tenant: str, request: CompletionRequest, *, send: Send | None = None
+    ) -> Completion:
+        """Send one completion as ``tenant`` and return what came back; never raise (see module doc).
+
+        ``send`` delivers the request's body and reads the answer into the state where the target's
+        base URL would not (``monitor/targets/paths.py``: down one prefill x decode pair); by default
+        :meth:`exchange` to the base URL.
+        """
         path, body = request_body(request, self._config.model, takes_rid=self.engine in RID_ENGINES)
         state = StreamState(chat=request.chat, started=time.monotonic())
         try:
             async with asyncio.timeout(self._timeout):
-                await self._hang_up_in_time(request, self._exchange(tenant, path, body, request, state))
+                if send is None:
+                    delivered = self.exchange(tenant, self._url(path), body, request, state)
+                else:
+                    delivered = send(tenant, path, body, request, state)
+                await self._hang_up_in_time(request, delivered)
         except HungUp as hung_up:
             state.fail("hung_up", str(hung_up))
         except TimeoutError:
@@ -149,29 +175,31 @@ class OpenAIHttpTarget:
                 raise
             raise HungUp(f"hung up after {request.hang_up_after_seconds:g}s, as the probe asked") from None
 
-    async def _exchange(
-        self, tenant: str, path: str, body: dict[str, Any], request: CompletionRequest, state: StreamState
-    ) -> None:
-        session = await self._client.session()
+    async def http_session(self) -> aiohttp.ClientSession:
+        """The shared HTTP session (no cookie jar), for a request this class does not make itself."""
+        return await self._client.session()
+
+    def headers_for(self, tenant: str, request: CompletionRequest) -> dict[str, str]:
+        """The headers a completion of ``tenant`` carries: its key, and the request's own id."""
         headers = self._headers.get(tenant) or self._request_headers(tenant)
         if request.request_id is not None:
             headers = {**headers, "X-Request-Id": request.request_id}
+        return headers
+
+    async def exchange(
+        self, tenant: str, url: URL, body: dict[str, Any], request: CompletionRequest, state: StreamState
+    ) -> None:
+        """POST ``body`` to ``url`` as ``tenant`` and read the answer, streamed or not, into ``state``."""
+        session = await self._client.session()
         async with session.post(
-            self._url(path),
+            url,
             data=json.dumps(body).encode(),
-            headers=headers,
+            headers=self.headers_for(tenant, request),
             allow_redirects=False,
         ) as response:
             state.status = response.status
             if not 200 <= response.status < 300:
-                raw = await read_bounded(chunks(response), ERROR_BODY_BYTES)
-                state.text = raw
-                state.apply_error_body(raw)
-                message = error_message(raw)
-                if message is None:  # no engine wrote this body: a proxy, a load balancer, a redirect
-                    state.fail("foreign", f"HTTP {response.status} with a body that is no engine's error")
-                else:
-                    state.fail("http", message)
+                take_error(state, response.status, await read_bounded(chunks(response), ERROR_BODY_BYTES))
                 return
             content_type = response.headers.get("content-type", "")
             after = request.hang_up_after_chunks
@@ -291,18 +319,28 @@ class OpenAIHttpTarget:
             found = await read_capacity(lookups, self.engine)
         except Exception:  # A lookup never breaks a probe: unknown is an answer.
             found = ServerCapacity(source="lookup failed")
-        found = apply_overrides(found, self._config.options.get("boundary", {}))
+        found = apply_overrides(found, self.overrides)
         # A reading made while a lookup timed out (the pool unread) would size plants wrong for long.
         whole = not lookups.transient and found.source != "lookup failed"
         self._capacity = (now, found) if whole else None
         return found
 
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """What the operator states of the target's capacity (``options.boundary``): see :meth:`capacity`."""
+        return dict(self._config.options.get("boundary", {}))
+
+    def via(self, path: ServingPath) -> TargetClient:
+        """Return this target as one prefill x decode pair serves it (``monitor/targets/paths.py``)."""
+        return PathTarget(self, path)
+
     def forget_capacity(self) -> None:
         """Drop the kept capacity reading: the node's configuration changed (a capacity audit saw it)."""
         self._capacity = None
 
-    async def count_tokens(self, text: str) -> int | None:
+    async def count_tokens(self, text: str, *, at: Node | None = None) -> int | None:
         """Return how many tokens the engine's own tokenizer makes of ``text``; None when it cannot say.
+        ``at`` asks that node's own API rather than the base URL (a gateway may not pass /tokenize on).
 
         llama.cpp's server takes ``{"content"}`` and answers ``{"tokens": [...]}``; llama-cpp-python's
         server has ``/extras/tokenize/count`` (``{"input"}`` → ``{"count"}``); vLLM, SGLang and the
@@ -311,24 +349,25 @@ class OpenAIHttpTarget:
         """
         if self.engine == "openai":
             return None
+        base = self._base if at is None else at.info_url.rstrip("/").removesuffix("/v1")
         if self.engine == "llamacpp":
-            count = await self._tokenize("/tokenize", {"content": text})
+            count = await self._tokenize(base + "/tokenize", {"content": text})
             if count is None:
-                count = await self._tokenize("/extras/tokenize/count", {"input": text})
+                count = await self._tokenize(base + "/extras/tokenize/count", {"input": text})
             self.calibration.note(len(text), count)
             return count
-        count = await self._tokenize("/tokenize", {"prompt": text})
+        count = await self._tokenize(base + "/tokenize", {"prompt": text})
         if count is None and self.engine == "sglang":
-            count = await self._tokenize("/v1/tokenize", {"prompt": text})
+            count = await self._tokenize(base + "/v1/tokenize", {"prompt": text})
         self.calibration.note(len(text), count)
         return count
 
-    async def _tokenize(self, path: str, body: dict[str, Any]) -> int | None:
+    async def _tokenize(self, url: str, body: dict[str, Any]) -> int | None:
         try:
             async with asyncio.timeout(self._timeout):
                 session = await self._client.session()
                 async with session.post(
-                    self._base + path, json=body, headers=self._any_auth(), allow_redirects=False
+                    url, json=body, headers=self._any_auth(), allow_redirects=False
                 ) as response:
                     raw, complete = await read_limited(
                         chunks(response), self._limits.lookup_bytes, response.content_length

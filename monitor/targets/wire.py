@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from probes.target import Completion, CompletionRequest
-from probes.untrusted import plain
+from kvcanary.probes.target import Completion, CompletionRequest
+from kvcanary.probes.untrusted import plain
 
 #: How much of an error body is kept: enough for any engine's message, not a second copy of a prompt.
 ERROR_BODY_BYTES = 4096
@@ -337,3 +337,15 @@ def parse_body(raw: bytes, state: StreamState, now: float) -> None:
     state.chunks = 1
     state._absorb(data, now, "message")
     state.done = True
+
+
+def take_error(state: StreamState, status: int, raw: str) -> None:
+    """Keep a non-2xx answer: its body is output a tenant sees; an engine's error or another's."""
+    state.status = status
+    state.text = raw
+    state.apply_error_body(raw)
+    message = error_message(raw)
+    if message is None:  # no engine wrote this body: a proxy, a load balancer, a redirect
+        state.fail("foreign", f"HTTP {status} with a body that is no engine's error")
+    else:
+        state.fail("http", message)

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from monitor.targets.calibration import RECOUNT_SECONDS, SAMPLE_TEXT
-from probes.target import ServerCapacity
+from kvcanary.monitor.targets.calibration import RECOUNT_SECONDS, SAMPLE_TEXT
+from kvcanary.probes.target import ServerCapacity
 
 POOL_SECONDS = 600.0
 UNKNOWN_POOL_SECONDS = 60.0
@@ -87,11 +87,20 @@ class TargetFacts:
         client = self.clients.get(target)
         found: int | None = None
         if client is not None and hasattr(client, "capacity"):
-            named = [n for n in getattr(client, "nodes", []) if n.name == node] if node else []
-            reading = await (
-                client.node_capacity(named[0]) if named else client.capacity(max_age=POOL_SECONDS)
-            )
-            found = smallest_pool(reading)
+            nodes = getattr(client, "nodes", [])
+            named = [n for n in nodes if n.name == node] if node else []
+            # Addressed to the target itself (a gateway, whose own server info names no pool): the
+            # request was admitted by one of its prefill or aggregated nodes, unknown which, so
+            # only a prompt over the largest of their pools surely did not fit.
+            admitting = [n for n in nodes if n.name and n.role != "decode"] if not node else []
+            if named:
+                found = smallest_pool(await client.node_capacity(named[0]))
+            elif admitting:
+                pools = [smallest_pool(await client.node_capacity(n)) for n in admitting]
+                known = [pool for pool in pools if pool is not None]
+                found = max(known) if len(known) == len(pools) else None  # one unknown: no sure bound
+            else:
+                found = smallest_pool(await client.capacity(max_age=POOL_SECONDS))
         self._pools[(target, node)] = (now, found)
         return found
 

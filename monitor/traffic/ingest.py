@@ -1,207 +1,135 @@
-"""``POST /api/v1/traffic`` behind the router: judge a batch, store what is kept, record verdicts.
+"""``POST /api/v1/traffic`` behind the router: a batch's valid records into the one traffic pipeline.
 
-The rows and counts of a batch are written in one transaction; a database that fails it fails the
-request (503 from ``monitor/api/outage.py``), so the tap keeps the batch and sends it again. A
-batch the tap sends again because its answer was lost (the same ``batch`` id) is answered from
-memory, not judged twice; one being judged now is waited for. The results go through the recording
-port like every probe's (``monitor/recording/port.py``), which spools them while the database is
-away. A gateway's report of the records it dropped is counted once its batch is stored.
+Where they go depends on ``traffic.source``:
 
-With replicas, each deployment's traffic belongs to one of them (rendezvous hashing of (target,
-"traffic") over the live replicas, as probe pairs are divided): the replica a batch reaches judges
-its own deployments' records and hands the rest to their owners' APIs (``X-KVCanary-Forwarded``),
-so each record is judged once and each fingerprint window lives in one place. Each owner's share
-of a batch is known by one id wherever the batch arrives (the batch's id and the owner's), so a
-batch the tap sends again through a load balancer to another replica is judged once there too.
-Owners are handed their shares at once, each within ``FORWARD_TIMEOUT_SECONDS`` (under the tap's
-own 5 s); one that does not answer has its records judged where they arrived: a window split for
-a while, nothing lost.
+- ``jetstream``: they are published to the stream, as the tap's JetStream sink publishes them
+  (subjects, ``Nats-Msg-Id`` and headers by ``kvcanary/tap/jetstream.py``'s :func:`messages_of`,
+  the drop report on the first message), and the answer comes once JetStream acknowledged every
+  message: ``accepted`` counts the records taken to be judged by whichever replica holds their
+  partition. Posts to any replica are then judged once, in one fingerprint window per deployment.
+  A publish that fails (NATS away, the stream full) is a 503: the tap keeps the batch and sends it
+  again, the stream drops a message it holds already (its duplicate window) and the pipeline a
+  record it judged already (its id).
+- ``http``: they are taken here (:meth:`TrafficPipeline.take`): judged once by record id, stored,
+  recorded. With more than one live replica (``Membership.live``) there is no single place to judge
+  a deployment's records in, so the post is refused with a 503 naming ``traffic.source: jetstream``
+  (the tap keeps its records), and logged at most once a minute.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import hashlib
 import logging
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
-from typing import Any
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import httpx
-from sqlalchemy.orm import Session, sessionmaker
+from kvcanary.monitor.config.settings import JetStreamConfig
+from kvcanary.monitor.runs.replicas import Membership
+from kvcanary.monitor.traffic.judge import TrafficJudge
+from kvcanary.monitor.traffic.pipeline import TrafficPipeline, arrivals
+from kvcanary.monitor.traffic.schema import TrafficBatch, TrafficRecord
+from kvcanary.wire import DROPPED_HEADER
 
-from monitor.recording.port import RecordingPort
-from monitor.runs.replicas import Membership
-from monitor.storage.judged_rows import mark_judged
-from monitor.storage.target_rows import upsert_targets
-from monitor.storage.traffic_rows import write_traffic
-from monitor.traffic.judge import Judged, TrafficJudge
-from monitor.traffic.schema import TrafficBatch, TrafficRecord
+if TYPE_CHECKING:  # nats-py is imported only where the stream is used
+    from nats.js import JetStreamContext
 
 log = logging.getLogger("kvcanary.traffic")
 
-#: Seconds an owner replica has to take handed-over records before they are judged here.
-FORWARD_TIMEOUT_SECONDS = 2.0
-#: Batch ids remembered (a tap sends a batch again only until it is taken: a few suffice).
-REMEMBERED_BATCHES = 4096
-#: Gateways named in metric labels; any more are counted as "other" (a label per client is unbounded).
-MAX_GATEWAYS = 64
+#: Seconds between two log lines about posts refused for want of the stream.
+REFUSAL_LOG_SECONDS = 60.0
+#: The answer's keys, each a count of the batch's records.
+ANSWER_KEYS = ("accepted", "unmatched", "own", "flagged", "duplicates")
 
 
-def share_of(batch: TrafficBatch, owner: str) -> TrafficBatch:
-    """The envelope of ``owner``'s share of ``batch``: its id derived from the batch's and the
-    owner's, the same on every replica, so a share is judged once wherever the batch is sent."""
-    share = None if batch.batch is None else hashlib.sha256(f"{batch.batch}{owner}".encode()).hexdigest()[:32]
-    return TrafficBatch.model_construct(batch=share, gateway=batch.gateway, dropped=batch.dropped, records=[])
+class NotTakenHere(Exception):
+    """This replica cannot take a posted batch now (``str()`` says why): answered 503, so the tap
+    keeps the records and sends them again."""
 
 
-class TrafficIngest:
-    """Judges, stores and records one batch at a time per deployment (the judge's locks)."""
+class HttpIngest:
+    """Takes a posted batch's valid records: into the pipeline here, or onto the stream."""
 
     def __init__(
         self,
-        judge: TrafficJudge,
-        port: RecordingPort | None,
-        session_factory: sessionmaker[Session],
+        pipeline: TrafficPipeline,
         membership: Membership | None = None,
-        token: str | None = None,
+        publisher: StreamPublisher | None = None,
     ):
-        """``membership``: the replicas (None: this one judges everything); ``token``: the API token
-        the other replicas take, to hand them their deployments' records."""
-        self.judge = judge
-        self.port = port
-        self.session_factory = session_factory
+        """``membership``: the replicas (None: this one alone); ``publisher``: the stream's, where
+        ``traffic.source`` is ``jetstream``."""
+        self.pipeline = pipeline
         self.membership = membership
-        self._forward_headers = {"X-KVCanary-Forwarded": membership.id if membership else "yes"}
-        if token is not None:
-            self._forward_headers["Authorization"] = f"Bearer {token}"
-        self._http: httpx.AsyncClient | None = None
-        self._answers: collections.OrderedDict[str, asyncio.Future[dict[str, Any]]] = (
-            collections.OrderedDict()
-        )
-        self._target_ids: dict[str, int] = {}
-        self._gateways: set[str] = set()
+        self.publisher = publisher
+        self._refusal_logged_at = -REFUSAL_LOG_SECONDS
 
-    async def __call__(
-        self, batch: TrafficBatch, records: list[TrafficRecord], forwarded: bool = False
-    ) -> dict[str, Any]:
-        if not forwarded:
-            return await self._dedupe(batch, records, self._route)
-        return await self._dedupe(batch, records, self._ingest)
+    @property
+    def judge(self) -> TrafficJudge:
+        return self.pipeline.judge
 
-    async def _route(self, batch: TrafficBatch, records: list[TrafficRecord]) -> dict[str, Any]:
-        """Judge this replica's deployments' records; hand each other owner its own."""
-        membership = self.membership
-        if membership is None or len(membership.live) <= 1:
-            return await self._ingest(batch, records)
-        theirs: dict[str, list[TrafficRecord]] = defaultdict(list)
-        mine = []
-        for record in records:
-            target = self.judge.target_of(record)
-            owner = membership.owner(target, "traffic") if target is not None else membership.id
-            (mine.append(record) if owner == membership.id else theirs[owner].append(record))
-        answers = list(
-            await asyncio.gather(
-                *(self._forward(owner, batch, handed, mine) for owner, handed in theirs.items())
+    async def __call__(self, batch: TrafficBatch, records: list[TrafficRecord]) -> dict[str, int]:
+        """Return the answer's counts; raise :class:`NotTakenHere` for a 503."""
+        if self.publisher is not None:
+            return await self.publisher.publish(batch, records)
+        if self.membership is not None and len(self.membership.live) > 1:
+            self._log_refusal(len(self.membership.live))
+            raise NotTakenHere(
+                f"{len(self.membership.live)} replicas are live and traffic.source is http: posted "
+                "traffic is judged once only through the stream; set traffic.source: jetstream"
             )
+        return await self.pipeline.take(batch.gateway, arrivals(records, batch.dropped))
+
+    def _log_refusal(self, replicas: int) -> None:
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_SECONDS:
+            self._refusal_logged_at = now
+            log.warning(
+                "traffic: refusing posted traffic (503): %d replicas are live and traffic.source is "
+                "http; set traffic.source: jetstream so that each record is judged once",
+                replicas,
+            )
+
+
+class StreamPublisher:
+    """Publishes posted records to the traffic stream through the consumer's own connection."""
+
+    def __init__(self, cfg: JetStreamConfig, connection: Callable[[], tuple[JetStreamContext, int] | None]):
+        """``connection``: the JetStream context and the server's ``max_payload`` while connected
+        (``TrafficStream.connection``), else None."""
+        self.cfg = cfg
+        self._connection = connection
+
+    async def publish(self, batch: TrafficBatch, records: list[TrafficRecord]) -> dict[str, int]:
+        """Publish ``records`` as the tap would; return the answer once JetStream took them all."""
+        # Imported here: the tap's sink imports nats-py, which a monitor without the stream lacks.
+        from kvcanary.tap.jetstream import HEADER_BYTES, MESSAGE_BYTES, messages_of
+        from kvcanary.tap.sender import Batch
+
+        answer = dict.fromkeys(ANSWER_KEYS, 0)
+        connection = self._connection()
+        if connection is None:
+            raise NotTakenHere(f"the traffic stream at {self.cfg.url} is not connected; try again")
+        js, max_payload = connection
+        # A batch without the tap's id gets one of its own: its messages must not be taken for
+        # another batch's within the stream's duplicate window.
+        tap_batch = Batch(
+            batch.batch or uuid.uuid4().hex, batch.gateway, batch.dropped, [r.model_dump() for r in records]
         )
-        answers.append(await self._dedupe(share_of(batch, membership.id), mine, self._ingest))
-        return {k: sum(a.get(k, 0) for a in answers) for k in answers[-1]}
-
-    async def _forward(
-        self, owner: str, batch: TrafficBatch, records: list[TrafficRecord], fallback: list[TrafficRecord]
-    ) -> dict[str, Any]:
-        """Post ``records`` to ``owner``; on failure, add them to ``fallback`` (judged here)."""
-        url = self.membership.urls.get(owner, "") if self.membership else ""
-        body = {
-            "batch": share_of(batch, owner).batch,
-            "gateway": batch.gateway,
-            "records": [r.model_dump(mode="json") for r in records],
-        }
-        if url:
-            try:
-                self._http = self._http or httpx.AsyncClient(timeout=FORWARD_TIMEOUT_SECONDS)
-                answer = await self._http.post(
-                    f"{url}/api/v1/traffic", json=body, headers=self._forward_headers
-                )
-                if answer.status_code in (200, 422):
-                    return dict(answer.json())
-                log.warning(
-                    "replica %s answered %s to handed-over traffic; judging it here",
-                    owner,
-                    answer.status_code,
-                )
-            except (httpx.HTTPError, ValueError) as exc:
-                log.warning("replica %s did not take handed-over traffic (%s); judging it here", owner, exc)
-        fallback.extend(records)
-        return {}
-
-    async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-
-    async def _dedupe(
-        self,
-        batch: TrafficBatch,
-        records: list[TrafficRecord],
-        ingest: Callable[[TrafficBatch, list[TrafficRecord]], Awaitable[dict[str, Any]]],
-    ) -> dict[str, Any]:
-        if batch.batch is None:
-            return await ingest(batch, records)
-        known = self._answers.get(batch.batch)
-        if known is not None:
-            return await asyncio.shield(known)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._answers[batch.batch] = future
-        try:
-            answer = await ingest(batch, records)
-        except BaseException as exc:
-            del self._answers[batch.batch]  # not taken: judged again when it comes again
-            future.set_exception(exc)
-            future.exception()  # retrieved: a waiter may not exist
-            raise
-        future.set_result(answer)
-        while len(self._answers) > REMEMBERED_BATCHES:
-            self._answers.popitem(last=False)
+        limit = max(1, min(MESSAGE_BYTES, max_payload - HEADER_BYTES))
+        messages = messages_of(tap_batch, self.cfg.partitions, self.cfg.subject_prefix, limit)
+        if messages and batch.dropped:  # the drop report rides with the first message, as the tap's
+            messages[0][2][DROPPED_HEADER] = str(batch.dropped)
+        acks = await asyncio.gather(
+            *(js.publish(subject, payload, headers=headers) for subject, payload, headers, _ in messages),
+            return_exceptions=True,
+        )
+        failed = [ack for ack in acks if isinstance(ack, BaseException)]
+        if failed:
+            raise NotTakenHere(f"the traffic stream did not take the records ({_why(failed[0])}); try again")
+        answer["accepted"] = len(records)
         return answer
 
-    async def _ingest(
-        self, batch: TrafficBatch, records: list[TrafficRecord], marks: Sequence[tuple[int, str]] = ()
-    ) -> dict[str, Any]:
-        gateway = self._gateway(batch.gateway)
-        judged = await self.judge.judge(records, gateway)
-        if judged.kept or judged.minutes or marks:
-            await asyncio.to_thread(self._write, judged, marks)
-        if batch.dropped:
-            self.judge.metrics.traffic_dropped.labels(gateway).inc(batch.dropped)
-        if self.port is not None and judged.results:
-            await asyncio.gather(*(self.port.submit(item) for item in judged.results))
-        return judged.answer()
 
-    async def ingest_marked(
-        self, gateway: str, records: list[TrafficRecord], marks: Sequence[tuple[int, str]], dropped: int = 0
-    ) -> dict[str, Any]:
-        """Judge records read from the JetStream stream here, whoever owns their deployment (the
-        stream's partitions decided that), and store them with their ``(partition, record id)``
-        marks in one transaction; return once the rows are stored and the results recorded."""
-        envelope = TrafficBatch.model_construct(batch=None, gateway=gateway, dropped=dropped, records=[])
-        return await self._ingest(envelope, records, marks)
-
-    def _gateway(self, name: str) -> str:
-        name = name or "unnamed"
-        if name not in self._gateways and len(self._gateways) < MAX_GATEWAYS:
-            self._gateways.add(name)
-        return name if name in self._gateways else "other"
-
-    def _write(self, judged: Judged, marks: Sequence[tuple[int, str]] = ()) -> None:
-        with self.session_factory.begin() as session:
-            mark_judged(session, marks, datetime.now(UTC))
-            missing = {name for name, _ in judged.kept} | {key[0] for key in judged.minutes}
-            missing -= self._target_ids.keys()
-            if missing:  # a target's row, made at start or reload unless the database was away then
-                targets = [t for t in self.judge.settings.targets if t.name in missing]
-                rows = [(t.name, t.engine, t.base_url, t.model) for t in targets]
-                self._target_ids.update(upsert_targets(session, rows, datetime.now(UTC)))
-            write_traffic(session, self._target_ids, judged.kept, judged.minutes)
+def _why(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

@@ -6,22 +6,38 @@ batch's records of one partition to a message, ``{"records": [...]}`` as the HTT
 made by ``stream_setup.py``, and each partition is consumed by one replica at a time (``partitions.py``).
 
 The replica that holds a partition pulls up to ``BATCH_MESSAGES`` messages (waiting at most
-``BATCH_WAIT_SECONDS``), decodes them into :class:`TrafficRecord` s, and judges them through
-:class:`TrafficIngest` in this process. It acknowledges a batch only once its rows are stored and
-its results recorded, so a replica that dies midway has its batch delivered again (after
-``ack_wait_seconds``) to whichever replica holds the partition then.
+``BATCH_WAIT_SECONDS``), decodes them into :class:`TrafficRecord` s, and hands them to the one
+traffic pipeline (:meth:`TrafficPipeline.take`, ``pipeline.py``), as the HTTP ingest does. It
+acknowledges a batch only once its rows are stored and its results recorded, so a replica that
+dies midway has its batch delivered again (after ``ack_wait_seconds``) to whichever replica holds
+the partition then. Posted records reach it the same way: with the stream configured, the HTTP
+ingest publishes them as a tap does (``ingest.py``).
 
-Exactly once, by record id: judging a record writes ``(partition, record id)`` into
-``traffic_judged`` in the same transaction as its rows (``storage/judged_rows.py``), and every
-pulled batch first asks which of its ids are there; those (a redelivery after a death or a lost
+Exactly once, by record id (the tap's, made once per exchange; never the engine's response id, which
+engines repeat and which the record carries as ``upstream_id``, data only: keyed on it, a second
+response under a seen id was acknowledged unjudged): the pipeline writes ``(partition, record id)``
+into ``traffic_judged`` in the same transaction as the record's rows (``storage/judged_rows.py``),
+and first drops the ids of a batch found there; those (a redelivery after a death or a lost
 acknowledgement, a tap's resend after the stream's duplicate window) are acknowledged without being
-judged again. A record id is remembered twice the duplicate window. The alternative, a
-last-judged stream sequence per partition, would lose records: a new owner judges new messages
-while the dead owner's unacknowledged ones wait out ``ack_wait``, and a checkpoint past them would
-skip them when they come back. A record that is not valid is acknowledged with its message and
-counted as rejected (it can never become valid); the others of its message are judged. A batch
-being judged when its consumer is cut (a hand-over outlasting ``STOP_WAIT_SECONDS``, a stop) is left
-to finish storing and recording (``_land``).
+judged again. A record id is remembered twice the duplicate window. The alternative, a last-judged
+stream sequence per partition, would lose records: a new owner judges new messages while the dead
+owner's unacknowledged ones wait out ``ack_wait``, and a checkpoint past them would skip them when they
+come back. A record that is not valid is acknowledged with its message and counted as rejected (it can
+never become valid); the others of its message are judged. A batch being judged when its consumer is cut
+(a hand-over outlasting ``STOP_WAIT_SECONDS``, a stop) is left to finish storing and recording
+(``_land``).
+
+A message is read as records by ``messages.py``, which bounds what it says of itself by what it
+carries. A record on a partition its ``api_base`` does not hash to (a tap configured with other
+partitions, or a record published on several) is refused: acknowledged, counted as misrouted,
+never judged, so one deployment's records are judged once and in one fingerprint window.
+
+An empty pull is an idle partition, the normal case: no backoff, no warning, no failure counted
+(nats-py answers one with a timeout or with an empty list). A deleted consumer or stream looks the
+same to a pull, so a partition that pulled nothing for ``CHECK_SECONDS`` asks whether its consumer
+is still there; one that is not stops pulling and is reported (``report()``: ``missing``, not in
+``consuming``) until the next step makes the stream and consumers again (``stream_setup.prepare``,
+idempotent, as at start).
 """
 
 from __future__ import annotations
@@ -29,86 +45,53 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
-from pydantic import ValidationError
 
-from monitor.config.settings import JetStreamConfig
-from monitor.storage.judged_rows import judged_already
-from monitor.traffic.ingest import TrafficIngest
-from monitor.traffic.partitions import LEASE_SECONDS, STEP_SECONDS, Partitions
-from monitor.traffic.schema import TrafficRecord, read_batch
-from monitor.traffic.stream_setup import connect, durable_name, prepare, why
+from kvcanary.monitor.config.settings import JetStreamConfig
+from kvcanary.monitor.traffic.messages import Pulled, by_partition, decode_all
+from kvcanary.monitor.traffic.partitions import LEASE_SECONDS, STEP_SECONDS, Partitions
+from kvcanary.monitor.traffic.pipeline import TrafficPipeline, read_off_loop
+from kvcanary.monitor.traffic.stream_setup import connect, durable_name, prepare, why
 
 log = logging.getLogger("kvcanary.traffic")
 
 #: Messages a pull takes, each a tap batch's share of a partition (up to 200 records): a pull's
 #: records are judged and stored together, in one transaction, under their deployment's lock.
-BATCH_MESSAGES = 20
+#: Behind a backlog, more messages a pull is fewer statements a record (20: 6,300 records per
+#: CPU-second of ``bench/jetstream.py``, 50: 6,500, on a loaded two-core machine).
+BATCH_MESSAGES = 50
 BATCH_WAIT_SECONDS = 0.25
-#: Seconds between tries while NATS or the database fails a batch (the last repeats).
+#: Seconds between tries while NATS or the database fails a batch (the last repeats); never after
+#: an empty pull, which is an idle partition.
 BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0)
+#: A partition that pulled nothing this long asks whether its consumer is still there (a deleted
+#: consumer or stream answers pulls as an idle one does): a deletion is found within it, and the
+#: next step (``STEP_SECONDS``) makes the consumer again.
+CHECK_SECONDS = 5.0
 #: How long a handed-over partition's batch in hand may take to finish.
 STOP_WAIT_SECONDS = LEASE_SECONDS / 3
 #: How long stopping waits for batches cut at a hand-over to be stored and recorded.
 LANDING_WAIT_SECONDS = 10.0
-#: What the tap writes beside each record (``kvcanary/tap/jetstream.py``: the same names).
-GATEWAY_HEADER = "Kvcanary-Gateway"
-DROPPED_HEADER = "Kvcanary-Dropped"
-RECORDS_HEADER = "Kvcanary-Records"
-_GATEWAY_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
-@dataclass
-class Pulled:
-    """One record of a message, decoded: the record, the id it is judged once by, and what rode
-    with its message (``dropped`` on the message's first record only)."""
-
-    record: TrafficRecord
-    key: str
-    gateway: str
-    dropped: int
-
-
-def decode(message: Msg) -> tuple[list[Pulled], int]:
-    """Return the message's valid records (a tap batch's share, read as the HTTP ingest reads a
-    body), and how many it carried that are not valid (they never will be)."""
-    headers = message.headers or {}
-    try:
-        _, valid = read_batch(message.data)
-    except ValidationError:  # the envelope itself: nothing in it can be read
-        return [], max(1, _count(headers.get(RECORDS_HEADER, "")))
-    records, rejected = valid.records, valid.refused
-    gateway = headers.get(GATEWAY_HEADER, "")
-    gateway = gateway if _GATEWAY_RE.fullmatch(gateway) else ""
-    dropped = _count(headers.get(DROPPED_HEADER, ""))
-    seq = message.metadata.sequence.stream
-    pulled = [
-        # A record without an id is judged once by its place in the stream (a redelivery keeps it).
-        Pulled(record, record.id or f"#{seq}.{i}", gateway, dropped if i == 0 else 0)
-        for i, record in enumerate(records)
-    ]
-    return pulled, rejected
-
-
-def _count(text: str) -> int:
-    return int(text) if text.isdigit() and len(text) < 12 else 0
+class ConsumerGone(Exception):
+    """A partition's durable consumer is not on the server (deleted, or its stream with it)."""
 
 
 class TrafficStream:
-    """Consumes this replica's partitions of the traffic stream into ``ingest``; see the module doc."""
+    """Consumes this replica's partitions of the traffic stream into ``pipeline``; see the module doc."""
 
-    def __init__(self, cfg: JetStreamConfig, ingest: TrafficIngest, replica: str, token: str | None):
+    def __init__(self, cfg: JetStreamConfig, pipeline: TrafficPipeline, replica: str, token: str | None):
         self.cfg = cfg
-        self.ingest = ingest
+        self.pipeline = pipeline
         self.replica = replica
         self._token = token
         self._client: Client | None = None
@@ -117,13 +100,17 @@ class TrafficStream:
         self._task: asyncio.Task[None] | None = None
         self._consumers: dict[int, tuple[asyncio.Event, asyncio.Task[None]]] = {}
         #: Batches being stored and recorded, which a cut consumer leaves to finish (``_land``).
-        self._landing: set[asyncio.Task[None]] = set()
+        self._landing: set[asyncio.Task[int]] = set()
         #: Tries in a row that failed, per partition: the backoff, and one log line per outage.
         self._failures: dict[int, int] = {}
-        #: Counts since start (``/healthz``): judged, redelivered records not judged again, rejected.
+        #: Counts since start (``/healthz``): judged, redelivered records not judged again, rejected,
+        #: and refused for their partition (``misrouted``).
         self.judged = 0
         self.duplicates = 0
         self.rejected = 0
+        self.misrouted = 0
+        #: Partitions held whose consumer was found gone, until the next step makes it again.
+        self._missing: set[int] = set()
         #: Per partition held: the messages waiting behind its last pull, and how long the newest
         #: of that pull had waited in the stream (the lag metrics; 0 once a pull finds nothing).
         self._pending: dict[int, int] = {}
@@ -142,8 +129,9 @@ class TrafficStream:
         if self.partitions is not None and self._client is not None and self._client.is_connected:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.partitions.leave(), 10)
-        for n in list(self._consumers):
-            await self._stop_partition(n)
+        # All at once: each may wait STOP_WAIT_SECONDS for its batch in hand, and sixteen one after
+        # another held a stop (and a test's two-replica teardown) past three minutes on a loaded host.
+        await asyncio.gather(*(self._stop_partition(n) for n in list(self._consumers)))
         if self._landing:  # before the writer closes: what they store, they record
             _, pending = await asyncio.wait(set(self._landing), timeout=LANDING_WAIT_SECONDS)
             if pending:
@@ -154,13 +142,22 @@ class TrafficStream:
                 await asyncio.wait_for(self._client.close(), 5)
 
     def report(self) -> dict[str, Any]:
-        connected = self._client is not None and self._client.is_connected
+        """Return what ``/healthz`` and ``/metrics`` say of the stream: ``partitions`` this replica
+        holds, ``consuming`` those it pulls from now (connected, the consumer there), ``missing``
+        those whose consumer or stream was found deleted and is not made again yet, of
+        ``partition_count``; and the counts since start."""
+        connected = self._connected()
         owned = sorted(self.partitions.claims) if self.partitions is not None else []
         live = len(self.partitions.live) if self.partitions is not None else 0
+        missing = sorted(self._missing.intersection(owned))
+        consuming = [n for n in owned if n not in self._missing] if connected else []
         return {"url": self.cfg.url, "stream": self.cfg.stream, "connected": connected, "replicas": live,
-                "partitions": owned, "judged": self.judged, "duplicates": self.duplicates,
-                "rejected": self.rejected, "pending_messages": sum(self._pending.values()),
-                "lag_seconds": round(max(self._lag.values(), default=0.0), 3)}  # fmt: skip
+                "partition_count": self.cfg.partitions, "partitions": owned, "consuming": consuming,
+                "missing": missing, "judged": self.judged, "duplicates": self.duplicates,
+                "rejected": self.rejected, "misrouted": self.misrouted,
+                "pending_messages": sum(self._pending.values()),
+                "lag_seconds": round(max(self._lag.values(), default=0.0), 3),
+                "bucket_anomalies": self.partitions.anomalies() if self.partitions else {}}  # fmt: skip
 
     async def _run(self) -> None:
         self._client = await connect(self.cfg, self._token, keep_trying=True)
@@ -173,8 +170,9 @@ class TrafficStream:
                 if kv is None:
                     kv = await prepare(self._js, self.cfg)
                     self.partitions = Partitions(
-                        kv, self.replica, self.cfg.partitions, self._start_partition, self._stop_partition
-                    )
+                        kv, self.replica, self.cfg.partitions, self._start_partition, self._stop_partition,
+                        max_replicas=self.cfg.max_replicas,
+                    )  # fmt: skip
                 await self.partitions.step()  # type: ignore[union-attr]  # set just above
                 if failures:
                     log.info("traffic stream: sharing out the partitions again")
@@ -183,8 +181,24 @@ class TrafficStream:
                 if failures == 0:
                     log.warning("traffic stream: cannot share out the partitions (%s); retrying", why(exc))
                 failures += 1
+            if self._missing:
+                await self._recreate()
             # A steady beat, however long a step took: the claims must be refreshed within a lease.
             await asyncio.sleep(max(0.0, STEP_SECONDS - (time.monotonic() - began)))
+
+    async def _recreate(self) -> None:
+        """Make the stream and its consumers again for the partitions that found theirs gone (as
+        at start: what exists is kept); they stay reported missing until this succeeds."""
+        assert self._js is not None  # a partition is consumed only once connected
+        gone = set(self._missing)
+        try:
+            await prepare(self._js, self.cfg)
+        except Exception as exc:  # tried again at the next step; the partitions stay reported
+            log.warning("traffic stream: cannot make the stream's consumers again (%s); retrying", why(exc))
+            return
+        self._missing -= gone
+        log.info("traffic stream: made the consumers of partition(s) %s again; pulling",
+                    ", ".join(map(str, sorted(gone))))  # fmt: skip
 
     def _start_partition(self, n: int) -> None:
         stopping = asyncio.Event()
@@ -205,14 +219,23 @@ class TrafficStream:
             hung.cancel()
         self._pending.pop(n, None)
         self._lag.pop(n, None)
+        self._missing.discard(n)
         log.info("traffic stream: partition %d handed over", n)
 
     async def _consume(self, n: int, stopping: asyncio.Event) -> None:
-        """Pull and judge partition ``n`` until ``stopping``; a failure waits its backoff, never ends it."""
+        """Pull and judge partition ``n`` until ``stopping``; a failure waits its backoff, a consumer
+        gone waits until it is made again (``_run``); neither ends it."""
         while not stopping.is_set():
             try:
                 await self._pull(n, stopping)
                 return
+            except ConsumerGone:
+                log.warning("traffic stream: partition %d: its consumer %s is gone from stream %s "
+                            "(deleted); making it again", n, durable_name(n), self.cfg.stream)  # fmt: skip
+                self._missing.add(n)
+                while n in self._missing and not stopping.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stopping.wait(), 0.1)
             except Exception as exc:  # NATS or the database failed: the batch comes again
                 failures = self._failures.get(n, 0)
                 if failures == 0:
@@ -223,13 +246,22 @@ class TrafficStream:
     async def _pull(self, n: int, stopping: asyncio.Event) -> None:
         assert self._js is not None  # partitions start only once connected
         sub = await self._js.pull_subscribe_bind(durable=durable_name(n), stream=self.cfg.stream)
+        checked = time.monotonic()  # when the consumer last showed it is there
         try:
             while not stopping.is_set():
                 try:
                     messages = await sub.fetch(BATCH_MESSAGES, timeout=BATCH_WAIT_SECONDS)
                 except TimeoutError:  # nothing came (nats-py raises its own and asyncio's)
+                    messages = []
+                if not messages:  # an idle partition (nats-py 2.16 also answers an empty list)
                     self._pending[n], self._lag[n] = 0, 0.0
+                    # NATS away is said by the connection (``connected``), not by each partition.
+                    if time.monotonic() - checked >= CHECK_SECONDS and self._connected():
+                        await self._check_consumer(n)
+                        checked = time.monotonic()
+                        self._end_failures(n)  # the server answered for the consumer: NATS is back
                     continue
+                checked = time.monotonic()
                 newest = messages[-1].metadata
                 self._pending[n] = newest.num_pending
                 self._lag[n] = max(0.0, time.time() - newest.timestamp.timestamp())
@@ -244,65 +276,86 @@ class TrafficStream:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
+    def connection(self) -> tuple[JetStreamContext, int] | None:
+        """Return the JetStream context and the server's ``max_payload`` while connected (the HTTP
+        ingest publishes posted records through this replica's connection), else None."""
+        if self._js is None or self._client is None or not self._client.is_connected:
+            return None
+        return self._js, self._client.max_payload
+
+    def _connected(self) -> bool:
+        return self._client is not None and self._client.is_connected
+
+    async def _check_consumer(self, n: int) -> None:
+        """Raise ConsumerGone when partition ``n``'s consumer is not on the server."""
+        assert self._js is not None  # partitions start only once connected
+        try:
+            await self._js.consumer_info(self.cfg.stream, durable_name(n))
+        except NotFoundError:  # the consumer, or the stream and every consumer with it
+            raise ConsumerGone(n) from None
+
+    def _end_failures(self, n: int) -> None:
+        """End partition ``n``'s run of failures: the next one is logged again, and waits least."""
+        if self._failures.pop(n, 0):
+            log.info("traffic stream: partition %d: pulling again", n)
+
     async def _handle(self, n: int, messages: list[Msg]) -> None:
         """Judge a pulled batch's new records, store them with their marks, then acknowledge all."""
         pulled: list[Pulled] = []
         rejected = 0
-        for i, message in enumerate(messages):
-            if i:
-                await asyncio.sleep(0)  # a message is up to 200 records: the loop's work between them
-            valid, bad = decode(message)
+        # Read off the event loop, with the HTTP ingest's readers: a hostile message costs a reader
+        # thread for a while, never the loop that answers /healthz and runs the canary.
+        for valid, bad in await read_off_loop(decode_all, messages):
             pulled += valid
             rejected += bad
         self.rejected += rejected
         if rejected:
             log.warning("traffic stream: partition %d: %d record(s) are not valid; dropped", n, rejected)
-        seen = await asyncio.to_thread(self._judged_already, n, [p.key for p in pulled])
-        fresh: dict[str, list[Pulled]] = {}
+        # A refused record's drop report goes with it: a copy on another partition must not count twice.
+        pulled, refused = by_partition(pulled, n, self.cfg.partitions)
+        if refused:
+            self.misrouted += len(refused)
+            log.warning("traffic stream: partition %d: %d record(s) of deployments that hash to other "
+                        "partitions refused (a tap with other partitions than %d, or a record published "
+                        "on several)",
+                        n, len(refused), self.cfg.partitions)  # fmt: skip
+        by_gateway: dict[str, list[Pulled]] = {}
         for p in pulled:
-            if p.key in seen:
-                continue
-            seen.add(p.key)  # the same record twice in one batch: judged once
-            fresh.setdefault(p.gateway, []).append(p)
-        judged = sum(len(group) for group in fresh.values())
-        self.duplicates += len(pulled) - judged
-        if fresh:
-            await self._land(n, fresh)
-        self.judged += judged
+            by_gateway.setdefault(p.gateway, []).append(p)
+        if by_gateway:
+            judged = await self._land(by_gateway)
+            self.judged += judged
+            self.duplicates += len(pulled) - judged
         for message in messages:
             await message.ack()
         assert self._client is not None  # pulled through it
         await self._client.flush()  # the acknowledgements are out before the next pull
-        self._failures.pop(n, None)
+        self._end_failures(n)
 
-    async def _land(self, n: int, fresh: dict[str, list[Pulled]]) -> None:
-        """Judge, store and record ``fresh`` records, to the end even if this consumer is cut: their
-        rows and marks commit in the database's thread whether its caller waits or not, and results
-        not handed to the port then would be lost for good (the redelivery finds the marks)."""
+    async def _land(self, by_gateway: dict[str, list[Pulled]]) -> int:
+        """Take each gateway's records through the pipeline, to the end even if this consumer is
+        cut: their rows and marks commit in the database's thread whether its caller waits or not,
+        and results not handed to the port then would be lost for good (the redelivery finds the
+        marks). Return how many were judged (the rest were judged already)."""
 
-        async def land() -> None:
-            for gateway, group in fresh.items():
-                marks = [(n, p.key) for p in group]
-                dropped = sum(p.dropped for p in group)
-                await self.ingest.ingest_marked(gateway, [p.record for p in group], marks, dropped)
+        async def land() -> int:
+            judged = 0
+            for gateway, group in by_gateway.items():
+                answer = await self.pipeline.take(gateway, group)
+                judged += len(group) - answer["duplicates"]
+            return judged
 
         task = asyncio.get_running_loop().create_task(land())
         self._landing.add(task)
         task.add_done_callback(_landed(self._landing))
-        await asyncio.shield(task)
-
-    def _judged_already(self, n: int, keys: list[str]) -> set[str]:
-        if not keys:
-            return set()
-        with self.ingest.session_factory() as session:
-            return judged_already(session, n, keys)
+        return await asyncio.shield(task)
 
 
-def _landed(landing: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+def _landed(landing: set[asyncio.Task[int]]) -> Callable[[asyncio.Task[int]], None]:
     """Return a done-callback that forgets a landed batch and takes its error, if any: a cut
     consumer no longer waits for it, and its records come again (not acknowledged)."""
 
-    def done(task: asyncio.Task[None]) -> None:
+    def done(task: asyncio.Task[int]) -> None:
         landing.discard(task)
         if not task.cancelled() and (error := task.exception()) is not None:
             log.debug("traffic stream: a batch failed to land (%s); it comes again", why(error))

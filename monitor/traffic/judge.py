@@ -1,16 +1,19 @@
-"""The traffic judge: each record to its deployment, through the four checks, into results,
-rows and counts.
+"""The traffic judge: each record to its deployment, through every check of the registry
+(``checks/__init__.py``), into results, rows and counts.
 
 A record belongs to the target whose ``base_url`` (or one of whose nodes' URLs) is the record's
-``api_base`` without a trailing ``/v1``, or that lists it under ``gateway_api_bases``. Each
+``api_base`` (compared by the key of ``kvcanary/wire.py``: case, surrounding blanks, trailing
+slashes and ``/v1`` ignored), or that lists it under ``gateway_api_bases``. Each
 deployment's records are judged under its own lock, one batch at a time, against its one
 fingerprint window (``overlap.py``), so a record is judged once and in the order it came.
 
-What a batch found becomes results of kinds ``traffic_marker``, ``traffic_tokens``,
-``traffic_capacity`` and ``traffic_overlap`` (per target and node), recorded through the same
-port as the runner's (``monitor/recording/port.py``): incidents, their events and paging need
-nothing new. A flagged check is recorded at once, with the flagged records named in its evidence
-(ids, callers, figures); a check that only passed is recorded at most once per
+What a batch found becomes results of each check's ``result_kind`` (``traffic_marker``,
+``traffic_tokens``, ``traffic_capacity``, ``traffic_overlap``; per target and node) and source
+``traffic``, recorded through the same port as the runner's (``monitor/recording/port.py``):
+incidents, their events and paging need nothing new. The judge names no check: it runs the ones
+it is given (the registry, unless a test gives others) and treats their findings alike. A flagged
+check is recorded at once, with the flagged records named in its evidence (record ids and upstream
+ids, callers, figures); a check that only passed is recorded at most once per
 ``traffic.pass_interval_seconds``, which is what lets its incident resolve.
 """
 
@@ -22,22 +25,30 @@ import hashlib
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from monitor.config.settings import Settings
-from monitor.config.targets import TargetConfig
-from monitor.metrics.registry import MonitorMetrics
-from monitor.recording.pending import PendingResult
-from monitor.storage.traffic_rows import MinuteCounts, MinuteKey
-from monitor.traffic import checks
-from monitor.traffic.facts import TargetFacts
-from monitor.traffic.overlap import OverlapWindow
-from monitor.traffic.schema import TrafficRecord
-from probes.base import ProbeResult, Verdict
-from probes.markers import MarkerBook
+from kvcanary import wire
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.metrics.registry import MonitorMetrics
+from kvcanary.monitor.recording.pending import TRAFFIC, PendingResult
+from kvcanary.monitor.storage.traffic_rows import MinuteCounts, MinuteKey
+from kvcanary.monitor.traffic.checks import (
+    NEAR_POOL,
+    REGISTRY,
+    CheckContext,
+    Finding,
+    TrafficCheck,
+    prompt_estimate,
+)
+from kvcanary.monitor.traffic.facts import TargetFacts
+from kvcanary.monitor.traffic.overlap import OverlapWindow
+from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.markers import MarkerBook
 
 #: Flagged records named in one result's evidence (the rest are counted).
 EVIDENCE_RECORDS = 20
@@ -51,14 +62,9 @@ Routed = tuple[str, TrafficRecord, bool]
 
 @functools.lru_cache(maxsize=4096)  # every record asks; a gateway has a few deployments
 def api_base_key(url: str) -> str:
-    """Return the form routes compare: no trailing slash, no trailing ``/v1`` (any case, as the
-    blast radius's SQL strips it), lower-case scheme and host."""
-    url = url.strip().rstrip("/")
-    if url[-3:].lower() == "/v1":
-        url = url[:-3].rstrip("/")
-    scheme, sep, rest = url.partition("://")
-    host, slash, path = rest.partition("/")
-    return f"{scheme.lower()}{sep}{host.lower()}{slash}{path}"
+    """Return the form routes compare: ``kvcanary.wire.api_base_key``, the one rule the tap's
+    partitions and the blast radius's SQL (``monitor/blast/routing.py``) follow too."""
+    return wire.api_base_key(url)
 
 
 def own_key_digests(keys: Mapping[Any, str | None]) -> frozenset[str]:
@@ -120,7 +126,8 @@ class _Batch:
     gateway: str
     received: datetime
     expires: datetime
-    min_run: int
+    min_run: int | None
+    min_prompt_run: int
 
 
 @dataclass
@@ -128,14 +135,18 @@ class _Group:
     """One (node, check)'s findings within a batch."""
 
     passed: int = 0
-    flagged: list[tuple[TrafficRecord, checks.Finding]] = field(default_factory=list)
+    flagged: list[tuple[TrafficRecord, Finding]] = field(default_factory=list)
+
+
+#: What a batch found: node -> check -> its findings.
+_Groups = dict[str, defaultdict[TrafficCheck, _Group]]
 
 
 class TrafficJudge:
     """Judges records; see the module doc. ``clients`` are the targets' clients (calibration and
     capacity); ``own_keys`` the SHA-256 digests of the monitor's own tenants' keys (their traffic,
     where probes go through a gateway, is the monitor's and is not judged); ``clock`` is monotonic
-    seconds (the windows' ages, the pass intervals)."""
+    seconds (the windows' ages, the pass intervals); ``checks`` what each record gets, in order."""
 
     def __init__(
         self,
@@ -145,7 +156,9 @@ class TrafficJudge:
         metrics: MonitorMetrics,
         own_keys: Iterable[str] = (),
         clock: Callable[[], float] = time.monotonic,
+        checks: Sequence[TrafficCheck] = REGISTRY,
     ):
+        self.checks = tuple(checks)
         self.markers = markers
         self.metrics = metrics
         self.own_keys = frozenset(own_keys)
@@ -213,7 +226,7 @@ class TrafficJudge:
         received: datetime,
         out: Judged,
     ) -> None:
-        groups: dict[str, defaultdict[str, _Group]] = {}  # node -> check -> what the batch found
+        groups: _Groups = {}
         while True:
             cpt = await self.facts.chars_per_token(target.name)
             pools = {node: await self.facts.pool(target.name, node) for node in {r[0] for r in records}}
@@ -231,7 +244,7 @@ class TrafficJudge:
                 batch = _Batch(
                     target, cpt, pools, deployment.window, gateway, received,
                     received + timedelta(days=self.settings.retention.failure_days),
-                    self.settings.traffic.overlap_min_run,
+                    self.settings.traffic.overlap_min_run, self.settings.traffic.overlap_min_prompt_run,
                 )  # fmt: skip
                 # On the loop, a chunk at a time: a worker thread kept the GIL from the loop as long
                 # (the 5 ms switch interval), and its hand-offs cost the judge about a fifth of its
@@ -241,50 +254,48 @@ class TrafficJudge:
                         await asyncio.sleep(0)  # probes' timing, pulls and health between chunks
                     self._judge_records(batch, records[at : at + CHUNK_RECORDS], out, groups)
                 self._count_verdicts(target.name, groups)
-                found = {(node, check): group for node, by in groups.items() for check, group in by.items()}
-                out.results += self._results(target, deployment, found, gateway, received)
+                out.results += self._results(target, deployment, groups, gateway, received)
                 return
 
-    def _judge_records(
-        self, batch: _Batch, records: list[Routed], out: Judged, groups: dict[str, defaultdict[str, _Group]]
-    ) -> None:
+    def _judge_records(self, batch: _Batch, records: list[Routed], out: Judged, groups: _Groups) -> None:
         """Judge one chunk of ``records``: findings into ``groups`` (node -> check), counts and kept
         rows into ``out``."""
-        target, window, min_run, now = batch.target.name, batch.window, batch.min_run, self.clock()
+        target = batch.target.name
+        context = CheckContext(
+            target, self.markers, batch.cpt, batch.window, self.clock(), batch.min_run, batch.min_prompt_run
+        )
         for node, record, own in records:  # every record's: a look-up of its node's groups, one a check
             pool = batch.pools[node]
-            estimate = checks.prompt_estimate(record, batch.cpt)
-            flagged: list[checks.Finding] = []
-            evidence: list[dict[str, str]] = []
+            estimate = prompt_estimate(record, batch.cpt)
+            flagged: list[Finding] = []
             if not own:  # the monitor's own request: not judged, but counted and kept as a customer's is
                 found = groups.get(node) or groups.setdefault(node, defaultdict(_Group))
-                marker, evidence = checks.marker_check(record, self.markers, target)
-                tokens = checks.tokens_check(record, batch.cpt)
-                capacity = checks.capacity_check(record, estimate, pool)
-                for finding in (marker, tokens, capacity, checks.overlap_check(record, window, now, min_run)):
+                context.node, context.pool, context.estimate = node, pool, estimate
+                for check in self.checks:
+                    finding = check.judge(record, context)
                     if finding is None:
                         continue
-                    group = found[finding.check]
-                    if finding.verdict == "pass":
+                    group = found[check]
+                    if finding.verdict is Verdict.PASS:
                         group.passed += 1
                     else:
                         group.flagged.append((record, finding))
                         flagged.append(finding)
-            near = estimate is not None and pool is not None and estimate >= checks.NEAR_POOL * pool
+            near = estimate is not None and pool is not None and estimate >= NEAR_POOL * pool
             self._count(out, target, node, record, bool(flagged), near, own)
             if flagged or near:
-                row = _row(record, node, batch.gateway, batch.received, flagged, evidence, estimate, pool)
+                row = _row(record, node, batch.gateway, batch.received, flagged, estimate, pool)
                 out.kept.append((target, {**row, "own": own, "expires_at": batch.expires}))
 
-    def _count_verdicts(self, target: str, groups: Mapping[str, Mapping[str, _Group]]) -> None:
+    def _count_verdicts(self, target: str, groups: _Groups) -> None:
         verdicts: Counter[tuple[str, str]] = Counter()
         for found in groups.values():
             for check, group in found.items():
-                verdicts[(check, "pass")] += group.passed
-                verdicts.update((check, f.verdict) for _, f in group.flagged)
-        for (check, verdict), n in verdicts.items():
+                verdicts[(check.name, Verdict.PASS.value)] += group.passed
+                verdicts.update((check.name, f.verdict.value) for _, f in group.flagged)
+        for (name, verdict), n in verdicts.items():
             if n:
-                self.metrics.traffic_records.labels(target, check, verdict).inc(n)
+                self.metrics.traffic_records.labels(target, name, verdict).inc(n)
 
     def _count(
         self, out: Judged, target: str, node: str, record: TrafficRecord, flagged: bool, near: bool, own: bool
@@ -301,28 +312,28 @@ class TrafficJudge:
         )  # fmt: skip
 
     def _results(
-        self,
-        target: TargetConfig,
-        deployment: Deployment,
-        groups: Mapping[tuple[str, str], _Group],
-        gateway: str,
-        received: datetime,
+        self, target: TargetConfig, deployment: Deployment, groups: _Groups, gateway: str, received: datetime
     ) -> list[PendingResult]:
+        """Return a result per (node, check) that flagged a record, or that passed and is due its
+        pass (at most one per ``pass_interval_seconds``), in the order of node, then check name."""
         now = self.clock()
         due = self.settings.traffic.pass_interval_seconds
+        found = [(node, check, group) for node, by in groups.items() for check, group in by.items()]
         out = []
-        for (node, check), group in sorted(groups.items()):
+        for node, check, group in sorted(found, key=lambda each: (each[0], each[1].name)):
             if group.flagged:
-                result = _flagged_result(check, group, gateway)
-            elif now - deployment.last_pass.get((node, check), float("-inf")) >= due:
+                result = _flagged_result(check.name, group, gateway)
+            elif now - deployment.last_pass.get((node, check.name), float("-inf")) >= due:
+                detail = f"{group.passed} gateway records passed the {check.name} check"
                 result = ProbeResult(
-                    Verdict.PASS, "traffic_clean", f"{group.passed} gateway records passed the {check} check",
-                    measurements={"records": float(group.passed)},
-                )  # fmt: skip
+                    Verdict.PASS, "traffic_clean", detail, measurements={"records": float(group.passed)}
+                )
             else:
                 continue
-            deployment.last_pass[(node, check)] = now
-            out.append(PendingResult.of(target, f"traffic_{check}", result, received, 0.0, node=node))
+            deployment.last_pass[(node, check.name)] = now
+            out.append(
+                PendingResult.of(target, check.result_kind, result, received, 0.0, node=node, source=TRAFFIC)
+            )
         return out
 
 
@@ -333,16 +344,17 @@ def _minute(index: int) -> datetime:
 
 
 def _flagged_result(check: str, group: _Group, gateway: str) -> ProbeResult:
-    worst = Verdict.LEAK if any(f.verdict == "leak" for _, f in group.flagged) else Verdict.MISMATCH
+    worst = Verdict.LEAK if any(f.verdict is Verdict.LEAK for _, f in group.flagged) else Verdict.MISMATCH
     first_record, first = group.flagged[0]
     named = [
-        {"request_id": r.id, "caller": r.caller, "reason": f.reason, **f.figures}
+        {"request_id": r.id, "upstream_id": r.upstream, "caller": r.caller, "reason": f.reason, **f.figures}
         for r, f in group.flagged[:EVIDENCE_RECORDS]
     ]
     callers = sorted({r.caller for r, _ in group.flagged})
     detail = (
         f"{len(group.flagged)} gateway record(s) of {len(callers)} caller(s) failed the {check} check "
-        f"({first.reason}); first: request {first_record.id} of {first_record.caller or 'an unnamed caller'}"
+        f"({first.reason}); first: request {first_record.upstream or first_record.id} of "
+        f"{first_record.caller or 'an unnamed caller'}"
     )
     evidence = {"gateway": gateway, "flagged": len(group.flagged), "passed": group.passed, "records": named}
     measurements = {"records": float(len(group.flagged) + group.passed), "flagged": float(len(group.flagged))}
@@ -354,20 +366,19 @@ def _row(
     node: str,
     gateway: str,
     received: datetime,
-    flagged: list[checks.Finding],
-    marker_evidence: list[dict[str, str]],
+    flagged: list[Finding],
     estimate: float | None,
     pool: int | None,
 ) -> dict[str, Any]:
-    """Return the ``traffic_record`` columns of one kept record (no text, no fingerprint)."""
-    verdict = "leak" if any(f.verdict == "leak" for f in flagged) else ("mismatch" if flagged else "pass")
+    """Return the ``traffic_record`` columns of one kept record (no text, no fingerprint); each
+    finding's evidence rides in it over its figures (the marker check's markers, named)."""
+    worst = Verdict.LEAK if any(f.verdict is Verdict.LEAK for f in flagged) else Verdict.MISMATCH
     findings: dict[str, Any] = {
-        f.check: {"verdict": f.verdict, "reason": f.reason, **f.figures} for f in flagged
+        f.check: {"verdict": f.verdict.value, "reason": f.reason, **f.figures, **f.evidence} for f in flagged
     }
-    if marker_evidence and "marker" in findings:
-        findings["marker"]["markers"] = marker_evidence
     return {
-        "node": node, "gateway": gateway, "request_id": record.id, "caller": record.caller,
+        "node": node, "gateway": gateway, "request_id": record.id, "upstream_id": record.upstream,
+        "caller": record.caller,
         "caller_kind": record.caller_kind, "key_hash": record.key_hash,
         "model": record.model_group or record.model,
         "started_at": datetime.fromtimestamp(record.time, UTC), "received_at": received,
@@ -378,6 +389,7 @@ def _row(
         "completion_tokens": record.usage.completion_tokens, "cached_tokens": record.usage.cached_tokens,
         # Rounded up, so that "over the pool" reads the same from the row as the check judged it.
         "estimated_prompt_tokens": None if estimate is None else math.ceil(estimate), "kv_pool_tokens": pool,
-        "verdict": verdict, "checks": "," + ",".join(f.check for f in flagged) + "," if flagged else "",
+        "verdict": worst.value if flagged else Verdict.PASS.value,
+        "checks": "," + ",".join(f.check for f in flagged) + "," if flagged else "",
         "findings": findings,
     }  # fmt: skip

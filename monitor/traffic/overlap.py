@@ -1,6 +1,6 @@
 """The fingerprint window of one deployment: which callers sent which fingerprints lately.
 
-The rule (README, "How sure each check is"): a response is a suspected leak when a run of at least
+The rule (docs/operating.md, "Judging real traffic"): a response is a suspected leak when a run of at least
 ``min_run`` consecutive fingerprints of it (in the response's order) all appear in what *one other
 caller* sent or was sent within the window, where
 
@@ -16,9 +16,23 @@ caller* sent or was sent within the window, where
   is): a leak served to several callers must not make the leaked text look common.
 
 A fingerprint stands for 8 words and one in four n-grams is kept, so a run of 8 means a passage of
-about 40 words copied in order. The window is bounded twice: by age (``window_seconds``) and by
-the fingerprints it holds (``max_fingerprints``; the oldest exchanges go first). Nothing of it
-touches the disk, and a fingerprint reveals nothing without the gateway's key.
+about 40 words copied in order.
+
+**What another caller asked.** The window also knows which of a caller's prints it sent in a prompt
+(``add``'s ``asked``). :meth:`OverlapWindow.longest_asked_run` counts only the prints that one other
+caller alone holds and sent in the prompt of its latest exchange holding them: another caller's
+private input, which is what a stale KV cache continues (another request's context). A public text
+a model recites from memory (an API's documentation, a famous quote) reaches callers through their
+answers, and a text two callers pasted (an article) is neither one's secret, so neither counts
+there, and a shorter run of what is left is evidence. Measured by ``bench/traffic.py``: 4 such
+prints in a row catch 97 % of 40-word private passages, where 8 prints of anything catch 62 %, and
+flag no benign answer that the run of 8 does not. :attr:`OverlapWindow.asked` offers that count
+under the names ``longest_run`` and ``holds_all`` (:class:`Runs`), for the check's
+``longest_unexcused_run``.
+
+The window is bounded twice: by age (``window_seconds``) and by the fingerprints it holds
+(``max_fingerprints``; the oldest exchanges go first). Nothing of it touches the disk, and a
+fingerprint reveals nothing without the gateway's key.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ from __future__ import annotations
 import collections
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 #: The tap's stand-in for a response fingerprint its own prompt holds (``kvcanary.tap.fingerprints.OWN``).
 OWN = 0
@@ -40,13 +54,31 @@ class Overlap(NamedTuple):
     fingerprints: int  # the response's fingerprints, for the ratio
 
 
+class Runs(Protocol):
+    """What finds runs: the window (runs of anything) or :attr:`OverlapWindow.asked` (runs of what
+    one other caller asked), as the overlap check's ``longest_unexcused_run`` reads either."""
+
+    def longest_run(
+        self,
+        caller: str,
+        prompt: list[int],
+        response: list[int],
+        now: float,
+        excused: frozenset[str] = frozenset(),
+    ) -> Overlap: ...
+
+    def holds_all(self, caller: str, prints: list[int]) -> bool: ...
+
+
 class _Entry(NamedTuple):
-    """One exchange held: its serial number, who sent it, when, and its distinct fingerprints."""
+    """One exchange held: its serial number, who sent it, when, its distinct fingerprints, and how
+    many of them (the first) its prompt sent."""
 
     serial: int
     caller: str
     at: float
     fingerprints: tuple[int, ...]
+    asked: int
 
 
 class OverlapWindow:
@@ -63,6 +95,8 @@ class OverlapWindow:
       caller a tie names); a common fingerprint's holders are kept apart, so that a look-up finds
       it as a run breaker, like one nobody holds. They change only when a caller starts or stops
       holding a fingerprint, not when it sends one again;
+    - for a run of asked prints only (never on the hot path), the prompt's prints of each entry
+      looked at, as a set made when first needed and dropped with the entry;
     - the entries, oldest first, and by serial number how many fingerprints each is still its
       caller's latest of: an exchange whose every fingerprint its caller sent again since (a
       conversation's history, a document quoted again) expires without a look at any of them.
@@ -83,6 +117,7 @@ class OverlapWindow:
         self._latest: dict[int, int] = {}  # entry serial -> how many prints it is the latest of
         self._serial = 0
         self._mine: dict[str, dict[int, int]] = {}  # caller -> {print: its latest entry's serial}
+        self._prompts: dict[int, frozenset[int]] = {}  # entry serial -> its prompt's prints, when asked
         self._holders: dict[int, str | dict[str, None]] = {}  # held by fewer than common_callers
         self._common: dict[int, dict[str, None]] = {}  # held by common_callers or more
         self._held = 0
@@ -130,23 +165,80 @@ class OverlapWindow:
                         best, best_caller = run, other
         return Overlap(best, best_caller, len(response))
 
+    def longest_asked_run(
+        self,
+        caller: str,
+        prompt: list[int],
+        response: list[int],
+        now: float,
+        excused: frozenset[str] = frozenset(),
+    ) -> Overlap:
+        """Return the longest run of ``response`` that another caller (not one ``excused``) alone
+        holds and sent in a prompt still in the window: :meth:`longest_run`'s rule, counting only
+        what one caller asked. Not on the hot path: the check asks only when :meth:`longest_run`
+        found a run, which is at least as long."""
+        self._expire(now)
+        skip = {sys.intern(caller), *excused}
+        own = set(prompt)
+        run, runner = 0, ""  # the run ending at the print before, and whose
+        best, best_caller = 0, ""
+        for fingerprint in response:
+            holder = self._holders.get(fingerprint)
+            # One holder only: a text two callers sent is no secret of either (an article both
+            # pasted).
+            if (
+                type(holder) is not str
+                or holder in skip
+                or fingerprint in own
+                or not self._asked_by(holder, fingerprint)
+            ):
+                run = 0
+                continue
+            run = run + 1 if holder == runner else 1
+            runner = holder
+            if run > best:
+                best, best_caller = run, holder
+        return Overlap(best, best_caller, len(response))
+
+    def _asked_by(self, caller: str, fingerprint: int) -> bool:
+        """Whether the latest exchange of ``caller`` holding ``fingerprint`` sent it in its prompt."""
+        entries = self._entries
+        entry = entries[self._mine[caller][fingerprint] - entries[0].serial]
+        if entry.asked == len(entry.fingerprints) or not entry.asked:
+            return bool(entry.asked)
+        prompt = self._prompts.get(entry.serial)
+        if prompt is None:
+            prompt = self._prompts[entry.serial] = frozenset(entry.fingerprints[: entry.asked])
+        return fingerprint in prompt
+
+    @property
+    def asked(self) -> AskedPrints:
+        """The window counting only what callers asked (:meth:`longest_asked_run`)."""
+        return AskedPrints(self)
+
     def holds_all(self, caller: str, prints: list[int]) -> bool:
         """Whether ``caller`` holds every one of ``prints`` (OWN aside) in the window; False for none."""
         distinct = set(prints) - {OWN}
         mine = self._mine.get(caller)
         return bool(distinct) and mine is not None and mine.keys() >= distinct
 
-    def add(self, caller: str, fingerprints: list[int], now: float) -> None:
-        """Hold one exchange's fingerprints (its prompt's and its response's) for the window."""
+    def add(self, caller: str, fingerprints: list[int], now: float, asked: int | None = None) -> None:
+        """Hold one exchange's fingerprints (its prompt's and its response's) for the window; the
+        first ``asked`` of them are its prompt's (None: all of them)."""
         caller = sys.intern(caller)
         serial = self._serial
-        fresh = dict.fromkeys(fingerprints, serial)
+        count = len(fingerprints)
+        cut = count if asked is None else min(max(asked, 0), count)
+        fresh = dict.fromkeys(fingerprints if cut == count else fingerprints[:cut], serial)
+        prompted = len(fresh) - (OWN in fresh)  # the prompt's distinct prints, first in ``fresh``
+        if cut < count:
+            fresh.update(dict.fromkeys(fingerprints[cut:], serial))
         fresh.pop(OWN, None)
         if not fresh:
             return
         self._serial += 1
         prints = tuple(fresh)
-        self._entries.append(_Entry(serial, caller, now, prints))
+        self._entries.append(_Entry(serial, caller, now, prints, prompted))
         self._latest[serial] = len(prints)
         mine = self._mine.get(caller)
         if mine is None:
@@ -195,6 +287,8 @@ class OverlapWindow:
         while entries and (entries[0].at < horizon or self._held > self.max_fingerprints):
             entry = entries.popleft()
             self._held -= len(entry.fingerprints)
+            if self._prompts:
+                self._prompts.pop(entry.serial, None)
             if latest := self._latest.pop(entry.serial):
                 self._stop_holding(entry, latest)
 
@@ -225,3 +319,25 @@ class OverlapWindow:
                 del holders[caller]
                 if len(holders) == 1:
                     held[fingerprint] = next(iter(holders))
+
+
+class AskedPrints:
+    """A window's view that counts only what callers asked, under the names the overlap check's
+    ``longest_unexcused_run`` calls: ``longest_run`` is :meth:`OverlapWindow.longest_asked_run`, and
+    ``holds_all`` is the window's own (a caller who sent the same prompt asked it)."""
+
+    def __init__(self, window: OverlapWindow):
+        self.window = window
+
+    def longest_run(
+        self,
+        caller: str,
+        prompt: list[int],
+        response: list[int],
+        now: float,
+        excused: frozenset[str] = frozenset(),
+    ) -> Overlap:
+        return self.window.longest_asked_run(caller, prompt, response, now, excused)
+
+    def holds_all(self, caller: str, prints: list[int]) -> bool:
+        return self.window.holds_all(caller, prints)

@@ -19,10 +19,34 @@ msgspec is written to be at least as strict as pydantic, never laxer (ASCII wher
 regex folds Unicode case, no lax numbers or booleans, ``\\Z`` where Python's ``$`` passes a
 trailing newline): a body it refuses is read again by pydantic, so what is accepted, refused and
 named is pydantic's decision, as it was, and a body both accept reads the same
-(``tests/monitor/test_traffic_wire.py`` holds them to that). Two bounds are checked beside the
+(``tests/monitor/traffic/test_traffic_wire.py`` holds them to that). Two bounds are checked beside the
 decoder rather than by a regex in it (a regex costs a third of the decoding): no string may hold
 a NUL, and JSON writes one only as the escape ``\\u0000`` (a raw one is malformed), so a body with
 that escape anywhere goes to pydantic; and a key hash is 64 lowercase hex digits or empty.
+
+What a refusal costs is bounded too, whatever the body holds: pydantic stops a list at its first
+bad item (``FailFast``: 2,048 bad fingerprints are one error, not 2,048), a record's unknown keys
+are named up to ``MAX_ERRORS_PER_RECORD`` of them, and :class:`ValidRecords` keeps the first
+``MAX_ERRORS_PER_RECORD`` errors of each record and ``MAX_ERRORS`` of a batch, counting the rest
+(``omitted``), each error's text bounded. A 422 is then a few kilobytes naming the failing paths.
+
+A record's identity is its ``id``, which the tap makes once per exchange (``tap-`` and 24 hex
+digits): exactly-once (a JetStream redelivery, a tap's resend) keys on it, so it must differ
+between any two responses. The id the gateway reports (the engine's response id) rides as
+``upstream_id``, data only: engines repeat it (a fixed id on every stream, a counter that restarts
+with the process), and keyed on it a second response was acknowledged as a duplicate and never
+judged. A record from an older tap has no ``upstream_id`` (None): its ``id`` is the gateway's, and
+is read as it always was, identity and upstream id alike (:attr:`TrafficRecord.upstream`). A
+monitor before this field refuses a record that carries it (unknown fields are refused): upgrade
+the monitors before the taps.
+
+A record's names (``NAMES``: its id, upstream id, caller, api base, model, model group, finish reason) are
+the gateway's and its customers' to write (a customer sets ``end_user``), and they reach incident
+titles, Alertmanager annotations, the incident page and CSV. A name that is not printable (a
+control or C1 character, a newline, a bidi override or isolate, a zero-width character) is made
+printable here, at the monitor's edge, by the neutralisation engine facts get
+(``probes/untrusted.py``'s :func:`~probes.untrusted.plain`): breaks become spaces, hidden
+characters U+FFFD so that tampering shows. A printable name is kept as sent.
 """
 
 from __future__ import annotations
@@ -32,8 +56,11 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, FailFast, Field, StringConstraints, ValidationError
 from pydantic.json_schema import GenerateJsonSchema
+
+from kvcanary.probes.untrusted import plain
+from kvcanary.wire import MAX_DROPPED as MAX_DROPPED  # a batch's drop report: the tap holds to it too
 
 MAX_RECORDS = 1000
 #: Bytes a batch's body may take (a full batch of records with every fingerprint a side allows).
@@ -46,6 +73,14 @@ MAX_MESSAGES = 100_000
 MAX_SECONDS = 86_400 * 7
 MAX_TIME = 2**33  # epoch seconds
 FINGERPRINT_END = 2**53
+#: Errors a refused record's 422 names, then those of the whole batch; the rest are counted.
+MAX_ERRORS_PER_RECORD = 5
+MAX_ERRORS = 50
+#: Characters of an error's message, and of each part of its path (a key a client chose), shown.
+ERROR_TEXT_CHARS = 200
+ERROR_KEY_CHARS = 64
+#: The record's fields a client names things by: shown to people, so made printable on reading.
+NAMES = ("id", "upstream_id", "caller", "api_base", "model", "model_group", "finish_reason")
 CallerKind = Literal["team", "key_alias", "key_hash", "end_user", "unknown"]
 _T = TypeVar("_T")
 
@@ -74,15 +109,19 @@ class UsageWire(Wire, title="Usage"):
     cached_tokens: Count | None = None
 
 
+# FailFast: a list is refused at its first bad item, so a list of bad items costs one error.
 class FingerprintsWire(Wire, title="Fingerprints"):
-    prompt: Annotated[list[Fingerprint], Field(max_length=MAX_FINGERPRINTS)] = []
-    response: Annotated[list[Fingerprint], Field(max_length=MAX_FINGERPRINTS)] = []
+    prompt: Annotated[list[Fingerprint], Field(max_length=MAX_FINGERPRINTS), FailFast()] = []
+    response: Annotated[list[Fingerprint], Field(max_length=MAX_FINGERPRINTS), FailFast()] = []
 
 
 class TrafficRecordWire(Wire, title="TrafficRecord"):
     """One request as the gateway saw it."""
 
-    id: Name
+    id: Name  # the record's identity, made by the tap per exchange: what it is judged once by
+    #: The gateway's id of the response (the engine's), kept as data; None: an older tap's record,
+    #: whose ``id`` is that id.
+    upstream_id: Name | None = None
     time: Annotated[float, Field(ge=0, le=MAX_TIME)]  # epoch seconds the request started
     caller: Name = ""
     caller_kind: CallerKind = "unknown"
@@ -98,7 +137,7 @@ class TrafficRecordWire(Wire, title="TrafficRecord"):
     prompt: PromptSizeWire = PromptSizeWire()
     response_chars: Count = 0
     usage: UsageWire = UsageWire()
-    markers: Annotated[list[Marker], Field(max_length=MAX_MARKERS)] = []
+    markers: Annotated[list[Marker], Field(max_length=MAX_MARKERS), FailFast()] = []
     fingerprints: FingerprintsWire = FingerprintsWire()
     truncated: bool = False
 
@@ -113,15 +152,17 @@ class TrafficBatch(Wire):
     #: The tap's id for this batch, the same when it sends it again (its answer lost): judged once.
     batch: BatchId | None = None
     gateway: Gateway = ""
-    #: Records the tap dropped since its last accepted batch (the monitor was down or slow).
-    dropped: Count = 0
+    #: Records the tap dropped since its last accepted batch (the monitor was down or slow), at most
+    #: ``MAX_DROPPED``: a tap with more to report reports the rest with its next batches.
+    dropped: Annotated[int, Field(ge=0, le=MAX_DROPPED)] = 0
     #: Anything, read one by one when the whole fails (valid_records): a ``null`` among them costs
     #: only itself, refused under its own index.
     records: Annotated[list[Any], Field(max_length=MAX_RECORDS)]
 
 
 class _WholeBatch(TrafficBatch):
-    records: Annotated[list[TrafficRecordWire], Field(max_length=MAX_RECORDS)]
+    # FailFast: one bad record is enough to read them one by one (valid_records).
+    records: Annotated[list[TrafficRecordWire], Field(max_length=MAX_RECORDS), FailFast()]
 
 
 class _PublicNames(GenerateJsonSchema):
@@ -175,6 +216,7 @@ class TrafficRecord(_Struct, frozen=True, kw_only=True):
     pydantic model's, kept for the callers that read and write records with them."""
 
     id: _Name
+    upstream_id: _Name | None = None
     time: Annotated[float, Meta(ge=0, le=MAX_TIME)]
     caller: _Name = ""
     caller_kind: CallerKind = "unknown"
@@ -198,6 +240,12 @@ class TrafficRecord(_Struct, frozen=True, kw_only=True):
     def ok(self) -> bool:
         return 200 <= self.status < 300
 
+    @property
+    def upstream(self) -> str:
+        """Return the gateway's id of the response ("": it gave none): ``upstream_id``, or for an
+        older tap's record, which carries none, its ``id``. Data only: two records may share it."""
+        return self.id if self.upstream_id is None else self.upstream_id
+
     @classmethod
     def model_validate(cls, obj: Any) -> TrafficRecord:
         """Validate ``obj`` as the wire does; raise pydantic's ValidationError naming the field."""
@@ -220,7 +268,7 @@ class TrafficRecord(_Struct, frozen=True, kw_only=True):
 class _Batch(_Struct, frozen=True, kw_only=True):
     batch: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}\Z")] | None = None
     gateway: Annotated[str, Meta(max_length=64, pattern=r"^[A-Za-z0-9_.:-]*\Z")] = ""
-    dropped: _Count = 0
+    dropped: Annotated[int, Meta(ge=0, le=MAX_DROPPED)] = 0
     records: Annotated[list[TrafficRecord], Meta(max_length=MAX_RECORDS)]
 
 
@@ -247,33 +295,50 @@ def _fits(records: list[TrafficRecord]) -> bool:
 
 
 def _judged(wire: TrafficRecordWire) -> TrafficRecord:
-    """The struct of a record pydantic validated (nothing checked again)."""
+    """The struct of a record pydantic validated (nothing checked again), its names printable."""
     fields = dict(wire)
     fields["prompt"] = PromptSize(**dict(wire.prompt))
     fields["usage"] = Usage(**dict(wire.usage))
     fields["fingerprints"] = Fingerprints(**dict(wire.fingerprints))
-    return TrafficRecord(**fields)
+    return printable(TrafficRecord(**fields))
+
+
+def printable(record: TrafficRecord) -> TrafficRecord:
+    """Return ``record`` with every name printable (the module doc): itself where they already are,
+    which is one ``isprintable`` over the names joined, else a copy with each name made plain."""
+    joined = record.id + record.caller + record.api_base + record.model + record.model_group
+    if (joined + (record.upstream_id or "") + (record.finish_reason or "")).isprintable():
+        return record
+    names = {name: getattr(record, name) for name in NAMES}
+    return msgspec.structs.replace(
+        record, **{name: plain(text, NAME_CHARS) for name, text in names.items() if text is not None}
+    )
 
 
 @dataclass
 class ValidRecords:
     records: list[TrafficRecord]
-    #: Each refused record's errors, their ``loc`` starting ``("records", index)``.
+    #: The first errors of the refused records (``bounded_errors``), their ``loc`` starting
+    #: ``("records", index)``: at most ``MAX_ERRORS_PER_RECORD`` a record, ``MAX_ERRORS`` in all.
     errors: list[dict[str, Any]]
     refused: int
+    #: Errors found and not listed in ``errors`` (a record's unknown keys past the first few are
+    #: not looked for, so this is a floor).
+    omitted: int = 0
 
 
 def read_batch(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
-    """Return the envelope and its valid records. A whole good batch is read in one pass by
-    msgspec (the common case); any other is read by pydantic, whole, then, where a record is bad,
-    one record at a time. Raise ValidationError for a bad envelope."""
+    """Return the envelope and its valid records, their names printable. A whole good batch is
+    read in one pass by msgspec (the common case); any other is read by pydantic, whole, then,
+    where a record is bad, one record at a time. Raise ValidationError for a bad envelope (name it
+    with :func:`bounded_errors`)."""
     whole = _decoded(_BATCH, body)
     if whole is None or not _fits(whole.records):
         return _read_by_pydantic(body)
     envelope = TrafficBatch.model_construct(
         batch=whole.batch, gateway=whole.gateway, dropped=whole.dropped, records=[]
     )
-    return envelope, ValidRecords(whole.records, [], 0)
+    return envelope, ValidRecords([printable(r) for r in whole.records], [], 0)
 
 
 def _read_by_pydantic(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
@@ -289,13 +354,66 @@ def _read_by_pydantic(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
 
 
 def valid_records(batch: TrafficBatch) -> ValidRecords:
-    """Validate each record of ``batch`` on its own: the good ones, and what was wrong with the rest."""
-    good, errors, refused = [], [], 0
+    """Validate each record of ``batch`` on its own: the good ones, and the first few things wrong
+    with the rest (``ValidRecords``)."""
+    good: list[TrafficRecord] = []
+    errors: list[dict[str, Any]] = []
+    refused = omitted = 0
     for i, raw in enumerate(batch.records):
         try:
-            good.append(TrafficRecord.model_validate(raw))
+            good.append(TrafficRecord.model_validate(_few_unknown_keys(raw, TrafficRecordWire)))
         except ValidationError as exc:
             refused += 1
-            for error in exc.errors(include_url=False, include_input=False, include_context=False):
-                errors.append({**error, "loc": ("records", i, *error["loc"])})
-    return ValidRecords(good, errors, refused)
+            room = min(MAX_ERRORS_PER_RECORD, MAX_ERRORS - len(errors))
+            kept, left = bounded_errors(exc, ("records", i), room)
+            errors += kept
+            omitted += left
+    return ValidRecords(good, errors, refused, omitted)
+
+
+def bounded_errors(
+    exc: ValidationError, prefix: tuple[str | int, ...] = (), room: int = MAX_ERRORS
+) -> tuple[list[dict[str, Any]], int]:
+    """Return the first ``room`` of ``exc``'s errors as a 422 lists them (type, path under
+    ``prefix``, message; never the input, each text bounded), and how many were left out."""
+    found = exc.error_count()
+    kept = [
+        {
+            "type": error["type"],
+            "loc": (
+                *prefix,
+                *(part if isinstance(part, int) else plain(part, ERROR_KEY_CHARS) for part in error["loc"]),
+            ),
+            "msg": plain(error["msg"], ERROR_TEXT_CHARS),
+        }
+        for error in exc.errors(include_url=False, include_input=False, include_context=False)[: max(room, 0)]
+    ]
+    return kept, found - len(kept)
+
+
+#: The objects inside a record, by key, whose unknown keys are trimmed as the record's are.
+_NESTED: dict[str, type[Wire]] = {
+    "prompt": PromptSizeWire,
+    "usage": UsageWire,
+    "fingerprints": FingerprintsWire,
+}
+
+
+def _few_unknown_keys(raw: Any, model: type[Wire]) -> Any:
+    """``raw`` with at most ``MAX_ERRORS_PER_RECORD`` keys ``model`` does not know, here and in its
+    nested objects: pydantic names each unknown key, after the known fields and in the order sent,
+    so a record of a million unknown keys is refused with the same first errors, at a record's cost."""
+    if not isinstance(raw, dict):
+        return raw
+    known = model.model_fields
+    unknown = 0
+    trimmed: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in known:
+            unknown += 1
+            if unknown > MAX_ERRORS_PER_RECORD:
+                continue
+        trimmed[key] = (
+            _few_unknown_keys(value, _NESTED[key]) if model is TrafficRecordWire and key in _NESTED else value
+        )
+    return trimmed

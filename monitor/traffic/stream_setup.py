@@ -41,13 +41,16 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from monitor.config.secrets import read_secret
-from monitor.config.settings import ConfigError, JetStreamConfig
-from monitor.traffic.partitions import LEASE_SECONDS
+from kvcanary.monitor.config.secrets import read_secret
+from kvcanary.monitor.config.settings import ConfigError, JetStreamConfig
+from kvcanary.monitor.traffic.partitions import LEASE_SECONDS
 
 log = logging.getLogger("kvcanary.traffic")
 
 CONNECT_TIMEOUT_SECONDS = 2
+#: Where the monitor's replies and pulled messages come (not ``_INBOX``, which the taps may read:
+#: ``docs/nats-permissions.conf`` lets only the monitors' user subscribe here).
+INBOX_PREFIX = "_INBOX_kvcanary_monitor"
 
 #: JetStream's "stream name already in use with a different configuration".
 STREAM_EXISTS = 10058
@@ -77,7 +80,8 @@ def consumer_config(cfg: JetStreamConfig, partition: int) -> ConsumerConfig:
 
 
 async def connect(cfg: JetStreamConfig, token: str | None, *, keep_trying: bool) -> Client:
-    """Return a client connected to ``cfg.url``. ``keep_trying``: the running consumer, which
+    """Return a client connected to ``cfg.url``, as ``cfg.user`` with ``token`` its password where a
+    user is configured, else with ``token``. ``keep_trying``: the running consumer, which
     reconnects for ever and logs once per outage; else raise at once, ConnectionError saying why
     (the check at start)."""
     said: list[BaseException] = []
@@ -92,8 +96,10 @@ async def connect(cfg: JetStreamConfig, token: str | None, *, keep_trying: bool)
         log.info("traffic stream: NATS at %s reached again", cfg.url)
 
     try:
+        credentials = {"user": cfg.user, "password": token or ""} if cfg.user else {"token": token}
         return await nats.connect(
-            cfg.url, token=token, name="kvcanary-monitor", connect_timeout=CONNECT_TIMEOUT_SECONDS,
+            cfg.url, **credentials, name="kvcanary-monitor", inbox_prefix=INBOX_PREFIX,
+            connect_timeout=CONNECT_TIMEOUT_SECONDS,
             allow_reconnect=keep_trying, max_reconnect_attempts=-1 if keep_trying else 1,
             reconnect_time_wait=1.0, error_cb=note, reconnected_cb=reconnected,
         )  # fmt: skip
@@ -151,7 +157,8 @@ async def verify(cfg: JetStreamConfig, token: str | None) -> None:
 
 
 def nats_token(cfg: JetStreamConfig) -> str | None:
-    """Return NATS's auth token from ``token_file`` or ``token_env``; None: a server without auth."""
+    """Return NATS's auth token (or ``user``'s password) from ``token_file`` or ``token_env``; None:
+    a server without auth."""
     return read_secret(env=cfg.token_env, file=cfg.token_file, key="traffic.jetstream.token_file")
 
 

@@ -47,10 +47,15 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
-from probes.prefix_cache.counter import UNOBSERVABLE, UNOBSERVABLE_DETAIL, run_counter, run_salt_check
-from probes.prefix_cache.prompts import PromptSize, size_prefix
-from probes.prefix_cache.timing import judge_timing, plan_timing, run_timing
+from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
+from kvcanary.probes.prefix_cache.counter import (
+    UNOBSERVABLE,
+    UNOBSERVABLE_DETAIL,
+    run_counter,
+    run_salt_check,
+)
+from kvcanary.probes.prefix_cache.prompts import PromptSize, size_prefix
+from kvcanary.probes.prefix_cache.timing import judge_timing, plan_timing, run_timing
 
 #: Engines that take vLLM's ``cache_salt`` request field: the salt check runs there by default.
 SALT_ENGINES = ("vllm", "reference")

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.prefix_cache.prompts import (
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.prefix_cache.prompts import (
     PromptSize,
     cache_request,
     cached,
@@ -41,7 +41,7 @@ from probes.prefix_cache.prompts import (
     salt,
     with_tail,
 )
-from probes.target import Completion
+from kvcanary.probes.target import Completion
 
 SHARED_BY_POLICY = "shared_by_policy"
 LEAK_REASON = "prefix_cache_shared_across_tenants"

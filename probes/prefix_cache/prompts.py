@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from string import ascii_lowercase
 from typing import Any
 
-from probes.base import ProbeContext, unjudgeable
-from probes.target import Completion, CompletionRequest, ServerCapacity
+from kvcanary.probes.base import ProbeContext, unjudgeable
+from kvcanary.probes.target import Completion, CompletionRequest, ServerCapacity
 
 #: Fresh letters after the shared prefix: enough to make each request unique, too few to matter.
 TAIL_LETTERS = 4

@@ -42,11 +42,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.prefix_cache.counter import LEAK_REASON, SHARED_BY_POLICY, UNOBSERVABLE, UNOBSERVABLE_DETAIL
-from probes.prefix_cache.prompts import PromptSize, cache_request, failure, fresh_text, with_tail
-from probes.stats import KsResult, ks_greater, median, min_detectable_effect, samples_per_arm
-from probes.target import Completion
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.prefix_cache.counter import (
+    LEAK_REASON,
+    SHARED_BY_POLICY,
+    UNOBSERVABLE,
+    UNOBSERVABLE_DETAIL,
+)
+from kvcanary.probes.prefix_cache.prompts import PromptSize, cache_request, failure, fresh_text, with_tail
+from kvcanary.probes.stats import KsResult, ks_greater, median, min_detectable_effect, samples_per_arm
+from kvcanary.probes.target import Completion
 
 #: Above this share of failed trials the arms may be biased by what failed: no verdict.
 MAX_FAILED_SHARE = 0.1

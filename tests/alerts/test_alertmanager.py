@@ -57,7 +57,7 @@ def alert_labels(alertname: str, severity: str, **more: str) -> dict[str, str]:
 @pytest.mark.external_service
 def test_a_leak_inhibits_its_targets_noise_and_the_monitors_push_wins_over_the_rule(tmp_path: Path) -> None:
     require_tool("prometheus-alertmanager", "prometheus-alertmanager")
-    from tests.services import start_alertmanager
+    from tests.support.services import start_alertmanager
 
     am = start_alertmanager(tmp_path / "am", config=yaml.safe_load(ALERTMANAGER_EXAMPLE.read_text()))
     try:

@@ -1,47 +1,13 @@
-"""What the dashboard tests share: the committed dashboards and the two metric contracts."""
+"""The committed dashboards, read once per session (what tests read in them: ``tests.support.dashboards``)."""
 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from monitor.commands.dashboards import dashboard_files
-
-REPO = Path(__file__).resolve().parents[2]
-CONTRACTS = (REPO / "docs" / "monitor-metrics.md", REPO / "docs" / "worker-metrics.md")
-# A table row of a contract: | `kvcanary_name` | type | labels | ...
-_ROW = re.compile(r"^\|\s*`(kvcanary_\w+)`\s*\|[^|]*\|(?P<labels>[^|]*)\|", re.MULTILINE)
-# A label name in the labels cell: a backticked identifier at the start or after a comma.
-_LABEL = re.compile(r"(?:^|,)\s*`([a-z_]\w*)`")
-
-
-def documented_metrics() -> dict[str, set[str]]:
-    """Return {metric name: its labels} from the tables of docs/monitor-metrics.md and worker-metrics.md."""
-    metrics: dict[str, set[str]] = {}
-    for doc in CONTRACTS:
-        for row in _ROW.finditer(doc.read_text(encoding="utf-8")):
-            metrics[row.group(1)] = set(_LABEL.findall(row.group("labels").strip()))
-    return metrics
-
-
-def variable_selector(query: str) -> str:
-    """Return the series selector of a ``label_values(selector, label)`` variable query."""
-    match = re.fullmatch(r"label_values\((.+),\s*\w+\)", query.strip())
-    assert match, f"not label_values(selector, label): {query!r}"
-    return match.group(1)
-
-
-def all_panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Return every panel, rows and the panels of collapsed rows included."""
-    found = []
-    for panel in panels:
-        found.append(panel)
-        found.extend(all_panels(panel.get("panels") or []))
-    return found
+from kvcanary.monitor.commands.dashboards import dashboard_files
 
 
 @pytest.fixture(scope="session")

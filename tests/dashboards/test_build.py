@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from dashboards import build
-from monitor.commands.dashboards import BUILTIN_VARIABLES, DASHBOARDS_DIR, dashboards_dir
-from tests.dashboards.conftest import all_panels, documented_metrics, variable_selector
+from kvcanary.dashboards import build
+from kvcanary.monitor.commands.dashboards import BUILTIN_VARIABLES, DASHBOARDS_DIR, dashboards_dir
+from tests.support.dashboards import all_panels, documented_metrics, variable_selector
 
 # Grafana 11.0 wrote schemaVersion 39, 11.3 wrote 40, 11.6 (the SDK build we pin) writes 41.
 GRAFANA_11_SCHEMA_VERSIONS = range(39, 42)

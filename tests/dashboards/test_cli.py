@@ -19,7 +19,7 @@ TOKEN = "glsa_cliTestToken_fedcba9876543210"
 
 @pytest.fixture
 def kvcanary() -> typer.Typer:
-    from monitor.commands import cli
+    from kvcanary.monitor.commands import cli
 
     # The command is part of the CLI's contract: its absence is a failure, not a reason to skip.
     assert "dashboards" in typer.main.get_command(cli.app).commands, "kvcanary dashboards is missing"  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Every panel's PromQL runs on a real Prometheus: it parses, and on data shaped like the contracts it
 returns series without a matching error.
 
-Prometheus comes from the Debian package (``tests/services.py``). Without the binary these tests skip,
+Prometheus comes from the Debian package (``tests/support/services.py``). Without the binary these tests skip,
 unless ``KVCANARY_REQUIRE_PROMETHEUS=1`` turns the skip into a failure (set it in CI).
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from monitor.commands.dashboards import dashboard_files, load_dashboard, panel_queries, substitute
-from tests.dashboards.conftest import variable_selector
-from tests.services import Prometheus, start_prometheus, wait_for
+from kvcanary.monitor.commands.dashboards import dashboard_files, load_dashboard, panel_queries, substitute
+from tests.support.dashboards import variable_selector
+from tests.support.services import Prometheus, start_prometheus, wait_for
 
 pytestmark = pytest.mark.external_service
 
@@ -73,6 +73,11 @@ def monitor_metrics(n: int) -> str:
             f'kvcanary_node_context_window_tokens{{target="{target}",node="n1"}} 8192',
             f'kvcanary_incidents_open{{target="{target}",probe="recall",node="",severity="critical"}} 1',
             f'kvcanary_incidents_open{{target="{target}",probe="recall",node="n0",severity="warning"}} 0',
+            f'kvcanary_path_last_judged_timestamp{{target="{target}",prefill="p0",decode="d0"}} {now - 20}',
+            f'kvcanary_path_last_judged_timestamp{{target="{target}",prefill="p0",decode="d1"}} {now - 200}',
+            f'kvcanary_path_judge_interval_seconds{{target="{target}"}} 30',
+            f'kvcanary_target_quarantined{{target="{target}"}} {int(target == "defective")}',
+            f'kvcanary_target_quarantine_observed{{target="{target}"}} 0',
         ]
         for probe in ("recall", "shared_prefix"):
             pair = f'target="{target}",probe="{probe}"'
@@ -107,6 +112,13 @@ def monitor_metrics(n: int) -> str:
         "kvcanary_traffic_stream_replicas 2",
         f'kvcanary_traffic_stream_records_total{{outcome="judged"}} {300 * n}',
         f'kvcanary_traffic_stream_records_total{{outcome="duplicate"}} {n}',
+        f'kvcanary_traffic_stream_records_total{{outcome="misrouted"}} {n}',
+        "kvcanary_traffic_stream_partitions 16",
+        *(f'kvcanary_traffic_stream_partition_consuming{{partition="{p}"}} {int(p != 3)}' for p in range(16)),
+        *(
+            f'kvcanary_traffic_stream_bucket_anomalies{{kind="{k}"}} 0'
+            for k in ("replicas_over_limit", "claims_without_heartbeat", "partitions_withheld")
+        ),
         'kvcanary_cross_tenant_leaks_total{target="defective"} 1',
         f"kvcanary_incidents_open_read_timestamp_seconds {now - 1}",
         "kvcanary_database_up 1",

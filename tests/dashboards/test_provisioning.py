@@ -7,8 +7,8 @@ from typing import Any
 
 import yaml
 
-from monitor.commands.dashboards import DASHBOARDS_DIR
-from tests.dashboards.conftest import all_panels
+from kvcanary.monitor.commands.dashboards import DASHBOARDS_DIR
+from tests.support.dashboards import all_panels
 
 PROVISIONING = DASHBOARDS_DIR / "provisioning"
 

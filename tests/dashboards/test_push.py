@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from monitor.commands.dashboards import (
+from kvcanary.monitor.commands.dashboards import (
     GrafanaRefusedError,
     PushConfigError,
     dashboard_files,
@@ -18,8 +18,8 @@ from monitor.commands.dashboards import (
     read_token,
     substitute,
 )
-from tests.conftest import free_port
 from tests.dashboards.grafana_stub import GrafanaStub
+from tests.support import free_port
 
 TOKEN = "glsa_kvcanaryTestToken_0123456789abcdef"
 

@@ -35,8 +35,6 @@ import psycopg
 import pytest
 from openai import APIStatusError
 
-from tests.conftest import REPO, WorkerProcess
-from tests.litellm.conftest import CALLERS, TAP_CALLBACK, Proxy
 from tests.litellm.test_tap_litellm import (
     WORDS,
     ask,
@@ -46,6 +44,8 @@ from tests.litellm.test_tap_litellm import (
     with_ingest_token,
 )
 from tests.monitor.served import Served, reference_target
+from tests.support import REPO, WorkerProcess
+from tests.support.litellm import CALLERS, TAP_CALLBACK, Proxy
 
 DEFECTIVE = (
     "--mode", "disaggregated", "--admission", "placeholder", "--prefill-pool-tokens", "1024",
@@ -297,8 +297,8 @@ def test_the_spend_log_counts_with_no_caller_excluded_and_never_names_a_raw_key(
     a key LiteLLM kept raw is counted under its digest."""
     from datetime import timedelta
 
-    from monitor.blast.question import Bound, Criterion, Scope, Window
-    from monitor.blast.spendlogs import spendlogs_tally
+    from kvcanary.monitor.blast.question import Bound, Criterion, Scope, Window
+    from kvcanary.monitor.blast.spendlogs import spendlogs_tally
 
     start = datetime(2026, 8, 27, 12, 0, tzinfo=UTC)
     base = "http://10.0.0.1:8000"

@@ -29,11 +29,12 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from kvcanary.monitor.traffic.checks import BY_RESULT_KIND
 from kvcanary.tap.record import MARKER_RE
-from tests.conftest import WorkerProcess
-from tests.litellm.conftest import CALLERS, Proxy
 from tests.monitor.served import Served, reference_target
-from tests.services import Alertmanager, start_alertmanager
+from tests.support import WorkerProcess
+from tests.support.litellm import CALLERS, Proxy
+from tests.support.services import Alertmanager, start_alertmanager
 
 DEFECTIVE = (
     "--mode", "disaggregated", "--admission", "placeholder", "--prefill-pool-tokens", "1024",
@@ -222,7 +223,7 @@ def test_over_pool_answers_in_customer_traffic_open_incidents_and_page(
         return alerts if wanted else []
 
     for alert in monitor.wait_for("pages", paged):
-        assert alert["labels"]["check"] == alert["labels"]["probe"].removeprefix("traffic_")
+        assert alert["labels"]["check"] == BY_RESULT_KIND[alert["labels"]["probe"]].name
     assert_no_customer_text(monitor, sentences)
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.llamacpp.calls import CONTEXT_MESSAGE, FIRST_BYTE_TOKEN, chat, complete, count_tokens
-from tests.llamacpp.conftest import LlamaCppServer
+from tests.support.llamacpp import LlamaCppServer
 
 pytestmark = pytest.mark.llamacpp
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.llamacpp.calls import BOS, EOS, chat, complete, count_tokens, stream_lines, text_of
-from tests.llamacpp.conftest import LlamaCppServer
+from tests.support.llamacpp import LlamaCppServer
 
 pytestmark = pytest.mark.llamacpp
 

@@ -23,14 +23,14 @@ from typing import Any
 
 import pytest
 
-from monitor.config.targets import TargetConfig
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes import REGISTRY
-from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.markers import MarkerBook
-from probes.needle import MAX_TOKENS, TEMPLATE_HEADROOM, NeedleProbe, tolerance
-from probes.replay import ReplayProbe
-from tests.llamacpp.conftest import LlamaCppServer
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.markers import MarkerBook
+from kvcanary.probes.needle import MAX_TOKENS, TEMPLATE_HEADROOM, NeedleProbe, tolerance
+from kvcanary.probes.replay import ReplayProbe
+from tests.support.llamacpp import LlamaCppServer
 
 pytestmark = pytest.mark.llamacpp
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from probes.base import ProbeResult, Verdict
-from tests.engine_runs import repeated_runs
-from tests.llamacpp.conftest import LlamaCppServer
+from kvcanary.probes.base import ProbeResult, Verdict
+from tests.support.engine_runs import repeated_runs
+from tests.support.llamacpp import LlamaCppServer
 
 pytestmark = pytest.mark.llamacpp
 

@@ -1,49 +1,28 @@
-"""Database and API fixtures for the monitor's tests, on real SQLite and real PostgreSQL.
+"""Database and Alertmanager fixtures for the monitor's tests, on real SQLite and real PostgreSQL.
 
 ``db_url`` is parametrised over a SQLite file and the session's PostgreSQL database (marked
 ``external_service``); each is migrated once with :func:`monitor.storage.db.upgrade`. Tests are
 isolated by emptying the tables before (and after) each test rather than by rolling back, because
 the race tests need two connections that really commit. ``scratch_url`` is an empty database for
 the migration tests: a new SQLite file, or a second PostgreSQL database whose schema is wiped.
+What the tests record and the app they build are ``tests.support.monitor_db`` and ``monitor_app``.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
-from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine, delete, make_url, text
+from sqlalchemy import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.api.main import build_http_app
-from monitor.api.state import ApiState
-from monitor.config.settings import IncidentConfig, RetentionConfig, Settings
-from monitor.incidents import RecordOutcome, record_result
-from monitor.metrics.registry import MonitorMetrics
-from monitor.runs.run_now import RunNow
-from monitor.storage.db import make_engine, make_session_factory, upgrade
-from monitor.storage.models import (
-    Incident,
-    IncidentEvent,
-    ProbeResultRow,
-    Target,
-    TrafficMinute,
-    TrafficRecordRow,
-)
-from probes.base import ProbeResult, Verdict
+from kvcanary.monitor.storage.db import make_engine, make_session_factory, upgrade
 from tests.monitor.served import served  # noqa: F401 (a fixture: `kvcanary serve` as a process)
-from tests.services import Alertmanager, start_alertmanager
-
-T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-POLICY = IncidentConfig(resolve_after_passes=3, error_warning_after_seconds=300)
-RETENTION = RetentionConfig(pass_days=7, failure_days=90)
+from tests.support.monitor_db import empty_tables
+from tests.support.services import Alertmanager, start_alertmanager
 
 BACKENDS = [
     pytest.param("sqlite", id="sqlite"),
@@ -70,15 +49,6 @@ def db_engine(db_url: str) -> Iterator[Engine]:
     engine = make_engine(db_url)
     yield engine
     engine.dispose()
-
-
-def empty_tables(engine: Engine) -> None:
-    """Delete every row, children first. A transaction a test left open fails this, not hangs it."""
-    with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.execute(text("SET LOCAL lock_timeout = '30s'"))
-        for model in (TrafficRecordRow, TrafficMinute, IncidentEvent, ProbeResultRow, Incident, Target):
-            conn.execute(delete(model))
 
 
 @pytest.fixture
@@ -122,109 +92,6 @@ def scratch_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         conn.execute("DROP SCHEMA public CASCADE")
         conn.execute("CREATE SCHEMA public")
     return url
-
-
-# --- recording ---------------------------------------------------------------------------------------
-
-
-def outcome(verdict: str, reason: str = "", detail: str = "", **measurements: float) -> ProbeResult:
-    """A probe's result with ``verdict``; ``reason`` defaults to a plausible token per verdict."""
-    default = {"pass": "ok", "leak": "foreign_marker", "mismatch": "wrong_answer", "error": "timeout"}
-    return ProbeResult(
-        Verdict(verdict),
-        reason or default[verdict],
-        detail or f"{verdict} seen",
-        evidence={"marker_ids": ["m-1"]} if verdict == "leak" else {},
-        measurements=dict(measurements),
-    )
-
-
-def record(
-    factory: sessionmaker[Session],
-    verdict: str,
-    *,
-    at: datetime,
-    target: str = "glm-prod",
-    probe: str = "cross_tenant",
-    policy: IncidentConfig = POLICY,
-    reason: str = "",
-    detail: str = "",
-    **measurements: float,
-) -> RecordOutcome:
-    """Record one result in its own committed transaction, the way the runner does."""
-    with factory() as s, s.begin():
-        return record_result(
-            s,
-            target_name=target,
-            engine="sglang",
-            base_url="http://127.0.0.1:30000/v1",
-            model="glm-5.3",
-            probe=probe,
-            result=outcome(verdict, reason, detail, **measurements),
-            started_at=at,
-            duration_seconds=0.5,
-            policy=policy,
-            retention=RETENTION,
-            now=at + timedelta(seconds=1),
-        )
-
-
-def minutes(n: float) -> datetime:
-    return T0 + timedelta(minutes=n)
-
-
-# --- the API -----------------------------------------------------------------------------------------
-
-RunTarget = Callable[[str], Awaitable[list[dict[str, Any]]]]
-
-
-def build_app(
-    factory: sessionmaker[Session],
-    *,
-    settings: Settings,
-    token: str | None,
-    run_target: RunTarget | None = None,
-    health: Callable[[], dict[str, Any]] | None = None,
-) -> FastAPI:
-    """Return the service's own app (``build_http_app``) over ``factory`` and ``settings``."""
-
-    async def no_run(name: str) -> list[dict[str, Any]]:
-        raise KeyError(name)
-
-    state = ApiState(
-        session_factory=factory,
-        api_token=token,
-        settings=settings,
-        run_now=RunNow(run_target or no_run, min_interval=0),
-        health=health or (lambda: {"scheduler": "running"}),
-        metrics_page=MonitorMetrics(CollectorRegistry()).exposition,
-    )
-    return build_http_app(state, title="kvcanary (test)")
-
-
-def settings_with_targets() -> Settings:
-    """Two configured targets; the first has credentials in its URL that must never be served."""
-    tenants = [{"name": "alice"}, {"name": "bob"}]
-    return Settings.model_validate(
-        {
-            "targets": [
-                {
-                    "name": "glm-prod",
-                    "base_url": "http://127.0.0.1:30000/v1",
-                    "engine": "sglang",
-                    "model": "glm-5.3",
-                    "tenants": tenants,
-                    "probes": ["canary", "cross_tenant"],
-                },
-                {
-                    "name": "llama-dev",
-                    "base_url": "http://127.0.0.1:8080",
-                    "engine": "llamacpp",
-                    "tenants": tenants,
-                },
-            ]
-        }
-    )
 
 
 # --- paging --------------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, free_port, stop_process, wait_http
 from tests.probes.probe_harness import KEYS
+from tests.support import REPO, free_port, stop_process, wait_http
 
 
 def spawn_serve(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

@@ -8,12 +8,12 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor.config.settings import IncidentConfig
-from monitor.incidents import RecordOutcome, record_result, resolve_incident
-from monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
-from monitor.storage.result_rows import TITLE_CHARS
-from monitor.storage.retention import prune_expired
-from tests.monitor.conftest import POLICY, RETENTION, T0, minutes, outcome, record
+from kvcanary.monitor.config.settings import IncidentConfig
+from kvcanary.monitor.incidents import RecordOutcome, record_result, resolve_incident
+from kvcanary.monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
+from kvcanary.monitor.storage.result_rows import TITLE_CHARS
+from kvcanary.monitor.storage.retention import prune_expired
+from tests.support.monitor_db import POLICY, RETENTION, T0, minutes, outcome, record
 
 Factory = sessionmaker[Session]
 

@@ -14,10 +14,10 @@ import pytest
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from monitor import incidents
-from monitor.incidents import RecordOutcome, record_result
-from monitor.storage.models import Incident, IncidentEvent
-from tests.monitor.conftest import POLICY, RETENTION, T0, minutes, outcome, record
+from kvcanary.monitor import incidents
+from kvcanary.monitor.incidents import RecordOutcome, record_result
+from kvcanary.monitor.storage.models import Incident, IncidentEvent
+from tests.support.monitor_db import POLICY, RETENTION, T0, minutes, outcome, record
 
 Factory = sessionmaker[Session]
 

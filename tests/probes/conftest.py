@@ -1,6 +1,6 @@
 """Fixtures for probe tests: the reference worker as a real process (see ``probe_harness``).
 
-- ``reference(*args)`` starts a fresh ``python -m workers`` through ``start_worker``, for scenes
+- ``reference(*args)`` starts a fresh ``python -m kvcanary.workers`` through ``start_worker``, for scenes
   whose outcome depends on what the worker's KV pages hold (stale-page leaks).
 - ``shared_reference(mode)`` returns a worker started once per session, for checks that do not
   depend on page history (a clean worker passes whatever ran on it before).
@@ -19,10 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, free_port, stop_process, wait_http
-from tests.probes.probe_harness import KEYS, SHARED, Reference
-
-KEY_FLAGS = tuple(arg for tenant, key in KEYS.items() for arg in ("--api-key", f"{key}={tenant}"))
+from tests.probes.probe_harness import SHARED, Reference
+from tests.support import REPO, free_port, stop_process, wait_http
+from tests.support.worker_keys import KEY_FLAGS
 
 
 @pytest.fixture
@@ -44,7 +43,7 @@ def shared_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Calla
         if mode not in started:
             port = free_port()
             log = tmp_path_factory.mktemp("worker") / f"worker-{port}.log"
-            argv = [sys.executable, "-m", "workers", "--host", "127.0.0.1", "--port", str(port)]
+            argv = [sys.executable, "-m", "kvcanary.workers", "--host", "127.0.0.1", "--port", str(port)]
             argv += ["--device", "cpu", *SHARED[mode], *KEY_FLAGS]
             with log.open("wb") as out:
                 proc = subprocess.Popen(

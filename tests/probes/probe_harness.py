@@ -2,7 +2,7 @@
 
 :class:`Reference` builds real :class:`OpenAIHttpTarget`s for a worker started by the ``reference``
 fixture (``conftest.py``). :class:`FakeEngine` answers like the worker, served on a loopback socket
-(:class:`~tests.loopback.Loopback`), for judgment logic that a real process would make slow or
+(:class:`~tests.support.loopback.Loopback`), for judgment logic that a real process would make slow or
 impossible to provoke (a 429, a nonce that does not come back).
 """
 
@@ -17,13 +17,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from monitor.config.targets import TargetConfig
-from monitor.runs.execute import execute_probe
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes import REGISTRY
-from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.markers import MARKER_RE, MarkerBook
-from tests.loopback import Handler, Loopback
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.markers import MARKER_RE, MarkerBook
+from tests.support.loopback import Handler, Loopback
 
 TENANTS = ("alice", "bob")
 KEYS = {

@@ -8,9 +8,9 @@ import math
 import httpx
 import pytest
 
-from probes.base import ProbeResult, Verdict
-from probes.boundary import MAX_TOKENS, BoundaryProbe, filler, over_margin
-from probes.markers import MarkerBook
+from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.boundary import MAX_TOKENS, BoundaryProbe, filler, over_margin
+from kvcanary.probes.markers import MarkerBook
 from tests.probes.probe_harness import (
     CLEAN,
     PLACEHOLDER,

@@ -8,9 +8,9 @@ import re
 import httpx
 import pytest
 
-from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.canary import CanaryProbe, prompt_tokens_dropped
-from probes.markers import MarkerBook
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.canary import CanaryProbe, prompt_tokens_dropped
+from kvcanary.probes.markers import MarkerBook
 from tests.probes.probe_harness import (
     CLEAN,
     PLACEHOLDER,

@@ -16,14 +16,15 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.config.targets import TargetConfig
-from monitor.runs.execute import execute_probe
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes.base import ProbeResult, Verdict
-from probes.markers import MarkerBook
-from probes.target import Node
-from tests.loopback import Handler
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.markers import MarkerBook
+from kvcanary.probes.target import Node
 from tests.probes.probe_harness import KEYS, MODEL, Reference, loopback_target
+from tests.support import free_port
+from tests.support.loopback import Handler
 
 ENGINES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
 
@@ -204,3 +205,60 @@ def test_vllm_capacity_comes_from_cache_config_info_and_v1_models() -> None:
         "headroom_ok",
         "0.32.0",
     )
+
+
+# --- decode nodes: their pool is reported, not judged against the window -------------------------
+
+
+def test_a_decode_server_below_the_window_is_reported_not_judged(reference: Callable[..., Reference]) -> None:
+    # The same pool on a prefill server is the incident's mismatch; on a decode server it holds
+    # running sequences, each admitted by a prefill node, so it is not held against the window.
+    decode = reference("--mode", "decode", "--decode-pool-tokens", "4096", "--context-window", "8192")
+    result, sent = audit(config(decode.url))
+    assert (result.verdict, result.reason) == (Verdict.PASS, "decode_pool_not_judged")
+    assert result.evidence["role"] == "decode" and result.evidence["pools"] == {"decode": 4096}
+    assert result.measurements["pool_tokens.decode"] == 4096
+    assert result.measurements["context_window_tokens"] == 8192
+    assert "headroom_ratio" not in result.measurements and sent == 0
+    prefill = reference("--mode", "prefill", "--bootstrap-port", str(free_port()), "--prefill-pool-tokens",
+                        "4096", "--context-window", "8192")  # fmt: skip
+    assert audit(config(prefill.url))[0].reason == "pool_below_context_window"
+
+
+def test_sglangs_decode_node_states_its_pool_without_a_name() -> None:
+    transport = serve_fixture({"/server_info": "sglang-0.5.11-decode-incident.json"})
+    result, _ = audit(config("http://sglang.test", "sglang"), transport=transport)
+    assert (result.verdict, result.reason) == (Verdict.PASS, "decode_pool_not_judged")
+    assert result.evidence["pools"] == {"decode": 1310720}
+    assert "decode pool 1,310,720 tokens (context window 1,048,576)" in result.detail
+
+
+def serve_json(body: dict[str, Any]) -> Handler:
+    """Serve ``body`` at /server_info; anything else is a 404 in SGLang's error shape."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            return httpx.Response(200, json=body)
+        return httpx.Response(404, json={"object": "error", "message": "Not Found", "code": 404})
+
+    return answer
+
+
+@pytest.mark.parametrize(("role", "reason"), [("decode", "decode_pool_not_judged"),
+                                              ("prefill", "pool_below_context_window")])  # fmt: skip
+def test_a_node_whose_engine_states_no_mode_is_judged_by_its_listed_role(role: str, reason: str) -> None:
+    modeless = serve_json({"context_length": 8192, "max_total_num_tokens": 4096, "version": "0.5.11"})
+    cfg = config("http://sglang.test", "sglang", nodes=[{"name": "n0", "role": role}])
+    result, _ = audit(cfg, transport=modeless)
+    assert result.reason == reason and result.evidence["pools"] == {role: 4096}
+
+
+def test_the_engines_own_mode_outranks_the_listed_role() -> None:
+    # Listed as decode, but the node says it is a prefill server: admission runs by what it is.
+    stated = serve_json(
+        {"context_length": 8192, "max_total_num_tokens": 4096, "disaggregation_mode": "prefill"}
+    )
+    cfg = config("http://sglang.test", "sglang", nodes=[{"name": "n0", "role": "decode"}])
+    result, _ = audit(cfg, transport=stated)
+    assert (result.verdict, result.reason) == (Verdict.MISMATCH, "pool_below_context_window")
+    assert result.evidence["role"] == "prefill" and result.evidence["configured_role"] == "decode"

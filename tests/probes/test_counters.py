@@ -14,13 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.config.targets import TargetConfig
-from monitor.runs.execute import execute_probe
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes.base import ProbeResult, Verdict
-from probes.counters import judge_counters
-from probes.markers import MarkerBook
-from probes.target import Node
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.counters import judge_counters
+from kvcanary.probes.markers import MarkerBook
+from kvcanary.probes.target import Node
 from tests.probes.probe_harness import (
     AGGREGATED,
     DISAGG,
@@ -80,7 +80,10 @@ def test_a_clean_worker_passes_and_says_what_its_engine_does_not_expose(
     first = read(worker.url)
     assert (first.verdict, first.reason) == (Verdict.PASS, "counters_clean")
     assert first.evidence["first_read"] is True
-    assert set(first.evidence["not_exposed"]) == {"corrupted_requests", "kv_transfer_failures", "preemptions"}
+    assert set(first.evidence["not_exposed"]) == {
+        "corrupted_requests", "kv_read_after_release", "kv_transfer_failures", "kv_lease_expiries",
+        "kv_notification_failures", "prefill_retries", "preemptions",
+    }  # fmt: skip
     send(worker.url, PROMPT_A, "alice")
     second = read(worker.url, first.state)
     assert second.verdict is Verdict.PASS and second.evidence["first_read"] is False
@@ -100,8 +103,12 @@ def test_a_placeholder_substitution_between_reads_is_a_mismatch_with_before_and_
     found = series(after, "placeholder_substitutions")
     assert (found["before"], found["after"], found["increase"]) == (0, 1, 1)
     assert found["series"] == ["kvcanary_placeholder_substitutions_total"]
-    # Read again with nothing new: the finding does not repeat.
-    assert read(worker.url, after.state).verdict is Verdict.PASS
+    # Read again with nothing new: the finding holds through the lookback, saying so (no pass that
+    # reads as a recovery), and a lookback of 0 judges the read alone.
+    held = read(worker.url, after.state)
+    assert (held.verdict, held.reason) == (Verdict.MISMATCH, "placeholder_substitutions_increased")
+    assert "+1 in the last 900 s" in held.detail and "+0 since the previous read" in held.detail
+    assert read(worker.url, after.state, lookback_seconds=0).verdict is Verdict.PASS
 
 
 def test_an_ownership_violation_caught_by_the_worker_is_a_leak(reference: Callable[..., Reference]) -> None:
@@ -232,3 +239,41 @@ def test_metrics_that_are_not_prometheus_text_or_not_there_are_errors() -> None:
 
     assert asyncio.run(go(None)).reason == "metrics_unreachable"
     assert asyncio.run(go("<html>this is no metrics page {{{")).reason == "metrics_unparseable"
+
+
+def placeholder_page(substitutions: float) -> dict[str, float]:
+    return {**REFERENCE_ZERO, "kvcanary_placeholder_substitutions_total": substitutions}
+
+
+def test_a_fault_that_recurs_every_other_read_fails_every_read_and_passes_once_it_stops() -> None:
+    # The demo's defective target: the monitor's own boundary run substitutes one request every
+    # other read. Judged read by read it flipped pass, mismatch, pass, ...; over the lookback it
+    # fails throughout, then passes once the last substitution is older than the lookback.
+    state: dict[str, Any] = judge_counters("reference", NODE, placeholder_page(0), {}, zeroing=False,
+                                           now=0.0, lookback_seconds=900).state or {}  # fmt: skip
+    verdicts = []
+    for i, total in enumerate([1, 1, 2, 2, 3, 3], start=1):
+        result = judge_counters("reference", NODE, placeholder_page(total), state, zeroing=False,
+                                now=30.0 * i, lookback_seconds=900)  # fmt: skip
+        state = result.state or {}
+        verdicts.append(result.verdict)
+    assert verdicts == [Verdict.MISMATCH] * 6
+    assert [r["increases"] for r in state["recent"]] == [{"placeholder_substitutions": 1}] * 3
+    quiet = judge_counters("reference", NODE, placeholder_page(3), state, zeroing=False,
+                           now=150.0 + 901, lookback_seconds=900)  # fmt: skip
+    assert (quiet.verdict, quiet.evidence["recent_increases"]) == (Verdict.PASS, [])
+
+
+def test_a_restarted_node_is_not_held_to_what_the_process_before_it_did() -> None:
+    # The fix deployed: the engine restarted (a new process_start_time_seconds) with its counters at
+    # 0. Its first read passes, though the old process substituted within the lookback.
+    old = {**placeholder_page(0), "process_start_time_seconds": 10.0}
+    state = judge_counters("reference", NODE, old, {}, zeroing=False, now=0.0, lookback_seconds=900).state
+    faulty = {**placeholder_page(2), "process_start_time_seconds": 10.0}
+    state = judge_counters("reference", NODE, faulty, state or {}, zeroing=False, now=30.0,
+                           lookback_seconds=900).state  # fmt: skip
+    fixed = {**placeholder_page(0), "process_start_time_seconds": 50.0}
+    result = judge_counters(
+        "reference", NODE, fixed, state or {}, zeroing=False, now=60.0, lookback_seconds=900
+    )
+    assert (result.verdict, result.evidence["restarted"]) == (Verdict.PASS, True), result.detail

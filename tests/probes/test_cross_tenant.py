@@ -7,9 +7,9 @@ import asyncio
 import httpx
 import pytest
 
-from probes.base import ProbeResult, Verdict
-from probes.cross_tenant import DEFAULT_PLANT_CHARS, PLANT_HEADROOM, plant_chars, plant_prompt
-from probes.markers import MARKER_RE, MarkerBook
+from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.cross_tenant import DEFAULT_PLANT_CHARS, PLANT_HEADROOM, plant_chars, plant_prompt
+from kvcanary.probes.markers import MARKER_RE, MarkerBook
 from tests.probes.probe_harness import (
     CLEAN,
     PLACEHOLDER,

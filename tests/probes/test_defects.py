@@ -11,7 +11,7 @@ import packaging.version
 import pytest
 import yaml
 
-from probes.defects import (
+from kvcanary.probes.defects import (
     DEFECTS_FILE,
     Catalogue,
     DefectsFileError,

@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 
-from monitor.runs.execute import execute_probe
-from probes.base import Verdict
-from probes.markers import MarkerBook
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.probes.base import Verdict
+from kvcanary.probes.markers import MarkerBook
 from tests.probes.probe_harness import Call, FakeEngine, answer, run_kind
 
 BATCH = ("--mode", "aggregated", "--kv-pool-tokens", "8192", "--max-batch", "16")

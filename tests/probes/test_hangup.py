@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 
-from monitor.runs.execute import execute_probe
-from probes.base import Verdict
-from probes.hangup import abandoned_prompt
-from probes.markers import MarkerBook
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.probes.base import Verdict
+from kvcanary.probes.hangup import abandoned_prompt
+from kvcanary.probes.markers import MarkerBook
 from tests.probes.probe_harness import (
     KEYS,
     Call,

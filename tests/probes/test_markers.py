@@ -6,7 +6,7 @@ import secrets
 import sys
 import tracemalloc
 
-from probes.markers import MARKER_RE, UNKNOWN_OWNER, MarkerBook, marker_hash, redact_markers
+from kvcanary.probes.markers import MARKER_RE, UNKNOWN_OWNER, MarkerBook, marker_hash, redact_markers
 
 
 class Clock:

@@ -9,13 +9,13 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from monitor.config.targets import TargetConfig
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes import REGISTRY
-from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.boundary import MAX_SIZING_ROUNDS
-from probes.markers import MARKER_RE, MarkerBook
-from probes.needle import MAX_TOKENS, QUESTION, TEMPLATE_HEADROOM, NeedleProbe, filler, tolerance
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.boundary import MAX_SIZING_ROUNDS
+from kvcanary.probes.markers import MARKER_RE, MarkerBook
+from kvcanary.probes.needle import MAX_TOKENS, QUESTION, TEMPLATE_HEADROOM, NeedleProbe, filler, tolerance
 from tests.probes.probe_harness import (
     CLEAN,
     KEYS,

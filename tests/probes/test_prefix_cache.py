@@ -16,13 +16,13 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.markers import MARKER_RE, MarkerBook
-from probes.prefix_cache import PrefixCacheOptions, PrefixCacheProbe
-from tests.conftest import WorkerProcess, launch_worker, wait_worker
-from tests.probes.conftest import KEY_FLAGS
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.markers import MARKER_RE, MarkerBook
+from kvcanary.probes.prefix_cache import PrefixCacheOptions, PrefixCacheProbe
 from tests.probes.probe_harness import Call, FakeEngine, Reference, error
+from tests.support import WorkerProcess, launch_worker, wait_worker
+from tests.support.worker_keys import KEY_FLAGS
 
 UNOBSERVABLE = "cannot judge: caching off or not reported"
 # Timing needs prefixes whose prefill is a clear share of time to first token: the reference worker's

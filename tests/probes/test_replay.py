@@ -11,13 +11,13 @@ import pytest
 from pydantic import ValidationError
 from scipy.stats import binomtest
 
-from monitor.config.targets import TargetConfig
-from monitor.runs.execute import execute_probe
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes import REGISTRY
-from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.markers import MARKER_RE, MarkerBook
-from probes.replay import PROMPTS, ReplayProbe, binomial_tail, rate_under_test
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.markers import MARKER_RE, MarkerBook
+from kvcanary.probes.replay import PROMPTS, ReplayProbe, binomial_tail, rate_under_test
 from tests.probes.probe_harness import Call, FakeEngine, answer, error
 
 DEFAULT_N = 8  # 4 prompts x 2 repeats

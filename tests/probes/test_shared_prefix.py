@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.runs.execute import execute_probe
-from probes.base import Verdict
-from probes.markers import MarkerBook
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.probes.base import Verdict
+from kvcanary.probes.markers import MarkerBook
 from tests.probes.probe_harness import (
     KEYS,
     MODEL,

@@ -15,8 +15,8 @@ import random
 import pytest
 from scipy.stats import ks_2samp
 
-from probes import stats
-from probes.stats import (
+from kvcanary.probes import stats
+from kvcanary.probes.stats import (
     d_plus_scaled,
     exact_pvalue,
     hodges_pvalue,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from probes.base import Verdict, prompt_tokens_dropped
+from kvcanary.probes.base import Verdict, prompt_tokens_dropped
 from tests.probes.probe_harness import Call, FakeEngine, answer, probe_once
 
 

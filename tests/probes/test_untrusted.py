@@ -7,7 +7,7 @@ import unicodedata
 from hypothesis import given
 from hypothesis import strategies as st
 
-from probes.untrusted import ELLIPSIS, plain, word
+from kvcanary.probes.untrusted import ELLIPSIS, plain, word
 
 
 def test_control_characters_become_spaces_and_format_characters_show() -> None:

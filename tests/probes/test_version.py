@@ -17,14 +17,14 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.config.targets import TargetConfig
-from monitor.runs.execute import execute_probe
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes import REGISTRY
-from probes.base import ProbeResult, Verdict
-from probes.markers import MarkerBook
-from probes.target import Completion, CompletionRequest, Node
-from probes.version import VersionProbe
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.markers import MarkerBook
+from kvcanary.probes.target import Completion, CompletionRequest, Node
+from kvcanary.probes.version import VersionProbe
 from tests.probes.probe_harness import KEYS, MODEL, Reference, loopback_target
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

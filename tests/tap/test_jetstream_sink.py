@@ -13,21 +13,22 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
 
+from kvcanary.monitor.traffic import judge
+from kvcanary.monitor.traffic.stream_setup import prepare
 from kvcanary.tap import Tap, TapConfigError
 from kvcanary.tap.fingerprints import Fingerprinter
-from kvcanary.tap.jetstream import MESSAGE_BYTES, JetStreamTransport, api_base_key, partition_of
+from kvcanary.tap.jetstream import MESSAGE_BYTES, JetStreamTransport, partition_of
 from kvcanary.tap.record import Exchange, summarize
 from kvcanary.tap.sender import Batch, Sender
-from monitor.traffic import judge
-from monitor.traffic.stream_setup import prepare
-from tests.conftest import REPO, free_port
-from tests.jetstream import (
+from tests.support import REPO, free_port
+from tests.support.jetstream import (
     NATS_URL,
     OwnNats,
     StreamNames,
@@ -115,7 +116,7 @@ def test_a_batchs_records_reach_the_stream_a_message_for_each_partition_and_a_re
         assert {f"{stream_names.subject_prefix}.{p}" for p in partitions_here} == {subject}
         seen += body["records"]
     assert [h.get("Kvcanary-Dropped") for _, h, _ in messages] == ["3"] + [None] * (len(messages) - 1)
-    assert sorted(int(r["id"].split("-")[1]) for r in seen) == list(range(30))  # each record once
+    assert sorted(int(r["upstream_id"].split("-")[1]) for r in seen) == list(range(30))  # each record once
     assert "warranty" not in json.dumps(seen)  # sizes and prints, never text
 
 
@@ -213,7 +214,7 @@ def test_a_nats_down_at_start_and_restarted_costs_one_line_and_loses_nothing(
         assert s.sent == 20 and s.pending == 15
         own_nats.start()
         wait_until("the records of the restart to flow", lambda: s.sent == 35, timeout=40)
-        ids = sorted(int(r["id"].split("-")[1]) for _, _, r in stored(names, own_nats.url))
+        ids = sorted(int(r["upstream_id"].split("-")[1]) for _, _, r in stored(names, own_nats.url))
         assert ids == list(range(35))  # each once: a resend after a lost ack is deduplicated by id
         assert s.dropped == 0
     finally:
@@ -309,8 +310,9 @@ def test_the_tap_partitions_each_deployment_as_the_monitor_routes_it() -> None:
         "http://10.1.0.1:8000/",
     ]
     assert len({partition_of(b, 16) for b in spellings}) == 1
+    # One rule (kvcanary/wire.py): the tap's partition is the hash of the key the judge routes by.
     for url in [*spellings, "https://Api.Example.com/Prefix/v1", "http://h/a/b/"]:
-        assert api_base_key(url) == judge.api_base_key(url)
+        assert partition_of(url, 16) == zlib.crc32(judge.api_base_key(url).encode()) % 16
 
 
 def test_the_tap_imports_without_nats_and_takes_a_nats_url_without_a_token(
@@ -354,7 +356,7 @@ def test_a_gateway_that_exits_sends_what_its_tap_still_queues(stream_names: Stre
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "not sent at exit" not in done.stderr, done.stderr
-    assert sorted(r["id"] for _, _, r in stored(stream_names)) == [f"exit-{i}" for i in range(5)]
+    assert sorted(r["upstream_id"] for _, _, r in stored(stream_names)) == [f"exit-{i}" for i in range(5)]
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "61", "soon", "nan"])
@@ -372,3 +374,28 @@ def test_a_flush_interval_out_of_range_is_refused_naming_the_variable(
         assert tap.sender.flush_seconds == 0.25
     finally:
         tap.close(timeout=1)
+
+
+def test_a_forked_child_publishes_its_records_on_a_connection_of_its_own(stream_names: StreamNames) -> None:
+    """A gateway forking after its tap connected (gunicorn --preload): the child's tap must not use
+    the parent's NATS connection (its socket) or loop thread (not in the child): it connects anew."""
+    from tests.tap.test_fork import CHILDREN_SECONDS, fork_child, reap
+
+    make_stream(stream_names)
+    s = sender(NATS_URL, stream_names)
+    s.put(exchange(0))
+    wait_until("the parent's record published", lambda: s.sent == 1)  # connected, its loop thread running
+
+    def child() -> int:
+        s.put(exchange(1))
+        s.put(exchange(2))
+        s.close(10.0)  # publishes what the child queued
+        return 0 if (s.sent, s.pending) == (2, 0) else 1
+
+    statuses = reap([fork_child(child)], CHILDREN_SECONDS)
+    s.put(exchange(3))  # the parent's connection still works after the child closed its tap
+    wait_until("the parent's second record published", lambda: s.sent == 2)
+    s.close()
+    assert list(statuses.values()) == [0]
+    ids = sorted(r["upstream_id"] for _, _, r in stored(stream_names))
+    assert ids == ["req-0", "req-1", "req-2", "req-3"]

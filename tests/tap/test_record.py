@@ -7,13 +7,13 @@ import json
 import re
 from pathlib import Path
 
+from kvcanary.monitor.traffic.overlap import OWN as MONITOR_OWN
+from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.probes.markers import MARKER_RE as PROBE_MARKER_RE
+from kvcanary.probes.markers import MarkerBook
 from kvcanary.tap.fingerprints import MAX_TEXT_CHARS, OWN, Fingerprinter
 from kvcanary.tap.litellm_payload import exchange_of
 from kvcanary.tap.record import MARKER_RE, Exchange, summarize
-from monitor.traffic.overlap import OWN as MONITOR_OWN
-from monitor.traffic.schema import TrafficRecord
-from probes.markers import MARKER_RE as PROBE_MARKER_RE
-from probes.markers import MarkerBook
 
 KEY = b"a-test-fingerprint-key-0123456789"
 LICENCE = Path("/usr/share/common-licenses/GPL-3").read_text()
@@ -81,12 +81,32 @@ def test_names_timings_and_keys_are_made_to_fit_and_no_key_leaves() -> None:
     assert record_of(key_hash="hashed-jwt-" + "ab" * 32)["key_hash"] == "ab" * 32
 
 
-def test_a_request_the_gateway_gave_no_id_gets_one_of_its_own() -> None:
-    first, second = record_of(request_id=""), record_of(request_id="")
-    # Unique per exchange (the monitor judges each record once by its id), and a gateway's id kept.
-    assert re.fullmatch("tap-[0-9a-f]{24}", first["id"]) and first["id"] != second["id"]  # type: ignore[arg-type]
-    assert record_of(request_id="chatcmpl-1")["id"] == "chatcmpl-1"
-    TrafficRecord.model_validate(first)
+def test_every_exchange_gets_an_id_of_its_own_and_the_gateways_repeated_id_is_kept_as_data() -> None:
+    """An engine that gives every response one id (issue #33 item 11): the records' ids differ
+    (the monitor judges each once by its id), the engine's id rides as ``upstream_id``."""
+    first, second = record_of(request_id="chatcmpl-same"), record_of(request_id="chatcmpl-same")
+    for record in (first, second):
+        assert re.fullmatch("tap-[0-9a-f]{24}", record["id"])  # type: ignore[arg-type]
+        assert record["upstream_id"] == "chatcmpl-same"
+    assert first["id"] != second["id"]
+    none = record_of(request_id="")
+    assert re.fullmatch("tap-[0-9a-f]{24}", none["id"]) and none["upstream_id"] == ""  # type: ignore[arg-type]
+    read = TrafficRecord.model_validate(first)
+    assert (read.id, read.upstream) == (first["id"], "chatcmpl-same")
+    # Through LiteLLM's payload: neither its id nor litellm_call_id (a client's x-litellm-call-id
+    # header when one is sent) becomes the record's id.
+    payload = {"id": "chatcmpl-same", "litellm_call_id": "client-chosen", "api_base": "http://x/v1",
+               "messages": [{"role": "user", "content": "hi"}], "metadata": {}}  # fmt: skip
+    ids = [summarize(exchange_of(payload, 200), Fingerprinter(KEY)) for _ in range(2)]
+    assert {r["upstream_id"] for r in ids} == {"chatcmpl-same"} and ids[0]["id"] != ids[1]["id"]
+    assert all(re.fullmatch("tap-[0-9a-f]{24}", r["id"]) for r in ids)  # type: ignore[arg-type]
+
+
+def test_a_record_of_an_older_tap_without_an_upstream_id_reads_as_before() -> None:
+    older = {k: v for k, v in record_of(request_id="chatcmpl-1").items() if k != "upstream_id"}
+    older["id"] = "chatcmpl-1"  # an older tap sent the gateway's id as the record's
+    for read in (TrafficRecord.model_validate(older), TrafficRecord.model_validate_json(json.dumps(older))):
+        assert (read.id, read.upstream_id, read.upstream) == ("chatcmpl-1", None, "chatcmpl-1")
 
 
 def test_litellm_payloads_become_exchanges() -> None:
@@ -104,7 +124,7 @@ def test_litellm_payloads_become_exchanges() -> None:
         "metadata": {"user_api_key_hash": "ab" * 32, "user_api_key_alias": "acme-prod",
                      "user_api_key_team_id": "acme"},
     }  # fmt: skip
-    ex = exchange_of(payload, 200)
+    ex = exchange_of(payload, 200).bounded()  # the texts are joined on the tap's thread
     assert (ex.caller, ex.caller_kind, ex.prompt, ex.messages, ex.response) == (
         "acme",
         "team",
@@ -118,6 +138,6 @@ def test_litellm_payloads_become_exchanges() -> None:
     assert exchange_of(payload, 200).caller_kind == "key_hash"
     payload["messages"] = [{"role": "user", "content": "redacted-by-litellm"}]
     payload["response"] = {"choices": [{"message": {"content": "redacted-by-litellm"}}]}
-    redacted = exchange_of(payload, 200)  # turn_off_message_logging: no text is the placeholder's
+    redacted = exchange_of(payload, 200).bounded()  # turn_off_message_logging: no text is the placeholder's
     assert (redacted.prompt, redacted.response, redacted.extra) == ("", "", {"redacted": True})
     assert record_of(prompt=redacted.prompt)["prompt"]["chars"] == 0  # unjudged, not 19 characters

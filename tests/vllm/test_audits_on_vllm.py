@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from monitor.config.targets import TargetConfig
-from monitor.runs.execute import execute_probe
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes.base import ProbeResult, Verdict
-from probes.markers import MarkerBook
-from tests.vllm.conftest import VllmServer
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.markers import MarkerBook
+from tests.support.vllm import VllmServer
 
 pytestmark = pytest.mark.vllm
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
-from tests.vllm.conftest import VllmServer
+from tests.support import REPO
+from tests.support.vllm import VllmServer
 
 pytestmark = pytest.mark.vllm
 

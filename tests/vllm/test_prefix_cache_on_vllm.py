@@ -23,12 +23,12 @@ from typing import Any
 import httpx
 import pytest
 
-from monitor.config.targets import TargetConfig
-from monitor.targets.openai_http import OpenAIHttpTarget
-from probes.base import ProbeContext, ProbeResult, Verdict
-from probes.markers import MarkerBook
-from probes.prefix_cache import PrefixCacheProbe
-from tests.vllm.conftest import VllmServer
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.markers import MarkerBook
+from kvcanary.probes.prefix_cache import PrefixCacheProbe
+from tests.support.vllm import VllmServer
 from tests.vllm.salt_gateway import SaltGateway
 
 pytestmark = pytest.mark.vllm

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.vllm.conftest import FIXTURES, VllmServer, record
+from tests.support.vllm import FIXTURES, VllmServer, record
 
 pytestmark = pytest.mark.vllm
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from tests.conftest import WorkerProcess, launch_worker, wait_worker
+from kvcanary.workers.server import create_app
+from tests.support import WorkerProcess, launch_worker, wait_worker
 from tests.workers.support import PLACEHOLDER_FLAGS, small_config
-from workers.server import create_app
 
 # The in-process engines run many tiny decode steps; one intra-op thread keeps them from stalling on
 # a descheduled sibling thread when the machine is busy. Outputs do not depend on it.
@@ -39,7 +39,7 @@ def serve() -> Iterator[Callable[..., TestClient]]:
 
 @pytest.fixture(scope="module")
 def worker_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
-    """Start two real ``python -m workers`` processes at once (their startups overlap) for a module.
+    """Start two real ``python -m kvcanary.workers`` processes at once (their startups overlap) for a module.
 
     ``healthy``: aggregated mode, default pools. ``defective``: the incident's disaggregated placeholder
     node on the small pools, with keys ``sk-a`` → tenant-a and ``sk-b`` → tenant-b.

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.config import WorkerConfig
-from workers.engine import Engine
-from workers.request import Event, TokenEvent
+from kvcanary.workers.config import WorkerConfig
+from kvcanary.workers.engine import Engine
+from kvcanary.workers.request import Event, TokenEvent
 
 MODEL = "kvcanary-reference"
 CANARY = "ALICE-CANARY-7f3a9c"

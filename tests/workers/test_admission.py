@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvcanary.workers.admission import AdmissionRejected, plan_admission
 from tests.workers.support import small_config
-from workers.admission import AdmissionRejected, plan_admission
 
 PROMPT = list(range(1, 101)) * 15  # 1500 tokens: inside the 8192 context, over the 1024 prefill pool
 

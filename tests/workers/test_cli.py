@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, WorkerProcess
-from workers.cli import build_parser, config_from_args, main
-from workers.config import WorkerConfig
+from kvcanary.workers.cli import build_parser, config_from_args, main
+from kvcanary.workers.config import WorkerConfig
+from tests.support import REPO, WorkerProcess
 
 
 def test_it_documents_every_flag_in_help() -> None:
@@ -20,7 +20,7 @@ def test_it_documents_every_flag_in_help() -> None:
     undocumented = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
     assert undocumented == []
     help_text = subprocess.run(
-        [sys.executable, "-m", "workers", "--help"],
+        [sys.executable, "-m", "kvcanary.workers", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,

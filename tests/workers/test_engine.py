@@ -12,11 +12,11 @@ import itertools
 import pytest
 import torch
 
+from kvcanary.workers.engine import Engine
+from kvcanary.workers.kv_cache import PagePool
+from kvcanary.workers.model import DecodeStep
+from kvcanary.workers.request import OWNERSHIP_VIOLATION, Event, FinishEvent
 from tests.workers.support import Collector, run_until_idle, small_config, submit
-from workers.engine import Engine
-from workers.kv_cache import PagePool
-from workers.model import DecodeStep
-from workers.request import OWNERSHIP_VIOLATION, Event, FinishEvent
 
 SECRET = "tenant A's secret: the vault code is 0451-ALPHA. " * 4
 

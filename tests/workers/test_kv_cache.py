@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.kv_cache import SCRATCH_PAGE, PagePool
+from kvcanary.workers.kv_cache import SCRATCH_PAGE, PagePool
 
 
 def make_pool(**overrides: object) -> PagePool:

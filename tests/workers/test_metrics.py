@@ -7,9 +7,9 @@ from collections.abc import Callable
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcanary.workers import __version__
+from kvcanary.workers.metrics import WorkerMetrics
 from tests.workers.support import complete
-from workers import __version__
-from workers.metrics import WorkerMetrics
 
 CONTRACT = {
     "kvcanary_kv_pages_allocated": ("counter", set()),

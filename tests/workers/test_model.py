@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from workers.kv_cache import PagePool
-from workers.model import ATTENTION_SCALE, HEAD_DIM, CopyModel, DecodeStep
+from kvcanary.workers.kv_cache import PagePool
+from kvcanary.workers.model import ATTENTION_SCALE, HEAD_DIM, CopyModel, DecodeStep
 
 
 def test_it_separates_every_position_under_two_to_the_twenty() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.kv_cache import PagePool
-from workers.prefix_cache import PageLease, PrefixCache, page_digest, token_bytes
+from kvcanary.workers.kv_cache import PagePool
+from kvcanary.workers.prefix_cache import PageLease, PrefixCache, page_digest, token_bytes
 
 SIZE = 4
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvcanary.workers.engine import Engine
+from kvcanary.workers.request import OWNERSHIP_VIOLATION, FinishEvent, TokenEvent
 from tests.workers.support import Collector, run_until_idle, small_config, submit
-from workers.engine import Engine
-from workers.request import OWNERSHIP_VIOLATION, FinishEvent, TokenEvent
 
 # 100 bytes: six full pages of 16 and a partial one. The first request of a prefix computes them all.
 PROMPT = (

@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import WorkerProcess
+from tests.support import WorkerProcess
 from tests.workers.support import CANARY, MODEL, OVER_CAPACITY_PROMPT, PROMPT_A
 
 

@@ -7,9 +7,9 @@ and an orphan's claimant whose own client leaves is handed on in its turn.
 
 from __future__ import annotations
 
+from kvcanary.workers.engine import Engine
+from kvcanary.workers.request import FinishEvent
 from tests.workers.support import run_until_idle, small_config, submit
-from workers.engine import Engine
-from workers.request import FinishEvent
 
 
 def aborted(engine: Engine) -> float | None:

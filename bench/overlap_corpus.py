@@ -1,0 +1,202 @@
+"""The traffic ``bench/traffic.py`` judges for the overlap figures: benign exchanges of several
+callers built from real text nobody here wrote (Debian's documentation and licences, the standard
+library's docstrings and code, famous quotes), which share system prompts, licences, recited API
+docs, quoted and retold articles and code idioms, and private passages of 40, 80 and 200 words
+leaked from one caller's prompt into another's answer, each checked to share no 8-word run with
+any other caller's text (so a miss is the rule's, not boilerplate's).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+import re
+import sysconfig
+from pathlib import Path
+from typing import NamedTuple
+
+from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.tap.fingerprints import Fingerprinter
+from kvcanary.tap.record import Exchange, summarize
+
+#: The tap's fingerprint key in every figure (a fixed key: the same traffic, run after run).
+KEY = b"bench-fingerprint-key-0123456789"
+
+#: Famous public-domain lines callers ask about: the model recites them, nobody pastes them.
+QUOTES = [
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived "
+    "in Liberty, and dedicated to the proposition that all men are created equal.",
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer the slings and "
+    "arrows of outrageous fortune, or to take arms against a sea of troubles.",
+    "We hold these truths to be self-evident, that all men are created equal, that they are endowed by "
+    "their Creator with certain unalienable Rights, that among these are Life, Liberty and the pursuit "
+    "of Happiness.",
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity.",
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
+    "in want of a wife.",
+    "Ask not what your country can do for you, ask what you can do for your country.",
+    "The only thing we have to fear is fear itself: nameless, unreasoning, unjustified terror which "
+    "paralyzes needed efforts to convert retreat into advance.",
+    "Premature optimization is the root of all evil; yet we should not pass up our opportunities in "
+    "that critical 3 percent.",
+]
+#: How callers ask about a public topic (each caller words it its own way).
+ASKS = ["Explain {}.", "What does {} do?", "Show me the documentation of {}.", "How do I use {} in Python?"]
+#: Modules whose public docstrings are the API documentation callers ask about.
+API_MODULES = (  # noqa: SIM905 (one word a module, 36 of them)
+    "json os re collections itertools functools pathlib subprocess shutil string textwrap random "
+    "statistics datetime heapq bisect csv argparse logging threading queue socket hashlib base64 "
+    "zipfile tarfile tempfile glob fnmatch difflib inspect dataclasses enum contextlib copy pickle"
+).split()
+SYSTEM = "You are the assistant of a software company. Answer in English, briefly, and cite the text you use."
+WORD_RE = re.compile(r"\w+")  # the tap's words (kvcanary/tap/fingerprints.py)
+LEAK_WORDS = (40, 80, 200)
+
+
+def api_docs() -> dict[str, str]:
+    """Return the standard library's docstrings of 12 words or more, by name, each cut at 150
+    words: real API documentation nobody here wrote, which every caller may ask about."""
+    found: dict[str, str] = {}
+    for name in API_MODULES:
+        module = importlib.import_module(name)
+        for attr, obj in sorted(vars(module).items()):
+            doc = inspect.getdoc(obj) if callable(obj) and not attr.startswith("_") else None
+            if doc and getattr(obj, "__module__", None) == name and len(WORD_RE.findall(doc)) >= 12:
+                found[f"{name}.{attr}"] = " ".join(doc.split()[:150])
+    return found
+
+
+def stdlib_code() -> list[str]:
+    """Return the standard library's Python sources: code with the idioms every caller's code has."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [p.read_text(errors="replace") for p in sorted(root.glob("*.py")) if p.stat().st_size > 4000]
+
+
+class Sent(NamedTuple):
+    """One benign exchange: who sent it, what kind it is, and its texts."""
+
+    caller: int
+    kind: str
+    prompt: str
+    response: str
+
+
+def benign_traffic(docs: list[str], callers: int, exchanges: int) -> tuple[list[Sent], list[tuple[int, str]]]:
+    """Return the benign exchanges, and each caller's private text as it was sent, in order.
+
+    Caller ``k`` reads documents no other caller reads (``docs[k::callers + 1]``, as customers'
+    own data) and code of its own (standard-library files), and shares with others: the system
+    prompt (all), a team prompt (callers 2j and 2j+1), Debian's licences (half its prompts), an
+    article pasted by two callers (7 and 0, 1 and 2, ...), and public topics asked in its own
+    words (API docs, famous quotes, what a licence says) that the model answers from memory.
+    """
+    rng = random.Random(3)
+    licences = sorted(Path("/usr/share/common-licenses").glob("*"))
+    shared = [p.read_text(errors="replace")[:3000] for p in licences if p.is_file()][:6]
+    public = docs[callers :: callers + 1]
+    teams = [f"Team {j} rules: " + public[j][:600] for j in range(callers // 2 + 1)]
+    articles = [d[:3000] for d in public[callers:]]
+    apis, code = sorted(api_docs().items()), stdlib_code()
+    sent: list[Sent] = []
+    private: list[tuple[int, str]] = []
+    kinds = ["own"] * 7 + ["article"] * 3 + ["api"] * 3 + ["quote", "recite", "retold"] + ["code"] * 4
+    for i in range(exchanges):
+        k, kind = i % callers, rng.choice(kinds)
+        system = f"{SYSTEM}\n{teams[k // 2]}"
+        doc = rng.choice(docs[k :: callers + 1])
+        at = rng.randrange(max(1, len(doc) - 2500))
+        own, licence = doc[at : at + 2000], rng.choice(shared) if rng.random() < 0.5 else ""
+        if kind == "own":
+            prompt = "\n".join([system, licence, own])
+            response = "Here it is: " + rng.choice([own[200:900], (licence or system)[300:1000], system])
+            private.append((k, own))
+        elif kind == "article":
+            article = articles[((k + 1) % callers // 2 + i // 997) % len(articles)]
+            at = rng.randrange(max(1, len(article) - 800))
+            prompt, response = (
+                f"{system}\n{article}",
+                "The article says: " + article[at : at + rng.randrange(200, 800)],
+            )
+        elif kind == "retold":  # a caller asks about an article two others pasted: told it from memory
+            article = articles[((k + 3) % callers // 2 + i // 997) % len(articles)]
+            at = rng.randrange(max(1, len(article) - 800))
+            prompt = f"{system}\nWhat does the article {article[:40]!r} say?"
+            response = "It says: " + article[at : at + rng.randrange(150, 700)]
+        elif kind == "api":
+            name, doc = rng.choice(apis[: len(apis) // 3]) if rng.random() < 0.7 else rng.choice(apis)
+            prompt, response = (
+                f"{system}\n{ASKS[k % len(ASKS)].format(name)}",
+                f"Sure. {doc} Hope this helps.",
+            )
+        elif kind == "quote":
+            quote = rng.choice(QUOTES)
+            prompt = [
+                f"Who wrote: {quote[:40]}?",
+                f"Where is this from: {quote[:30]}",
+                f"Finish the quote {quote[:25]}",
+            ][k % 3]
+            response = f'The full line reads: "{quote}"'
+        elif kind == "recite":
+            text = rng.choice(shared)
+            at = rng.randrange(300, 1500)
+            prompt, response = (
+                f"{system}\nWhat does this licence say: {text[:60]}",
+                "In short: " + text[at : at + 500],
+            )
+        else:
+            source = rng.choice(code[k::callers])
+            at = rng.randrange(max(1, len(source) - 1500))
+            prompt = f"{system}\nWrite the code for this, in our house style:\n{own[:600]}"
+            response = "```python\n" + source[at : at + rng.randrange(400, 1500)] + "\n```"
+            private.append((k, own[:600]))
+        sent.append(Sent(k, kind, prompt, response))
+    return sent, private
+
+
+def records_of(sent: list[Sent]) -> list[TrafficRecord]:
+    """Return the records the tap would send of the exchanges, as the monitor reads them."""
+    tap = Fingerprinter(KEY)
+    exchanges = [
+        Exchange(f"r{i}", 1.8e9 + i, f"c{s.caller}", "team", "http://x", prompt=s.prompt, response=s.response)
+        for i, s in enumerate(sent)
+    ]
+    return [TrafficRecord.model_validate(summarize(exchange, tap)) for exchange in exchanges]
+
+
+def grams(text: str) -> set[int]:
+    """Return the text's 8-word runs (the tap's words), hashed: what shows a passage is private."""
+    words = WORD_RE.findall(text.lower())
+    return {hash(tuple(words[i : i + 8])) for i in range(len(words) - 7)}
+
+
+def private_leaks(
+    sent: list[Sent], private: list[tuple[int, str]], callers: int
+) -> list[tuple[int, int, str]]:
+    """Return injected leaks, 300 of each length: (victim, words, passage), a stretch of a caller's
+    private text (recent enough to be in the window) none of whose 8-word runs any other caller sent
+    (boilerplate inside a caller's documents is common by design, and no leak of anyone's)."""
+    rng = random.Random(5)
+    others: dict[int, set[int]] = {k: set() for k in range(callers)}
+    for s in sent[-850:]:
+        held = grams(s.prompt) | grams(s.response)
+        for k in others:
+            if k != s.caller:
+                others[k] |= held
+    leaks: list[tuple[int, int, str]] = []
+    recent = private[-len(private) * 850 // len(sent) :]
+    for words in LEAK_WORDS:
+        made = 0
+        while made < 300:
+            victim, text = rng.choice(recent)
+            spans = [m.span() for m in WORD_RE.finditer(text)]
+            if len(spans) < words + 2:
+                continue
+            first = rng.randrange(len(spans) - words)
+            passage = text[spans[first][0] : spans[first + words - 1][1]]
+            if grams(passage) & others[victim]:
+                continue
+            leaks.append((victim, words, passage))
+            made += 1
+    return leaks

@@ -1,0 +1,58 @@
+"""The overview's "Paths and containment" row: whether every prefill x decode path of a
+disaggregated target is being judged (``kvcanary_path_*``, the target's path probes), and which
+targets the gateways are told to stop sending customers to (``kvcanary_target_quarantine*``).
+Targets without paths, or with containment left at ``observe`` and nothing found, leave the
+panels empty or at 0."""
+
+from __future__ import annotations
+
+from kvcanary.dashboards.panels import GREEN, ORANGE, RED, Grid, Query, stat_panel
+
+TARGET = 'target=~"$target"'
+#: Seconds since each path was last judged, over its interval: above 3, KVCanaryPathNotJudged.
+PATH_AGE = (
+    f"(time() - max by (target, prefill, decode) (kvcanary_path_last_judged_timestamp{{{TARGET}}}))"
+    f" / on (target) group_left () max by (target) (kvcanary_path_judge_interval_seconds{{{TARGET}}})"
+)
+
+
+def containment_row(grid: Grid) -> None:
+    grid.row("Paths and containment")
+    grid.add(
+        stat_panel(
+            "Path age, in intervals",
+            "Per prefill x decode path of a disaggregated target: the time since a probe sent down it "
+            "was last judged, in the target's path intervals. Above 3 (red) the path is unchecked "
+            "(KVCanaryPathNotJudged): a node down, a failing hand-off, or runs held up.",
+            [Query(PATH_AGE, "{{target}}: {{prefill}} → {{decode}}", instant=True)],
+            "none",
+            steps=((GREEN, None), (ORANGE, 2.0), (RED, 3.0)),
+            decimals=1,
+        ),
+        w=12, h=8,
+    )  # fmt: skip
+    grid.add(
+        stat_panel(
+            "Quarantined",
+            "Per target: 1 while the gateways' taps are told to send it no customer request (a leak's "
+            "incident under containment.mode: quarantine, or an operator's quarantine).",
+            [Query(f"max by (target) (kvcanary_target_quarantined{{{TARGET}}})", "{{target}}", instant=True)],
+            "none",
+            steps=((GREEN, None), (RED, 1.0)),
+            mappings={"0": ("routed", GREEN), "1": ("quarantined", RED)},
+        ),
+        w=6, h=8,
+    )  # fmt: skip
+    grid.add(
+        stat_panel(
+            "Would be quarantined (observe)",
+            "Per target: 1 while the observe policy records that a leak would have quarantined it; "
+            "the gateways route as before. Read before switching containment.mode to quarantine.",
+            [Query(f"max by (target) (kvcanary_target_quarantine_observed{{{TARGET}}})", "{{target}}",
+                   instant=True)],
+            "none",
+            steps=((GREEN, None), (ORANGE, 1.0)),
+            mappings={"0": ("no", GREEN), "1": ("would be", ORANGE)},
+        ),
+        w=6, h=8,
+    )  # fmt: skip

@@ -1,0 +1,147 @@
+"""Deployments the monitor quarantined, kept out of a LiteLLM router's choice (issue 36).
+
+LiteLLM's router hands each callback that overrides ``CustomLogger.async_filter_deployments`` the
+deployments of the model group a request asked for, before it picks one (on every try, a retry's
+included), and routes among those the callbacks leave; an error a filter raises becomes the
+request's. :class:`~kvcanary.tap.litellm.KVCanaryQuarantiningTap` is that callback and
+:meth:`QuarantineFilter.keep` its work: a deployment whose ``litellm_params.api_base`` has the key of
+an enforced entry of the monitor's set is left out; when that leaves none, the request fails at once
+with :class:`DeploymentsQuarantined` (503, naming the targets and incidents), never a hang nor a
+deployment found leaking. An observe-mode entry is only counted (and logged once per incident).
+
+The work per request is one read of the watch's set and, only while something is quarantined, a
+dict lookup per deployment: nothing here waits for the monitor. Standard library only (LiteLLM is
+not imported here), so it runs and is tested without LiteLLM.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvcanary.tap.quarantine import QuarantineEntry, QuarantineSet, QuarantineWatch
+from kvcanary.wire import api_base_key
+
+log = logging.getLogger("kvcanary.tap")
+
+#: api_base spellings whose keys are remembered (a gateway has a few; the bound only caps a
+#: gateway whose deployments are made per request).
+MAX_REMEMBERED_KEYS = 4096
+#: (target, incident) pairs whose observe-mode line was logged, before the memory starts over.
+MAX_LOGGED_OBSERVED = 1024
+
+
+class DeploymentsQuarantined(Exception):
+    """Every deployment of a model group is quarantined by kvcanary: the request is refused.
+
+    LiteLLM's proxy answers an error's ``status_code`` with its ``message``; ``num_retries = 0``
+    caps its router's retries of this request at none (the same filter would refuse each one)."""
+
+    status_code = 503
+    num_retries = 0
+
+    def __init__(self, model_group: str, entries: list[QuarantineEntry]):
+        self.model_group = model_group
+        self.entries = entries
+        self.message = (
+            f"model {model_group!r}: every deployment is quarantined by kvcanary "
+            f"({'; '.join(entry.describe() for entry in entries)}); no request is sent to a "
+            "deployment found leaking until the quarantine is lifted"
+        )
+        super().__init__(self.message)
+
+
+class QuarantineFilter:
+    """Narrows a model group's deployments to those not quarantined (module doc)."""
+
+    def __init__(self, watch: QuarantineWatch, count: Callable[[str, str], None] | None = None):
+        """``count(target, mode)``: called once per request a target's entry filtered (``enforced``)
+        or would have (``observe``); default: the gateway's Prometheus counter, where it has one."""
+        self.watch = watch
+        self._count = count or _request_counter()
+        #: Requests per (target, mode), as ``count`` was told: for tests and a gateway's own views.
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._keys: dict[str, str] = {}
+        self._logged_observed: set[tuple[str, int | None]] = set()
+
+    def keep(self, model_group: str, deployments: list[Any]) -> list[Any]:
+        """Return ``deployments`` less the quarantined ones (the same list when none is); raise
+        :class:`DeploymentsQuarantined` when that leaves none of a list that had some."""
+        current = self.watch.snapshot()
+        if current.empty:  # the common case: no work per deployment
+            return deployments
+        return self._narrowed(model_group, deployments, current)
+
+    def _narrowed(self, model_group: str, deployments: list[Any], current: QuarantineSet) -> list[Any]:
+        kept: list[Any] = []
+        stopped: dict[str, QuarantineEntry] = {}
+        watched: dict[str, QuarantineEntry] = {}
+        for deployment in deployments:
+            key = self._key_of(deployment)
+            entry = current.enforced.get(key)
+            if entry is not None:
+                stopped[entry.target] = entry
+                continue
+            if (seen := current.observed.get(key)) is not None:
+                watched[seen.target] = seen
+            kept.append(deployment)
+        for entry in stopped.values():
+            self._counted(entry, "enforced")
+        for entry in watched.values():
+            self._counted(entry, "observe")
+            self._log_observed(model_group, entry)
+        if stopped and not kept:
+            raise DeploymentsQuarantined(model_group, list(stopped.values()))
+        return kept
+
+    def _key_of(self, deployment: Any) -> str:
+        """Return the api_base key of a LiteLLM deployment dict, "" where it names no api_base (a
+        hosted API's default: never quarantined by api_base)."""
+        params = deployment.get("litellm_params") if isinstance(deployment, dict) else None
+        api_base = params.get("api_base") if isinstance(params, dict) else None
+        if not isinstance(api_base, str):
+            return ""
+        key = self._keys.get(api_base)
+        if key is None:
+            if len(self._keys) >= MAX_REMEMBERED_KEYS:
+                self._keys.clear()
+            key = self._keys[api_base] = api_base_key(api_base)
+        return key
+
+    def _counted(self, entry: QuarantineEntry, mode: str) -> None:
+        self.counts[entry.target, mode] += 1
+        self._count(entry.target, mode)
+
+    def _log_observed(self, model_group: str, entry: QuarantineEntry) -> None:
+        """Say once per incident what the quarantine would have done, were it enforced."""
+        seen = (entry.target, entry.incident_id)
+        if seen in self._logged_observed:
+            return
+        if len(self._logged_observed) >= MAX_LOGGED_OBSERVED:
+            self._logged_observed.clear()
+        self._logged_observed.add(seen)
+        log.warning(
+            "kvcanary tap: observe mode: a request to model %r was routed to a deployment quarantined "
+            "by kvcanary, %s (enforced, it would have been kept off it)",
+            model_group, entry.describe(),
+        )  # fmt: skip
+
+
+def _request_counter() -> Callable[[str, str], None]:
+    """Return a callable counting filtered requests in the gateway's own metrics (prometheus-client,
+    where the gateway has it: LiteLLM does), or a no-op."""
+    try:
+        from prometheus_client import REGISTRY, Counter
+    except ImportError:
+        return lambda target, mode: None
+    name = "kvcanary_tap_quarantined_requests"
+    existing = REGISTRY._names_to_collectors.get(f"{name}_total")  # one counter per process
+    counter: Any = existing or Counter(
+        name,
+        "Requests kvcanary's quarantine kept off a target's deployments (mode enforced), or would have "
+        "(mode observe).",
+        ["target", "mode"],
+    )
+    return lambda target, mode: counter.labels(target=target, mode=mode).inc()

@@ -1,0 +1,62 @@
+"""What the gateway tap and the monitor must compute alike: a deployment's ``api_base`` key and its
+partition, and the bounds both hold a batch to. Standard library only: the tap imports it into a
+gateway's process, and the monitor imports it too (never the other way: the tap imports nothing of
+``monitor/``).
+
+The key is the one routing rule. The judge routes a record to a target by it
+(``monitor/traffic/judge.py``), the blast radius's DuckDB and PostgreSQL sources compare the keys
+of logged ``api_base`` values with it (``monitor/blast/routing.py`` writes the same rule as SQL), and
+the tap's JetStream sink hashes it into a partition. A tap in another language implements these
+two functions byte for byte:
+
+1. strip the surrounding ``BLANKS`` (ASCII whitespace only);
+2. lower-case the whole URL, ASCII letters only (``A``-``Z``: a non-ASCII letter is left as it is,
+   since Python, PostgreSQL, DuckDB, Go and Rust lower-case those differently);
+3. strip trailing slashes, then one trailing ``/v1``, then trailing slashes again.
+
+``partition_of`` is CRC-32 (IEEE) of the key's UTF-8 bytes modulo the partition count.
+
+Changed (issue 32): the key used to lower-case the scheme and host only, while the blast radius's
+SQL lower-cased the whole URL, so a gateway that spelled a path in another case was unmatched by the
+judge but counted in the blast radius. The whole URL is lower-cased now: a deployment whose
+``api_base`` has upper-case letters in its path hashes to a different partition than before, so
+taps and monitors must be upgraded together (records of such a deployment published by an older tap
+land on the partition the older rule chose, which another monitor replica may own).
+"""
+
+from __future__ import annotations
+
+import string
+import zlib
+
+#: JetStream: subjects are ``<SUBJECT_PREFIX>.<partition>``, over ``PARTITIONS`` by default, and a
+#: message carries these headers beside its records (``docs/tap-protocol.md``).
+SUBJECT_PREFIX = "kvcanary.traffic"
+PARTITIONS = 16
+GATEWAY_HEADER = "Kvcanary-Gateway"
+DROPPED_HEADER = "Kvcanary-Dropped"
+RECORDS_HEADER = "Kvcanary-Records"
+#: Records one batch may report dropped (its ``dropped``): one input cannot move the monitor's drop
+#: counter by more; a tap with more to report reports the rest with its next batches.
+MAX_DROPPED = 10**6
+#: The characters stripped around an ``api_base`` (ASCII whitespace; not Python's wider ``strip()``).
+BLANKS = " \t\n\v\f\r"
+#: The path suffix of an OpenAI-compatible API, stripped once after trailing slashes.
+API_SUFFIX = "/v1"
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def api_base_key(url: str) -> str:
+    """Return the form routes compare (see the module doc): ``" HTTP://Host:8000/Prefix/V1/ "`` and
+    ``"http://host:8000/prefix"`` have the same key, ``"http://host:8000/prefix"``."""
+    key = url.strip(BLANKS).translate(_ASCII_LOWER).rstrip("/")
+    if key.endswith(API_SUFFIX):
+        key = key[: -len(API_SUFFIX)].rstrip("/")
+    return key
+
+
+def partition_of(api_base: str, partitions: int) -> int:
+    """Return the partition of a deployment: CRC-32 of its key modulo ``partitions`` (the same in
+    every tap process and language, unlike Python's salted ``hash``)."""
+    # A lone surrogate (a JSON escape can make one) is hashed as its code point, never raised on.
+    return zlib.crc32(api_base_key(api_base).encode("utf-8", "surrogatepass")) % partitions

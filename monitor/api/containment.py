@@ -1,0 +1,115 @@
+"""The quarantine set: ``GET /api/v1/quarantine`` for the gateways' taps (the ingest token may read
+it, and nothing else), and a quarantine put on or lifted by hand
+(``POST``/``DELETE /api/v1/targets/{name}/quarantine``, the API token). What the rules are:
+``monitor/containment.py``; what a tap does with the answer: ``docs/tap-protocol.md``."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Path, Request, Security, status
+from fastapi.security import HTTPAuthorizationCredentials
+from pydantic import Field
+
+from kvcanary.monitor.api.deps import NAME_PATTERN, _bearer, require_ingest
+from kvcanary.monitor.api.schemas import Problem, _Out
+from kvcanary.monitor.api.state import api_state
+from kvcanary.monitor.containment import Containment, Quarantine, UnknownTarget
+from kvcanary.monitor.traffic.judge import routes_of
+
+#: The answer's shape; a tap refuses a version it does not know and keeps its last set.
+SET_VERSION = 1
+
+set_router = APIRouter(prefix="/api/v1/quarantine", tags=["containment"])
+router = APIRouter(prefix="/targets", tags=["containment"])
+
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": Problem, "description": "No such target."}}
+
+
+class QuarantineOut(_Out):
+    target: str
+    api_bases: list[str] = Field(description="The api_base keys (kvcanary.wire.api_base_key) routed to it.")
+    enforced: bool = Field(description="False: the observe policy only records it; gateways route as before.")
+    cause: str = Field(description="incident or operator (put on); recovered or operator (lifted).")
+    incident_id: int | None
+    reason: str
+    since: datetime
+
+
+class QuarantineSet(_Out):
+    version: int
+    generated_at: datetime
+    deployments: list[QuarantineOut]
+
+
+class QuarantineBody(_Out):
+    reason: str = Field(min_length=1, max_length=300, description="Why, in one line: shown to on-call.")
+
+
+def _containment(request: Request) -> Containment:
+    containment = api_state(request).containment
+    if containment is None:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "containment is not running here")
+    return containment
+
+
+def _out(request: Request, entry: Quarantine) -> QuarantineOut:
+    routes = routes_of(api_state(request).settings)
+    bases = sorted(key for key, (target, _) in routes.items() if target == entry.target)
+    return QuarantineOut(api_bases=bases, **entry.__dict__)
+
+
+@set_router.get(
+    "",
+    summary="The deployments the gateways are to stop sending customers to",
+    responses={401: {"model": Problem}, 503: {"model": Problem}},
+)
+async def quarantine_set(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
+) -> QuarantineSet:
+    """Return every quarantined target with the api_base keys a tap compares its deployments' with;
+    ``enforced: false`` entries are the observe policy's (count, do not filter)."""
+    require_ingest(request, credentials)
+    current = await asyncio.to_thread(_containment(request).current)
+    items = [_out(request, entry) for entry in current]
+    return QuarantineSet(version=SET_VERSION, generated_at=datetime.now(UTC), deployments=items)
+
+
+Name = Annotated[str, Path(pattern=NAME_PATTERN)]
+
+
+@router.post(
+    "/{name}/quarantine",
+    summary="Quarantine a target by hand",
+    status_code=status.HTTP_201_CREATED,
+    responses={**_NOT_FOUND, 503: {"model": Problem}},
+)
+async def put_quarantine(request: Request, name: Name, body: QuarantineBody) -> QuarantineOut:
+    """Tell every gateway to stop sending customers to ``name`` now (enforced whatever the policy),
+    until it is lifted by hand."""
+    try:
+        entry = await asyncio.to_thread(_containment(request).put, name, body.reason)
+    except UnknownTarget:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no target named {name}") from None
+    return _out(request, entry)
+
+
+@router.delete(
+    "/{name}/quarantine",
+    summary="Lift a target's quarantine by hand",
+    responses={**_NOT_FOUND, 503: {"model": Problem}},
+)
+async def lift_quarantine(
+    request: Request, name: Name, reason: str = "lifted by an operator"
+) -> QuarantineOut:
+    """Lift ``name``'s quarantine; it holds until a new incident (the one that put it on does not
+    put it on again). 404 when the target is not quarantined."""
+    try:
+        entry = await asyncio.to_thread(_containment(request).lift, name, reason[:300])
+    except UnknownTarget:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no target named {name}") from None
+    if entry is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"{name} is not quarantined")
+    return _out(request, entry)

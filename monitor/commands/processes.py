@@ -1,0 +1,67 @@
+"""Processes on loopback, as the demo, the tests and the benchmarks start them: a free port, waiting
+for a process's URL to answer, and stopping process groups (one grace for all, then SIGKILL).
+
+One module for all three, so that a fix of how a server is waited for or stopped reaches every
+place that starts one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    """Return a TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(
+    url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None, *, every: float = 0.1
+) -> None:
+    """Return once ``url`` answers 200. Raise RuntimeError as soon as ``proc`` (the process serving
+    it) has exited, TimeoutError after ``timeout`` seconds, each saying why."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            name = proc.args[0] if isinstance(proc.args, list) else proc.args
+            raise RuntimeError(f"{name!s} exited with {proc.returncode} before {url} was ready")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError as exc:
+            last = str(exc)
+        time.sleep(every)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f}s ({last or 'no answer'})")
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
+    """Stop every process group at once (each started with ``start_new_session=True``): SIGTERM to
+    all, then SIGKILL to those still there after ``timeout`` seconds, so that stopping five takes
+    one grace at most, not five."""
+    running = [p for p in procs if p.poll() is None]
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """Stop ``proc``'s process group: SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    stop_processes([proc], timeout)

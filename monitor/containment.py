@@ -1,0 +1,244 @@
+"""Containment: the deployments the gateways stop sending customers to, and why.
+
+A target is quarantined while its latest ``quarantine_change`` row says so. The rules that add rows:
+
+- **On, by an incident.** An open ``critical`` incident (a ``leak``, found by a probe or in traffic)
+  on a target quarantines it, unless an operator lifted a quarantine after that incident opened:
+  an operator's lift holds until a new incident. Under the ``observe`` policy the row says
+  ``enforced: false``: the gateways are told, count what they would have refused, and route as before.
+- **Off, by recovery.** A quarantine an incident put on is lifted once no critical incident of the
+  target is open and its last failure is ``lift_after_seconds`` old (an hour by default). An
+  incident resolves after a few passes in a row, which a deployment leaking one request in four
+  reaches about one time in two; an hour without any failure it does not reach, so it stays out.
+- **By hand.** ``POST /api/v1/targets/{name}/quarantine`` puts one on (enforced whatever the
+  policy: an operator asked), ``DELETE`` lifts it.
+
+:meth:`Containment.sync` applies the first two rules (every second, and at once when a recording
+changed an incident); every replica may run it: a target's rows are added under a lock of its
+target row (PostgreSQL), and a rule that finds its row already added adds nothing.
+``GET /api/v1/quarantine`` serves the set to the gateways' taps (``docs/tap-protocol.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.storage.models import Incident, QuarantineChange, Target
+
+log = logging.getLogger("kvcanary.containment")
+
+#: The severity of a leak's incident: what quarantines.
+LEAK_SEVERITY = "critical"
+REASON_CHARS = 300
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """A target the gateways are told to stop sending customers to (``enforced``), or would be."""
+
+    target: str
+    enforced: bool
+    cause: str
+    incident_id: int | None
+    reason: str
+    since: datetime
+
+
+class UnknownTarget(LookupError):
+    """No configured target has that name."""
+
+
+class Containment:
+    """Reads and changes the quarantine set; ``settings`` returns the settings in force."""
+
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        settings: Callable[[], Settings],
+        on_change: Callable[[], None] | None = None,
+    ):
+        self.session_factory = session_factory
+        self.settings = settings
+        #: Called (from whichever thread made it) after a change: the pager re-sends at once.
+        self.on_change = on_change
+        #: The set as the last :meth:`sync` left it: what ``/metrics`` exports without a read.
+        self.known: list[Quarantine] = []
+
+    def current(self) -> list[Quarantine]:
+        """Return every configured target that is quarantined now, enforced or observed."""
+        with self.session_factory() as session:
+            return self._quarantined(_latest_changes(session))
+
+    def _quarantined(self, latest: dict[str, QuarantineChange]) -> list[Quarantine]:
+        names = {t.name for t in self.settings().targets}
+        return [
+            Quarantine(name, row.enforced, row.cause, row.incident_id, row.reason, row.at)
+            for name, row in sorted(latest.items())
+            if row.quarantined and name in names
+        ]
+
+    def sync(self) -> list[Quarantine]:
+        """Apply the incident and recovery rules to every target; return the changes made."""
+        settings = self.settings()
+        changes = []
+        with self.session_factory() as session:  # two reads: most targets have nothing to change
+            latest = _latest_changes(session)
+            leaking = set(session.scalars(_OPEN_LEAK_TARGETS))
+        for target in settings.targets:
+            if target.name not in leaking and not (target.name in latest and latest[target.name].quarantined):
+                continue
+            with self.session_factory() as session, session.begin():
+                row = _change_for(session, target, settings, datetime.now(UTC))
+                if row is not None:
+                    session.add(row)
+                    changes.append(_said(target.name, row))
+        # The set as read above, unless a rule changed it (then read again: another replica may too).
+        self.known = self.current() if changes else self._quarantined(latest)
+        if changes and self.on_change is not None:
+            self.on_change()
+        return changes
+
+    def put(self, name: str, reason: str) -> Quarantine:
+        """Quarantine ``name`` by hand (enforced); raise :class:`UnknownTarget`."""
+        put = self._by_hand(name, reason, quarantined=True)
+        assert put is not None  # a quarantine is always added
+        return put
+
+    def lift(self, name: str, reason: str) -> Quarantine | None:
+        """Lift ``name``'s quarantine by hand; None when it had none. Raise :class:`UnknownTarget`."""
+        return self._by_hand(name, reason, quarantined=False)
+
+    def _by_hand(self, name: str, reason: str, *, quarantined: bool) -> Quarantine | None:
+        if self.settings().target(name) is None:
+            raise UnknownTarget(name)
+        with self.session_factory() as session, session.begin():
+            target_id = _locked_target_id(session, name)
+            if target_id is None:
+                raise UnknownTarget(name)
+            last = _latest_of(session, target_id)
+            if not quarantined and (last is None or not last.quarantined):
+                return None
+            row = QuarantineChange(
+                target_id=target_id, at=datetime.now(UTC), quarantined=quarantined, enforced=True,
+                cause="operator", incident_id=None, reason=reason[:REASON_CHARS],
+            )  # fmt: skip
+            session.add(row)
+        said = _said(name, row)
+        log.warning("%s: %s by an operator: %s", name, "quarantined" if quarantined else "lifted", row.reason)
+        self.known = self.current()
+        if self.on_change is not None:
+            self.on_change()
+        return said
+
+
+def changes_since(session: Session, target_name: str, since: datetime) -> list[QuarantineChange]:
+    """Return the quarantine changes of ``target_name`` from ``since`` on, oldest first (at most 50):
+    what an incident's page shows of what its leak did to the routing."""
+    query = (
+        select(QuarantineChange)
+        .join(Target, Target.id == QuarantineChange.target_id)
+        .where(Target.name == target_name, QuarantineChange.at >= since)
+        .order_by(QuarantineChange.id)
+        .limit(50)
+    )
+    return list(session.scalars(query))
+
+
+def _change_for(
+    session: Session, target: TargetConfig, settings: Settings, now: datetime
+) -> QuarantineChange | None:
+    """Return the row the rules add for ``target`` now, or None (its state stands)."""
+    target_id = _locked_target_id(session, target.name)
+    if target_id is None:  # no result recorded yet: nothing can have opened an incident
+        return None
+    policy = settings.containment_of(target)
+    enforced = policy.mode == "quarantine"
+    last = _latest_of(session, target_id)
+    leak = _open_leak(session, target_id, after=last.at if last is not None else None)
+    if last is None or not last.quarantined:
+        if leak is None:
+            return None
+        log.warning("%s: quarantine %s by incident %d (%s)", target.name,
+                    "on" if enforced else "observed", leak.id, leak.title)  # fmt: skip
+        return _row(target_id, now, True, enforced, "incident", leak.id, leak.title)
+    if last.cause != "incident":
+        return None  # an operator's quarantine ends by hand
+    if last.enforced != enforced:  # the policy changed meanwhile: tell the gateways
+        return _row(target_id, now, True, enforced, "incident", last.incident_id, last.reason)
+    if _open_leak(session, target_id, after=None) is not None:
+        return None
+    last_failure = session.scalar(
+        select(func.max(Incident.last_failure_at)).where(Incident.target_id == target_id)
+    )
+    if last_failure is not None and now - last_failure < timedelta(seconds=policy.lift_after_seconds):
+        return None
+    reason = f"no failure for {policy.lift_after_seconds:g}s since incident {last.incident_id} resolved"
+    log.warning("%s: quarantine lifted: %s", target.name, reason)
+    return _row(target_id, now, False, last.enforced, "recovered", last.incident_id, reason)
+
+
+def _row(
+    target_id: int,
+    at: datetime,
+    quarantined: bool,
+    enforced: bool,
+    cause: str,
+    incident_id: int | None,
+    reason: str,
+) -> QuarantineChange:
+    return QuarantineChange(
+        target_id=target_id, at=at, quarantined=quarantined, enforced=enforced, cause=cause,
+        incident_id=incident_id, reason=reason[:REASON_CHARS],
+    )  # fmt: skip
+
+
+def _said(name: str, row: QuarantineChange) -> Quarantine:
+    return Quarantine(name, row.enforced and row.quarantined, row.cause, row.incident_id, row.reason, row.at)
+
+
+def _locked_target_id(session: Session, name: str) -> int | None:
+    """Return the target's row id, locking the row (PostgreSQL) so replicas add changes one at a time."""
+    return session.scalar(select(Target.id).where(Target.name == name).with_for_update())
+
+
+def _latest_of(session: Session, target_id: int) -> QuarantineChange | None:
+    query = select(QuarantineChange).where(QuarantineChange.target_id == target_id)
+    return session.scalar(query.order_by(QuarantineChange.id.desc()).limit(1))
+
+
+def _latest_changes(session: Session) -> dict[str, QuarantineChange]:
+    """Return each target's latest change, by target name (one read of the index's last entries)."""
+    newest = select(func.max(QuarantineChange.id)).group_by(QuarantineChange.target_id).scalar_subquery()
+    rows = session.execute(
+        select(Target.name, QuarantineChange)
+        .join(Target, Target.id == QuarantineChange.target_id)
+        .where(QuarantineChange.id.in_(newest))
+    )
+    return {name: row for name, row in rows}
+
+
+#: The names of the targets with an open leak incident.
+_OPEN_LEAK_TARGETS = (
+    select(Target.name)
+    .join(Incident, Incident.target_id == Target.id)
+    .where(Incident.state == "open", Incident.severity == LEAK_SEVERITY)
+    .distinct()
+)
+
+
+def _open_leak(session: Session, target_id: int, *, after: datetime | None) -> Incident | None:
+    """Return the target's oldest open leak incident (opened after ``after``, when given)."""
+    query = select(Incident).where(
+        Incident.target_id == target_id, Incident.state == "open", Incident.severity == LEAK_SEVERITY
+    )
+    if after is not None:
+        query = query.where(Incident.opened_at > after)
+    return session.scalar(query.order_by(Incident.opened_at, Incident.id).limit(1))

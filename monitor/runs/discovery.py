@@ -1,0 +1,123 @@
+"""Following the nodes SGLang's model gateway lists, so a target audits every node it routes to.
+
+A target that names its gateway (``sglang_router``) has its ``GET /workers`` read every
+``discovery_interval_seconds``. What the gateway lists is merged into the target's nodes after the
+ones the file lists (a listed name wins: an operator's word on a node outranks the gateway's), and
+the settings so made are taken up exactly as a reload takes up a changed file: the target's client
+is replaced, its runs keep going, and node-scoped kinds run at once on a node that joined
+(``monitor/app.py``). A node that left is logged, with the gateway that dropped it.
+
+A gateway that cannot be read is a logged error and its last known nodes stay: a gateway restart or
+a network blip must not make every node vanish from the audits (and come back as "joined"). A
+gateway that answers with an empty list is believed: it routes to nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.config.targets import NodeConfig, TargetConfig
+from kvcanary.monitor.targets.http import HttpClient
+from kvcanary.monitor.targets.sglang_gateway import GatewayUnreadable, read_workers
+from kvcanary.monitor.targets.wire import Limits
+
+log = logging.getLogger("kvcanary.discovery")
+
+#: How often the discovery job looks for a gateway that is due; each target's own interval decides.
+DISCOVERY_TICK_SECONDS = 1.0
+
+
+@dataclass
+class NodeChange:
+    """The nodes that joined and left one target's gateway at one reading, by name."""
+
+    joined: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+
+
+class GatewayDiscovery:
+    """Each gateway target's nodes as last read, and the file's settings they are merged into."""
+
+    def __init__(self, configured: Settings, http: HttpClient, limits: Limits):
+        #: The settings as the file states them (replaced at each reload by :meth:`take_up`).
+        self.configured = configured
+        self._http = http
+        self._limits = limits
+        #: The nodes each target's gateway listed at its last successful reading.
+        self.found: dict[str, list[NodeConfig]] = {}
+        self._read_at: dict[str, float] = {}  # time.monotonic() of each target's last reading
+
+    def take_up(self, configured: Settings) -> Settings:
+        """Take ``configured`` (a reloaded file) as the file's settings; return it with the nodes
+        found so far merged in. A target that no longer names the same gateway forgets what it
+        found there, and its new gateway is read at the next tick."""
+        before = {t.name: t.sglang_router for t in self.configured.targets}
+        self.configured = configured
+        gateways = {t.name: t.sglang_router for t in configured.targets if t.sglang_router}
+        for name in list(self.found):
+            if gateways.get(name) != before.get(name):
+                del self.found[name]
+                self._read_at.pop(name, None)
+        return self.merged()
+
+    def merged(self) -> Settings:
+        """Return the file's settings with each target's found nodes after its listed ones."""
+        targets = [self._with_found(target) for target in self.configured.targets]
+        merged = self.configured.model_copy(update={"targets": targets})
+        merged.model_post_init(None)  # a copy keeps the original's lookup by name: make it anew
+        return merged
+
+    def _with_found(self, target: TargetConfig) -> TargetConfig:
+        found = self.found.get(target.name)
+        if not found:
+            return target
+        listed = {node.name for node in target.nodes}
+        nodes = [*target.nodes, *(node for node in found if node.name not in listed)]
+        return target.model_copy(update={"nodes": nodes})
+
+    async def refresh(self) -> dict[str, NodeChange]:
+        """Read every gateway that is due, at once; return each target whose nodes changed."""
+        now = time.monotonic()
+        due = [
+            target
+            for target in self.configured.targets
+            if target.sglang_router is not None
+            and now - self._read_at.get(target.name, -target.discovery_interval_seconds)
+            >= target.discovery_interval_seconds
+        ]
+        for target in due:
+            self._read_at[target.name] = now
+        changes = await asyncio.gather(*(self._read(target) for target in due))
+        return {target.name: change for target, change in zip(due, changes, strict=True) if change}
+
+    async def _read(self, target: TargetConfig) -> NodeChange | None:
+        """Read one gateway; return what changed, or None (unchanged, or unreadable: logged)."""
+        gateway = target.sglang_router
+        assert gateway is not None  # refresh() reads only targets that name a gateway
+        try:
+            listed = await read_workers(self._http, gateway, target.timeout_seconds, self._limits)
+        except GatewayUnreadable as exc:
+            kept = len(self.found.get(target.name, []))
+            log.error("%s: gateway unreadable, keeping its %d last known node(s): %s", target.name, kept, exc)
+            return None
+        if listed.skipped:
+            log.warning("%s: gateway %s listed %d worker(s) that are not nodes (no readable type or URL)",
+                        target.name, gateway, listed.skipped)  # fmt: skip
+        before = {node.name: node for node in self.found.get(target.name, [])}
+        after = {node.name: node for node in listed.nodes}
+        if before == after and target.name in self.found:
+            return None
+        self.found[target.name] = listed.nodes
+        change = NodeChange(
+            joined=[name for name, node in after.items() if before.get(name) != node],
+            left=[name for name in before if name not in after],
+        )
+        for name in change.joined:
+            log.info("node %s joined gateway %s (target %s)", name, gateway, target.name)
+        for name in change.left:
+            log.warning("node %s left gateway %s (target %s)", name, gateway, target.name)
+        return change if change.joined or change.left else None

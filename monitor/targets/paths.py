@@ -1,0 +1,152 @@
+"""A target as one prefill x decode pair serves it: probes sent down a path of their choosing.
+
+Behind SGLang's model gateway every request goes to one prefill node and one decode node, and the
+gateway's policy picks them: a probe sent through it judges whichever pair it landed on, and a
+faulty prefill node among eight is hit one probe in eight, or never under a cache-aware policy. A
+:class:`PathTarget` is the target's client with every completion sent down one named pair the way
+the gateway sends it (``OpenAIHttpTarget.complete(via=...)``: both nodes at once, the bootstrap
+fields, a new room), its capacity read from that pair's prefill node (the pool admission must
+respect there) and its prompts counted by that node's tokenizer. A probe kind run on it judges that
+path and no other; the runner runs the target's ``path_probes`` on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from yarl import URL
+
+from kvcanary.monitor.targets.capacity import apply_overrides
+from kvcanary.monitor.targets.http import chunks
+from kvcanary.monitor.targets.wire import ERROR_BODY_BYTES, StreamState, read_bounded, take_error
+from kvcanary.probes.target import (
+    Completion,
+    CompletionRequest,
+    Fetched,
+    Node,
+    Scraped,
+    ServerCapacity,
+    ServingPath,
+    TargetClient,
+)
+
+if TYPE_CHECKING:
+    from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+
+
+class PathTarget:
+    """``target`` with its completions sent down ``path``; lookups as the target makes them."""
+
+    def __init__(self, target: OpenAIHttpTarget, path: ServingPath):
+        self._target = target
+        self.path = path
+        self.name = target.name
+        self.engine = target.engine
+        self.tenants = target.tenants
+        self.nodes = [path.prefill, path.decode]
+        self._overrides = target.overrides
+
+    async def complete(self, tenant: str, request: CompletionRequest) -> Completion:
+        return await self._target.complete(tenant, request, send=self._down_path)
+
+    async def _down_path(
+        self, tenant: str, route: str, body: dict[str, Any], request: CompletionRequest, state: StreamState
+    ) -> None:
+        """Send ``body`` to the pair's prefill and decode nodes at once, with the bootstrap fields the
+        gateway adds (the prefill node's host and port, a new random 63-bit room), and answer as the
+        gateway does: decode's answer, unless prefill refused or failed, whose answer is then the
+        client's (a refused prefill leaves decode waiting on a room that never comes)."""
+        body = {**body, **bootstrap_fields(self.path.prefill)}
+        prefill = asyncio.ensure_future(self._prefill_leg(tenant, route, body, request))
+        decode_url = URL(node_base(self.path.decode) + route)
+        decode = asyncio.ensure_future(self._target.exchange(tenant, decode_url, body, request, state))
+        try:
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and prefill.result() is not None:
+                decode.cancel()
+            else:
+                await decode
+            # Decode answered 2xx only with the room's K/V in hand: prefill's answer follows at once.
+            # A decode that refused leaves prefill waiting for a fetch that never comes.
+            answered = state.status is not None and 200 <= state.status < 300
+            refusal = await prefill if answered or prefill.done() else None
+        finally:
+            for leg in (prefill, decode):
+                leg.cancel()
+        if refusal is not None:  # what decode had begun to say (its headers, a 500) is not the answer
+            fresh = StreamState(chat=state.chat, started=state.started)
+            for name in (f.name for f in dataclasses.fields(StreamState)):
+                setattr(state, name, getattr(fresh, name))
+            take_error(state, *refusal)
+
+    async def _prefill_leg(
+        self, tenant: str, route: str, body: dict[str, Any], request: CompletionRequest
+    ) -> tuple[int, str] | None:
+        """Send the prefill node its copy (never streamed: it answers once the K/V is handed over);
+        return its status and error body when it did not answer 2xx, else None."""
+        session = await self._target.http_session()
+        async with session.post(
+            URL(node_base(self.path.prefill) + route),
+            data=json.dumps({**body, "stream": False}).encode(),
+            headers=self._target.headers_for(tenant, request),
+            allow_redirects=False,
+        ) as response:
+            raw = await read_bounded(chunks(response), ERROR_BODY_BYTES)
+            return None if 200 <= response.status < 300 else (response.status, raw)
+
+    async def capacity(self, max_age: float = 0.0) -> ServerCapacity:
+        """Return what the path can hold, read afresh (a path run is one of many): the prefill node's
+        pool, which admission must respect, and the smaller of both nodes' context windows and
+        longest inputs (a decode node that refuses a prompt refuses it for the whole path). What the
+        operator stated fills only what the nodes leave unsaid, so one small pool is never hidden."""
+        prefill, decode = await asyncio.gather(
+            self._target.node_capacity(self.path.prefill), self._target.node_capacity(self.path.decode)
+        )
+        found = dataclasses.replace(
+            prefill,
+            context_window=_least(prefill.context_window, decode.context_window),
+            max_req_input_len=_least(prefill.max_req_input_len, decode.max_req_input_len),
+            source=f"prefill {prefill.source}; decode {decode.source}",
+        )
+        unsaid = {key: value for key, value in self._overrides.items() if getattr(found, key, None) is None}
+        return apply_overrides(found, unsaid)
+
+    async def count_tokens(self, text: str) -> int | None:
+        return await self._target.count_tokens(text, at=self.path.prefill)
+
+    async def node_capacity(self, node: Node) -> ServerCapacity:
+        return await self._target.node_capacity(node)
+
+    async def fetch(self, url: str) -> Fetched:
+        return await self._target.fetch(url)
+
+    async def scrape(self, url: str) -> Scraped:
+        return await self._target.scrape(url)
+
+    def via(self, path: ServingPath) -> TargetClient:
+        return self._target.via(path)
+
+
+def node_base(node: Node) -> str:
+    """Return the URL a node's own API paths (``/v1/...``) follow."""
+    return node.info_url.rstrip("/").removesuffix("/v1")
+
+
+def bootstrap_fields(prefill: Node) -> dict[str, Any]:
+    """Return the fields SGLang's gateway adds to a disaggregated request's body for ``prefill``: where
+    decode fetches the K/V, and a room no other request in flight has (63 random bits, as the gateway's)."""
+    return {
+        "bootstrap_host": urlsplit(prefill.info_url).hostname,
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": secrets.randbits(63),
+    }
+
+
+def _least(*figures: int | None) -> int | None:
+    known = [n for n in figures if n]
+    return min(known) if known else None

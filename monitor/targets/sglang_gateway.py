@@ -1,0 +1,137 @@
+"""A target's nodes as SGLang's model gateway lists them: ``GET /workers``, one node per worker.
+
+The gateway (``sglang-router``, the SGLang Model Gateway) knows every prefill, decode or regular
+worker it routes to, and ``POST /workers`` and ``DELETE /workers/{id}`` change that set while it
+runs. Its answer (``tests/fixtures/engines/sglang-router-0.3.2-pd-workers.json``, recorded) is
+``{"workers": [{"id", "url", "worker_type", "is_healthy", "bootstrap_port", "metadata", ...}],
+"total", "stats"}``. Each worker becomes a :class:`NodeConfig` the monitor audits on its own.
+
+What the gateway writes is read like an engine's answer: bounded in size (``Limits.lookup_bytes``),
+at most :data:`MAX_WORKERS` workers, and each name made from the role and the URL's host and port
+only, so that nothing it sends reaches a metric label or a log line raw. A worker whose URL or type
+cannot be read is left out and counted, never guessed at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import httpx
+
+from kvcanary.monitor.config.targets import NodeConfig, http_url
+from kvcanary.monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
+from kvcanary.monitor.targets.wire import Limits, read_limited
+
+#: Workers kept from one answer: a gateway listing more is cut here (as ``nodes:`` is, at 1,000).
+MAX_WORKERS = 1000
+#: The gateway's worker types as node roles; ``regular`` is an aggregated (non-PD) worker.
+ROLES = {"prefill": "prefill", "decode": "decode", "regular": "aggregated"}
+#: A data-parallel-aware gateway lists each rank as ``URL@rank``: the ranks share one server.
+_DP_RANK = re.compile(r"@\d+$")
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
+_NAME_CHARS = 63
+
+
+class GatewayUnreadable(Exception):
+    """The gateway's worker list could not be read; ``str()`` says why, in words fit for a log."""
+
+
+@dataclass
+class WorkerList:
+    """The nodes one answer lists, and how many workers it named that could not be taken as nodes."""
+
+    nodes: list[NodeConfig] = field(default_factory=list)
+    skipped: int = 0
+
+
+def node_name(role: str, url: str) -> str:
+    """Return a stable node name for a worker: its role, host and port (``prefill-10.0.0.7-30000``).
+
+    The same worker gets the same name at every reading and on every replica, so its results, its
+    state and its metrics stay one series while it is listed. A name longer than a node name may be
+    is cut and keeps a short hash of the whole, so two long host names never collide.
+    """
+    parsed = httpx.URL(url)
+    port = parsed.port or {"http": 80, "https": 443}.get(parsed.scheme, 0)
+    name = _NOT_IN_NAME.sub("_", f"{role}-{parsed.host}-{port}").strip("_.-") or role
+    if len(name) > _NAME_CHARS:
+        digest = hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+        name = f"{name[: _NAME_CHARS - 9].rstrip('_.-')}-{digest}"
+    return name
+
+
+def worker_node(worker: Any) -> NodeConfig | None:
+    """Return the node of one listed worker, or None when its type or URL cannot be read."""
+    if not isinstance(worker, dict):
+        return None
+    kind = worker.get("worker_type")
+    role = ROLES.get(kind) if isinstance(kind, str) else None
+    raw_url = worker.get("url")
+    if role is None or not isinstance(raw_url, str) or len(raw_url) > 2048:
+        return None
+    try:
+        url = http_url(_DP_RANK.sub("", raw_url))
+    except ValueError:
+        return None
+    port = worker.get("bootstrap_port")
+    bootstrap = port if role == "prefill" and type(port) is int and 0 < port < 65536 else None
+    return NodeConfig(
+        name=node_name(role, url),
+        role=role,
+        info_url=url,
+        metrics_url=f"{url}/metrics",
+        bootstrap_port=bootstrap,
+    )
+
+
+def parse_workers(payload: Any) -> WorkerList:
+    """Return the nodes a ``GET /workers`` answer lists; raise :class:`GatewayUnreadable` when the
+    answer is not a worker list at all (an empty list is an answer: the gateway routes to nobody)."""
+    workers = payload.get("workers") if isinstance(payload, dict) else None
+    if not isinstance(workers, list):
+        raise GatewayUnreadable("the answer has no 'workers' list")
+    found = WorkerList(skipped=max(0, len(workers) - MAX_WORKERS))
+    names: set[str] = set()
+    for worker in workers[:MAX_WORKERS]:
+        node = worker_node(worker)
+        if node is None:
+            found.skipped += 1
+        elif node.name not in names:  # ranks of one server, or one server listed twice: one node
+            names.add(node.name)
+            found.nodes.append(node)
+    return found
+
+
+async def read_workers(http: HttpClient, gateway: str, timeout: float, limits: Limits) -> WorkerList:
+    """Return the nodes the gateway at ``gateway`` lists now; raise :class:`GatewayUnreadable`."""
+    url = f"{gateway}/workers"
+    try:
+        async with asyncio.timeout(timeout):
+            session = await http.session()
+            async with session.get(url, allow_redirects=False) as response:
+                raw, complete = await read_limited(
+                    chunks(response), limits.lookup_bytes, response.content_length
+                )
+                status = response.status
+    except TimeoutError:
+        raise GatewayUnreadable(f"{url}: no answer within {timeout:g}s") from None
+    except CONNECT_ERRORS as exc:
+        raise GatewayUnreadable(f"{url}: cannot connect ({exc})") from None
+    except aiohttp.ClientError as exc:
+        raise GatewayUnreadable(f"{url}: {type(exc).__name__}") from None
+    if status != 200:
+        raise GatewayUnreadable(f"{url}: HTTP {status}")
+    if not complete:
+        raise GatewayUnreadable(f"{url}: the answer is larger than {limits.lookup_bytes} bytes")
+    try:
+        return parse_workers(json.loads(raw))
+    except ValueError:
+        raise GatewayUnreadable(f"{url}: the answer is not JSON") from None
+    except GatewayUnreadable as exc:
+        raise GatewayUnreadable(f"{url}: {exc}") from None

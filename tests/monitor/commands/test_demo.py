@@ -1,0 +1,109 @@
+"""The README's main command: the demo catches the leak and keeps the healthy target green, and,
+with a LiteLLM venv set up, prints the incident's blast radius in the customers' traffic."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcanary.monitor.commands.demo_gateway import litellm_venv
+from tests.support import REPO, free_port
+
+
+@pytest.mark.slow
+def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monitor",
+            "demo",
+            "--until-caught",
+            "--duration",
+            "240",  # an upper bound: --until-caught ends it as soon as all is shown
+            "--port",
+            str(free_port()),
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "LEAK CAUGHT on target 'defective'" in out
+    assert "incident  : #" in out and "critical" in out
+    assert "<redacted>" in out, "the excerpt must show the marker redacted"
+    assert "healthy target is green" in out
+    # The page: the monitor's own push, and Prometheus's rule on the same leak, in a real Alertmanager.
+    assert "=== PAGED: KVCanaryLeak (critical) on defective/" in out
+    assert "Prometheus's rule KVCanaryLeakDetected fired on the same leak" in out
+    assert "/#/alerts" in out
+    keys = [(tmp_path / f"key-{t}").read_text() for t in ("tenant-a", "tenant-b")]
+    assert all(k not in out + proc.stderr for k in keys)
+    if litellm_venv() is not None:  # the gateway ran: the blast radius matches the customers' count
+        assert_blast_radius(out)
+
+
+def assert_blast_radius(out: str) -> None:
+    section = out[out.index("=== BLAST RADIUS of incident #") :]
+    section = section[: section.index("page      :")]
+    affected = int(re.search(r"affected  : (\d+) response", section).group(1))  # type: ignore[union-attr]
+    truth = re.search(r"answered 200: (.*) \(\d+ sent\)", section).group(1)  # type: ignore[union-attr]
+    counted = {m[0]: int(m[1]) for m in re.findall(r"(\w+) (\d+)", truth)}
+    assert affected == sum(counted.values()) > 0, section
+    for caller, n in counted.items():
+        assert re.search(rf"\n  {caller}\s*: {n} \(first", section), section
+
+
+def test_sigterm_to_the_demo_stops_its_workers(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "monitor", "demo", "--port", str(free_port()), "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # wait until both workers are up and the monitor is serving
+        lines.append(line)
+        if line.strip().startswith("monitor "):
+            break
+    worker_pids = workers_of(tmp_path)
+    assert len(worker_pids) == 2, "".join(lines)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(pid) for pid in worker_pids):
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in worker_pids), "the demo left its workers running"
+
+
+def workers_of(workdir: Path) -> list[int]:
+    """PIDs of the `python -m kvcanary.workers` processes whose command line names ``workdir``."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"kvcanary.workers" in argv and any(str(workdir).encode() in a for a in argv):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.split(") ", 1)[1][0] != "Z"  # a zombie has exited; it only awaits its reaper

@@ -1,0 +1,369 @@
+"""Nodes found from SGLang's model gateway: ``GET /workers`` read, merged and followed; each node audited.
+
+The unit tests read a ``GET /workers`` answer recorded from the real gateway (sglang-router 0.3.2 in
+``--pd-disaggregation`` mode with two prefill and two decode reference servers:
+``tests/fixtures/engines/sglang-router-0.3.2-pd-workers.json``) and hostile variants of it served on
+a loopback socket.
+
+The end-to-end tests run ``kvcanary serve`` given only the gateway's URL, in front of the incident's
+topology: two prefill servers (one with the incident's small pool, below the context window) and
+two decode servers, plus a third prefill server the test registers and removes with the gateway's
+own ``POST /workers`` and ``DELETE /workers/{id}``. They need the gateway's venv (see
+``tests/workers/test_pd_gateway.py``): skipped without it, failed under
+``KVCANARY_REQUIRE_SGLANG_ROUTER=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvcanary.monitor.commands.processes import stop_processes
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.config.targets import NAME_RE, TargetConfig
+from kvcanary.monitor.runs.discovery import GatewayDiscovery, NodeChange
+from kvcanary.monitor.targets.http import HttpClient
+from kvcanary.monitor.targets.sglang_gateway import (
+    MAX_WORKERS,
+    GatewayUnreadable,
+    parse_workers,
+    read_workers,
+)
+from kvcanary.monitor.targets.wire import Limits
+from tests.monitor.served import Served, reference_target
+from tests.support import WorkerProcess
+from tests.support.loopback import Loopback
+from tests.workers.pd_support import PrefillServer, start_servers, stop_servers
+
+RECORDED = (
+    Path(__file__).resolve().parents[2] / "fixtures" / "engines" / "sglang-router-0.3.2-pd-workers.json"
+)
+DISCOVERY_SECONDS = 1.0
+
+
+def recorded() -> dict[str, Any]:
+    return json.loads(RECORDED.read_text())
+
+
+# --- the /workers answer, as the gateway writes it --------------------------------------------------
+
+
+def test_the_recorded_answer_is_two_prefill_and_two_decode_nodes_at_their_own_urls() -> None:
+    nodes = {node.name: node for node in parse_workers(recorded()).nodes}
+    assert sorted(nodes) == [
+        "decode-127.0.0.1-44651",
+        "decode-127.0.0.1-58277",
+        "prefill-127.0.0.1-45295",
+        "prefill-127.0.0.1-47219",
+    ]
+    prefill = nodes["prefill-127.0.0.1-45295"]
+    assert (prefill.role, prefill.info_url) == ("prefill", "http://127.0.0.1:45295")
+    assert prefill.metrics_url == "http://127.0.0.1:45295/metrics"
+    assert nodes["decode-127.0.0.1-58277"].role == "decode"
+
+
+def test_names_are_stable_and_label_safe_whatever_the_gateway_writes() -> None:
+    long_host = "a" * 60 + ".example.com"
+    answer = {
+        "workers": [
+            {"url": f"http://{long_host}:30000", "worker_type": "regular"},
+            {"url": f"http://{long_host}:30001", "worker_type": "regular"},
+            {"url": "http://[::1]:8000", "worker_type": "decode"},
+            {"url": "http://10.0.0.7:30000@0", "worker_type": "prefill"},  # data-parallel ranks:
+            {"url": "http://10.0.0.7:30000@1", "worker_type": "prefill"},  # one server, one node
+        ]
+    }
+    first, again = parse_workers(answer).nodes, parse_workers(answer).nodes
+    assert [n.name for n in first] == [n.name for n in again]
+    assert all(NAME_RE.match(node.name) for node in first), [n.name for n in first]
+    assert len({node.name for node in first}) == 4  # the two long names stay apart
+    assert first[0].role == "aggregated" and first[0].name.startswith("aggregated-aaaa")
+    assert first[3].info_url == "http://10.0.0.7:30000"
+
+
+def test_workers_that_cannot_be_read_are_left_out_and_counted() -> None:
+    good = recorded()["workers"][0]
+    answer = {
+        "workers": [
+            good,
+            {**good, "url": "ftp://127.0.0.1:1"},
+            {**good, "url": "http://user:secret@127.0.0.1:1"},
+            {**good, "worker_type": "router"},
+            {**good, "url": 42},
+            "not a worker",
+        ]
+    }
+    listed = parse_workers(answer)
+    assert [node.info_url for node in listed.nodes] == [good["url"]] and listed.skipped == 5
+
+
+def test_a_gateway_listing_more_workers_than_the_bound_is_cut() -> None:
+    many = [{"url": f"http://10.0.{i // 250}.{i % 250}:30000", "worker_type": "decode"} for i in range(1500)]
+    listed = parse_workers({"workers": many})
+    assert len(listed.nodes) == MAX_WORKERS and listed.skipped == 500
+
+
+@pytest.mark.parametrize("answer", [[], {"workers": "none"}, {"total": 0}, None])
+def test_an_answer_without_a_worker_list_is_unreadable(answer: Any) -> None:
+    with pytest.raises(GatewayUnreadable, match="no 'workers' list"):
+        parse_workers(answer)
+
+
+def read_from(handler: Callable[[httpx.Request], httpx.Response], limits: Limits = Limits()) -> Any:
+    gateway = Loopback(handler)
+    try:
+
+        async def go() -> Any:
+            http = HttpClient(4)
+            try:
+                return await read_workers(http, gateway.url, 5.0, limits)
+            finally:
+                await http.aclose()
+
+        return asyncio.run(go())
+    finally:
+        gateway.close()
+
+
+def test_the_answer_is_read_over_the_network_and_bounded_in_size() -> None:
+    body = RECORDED.read_bytes()
+    listed = read_from(lambda request: httpx.Response(200, content=body))
+    assert len(listed.nodes) == 4
+    with pytest.raises(GatewayUnreadable, match="larger than"):
+        read_from(lambda request: httpx.Response(200, content=body), Limits(lookup_bytes=len(body) - 1))
+    with pytest.raises(GatewayUnreadable, match="HTTP 503"):
+        read_from(lambda request: httpx.Response(503, text="busy"))
+    with pytest.raises(GatewayUnreadable, match="not JSON"):
+        read_from(lambda request: httpx.Response(200, text="<html>"))
+
+
+# --- merging into a target's nodes --------------------------------------------------------------------
+
+
+INTERVAL = 0.05
+
+
+def gateway_settings(url: str, nodes: list[dict[str, str]] | None = None) -> Settings:
+    target = reference_target(
+        "glm",
+        url,
+        sglang_router=url,
+        nodes=nodes or [],
+        probes=["capacity"],
+        discovery_interval_seconds=INTERVAL,
+    )
+    return Settings.model_validate({"database_url": "sqlite:///unused.db", "targets": [target]})
+
+
+def test_a_gateway_target_has_no_node_until_the_gateway_lists_one() -> None:
+    settings = gateway_settings("http://gw.test:30000/")
+    target = settings.target("glm")
+    assert target is not None and target.sglang_router == "http://gw.test:30000"
+    assert target.node_list() == []  # not the gateway itself, audited as if it were an engine
+    plain = TargetConfig.model_validate(reference_target("plain", "http://gw.test:30000"))
+    assert [node.info_url for node in plain.node_list()] == ["http://gw.test:30000"]
+    with pytest.raises(ValueError, match="credentials"):
+        TargetConfig.model_validate(reference_target("t", "http://x", sglang_router="http://u:p@gw:1"))
+
+
+def discovered(
+    answers: list[httpx.Response], nodes: list[dict[str, str]] | None = None
+) -> tuple[GatewayDiscovery, list[dict[str, NodeChange]], str]:
+    """Return a discovery of target glm after one reading per answer of a gateway that gives
+    ``answers`` in turn, what each reading changed, and the gateway's URL."""
+    given = iter(answers)
+    gateway = Loopback(lambda request: next(given))
+    try:
+        http = HttpClient(4)
+        discovery = GatewayDiscovery(gateway_settings(gateway.url, nodes), http, Limits())
+
+        async def read() -> list[dict[str, NodeChange]]:
+            changes = []
+            try:
+                for _ in answers:
+                    changes.append(await discovery.refresh())
+                    await asyncio.sleep(2 * INTERVAL)  # the next reading is due
+            finally:
+                await http.aclose()
+            return changes
+
+        return discovery, asyncio.run(read()), gateway.url
+    finally:
+        gateway.close()
+
+
+def test_found_nodes_follow_the_listed_ones_and_a_listed_name_wins() -> None:
+    listed = {"name": "prefill-127.0.0.1-45295", "role": "prefill", "info_url": "http://10.9.9.9:1"}
+    discovery, changes, _ = discovered([httpx.Response(200, content=RECORDED.read_bytes())], [listed])
+    assert sorted(changes[0]["glm"].joined) == sorted(n.name for n in parse_workers(recorded()).nodes)
+    target = discovery.merged().target("glm")
+    assert target is not None
+    by_name = {node.name: node for node in target.node_list()}
+    assert len(by_name) == 4 and by_name["prefill-127.0.0.1-45295"].info_url == "http://10.9.9.9:1"
+    assert target.node_list()[0].name == "prefill-127.0.0.1-45295"  # the listed node first
+
+
+def test_a_reload_keeps_the_nodes_found_unless_the_target_names_another_gateway() -> None:
+    discovery, _, url = discovered([httpx.Response(200, content=RECORDED.read_bytes())])
+    kept = discovery.take_up(gateway_settings(url)).target("glm")
+    assert kept is not None and len(kept.node_list()) == 4
+    moved = discovery.take_up(gateway_settings("http://another-gateway.test:30000")).target("glm")
+    assert moved is not None and moved.node_list() == []
+
+
+def test_an_unreadable_gateway_keeps_the_last_known_nodes_and_an_empty_list_is_believed() -> None:
+    body = RECORDED.read_bytes()
+    answers = [httpx.Response(200, content=body), httpx.Response(502, text="bad gateway")]
+    discovery, changes, _ = discovered(answers)
+    target = discovery.merged().target("glm")
+    assert changes[1] == {} and target is not None and len(target.node_list()) == 4
+    answers = [httpx.Response(200, content=body), httpx.Response(200, json={"workers": []})]
+    discovery, changes, _ = discovered(answers)
+    assert len(changes[1]["glm"].left) == 4 and changes[1]["glm"].joined == []
+    target = discovery.merged().target("glm")
+    assert target is not None and target.node_list() == []
+
+
+# --- end to end: kvcanary serve given only the gateway's URL ---------------------------------------
+
+
+@dataclass
+class Incident:
+    gateway: Any  # tests.workers.test_pd_gateway.Gateway
+    prefills: dict[str, PrefillServer]
+    decodes: dict[str, WorkerProcess]
+
+
+@pytest.fixture(scope="module")
+def incident(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Incident]:
+    """The incident's topology behind the real gateway; ``spare`` is a prefill server not yet registered."""
+    from tests.workers.test_pd_gateway import ROUTER_PYTHON, VENV, start_gateway
+
+    if not (ROUTER_PYTHON.exists() and (VENV / ".kvcanary-setup").exists()):
+        message = f"no sglang-router venv at {VENV}: run bash scripts/setup-sglang-router.sh"
+        if os.environ.get("KVCANARY_REQUIRE_SGLANG_ROUTER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    logs = tmp_path_factory.mktemp("gateway-nodes")
+    roomy = ("--prefill-pool-tokens", "16384")  # twice the 8,192-token window; the default is 1,024
+    prefills, decodes = start_servers(
+        logs,
+        {"small": ("reject",), "fixed": ("reject", *roomy), "spare": ("reject", *roomy)},
+        {"d0": (), "d1": ()},
+    )
+    gateway = None
+    try:
+        listed = [prefills["small"], prefills["fixed"]]
+        gateway = start_gateway(logs, listed, list(decodes.values()))
+        yield Incident(gateway, prefills, decodes)
+    finally:
+        if gateway is not None:
+            stop_processes([gateway.proc])
+        stop_servers(prefills, decodes)
+
+
+def name(role: str, url: str) -> str:
+    return f"{role}-{url.removeprefix('http://').replace(':', '-')}"
+
+
+def capacity_results(monitor: Served, node: str) -> list[dict[str, Any]]:
+    found = monitor.get("/api/v1/probe-results", target="glm", probe="capacity", node=node)
+    assert found.status_code == 200, found.text
+    return list(found.json()["items"])
+
+
+def watch(served_monitors: Callable[..., Served], gateway_url: str) -> Served:
+    target = reference_target(
+        "glm",
+        gateway_url,
+        sglang_router=gateway_url,
+        discovery_interval_seconds=DISCOVERY_SECONDS,
+        probes=["capacity"],
+        # An hour apart: every audit seen here was run at once because its node joined.
+        probe_intervals={"capacity": 3600},
+    )
+    return served_monitors({"targets": [target], "scheduler": {"jitter_seconds": 0.1}}).start()
+
+
+def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_and_leaves(
+    incident: Incident, served: Callable[..., Served]
+) -> None:
+    monitor = watch(served, incident.gateway.url)
+    small, fixed, spare = (incident.prefills[n] for n in ("small", "fixed", "spare"))
+    expected = {
+        name("prefill", small.url): ("mismatch", "pool_below_context_window"),
+        name("prefill", fixed.url): ("pass", "headroom_ok"),
+        **{name("decode", d.url): ("pass", "decode_pool_not_judged") for d in incident.decodes.values()},
+    }
+
+    def audited() -> dict[str, tuple[str, str]] | None:
+        seen = {n: capacity_results(monitor, n) for n in expected}
+        if not all(seen.values()):
+            return None
+        return {n: (rows[0]["verdict"], rows[0]["reason"]) for n, rows in seen.items()}
+
+    assert monitor.wait_for("a capacity audit of each of the four nodes", audited, timeout=60) == expected
+
+    # A reload of the file keeps the nodes found: they are the gateway's, not the file's.
+    monitor.config["targets"][0]["timeout_seconds"] = 20
+    monitor.write_config()
+    monitor.signal()
+    monitor.wait_for("the reload", lambda: "(SIGHUP): 1 changed target(s)" in monitor.log(), timeout=15)
+    time.sleep(2 * DISCOVERY_SECONDS)
+    log = monitor.log()
+    assert " left gateway " not in log and log.count(" joined gateway ") == 4, log[-3000:]
+
+    # A prefill server registered with the gateway at run time is audited within one interval.
+    added = httpx.post(
+        f"{incident.gateway.url}/workers",
+        json={"url": spare.url, "worker_type": "prefill", "bootstrap_port": spare.bootstrap_port},
+        timeout=10,
+    )
+    assert added.status_code == 202, added.text
+    worker_id = added.json()["worker_id"]
+    listed_at = wait_listed(incident.gateway.url, spare.url, present=True)
+    joined = name("prefill", spare.url)
+    rows = monitor.wait_for("the added node's audit", lambda: capacity_results(monitor, joined), timeout=30)
+    took = datetime.fromisoformat(rows[0]["started_at"]).timestamp() - listed_at
+    assert (rows[0]["verdict"], rows[0]["reason"]) == ("pass", "headroom_ok")
+    # One interval until the next reading, and slack for a loaded machine's scheduler.
+    assert took < DISCOVERY_SECONDS + 2, (
+        f"audited {took:.1f}s after the gateway listed it\n{monitor.log()[-3000:]}"
+    )
+
+    # One removed from the gateway is dropped from the target, and the monitor says so.
+    removed = httpx.delete(f"{incident.gateway.url}/workers/{worker_id}", timeout=10)
+    assert removed.status_code == 202, removed.text
+    wait_listed(incident.gateway.url, spare.url, present=False)
+    said = f"node {joined} left gateway {incident.gateway.url}"
+    monitor.wait_for("the log to say the node left", lambda: said in monitor.log(), timeout=15)
+
+    def pools_exported() -> set[str] | None:
+        nodes = {labels["node"] for labels, _ in monitor.samples("kvcanary_node_kv_pool_tokens")}
+        return nodes if nodes == set(expected) else None  # re-audited without the node that left
+
+    monitor.wait_for("the pools of the four remaining nodes only", pools_exported, timeout=15)
+    count = len(capacity_results(monitor, joined))
+    time.sleep(3 * DISCOVERY_SECONDS)
+    assert len(capacity_results(monitor, joined)) == count  # no longer audited
+
+
+def wait_listed(gateway: str, url: str, present: bool, timeout: float = 30) -> float:
+    """Wait until the gateway lists (or no longer lists) the worker at ``url``; return when it did."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = httpx.get(f"{gateway}/workers", timeout=5).json()["workers"]
+        if any(w["url"] == url for w in workers) == present:
+            return time.time()
+        time.sleep(0.1)
+    raise AssertionError(f"the gateway did not {'list' if present else 'drop'} {url} in {timeout:.0f}s")

@@ -1,0 +1,119 @@
+"""The quarantine rules (``monitor/containment.py``) on SQLite and PostgreSQL: results recorded as
+the runner records them, the rules applied as the monitor's sync does, the set read as the gateways
+read it. ``kvcanary serve`` and the REST endpoints: ``tests/monitor/scenes/test_quarantine.py``."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.containment import Containment, UnknownTarget
+from kvcanary.monitor.storage.models import QuarantineChange
+from tests.support.monitor_db import record
+
+Factory = sessionmaker[Session]
+TARGET = "glm-prod"
+
+
+def settings(mode: str = "quarantine", lift_after_seconds: float = 3600, **target: Any) -> Settings:
+    tenants = [{"name": "a"}, {"name": "b"}]
+    targets = [
+        {"name": TARGET, "base_url": "http://127.0.0.1:30000", "tenants": tenants, **target},
+        {"name": "vllm-b", "base_url": "http://127.0.0.1:30001", "tenants": tenants},
+    ]
+    policy = {"mode": mode, "lift_after_seconds": lift_after_seconds}
+    return Settings.model_validate({"targets": targets, "containment": policy})
+
+
+def watch(factory: Factory, given: Settings) -> Containment:
+    return Containment(factory, lambda: given)
+
+
+def now(seconds: float = 0) -> datetime:
+    return datetime.now(UTC) + timedelta(seconds=seconds)
+
+
+def changes(factory: Factory) -> list[tuple[bool, bool, str]]:
+    with factory() as s:
+        rows = s.scalars(select(QuarantineChange).order_by(QuarantineChange.id))
+        return [(row.quarantined, row.enforced, row.cause) for row in rows]
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "observe"])
+def test_a_leak_quarantines_its_target_alone_and_observe_only_records_it(
+    session_factory: Factory, mode: str
+) -> None:
+    containment = watch(session_factory, settings(mode))
+    record(session_factory, "pass", at=now(-5), target="vllm-b")
+    leak = record(session_factory, "leak", at=now(-2))
+    made = containment.sync()
+    assert [(q.target, q.enforced, q.cause, q.incident_id) for q in made] == [
+        (TARGET, mode == "quarantine", "incident", leak.incident_id)
+    ]
+    assert containment.known == containment.current() and len(containment.known) == 1
+    assert containment.sync() == []  # a rule that finds its row added adds nothing
+    assert changes(session_factory) == [(True, mode == "quarantine", "incident")]
+
+
+def test_a_mismatch_or_errors_quarantine_nothing(session_factory: Factory) -> None:
+    containment = watch(session_factory, settings())
+    record(session_factory, "mismatch", at=now(-2))
+    record(session_factory, "error", at=now(-1), probe="canary")
+    assert containment.sync() == [] and containment.current() == []
+
+
+def test_an_operators_lift_holds_until_a_new_incident(session_factory: Factory) -> None:
+    containment = watch(session_factory, settings())
+    record(session_factory, "leak", at=now(-10))
+    containment.sync()
+    lifted = containment.lift(TARGET, "false alarm: the marker was our own")
+    assert lifted is not None and lifted.cause == "operator" and not lifted.enforced
+    record(session_factory, "leak", at=now(-5))  # the same incident, still open
+    assert containment.sync() == [] and containment.current() == []
+    assert containment.lift(TARGET, "again") is None  # nothing to lift
+    record(session_factory, "leak", at=now(1), probe="canary")  # a new incident, after the lift
+    assert [q.cause for q in containment.sync()] == ["incident"]
+
+
+def test_recovery_lifts_a_quarantine_only_after_the_quiet_spell(session_factory: Factory) -> None:
+    record(session_factory, "leak", at=now(-60))
+    waiting = watch(session_factory, settings(lift_after_seconds=3600))
+    waiting.sync()
+    for i in range(3):  # resolve_after_passes: the incident resolves
+        record(session_factory, "pass", at=now(-50 + i))
+    assert waiting.sync() == [] and len(waiting.current()) == 1  # resolved, but not quiet for an hour
+    done = watch(session_factory, settings(lift_after_seconds=30)).sync()
+    assert [(q.cause, q.enforced) for q in done] == [("recovered", False)]
+    assert changes(session_factory) == [(True, True, "incident"), (False, True, "recovered")]
+
+
+def test_a_deployment_leaking_one_request_in_four_never_leaves_quarantine(session_factory: Factory) -> None:
+    containment = watch(session_factory, settings(lift_after_seconds=600))
+    quarantined = []
+    start = now(-400)
+    for i in range(40):  # ten resolutions in a row of passes, each followed by a leak
+        record(session_factory, "leak" if i % 4 == 0 else "pass", at=start + timedelta(seconds=10 * i))
+        containment.sync()
+        quarantined.append(bool(containment.current()))
+    assert all(quarantined)
+    assert changes(session_factory) == [(True, True, "incident")]
+
+
+def test_a_policy_changed_to_observe_tells_the_gateways_and_by_hand_is_always_enforced(
+    session_factory: Factory,
+) -> None:
+    record(session_factory, "pass", at=now(-6), target="vllm-b")
+    record(session_factory, "leak", at=now(-5))
+    watch(session_factory, settings("quarantine")).sync()
+    observing = watch(session_factory, settings("quarantine", containment={"mode": "observe"}))
+    assert [q.enforced for q in observing.sync()] == [False]
+    put = observing.put("vllm-b", "draining it for an upgrade")
+    assert (put.target, put.enforced, put.cause) == ("vllm-b", True, "operator")
+    assert {(q.target, q.enforced) for q in observing.current()} == {(TARGET, False), ("vllm-b", True)}
+    with pytest.raises(UnknownTarget):
+        observing.put("nope", "typo")

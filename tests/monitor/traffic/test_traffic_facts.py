@@ -1,0 +1,60 @@
+"""A target that does not answer never holds the traffic judge up: a batch waits a bounded time
+for a node's pool or a token count, and the reading goes on, once, for the batches after it.
+
+The target is a real client (``OpenAIHttpTarget``) of an engine on loopback that holds every
+request until the test lets it answer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from kvcanary.monitor.traffic import facts
+from kvcanary.monitor.traffic.facts import TargetFacts
+from tests.probes.probe_harness import FakeEngine
+
+
+@dataclass
+class HeldEngine(FakeEngine):
+    """The reference engine, answering nothing until ``released`` is set."""
+
+    released: threading.Event = field(default_factory=threading.Event)
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        while not self.released.is_set():
+            await asyncio.sleep(0.02)
+        return await super().__call__(request)
+
+
+def test_a_hung_target_costs_a_batch_a_bounded_wait_and_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(facts, "FACT_WAIT_SECONDS", 0.2)
+    engine = HeldEngine()
+
+    async def run() -> None:
+        client = engine.target()
+        known = TargetFacts({"t": client})
+        try:
+            started = time.monotonic()
+            # Five batches at once; bounded here so that a judge that waits on the target fails, not hangs.
+            pools = await asyncio.wait_for(asyncio.gather(*(known.pool("t", "") for _ in range(5))), 5)
+            assert pools == [None] * 5
+            assert await known.chars_per_token("t") is None
+            assert time.monotonic() - started < 2  # not the target's timeout: 0.2 s a wait
+            engine.released.set()  # the engine answers: the readings that went on land
+            for _ in range(100):
+                if engine.info_reads and client.calibration.chars_per_token is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert await known.pool("t", "") == 1024  # REFERENCE_INFO's smallest pool
+            assert engine.info_reads == 1  # one reading, however many batches asked
+            assert await known.chars_per_token("t") is not None
+        finally:
+            engine.released.set()
+            await client.aclose()
+
+    asyncio.run(run())

@@ -1,0 +1,130 @@
+"""Answering a completion as a prefill server or a decode server behind SGLang's model gateway.
+
+The gateway sends the client's body to one prefill and one decode server at once, each with
+``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``; the client gets the decode server's
+answer once the prefill server has answered (a prefill 400 is the client's 400, a 5xx on either
+side is retried with a new room). So:
+
+- the prefill server plans admission (400 on a refusal, the placeholder under the defect), computes
+  the prompt, waits for the decode server to take the room's K/V and answers a small 200 whose usage
+  counts the tokens it computed;
+- the decode server plans the same prompt, fetches the room's K/V (a 500 when the prefill server
+  cannot be reached or does not deliver in ``--kv-transfer-timeout`` seconds, as SGLang's bootstrap
+  failure) and answers as the in-process engine does, plain or streamed. Its answer carries
+  ``X-KVCanary-KV-Transfer-Seconds``, the time the hand-off took, which the gateway passes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response
+
+from kvcanary.workers.admission import AdmissionRejected
+from kvcanary.workers.engine import Engine
+from kvcanary.workers.errors import WorkerError
+from kvcanary.workers.generation import EventChannel, error_of, generate, rejection_error, respond
+from kvcanary.workers.pd_serving import DecodeEngine, PrefillEngine
+from kvcanary.workers.pd_transfer import HandoffFailed, fetch_kv
+from kvcanary.workers.protocol import GenerationRequest, ResponseShape, Usage
+from kvcanary.workers.request import ErrorEvent, FinishEvent
+
+TRANSFER_SECONDS_HEADER = "X-KVCanary-KV-Transfer-Seconds"
+
+
+async def serve_generation(
+    engine: Engine,
+    shape: ResponseShape,
+    prompt_ids: list[int],
+    body: GenerationRequest,
+    *,
+    tenant: str,
+    client_id: str | None,
+    http: HttpRequest,
+    adapter: str | None,
+) -> Response:
+    """Answer a completion as this worker's mode does: prefill server, decode server, or whole."""
+    fields = {"tenant": tenant, "cache_salt": body.cache_salt, "adapter": adapter}
+    client = body.rid or client_id or body.user
+    if isinstance(engine, PrefillEngine):
+        return await _prefill(engine, shape, prompt_ids, body, client_id=client, **fields)
+    if isinstance(engine, DecodeEngine):
+        return await _decode(engine, shape, prompt_ids, body, http, client_id=client, **fields)
+    return await generate(
+        engine, shape, prompt_ids, body, tenant=tenant, client_id=client_id, http=http, adapter=adapter
+    )
+
+
+def _bootstrap(body: GenerationRequest) -> tuple[str, int, int]:
+    """Return the body's ``(bootstrap_host, bootstrap_port, bootstrap_room)``; 400 when one is missing."""
+    host, port, room = body.bootstrap_host, body.bootstrap_port, body.bootstrap_room
+    if host is None or port is None or room is None:
+        raise WorkerError(
+            400,
+            "A prefill or decode server needs bootstrap_host, bootstrap_port and bootstrap_room in the "
+            "body (SGLang's model gateway adds them); send requests through the gateway.",
+            param="bootstrap_room",
+        )
+    return host, port, room
+
+
+async def _prefill(
+    engine: PrefillEngine,
+    shape: ResponseShape,
+    prompt_ids: list[int],
+    body: GenerationRequest,
+    **fields: object,
+) -> Response:
+    """Compute the room's prompt and answer once the decode server has its K/V."""
+    _, _, room = _bootstrap(body)
+    channel = EventChannel()
+    try:
+        request = engine.submit_room(room, prompt_ids, body.token_budget(), emit=channel.emit, **fields)
+    except AdmissionRejected as rejected:
+        raise rejection_error(rejected) from None
+    try:
+        event = await channel.next()  # the finish once the decode server took the K/V, or an error
+    except BaseException:
+        engine.abort(request)
+        raise
+    if isinstance(event, ErrorEvent):
+        raise error_of(event)
+    cached = event.cached_tokens if isinstance(event, FinishEvent) else None
+    usage = Usage(request.plan.prompt_tokens, 0, cached)
+    return JSONResponse(shape.complete("", "stop", usage))
+
+
+async def _decode(
+    engine: DecodeEngine,
+    shape: ResponseShape,
+    prompt_ids: list[int],
+    body: GenerationRequest,
+    http: HttpRequest,
+    **fields: object,
+) -> Response:
+    """Plan the prompt, fetch the room's K/V from the prefill server and decode."""
+    host, port, room = _bootstrap(body)
+    try:
+        plan = engine.plan(prompt_ids, body.token_budget())
+    except AdmissionRejected as rejected:
+        raise rejection_error(rejected) from None
+    started = time.monotonic()
+    try:
+        handoff = await asyncio.to_thread(fetch_kv, host, port, room, engine.config.kv_transfer_timeout)
+    except HandoffFailed as failed:
+        if failed.status >= 500:
+            engine.metrics.kv_transfer_failures.labels(side="decode").inc()
+        raise WorkerError(
+            failed.status, failed.message, type="kv_transfer_failed", code=failed.status
+        ) from None
+    took = time.monotonic() - started
+    channel = EventChannel()
+    try:
+        request = engine.enqueue_received(plan, handoff, emit=channel.emit, **fields)
+    except ValueError as mismatch:
+        raise WorkerError(500, str(mismatch), type="kv_transfer_failed", code=500) from None
+    response = await respond(engine, request, channel, shape, body, http)
+    response.headers[TRANSFER_SECONDS_HEADER] = f"{took:.6f}"
+    return response
