@@ -8,7 +8,6 @@ the scheduler with the app's lifespan, so SIGTERM to ``kvcanary serve`` drains c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -19,14 +18,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from apscheduler.jobstores.base import JobLookupError
 from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvcanary.monitor.api.main import build_http_app
 from kvcanary.monitor.api.state import ApiState
-from kvcanary.monitor.config.reload import plan, restart_needed
 from kvcanary.monitor.config.secrets import (
     alertmanager_headers,
     api_token,
@@ -34,7 +31,7 @@ from kvcanary.monitor.config.secrets import (
     marker_key,
     tenant_keys,
 )
-from kvcanary.monitor.config.settings import ConfigError, Settings, load_settings
+from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.containment import Containment
 from kvcanary.monitor.metrics.registry import MonitorMetrics
@@ -43,6 +40,7 @@ from kvcanary.monitor.recording.port import RecordingPort
 from kvcanary.monitor.recording.recorder import Recorder
 from kvcanary.monitor.recording.spool import open_spool
 from kvcanary.monitor.recording.writer import BatchWriter
+from kvcanary.monitor.reloads import take_up_file, take_up_nodes
 from kvcanary.monitor.runs.discovery import DISCOVERY_TICK_SECONDS, GatewayDiscovery
 from kvcanary.monitor.runs.replicas import HEARTBEAT_SECONDS, Membership
 from kvcanary.monitor.runs.run_now import RunNow
@@ -50,10 +48,8 @@ from kvcanary.monitor.runs.runner import ProbeRunner, RunSummary, run_keys
 from kvcanary.monitor.runs.scheduler import (
     PRUNE_INTERVAL_SECONDS,
     REPLAY_INTERVAL_SECONDS,
-    add_probe_jobs,
     assign,
     build_scheduler,
-    probe_job_id,
     run_now,
 )
 from kvcanary.monitor.storage import outbox
@@ -102,7 +98,8 @@ class Monitor:
         self.on_reload: list[Callable[[Settings], None]] = []
         self.token = api_token(settings)
         keys = tenant_keys(settings)
-        self._keys = keys  # what a reload compares: a rotated key file replaces the target's client
+        #: What a reload compares: a rotated key file replaces the target's client.
+        self.tenant_keys = keys
         self._reloading = asyncio.Lock()
         am_headers = alertmanager_headers(settings)
         self.engine = make_engine(settings.database_url)
@@ -123,7 +120,7 @@ class Monitor:
         scheduler = settings.scheduler
         self.http = HttpClient(max(64, (scheduler.max_concurrency + scheduler.max_overtime_runs) * 4))
         self._limits = limits
-        self.clients = {t.name: self._client(t, keys) for t in settings.targets}
+        self.clients = {t.name: self.client_of(t, keys) for t in settings.targets}
         self.spool = open_spool(settings)
         self.metrics.watch_spool(self.spool)
         self.recorder = Recorder(settings, self.session_factory, self.spool)
@@ -292,76 +289,21 @@ class Monitor:
             report["traffic_stream"] = self.stream.report()
         return report
 
-    def _client(self, target: TargetConfig, keys: dict[tuple[str, str], str | None]) -> OpenAIHttpTarget:
+    def client_of(self, target: TargetConfig, keys: dict[tuple[str, str], str | None]) -> OpenAIHttpTarget:
         tenants = {tn.name: keys[(target.name, tn.name)] for tn in target.tenants}
         return OpenAIHttpTarget(target, tenants, limits=self._limits, client=self.http)
 
     async def reload(self, why: str) -> str | None:
         """Read the config file again and take it up; return None, or why it was refused (logged,
-        and the settings in force stay). Runs in flight, open incidents, states and the spool stay."""
+        and the settings in force stay): ``monitor/reloads.py``."""
         async with self._reloading:  # a SIGHUP and a POST at once: one after the other, in order
-            return await self._reload(why)
-
-    @staticmethod
-    def _node_kinds(settings: Settings, name: str) -> list[str]:
-        target = settings.target(name)
-        return [k for k in target.probes if REGISTRY[k].scope == "node"] if target is not None else []
+            return await take_up_file(self, why)
 
     async def discover(self) -> None:
         """Read the SGLang gateways that are due; a change of their nodes is taken up as a reload."""
         if await self.discovery.refresh():
             async with self._reloading:
-                await self._reload("nodes found from a gateway changed", nodes_only=True)
-
-    async def _reload(self, why: str, nodes_only: bool = False) -> str | None:
-        try:
-            if nodes_only:  # the file in force, with the nodes its gateways list now
-                new, keys = self.discovery.configured, self._keys
-            else:
-                if self.config_path is None:
-                    raise ConfigError("no config file to reload from")
-                new = load_settings(self.config_path)
-                restart = restart_needed(self.settings, new) + self.settings.traffic.restart_keys(new.traffic)
-                if restart:
-                    raise ConfigError(f"{self.config_path}: {restart[0]}: cannot change on reload; restart")
-                keys = tenant_keys(new)
-        except ConfigError as exc:
-            self.metrics.reload_ok.set(0)
-            log.error("reload (%s) refused, the configuration in force stays: %s", why, exc)
-            return str(exc)
-        new = self.discovery.take_up(new)
-        rekeyed = frozenset(t for (t, tenant), key in keys.items() if self._keys.get((t, tenant), key) != key)
-        change = plan(self.settings, new, rekeyed)
-        self._keys = keys
-        old_clients = {n: self.clients.pop(n) for n in change.removed + change.changed}
-        for name in change.added + change.changed:
-            self.clients[name] = self._client(new.target(name), keys)  # type: ignore[arg-type]
-        for name in change.removed + change.changed:
-            # Only its node series go when only its nodes changed: the other kinds' figures stand.
-            self.metrics.forget(name, self._node_kinds(new, name) if name in change.nodes_only else None)
-        self.settings = self.runner.settings = self.recorder.settings = new
-        if self.pager is not None:
-            self.pager.settings = new
-        self.runner.take_up(new)
-        self.traffic.judge.take_up(new, changed=change.removed + change.changed)
-        self.traffic.judge.own_keys = own_key_digests(keys)
-        for target, kind in change.jobs_removed:
-            with contextlib.suppress(JobLookupError):
-                self.scheduler.remove_job(probe_job_id(target, kind))
-        add_probe_jobs(self.scheduler, new, self.runner, change.jobs_added, self.membership.owns)
-        # A node that joined is audited now, not an interval later; one that left took the node
-        # series of its target with it (above), which its remaining nodes' audits give back now.
-        for name in dict.fromkeys(target for target, _ in change.nodes_joined + change.nodes_left):
-            run_now(self.scheduler, name, self._node_kinds(new, name))
-        await asyncio.to_thread(self.recorder.ensure_targets, new.targets)
-        for client in old_clients.values():  # closed once their runs in flight are over
-            asyncio.get_running_loop().create_task(self.runner.close_when_idle(client))
-        for listener in self.on_reload:
-            listener(new)
-        self.metrics.reload_ok.set(1)
-        self.metrics.reload_ok_at.set(time.time())
-        log.info("reloaded %s (%s): %s", self.config_path, why, change.summary())
-        return None
+                await take_up_nodes(self)
 
     def start(self) -> None:
         if self._stop_asked_at is not None:  # SIGTERM came during start-up: start nothing

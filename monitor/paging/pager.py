@@ -117,8 +117,11 @@ class Pager:
         delivery: Delivery,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         link_key: str | None = None,
+        lease_seconds: float = LEASE_SECONDS,
     ):
         self.settings = settings
+        #: How long a claim on outbox events holds (``LEASE_SECONDS``); a batch stops at half of it.
+        self.lease_seconds = lease_seconds
         #: Signs each alert's link to its incident page (the API token; ``monitor/paging/links.py``).
         self.link_key = link_key
         self.session_factory = session_factory
@@ -218,7 +221,7 @@ class Pager:
     async def _deliver(self, batch: list[PendingEvent]) -> tuple[int, bool]:
         claimed = time.monotonic()
         for i, event in enumerate(batch):
-            if time.monotonic() - claimed > LEASE_SECONDS / 2:
+            if time.monotonic() - claimed > self.lease_seconds / 2:
                 # Slow Alertmanagers: stop well before the claim lapses and another pager takes these
                 # events while this one still sends them (twice, and out of order). Claimed again next.
                 await asyncio.to_thread(self._release, [e.id for e in batch[i:]])
@@ -299,7 +302,9 @@ class Pager:
 
     def _claim(self) -> list[PendingEvent]:
         with self.session_factory() as session, session.begin():
-            return outbox.claim(session, claimer=self.claimer, now=self.clock(), lease_seconds=LEASE_SECONDS)
+            return outbox.claim(
+                session, claimer=self.claimer, now=self.clock(), lease_seconds=self.lease_seconds
+            )
 
     def _mark(self, ids: list[int], refused: str | None) -> None:
         error = f"refused: {refused}" if refused else None

@@ -41,8 +41,11 @@ Waiting = tuple[
 class BatchWriter:
     """Records submitted results from one thread, many to a transaction."""
 
-    def __init__(self, recorder: Recorder):
+    def __init__(self, recorder: Recorder, linger_seconds: float = LINGER_SECONDS):
         self.recorder = recorder
+        #: How long passes wait for company (``LINGER_SECONDS``); a test that needs them to wait
+        #: longer says so here rather than patching the constant.
+        self.linger_seconds = linger_seconds
         self._queue: queue.SimpleQueue[Waiting | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvcanary-writer", daemon=True)
         self._thread.start()
@@ -95,7 +98,7 @@ class BatchWriter:
     def _gather(self, first: Waiting) -> tuple[list[Waiting], bool]:
         """Return a batch starting with ``first``, and whether close() was asked meanwhile."""
         batch = [first]
-        deadline = time.monotonic() + LINGER_SECONDS
+        deadline = time.monotonic() + self.linger_seconds
         all_passed = first[0].verdict == "pass"
         while len(batch) < MAX_BATCH:
             wait = deadline - time.monotonic() if all_passed else 0.0

@@ -37,9 +37,16 @@ def smallest_pool(reading: ServerCapacity) -> int | None:
 class TargetFacts:
     """Calibration and pools by target and node; ``clients`` are the targets' clients by name."""
 
-    def __init__(self, clients: Mapping[str, Any], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        clients: Mapping[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+        wait_seconds: float = FACT_WAIT_SECONDS,
+    ):
         self.clients = clients
         self.clock = clock
+        #: How long a batch waits for a reading (``FACT_WAIT_SECONDS``).
+        self.wait_seconds = wait_seconds
         self._counted: dict[str, float] = {}  # when the judge last counted SAMPLE_TEXT, by target
         self._pools: dict[tuple[str, str], tuple[float, int | None]] = {}
         self._reading: dict[tuple[str, str], asyncio.Task[int | None]] = {}
@@ -64,7 +71,7 @@ class TargetFacts:
                 self._counted[target] = now
                 counting = _background(client.count_tokens(SAMPLE_TEXT))  # type: ignore[union-attr]
                 with contextlib.suppress(TimeoutError):  # noted by the calibration when it comes
-                    await asyncio.wait_for(asyncio.shield(counting), FACT_WAIT_SECONDS)
+                    await asyncio.wait_for(asyncio.shield(counting), self.wait_seconds)
         return calibration.chars_per_token  # type: ignore[no-any-return]
 
     async def pool(self, target: str, node: str) -> int | None:
@@ -79,7 +86,7 @@ class TargetFacts:
             reading = self._reading[key] = _background(self._read_pool(target, node, now))
             reading.add_done_callback(lambda _: self._reading.pop(key, None))
         try:
-            return await asyncio.wait_for(asyncio.shield(reading), FACT_WAIT_SECONDS)
+            return await asyncio.wait_for(asyncio.shield(reading), self.wait_seconds)
         except TimeoutError:
             return kept[1] if kept is not None else None
 

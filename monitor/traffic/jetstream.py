@@ -89,8 +89,17 @@ class ConsumerGone(Exception):
 class TrafficStream:
     """Consumes this replica's partitions of the traffic stream into ``pipeline``; see the module doc."""
 
-    def __init__(self, cfg: JetStreamConfig, pipeline: TrafficPipeline, replica: str, token: str | None):
+    def __init__(
+        self,
+        cfg: JetStreamConfig,
+        pipeline: TrafficPipeline,
+        replica: str,
+        token: str | None,
+        stop_wait_seconds: float = STOP_WAIT_SECONDS,
+    ):
         self.cfg = cfg
+        #: How long a handed-over partition's batch in hand may take to finish (``STOP_WAIT_SECONDS``).
+        self.stop_wait_seconds = stop_wait_seconds
         self.pipeline = pipeline
         self.replica = replica
         self._token = token
@@ -214,7 +223,7 @@ class TrafficStream:
         stopping.set()
         # A batch being judged finishes; one still going after STOP_WAIT_SECONDS (well within the
         # lease the other claims are refreshed in) is cut, and delivered again after ack_wait.
-        _, pending = await asyncio.wait({task}, timeout=STOP_WAIT_SECONDS)
+        _, pending = await asyncio.wait({task}, timeout=self.stop_wait_seconds)
         for hung in pending:
             hung.cancel()
         self._pending.pop(n, None)

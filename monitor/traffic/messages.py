@@ -73,8 +73,13 @@ def by_partition(pulled: list[Pulled], partition: int, partitions: int) -> tuple
     the others, which belong to another partition's window, or to none (a copy published on several)."""
     own: list[Pulled] = []
     others: list[Pulled] = []
+    hashed: dict[str, int] = {}  # a pull's records name a few deployments: each hashed once
     for p in pulled:
-        (own if partition_of(p.record.api_base, partitions) == partition else others).append(p)
+        api_base = p.record.api_base
+        found = hashed.get(api_base)
+        if found is None:
+            found = hashed[api_base] = partition_of(api_base, partitions)
+        (own if found == partition else others).append(p)
     return own, others
 
 

@@ -25,7 +25,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from kvcanary.monitor.api.runbooks import RUNBOOKS_DIR
 from kvcanary.monitor.config.settings import Settings, parse_settings
 from kvcanary.monitor.metrics.registry import MonitorMetrics
-from kvcanary.monitor.paging import pager as pager_module
 from kvcanary.monitor.paging.links import link_signature
 from kvcanary.monitor.paging.pager import ALERTNAMES, Delivery, Pager
 from kvcanary.monitor.storage import outbox
@@ -254,13 +253,10 @@ def test_a_wrong_path_or_a_proxy_answering_404_holds_the_alert_back_for_a_retry(
     assert asyncio.run(pager.drain()) == 1
 
 
-def test_slow_alertmanagers_never_outlast_a_claim(
-    session_factory: Factory, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_slow_alertmanagers_never_outlast_a_claim(session_factory: Factory) -> None:
     """Posting a claimed batch stops at half the lease and hands the rest back: a claim that lapsed
     mid-batch would let another pager send the same events again, and out of order."""
     lease = 1.0
-    monkeypatch.setattr(pager_module, "LEASE_SECONDS", lease)
     claimed_at: list[float] = []
     held: list[float] = []  # for each post, how long the claim holding it had run when it ended
 
@@ -278,7 +274,7 @@ def test_slow_alertmanagers_never_outlast_a_claim(
         record(session_factory, "leak", at=minutes(0), target=name)
     delivery = Delivery({"http://am.test": {}}, MonitorMetrics(CollectorRegistry()), 5,
                         transport=httpx.MockTransport(slow))  # fmt: skip
-    pager = Timed(settings_for("http://am.test"), session_factory, delivery)
+    pager = Timed(settings_for("http://am.test"), session_factory, delivery, lease_seconds=lease)
     assert asyncio.run(pager.drain()) == 6
     assert len(held) == 6 and max(held) < lease, held  # every event sent once, within its claim
     assert all(e.processed_at is not None and e.attempts == 1 for e in events(session_factory))

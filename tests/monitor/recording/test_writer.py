@@ -34,11 +34,13 @@ class CountingRecorder(Recorder):
         return super().record_many(items)
 
 
-def writer_for(session_factory: Factory) -> tuple[BatchWriter, CountingRecorder]:
+def writer_for(
+    session_factory: Factory, linger_seconds: float = writer_module.LINGER_SECONDS
+) -> tuple[BatchWriter, CountingRecorder]:
     config = settings_for()
     recorder = CountingRecorder(config, session_factory, Spool(None))
     recorder.batches = []
-    return BatchWriter(recorder), recorder
+    return BatchWriter(recorder, linger_seconds), recorder
 
 
 async def submit_all(writer: BatchWriter, verdicts: list[str]) -> list:  # type: ignore[type-arg]
@@ -67,11 +69,10 @@ def test_passes_arriving_together_share_one_transaction(session_factory: Factory
 
 
 def test_a_leak_is_written_at_once_whatever_the_linger(
-    session_factory: Factory, monkeypatch: pytest.MonkeyPatch
+    session_factory: Factory,
 ) -> None:
     """With passes lingering for a minute, a leak must still be recorded (and its incident open) now."""
-    monkeypatch.setattr(writer_module, "LINGER_SECONDS", 60.0)
-    writer, recorder = writer_for(session_factory)
+    writer, recorder = writer_for(session_factory, linger_seconds=60.0)
 
     async def scenario() -> list:  # type: ignore[type-arg]
         return await asyncio.wait_for(submit_all(writer, ["pass", "pass", "leak"]), timeout=20)
@@ -87,10 +88,9 @@ def test_a_leak_is_written_at_once_whatever_the_linger(
 
 
 def test_close_records_what_is_still_waiting(
-    session_factory: Factory, monkeypatch: pytest.MonkeyPatch
+    session_factory: Factory,
 ) -> None:
-    monkeypatch.setattr(writer_module, "LINGER_SECONDS", 60.0)
-    writer, _ = writer_for(session_factory)
+    writer, _ = writer_for(session_factory, linger_seconds=60.0)
 
     async def scenario() -> None:
         runs = asyncio.ensure_future(submit_all(writer, ["pass"] * 5))

@@ -26,7 +26,6 @@ from kvcanary.monitor.storage.db import make_engine, make_session_factory, upgra
 from kvcanary.monitor.storage.judged_rows import mark_judged, prune_judged
 from kvcanary.monitor.storage.models import TrafficJudged
 from kvcanary.monitor.storage.retention import in_batches
-from kvcanary.monitor.traffic import jetstream as traffic_stream
 from kvcanary.monitor.traffic.jetstream import TrafficStream
 from kvcanary.monitor.traffic.messages import decode
 from kvcanary.monitor.traffic.stream_setup import durable_name, verify
@@ -137,7 +136,6 @@ def test_a_batch_cut_at_a_hand_over_while_being_stored_is_recorded_too(
     """The consumer of a partition handed over is cut after STOP_WAIT_SECONDS; its batch's rows and
     marks commit in the database's thread all the same, so its results must reach the port too:
     the redelivery finds the marks and records nothing."""
-    monkeypatch.setattr(traffic_stream, "STOP_WAIT_SECONDS", 0.1)
     cfg = stream_names.settings()
     port = Port()
     factory, ingest = in_process(tmp_path, cfg, port)
@@ -156,7 +154,7 @@ def test_a_batch_cut_at_a_hand_over_while_being_stored_is_recorded_too(
         sender = tap(stream_names)
         for i in range(5):
             sender.put(exchange(i))
-        stream = TrafficStream(cfg, ingest, "replica-a", None)
+        stream = TrafficStream(cfg, ingest, "replica-a", None, stop_wait_seconds=0.1)
         stream.start()
         try:
             await until("a batch being stored", writing.is_set)
