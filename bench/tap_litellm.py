@@ -8,9 +8,10 @@ exchanges (three quarters prompt, one quarter answer), p50 and p99 in millisecon
 - ``proxy+noop``: through LiteLLM with a logging callback that does nothing (what any logging
   callback costs there: LiteLLM builds its logging payload once one is registered);
 - ``proxy+tap``: through LiteLLM with ``kvcanary.tap.litellm.tap`` posting to a sink;
-- ``proxy+tap+q``: the same with the quarantine filter on (``KVCANARY_TAP_QUARANTINE=1``, issue 36),
-  the sink serving a set of 50 quarantined deployments, none of them this group's: what the filter
-  adds to every request that it lets through.
+- ``proxy+tap+q``: the same with the quarantine filter and the admission guard on
+  (``KVCANARY_TAP_QUARANTINE=1``, issue 36), the sink serving a set of 50 quarantined deployments,
+  none of them this group's, and a guard on this group's deployment whose pool (a million tokens)
+  holds every prompt sent: what the two add to every request that they let through.
 
 The backend is a small OpenAI-shaped server that answers at once with a reply of the asked size,
 and the sink takes every batch: what is timed is the gateway, not an engine or a monitor.
@@ -40,7 +41,7 @@ from tests.support.litellm import CALLERS, litellm_ready, start_proxy
 NOOP = "from litellm.integrations.custom_logger import CustomLogger\n\nnoop = CustomLogger()\n"
 SIZES = {"1KB": 1024, "16KB": 16 * 1024, "1MB": 1024 * 1024}
 #: 50 quarantined deployments on other hosts: the filter looks each of the group's up and keeps it.
-QUARANTINE_SET = {
+QUARANTINE_SET: dict[str, object] = {
     "version": 1,
     "generated_at": "2026-12-03T12:00:00Z",
     "deployments": [
@@ -113,6 +114,41 @@ def timings(url: str, key: str, size: int, n: int) -> tuple[float, float]:
     return took[len(took) // 2], took[min(len(took) - 1, int(len(took) * 0.99))]
 
 
+def guard_facts(backend: str) -> list[dict[str, object]]:
+    """A guard on the backend's deployment with a pool that holds every prompt of the run (its
+    1 MB exchange's prompt included, by its bytes): the guard's cost on requests it lets through."""
+    from kvcanary.wire import api_base_key
+
+    return [{"target": "shop", "api_bases": [api_base_key(backend)], "mode": "enforce",
+             "kv_pool_tokens": 1_000_000, "chars_per_token": 4.2}]  # fmt: skip
+
+
+def guard_cost(backend: str, size: int, n: int = 20_000) -> tuple[float, float]:
+    """The admission guard's own time per request in this process (p50, p99 in microseconds) for a
+    chat prompt of ``size`` characters that the pool holds."""
+    import asyncio
+
+    from kvcanary.tap.admission import AdmissionGuard
+    from kvcanary.tap.quarantine import QuarantineWatch
+
+    watch = QuarantineWatch(backend, "bench-token-0123456789", start=False)
+    assert watch.poll_once() and watch.current.guards, "the backend's guards were not read"
+    guard = AdmissionGuard(watch, count=lambda target, mode: None)
+    group = [{"model_name": "shop", "litellm_params": {"api_base": f"{backend}/v1"}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT[:size]}]
+
+    async def run() -> list[float]:
+        took = []
+        for _ in range(n):
+            start = time.perf_counter()
+            await guard.admit("shop", group, messages, None)
+            took.append((time.perf_counter() - start) * 1e6)
+        return took
+
+    took = sorted(asyncio.run(run()))
+    return took[n // 2], took[int(n * 0.99)]
+
+
 def filter_cost(backend: str, n: int = 20_000) -> tuple[float, float]:
     """The quarantine filter's own time per request in this process (p50, p99 in microseconds): the
     set the backend serves, a group of three deployments of which none is quarantined."""
@@ -143,6 +179,7 @@ def main() -> None:
     if not litellm_ready():
         sys.exit("no LiteLLM venv: run bash scripts/setup-litellm.sh")
     backend = serve()
+    QUARANTINE_SET["guards"] = guard_facts(backend)
     key = next(iter(CALLERS))
     tap_env = {"KVCANARY_TAP_URL": backend, "KVCANARY_TAP_TOKEN": "bench-token-0123456789",
                "KVCANARY_TAP_KEY": "bench-fingerprint-key-0123456789"}  # fmt: skip
@@ -174,8 +211,12 @@ def main() -> None:
                 added = f"the proxy {proxy:.2f}, a callback {callback:.2f}, the tap {tap:.2f}, "
                 added += f"the filter {fence[0]:.2f} (p99 {fence[1]:.2f})"
                 print(f"{label:>8}  p50 added: {added}")
-            p50, p99 = filter_cost(backend)
-            print(f"the quarantine filter in process: p50 {p50:.1f} us, p99 {p99:.1f} us per request")
+            median, tail = filter_cost(backend)
+            print(f"the quarantine filter in process: p50 {median:.1f} us, p99 {tail:.1f} us per request")
+            for label, size in SIZES.items():
+                median, tail = guard_cost(backend, size * 3 // 4, 20_000 if size < 100_000 else 2_000)
+                said = f"p50 {median:.1f} us, p99 {tail:.1f} us"
+                print(f"the admission guard in process, {label} exchange: {said}")
         finally:
             for started in proxies.values():
                 stop_process(started.proc)

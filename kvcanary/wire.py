@@ -39,6 +39,11 @@ RECORDS_HEADER = "Kvcanary-Records"
 #: Records one batch may report dropped (its ``dropped``): one input cannot move the monitor's drop
 #: counter by more; a tap with more to report reports the rest with its next batches.
 MAX_DROPPED = 10**6
+#: How many times denser than the densest text the monitor measured on a target (characters per
+#: token) a prompt must seem before its size alone is taken as sure: the traffic tokens check calls a
+#: count below it impossible, and the gateway's admission guard, with no count from the
+#: deployment's tokenizer, refuses only a prompt over the pool at that density.
+SURE_DENSITY_MARGIN = 8.0
 #: The characters stripped around an ``api_base`` (ASCII whitespace; not Python's wider ``strip()``).
 BLANKS = " \t\n\v\f\r"
 #: The path suffix of an OpenAI-compatible API, stripped once after trailing slashes.

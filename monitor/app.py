@@ -22,6 +22,8 @@ from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from kvcanary.monitor.admission import REFRESH_SECONDS as ADMISSION_REFRESH_SECONDS
+from kvcanary.monitor.admission import AdmissionFacts
 from kvcanary.monitor.api.main import build_http_app
 from kvcanary.monitor.api.state import ApiState
 from kvcanary.monitor.config.secrets import (
@@ -176,6 +178,9 @@ class Monitor:
             lambda: [t.name for t in self.settings.targets],
             lambda: [(q.target, q.enforced) for q in self.containment.known],
         )
+        # What the gateways need to refuse a prompt a deployment's pool cannot hold (monitor/admission.py).
+        self.admission = AdmissionFacts(lambda: self.settings, self.clients)
+        self._admission_read: asyncio.Task[None] | None = None
         # Nodes found from SGLang gateways (monitor/runs/discovery.py), taken up as a reload would.
         self.discovery = GatewayDiscovery(settings, self.http, limits)
         self.scheduler = build_scheduler(
@@ -184,6 +189,7 @@ class Monitor:
             housekeeping=[
                 ("gateway-discovery", self.discover, DISCOVERY_TICK_SECONDS),
                 ("containment", self.contain, CONTAINMENT_SECONDS),
+                ("admission-guard", self.admission.refresh, ADMISSION_REFRESH_SECONDS),
                 ("prune", self.prune, PRUNE_INTERVAL_SECONDS),
                 ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
                 ("heartbeat", self.heartbeat, HEARTBEAT_SECONDS),
@@ -315,6 +321,8 @@ class Monitor:
             self._pager_task = asyncio.get_running_loop().create_task(self.pager.run_forever())
         if self.stream is not None:
             self.stream.start()
+        # The gateways' admission facts now, not a refresh interval after start.
+        self._admission_read = self._loop.create_task(self.admission.refresh())
 
     def begin_shutdown(self) -> None:
         """Stop scheduling now (a signal arrived); :meth:`stop` follows once uvicorn lets go."""
@@ -391,6 +399,7 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
         traffic=monitor.traffic,
         judge=monitor.traffic.judge,
         containment=monitor.containment,
+        admission=monitor.admission,
     )
     app = build_http_app(state, lifespan=lifespan)
     # Routers read the settings in force: a reload hands them the new ones.

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcanary.tap.fingerprints import Fingerprinter
+from kvcanary.tap.gateway_metrics import gateway_counter
 from kvcanary.tap.record import Exchange, summarize
 from kvcanary.tap.sender import Sender, Transport
 
@@ -85,7 +86,11 @@ class Tap:
     ):
         """``url``: the monitor (http, https) or NATS (nats, tls); ``partitions``,
         ``subject_prefix`` and ``nats_user`` are NATS's only."""
-        self._drops = _drop_counter()
+        self._drops = gateway_counter(
+            "kvcanary_tap_records_dropped",
+            "Traffic records the kvcanary tap dropped: the monitor was down or slow too long, "
+            "or refused them.",
+        )
         timeout = sender.get("timeout_seconds", 5.0)
         transport = _transport(url, token, partitions, subject_prefix, timeout, nats_user)
         self.sender = Sender(
@@ -215,19 +220,3 @@ def _transport(
         url, token, partitions=partitions, subject_prefix=subject_prefix, timeout_seconds=timeout_seconds,
         user=nats_user,
     )  # fmt: skip
-
-
-def _drop_counter() -> Any:
-    """Return a callable counting dropped records in the gateway's own metrics (prometheus-client,
-    where the gateway has it: LiteLLM does), or a no-op."""
-    try:
-        from prometheus_client import REGISTRY, Counter
-    except ImportError:
-        return lambda n: None
-    name = "kvcanary_tap_records_dropped"
-    existing = REGISTRY._names_to_collectors.get(f"{name}_total")  # one counter per process
-    counter: Any = existing or Counter(
-        name,
-        "Traffic records the kvcanary tap dropped: the monitor was down or slow too long, or refused them.",
-    )
-    return lambda n: counter.inc(n)

@@ -16,7 +16,8 @@ its logging callbacks (:func:`flush_in_proxy_shutdown`): the proxy, like uvicorn
 by raising SIGTERM again, so the process dies by the signal and no exit hook would run.
 
 With ``KVCANARY_TAP_QUARANTINE=1`` the same callback also keeps the deployments the monitor
-quarantined out of routing (:class:`KVCanaryQuarantiningTap`, ``kvcanary/tap/litellm_quarantine.py``);
+quarantined out of routing (:class:`KVCanaryQuarantiningTap`, ``kvcanary/tap/litellm_quarantine.py``),
+and prompts off deployments whose pool surely cannot hold them (``kvcanary/tap/admission.py``);
 without it the callback is the plain tap and LiteLLM runs no deployment filter for it.
 
 If the proxy cannot import an installed module by that path, put a file ``kvcanary_tap.py``
@@ -35,6 +36,7 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from kvcanary.tap import Tap
+from kvcanary.tap.admission import AdmissionGuard
 from kvcanary.tap.litellm_payload import exchange_of
 from kvcanary.tap.litellm_quarantine import QuarantineFilter
 from kvcanary.tap.quarantine import watch_from_env
@@ -85,13 +87,15 @@ class KVCanaryTap(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type 
 
 
 class KVCanaryQuarantiningTap(KVCanaryTap):
-    """The tap, and LiteLLM's router kept off the deployments the monitor quarantined: LiteLLM runs
-    a callback's ``async_filter_deployments`` only where its class overrides it, hence a class of
-    its own."""
+    """The tap, and LiteLLM's router kept off the deployments the monitor quarantined and, where
+    the monitor publishes a target's admission facts, off those whose KV pool surely cannot hold
+    the prompt (``kvcanary/tap/admission.py``): LiteLLM runs a callback's
+    ``async_filter_deployments`` only where its class overrides it, hence a class of its own."""
 
-    def __init__(self, tap: Tap, quarantine: QuarantineFilter):
+    def __init__(self, tap: Tap, quarantine: QuarantineFilter, guard: AdmissionGuard | None = None):
         super().__init__(tap)
         self.quarantine = quarantine
+        self.guard = guard
 
     async def async_filter_deployments(
         self,
@@ -101,7 +105,10 @@ class KVCanaryQuarantiningTap(KVCanaryTap):
         request_kwargs: dict[str, Any] | None = None,
         parent_otel_span: Any = None,
     ) -> list[Any]:
-        return self.quarantine.keep(model, healthy_deployments)
+        kept = self.quarantine.keep(model, healthy_deployments)
+        if self.guard is None:
+            return kept
+        return await self.guard.admit(model, kept, messages, request_kwargs)
 
 
 def callback_from_env() -> KVCanaryTap:
@@ -110,7 +117,7 @@ def callback_from_env() -> KVCanaryTap:
     watch = watch_from_env()
     if watch is None:
         return KVCanaryTap(tap)
-    return KVCanaryQuarantiningTap(tap, QuarantineFilter(watch))
+    return KVCanaryQuarantiningTap(tap, QuarantineFilter(watch), AdmissionGuard(watch))
 
 
 def flush_in_proxy_shutdown(tap: Tap) -> bool:

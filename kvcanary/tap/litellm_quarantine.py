@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from kvcanary.tap.gateway_metrics import gateway_counter
 from kvcanary.tap.quarantine import QuarantineEntry, QuarantineSet, QuarantineWatch
 from kvcanary.wire import api_base_key
 
@@ -60,7 +61,12 @@ class QuarantineFilter:
         """``count(target, mode)``: called once per request a target's entry filtered (``enforced``)
         or would have (``observe``); default: the gateway's Prometheus counter, where it has one."""
         self.watch = watch
-        self._count = count or _request_counter()
+        self._count = count or gateway_counter(
+            "kvcanary_tap_quarantined_requests",
+            "Requests kvcanary's quarantine kept off a target's deployments (mode enforced), or would have "
+            "(mode observe).",
+            ("target", "mode"),
+        )
         #: Requests per (target, mode), as ``count`` was told: for tests and a gateway's own views.
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self._keys: dict[str, str] = {}
@@ -127,21 +133,3 @@ class QuarantineFilter:
             "by kvcanary, %s (enforced, it would have been kept off it)",
             model_group, entry.describe(),
         )  # fmt: skip
-
-
-def _request_counter() -> Callable[[str, str], None]:
-    """Return a callable counting filtered requests in the gateway's own metrics (prometheus-client,
-    where the gateway has it: LiteLLM does), or a no-op."""
-    try:
-        from prometheus_client import REGISTRY, Counter
-    except ImportError:
-        return lambda target, mode: None
-    name = "kvcanary_tap_quarantined_requests"
-    existing = REGISTRY._names_to_collectors.get(f"{name}_total")  # one counter per process
-    counter: Any = existing or Counter(
-        name,
-        "Requests kvcanary's quarantine kept off a target's deployments (mode enforced), or would have "
-        "(mode observe).",
-        ["target", "mode"],
-    )
-    return lambda target, mode: counter.labels(target=target, mode=mode).inc()

@@ -64,17 +64,29 @@ class QuarantineEntry:
 
 
 @dataclass(frozen=True)
+class GuardEntry:
+    """One guarded target's admission facts (``kvcanary/tap/admission.py`` applies them)."""
+
+    target: str
+    enforced: bool  # False: the observe policy, count what would be refused
+    kv_pool_tokens: int
+    chars_per_token: float | None
+
+
+@dataclass(frozen=True)
 class QuarantineSet:
     """The deployments quarantined, by api_base key (``kvcanary.wire.api_base_key``): ``enforced``
-    ones are kept out of routing, ``observed`` ones (the policy ``observe``) only counted."""
+    ones are kept out of routing, ``observed`` ones (the policy ``observe``) only counted; and the
+    admission guard's facts by the same keys."""
 
     enforced: dict[str, QuarantineEntry] = field(default_factory=dict)
     observed: dict[str, QuarantineEntry] = field(default_factory=dict)
     generated_at: str = ""
+    guards: dict[str, GuardEntry] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        return not self.enforced and not self.observed
+        return not self.enforced and not self.observed and not self.guards
 
 
 EMPTY = QuarantineSet()
@@ -97,7 +109,34 @@ def parse_quarantine(body: bytes) -> QuarantineSet:
             (enforced if entry.enforced else observed)[key] = entry
     for key in enforced:  # a deployment both enforced and observed is enforced
         observed.pop(key, None)
-    return QuarantineSet(enforced, observed, printable_name(document.get("generated_at", "")))
+    guards = _guards_of(document.get("guards", []))
+    return QuarantineSet(enforced, observed, printable_name(document.get("generated_at", "")), guards)
+
+
+def _guards_of(items: Any) -> dict[str, GuardEntry]:
+    """Return the ``guards`` of an answer by api_base key (absent: none, as from a monitor that
+    predates them); raise ValueError for anything not the contract's."""
+    if not isinstance(items, list):
+        raise ValueError("'guards' is not a list")
+    guards: dict[str, GuardEntry] = {}
+    for item in items:
+        if not isinstance(item, dict):
+            raise ValueError("a guard is not an object")
+        target, api_bases, mode = item.get("target"), item.get("api_bases"), item.get("mode")
+        pool, density = item.get("kv_pool_tokens"), item.get("chars_per_token")
+        if not isinstance(target, str) or not target:
+            raise ValueError("a guard has no target")
+        if not isinstance(api_bases, list) or not all(isinstance(b, str) and b for b in api_bases):
+            raise ValueError(f"guard of {target!r}: 'api_bases' is not a list of keys")
+        if mode not in ("observe", "enforce"):
+            raise ValueError(f"guard of {target!r}: 'mode' is neither observe nor enforce")
+        if not isinstance(pool, int) or isinstance(pool, bool) or pool <= 0:
+            raise ValueError(f"guard of {target!r}: 'kv_pool_tokens' is not a positive integer")
+        if density is not None and (not isinstance(density, (int, float)) or not 0 < density < 1e6):
+            raise ValueError(f"guard of {target!r}: 'chars_per_token' is not a positive number")
+        entry = GuardEntry(printable_name(target), mode == "enforce", pool, density)
+        guards.update(dict.fromkeys(api_bases, entry))
+    return guards
 
 
 def _entry_of(item: Any) -> tuple[QuarantineEntry, list[str]]:

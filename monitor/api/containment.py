@@ -38,10 +38,24 @@ class QuarantineOut(_Out):
     since: datetime
 
 
+class GuardOut(_Out):
+    target: str
+    api_bases: list[str] = Field(description="The api_base keys (kvcanary.wire.api_base_key) routed to it.")
+    mode: str = Field(description="observe: count what would be refused; enforce: refuse it.")
+    kv_pool_tokens: int = Field(description="The smallest KV pool of the nodes that admit its requests.")
+    chars_per_token: float | None = Field(
+        description="The most characters a token of its tokenizer held in the monitor's probes."
+    )
+
+
 class QuarantineSet(_Out):
     version: int
     generated_at: datetime
     deployments: list[QuarantineOut]
+    guards: list[GuardOut] = Field(
+        default_factory=list,
+        description="The admission guard's facts (monitor/admission.py); absent to a tap that predates it.",
+    )
 
 
 class QuarantineBody(_Out):
@@ -55,10 +69,19 @@ def _containment(request: Request) -> Containment:
     return containment
 
 
-def _out(request: Request, entry: Quarantine) -> QuarantineOut:
+def _api_bases(request: Request, target: str) -> list[str]:
     routes = routes_of(api_state(request).settings)
-    bases = sorted(key for key, (target, _) in routes.items() if target == entry.target)
-    return QuarantineOut(api_bases=bases, **entry.__dict__)
+    return sorted(key for key, (routed, _) in routes.items() if routed == target)
+
+
+def _out(request: Request, entry: Quarantine) -> QuarantineOut:
+    return QuarantineOut(api_bases=_api_bases(request, entry.target), **entry.__dict__)
+
+
+def _guards(request: Request) -> list[GuardOut]:
+    admission = api_state(request).admission
+    facts = admission.current() if admission is not None else []
+    return [GuardOut(api_bases=_api_bases(request, f.target), **f.__dict__) for f in facts]
 
 
 @set_router.get(
@@ -69,12 +92,15 @@ def _out(request: Request, entry: Quarantine) -> QuarantineOut:
 async def quarantine_set(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
 ) -> QuarantineSet:
-    """Return every quarantined target with the api_base keys a tap compares its deployments' with;
-    ``enforced: false`` entries are the observe policy's (count, do not filter)."""
+    """Return every quarantined target with the api_base keys a tap compares its deployments' with
+    (``enforced: false`` entries are the observe policy's: count, do not filter), and the admission
+    guard's facts of the guarded targets."""
     require_ingest(request, credentials)
     current = await asyncio.to_thread(_containment(request).current)
     items = [_out(request, entry) for entry in current]
-    return QuarantineSet(version=SET_VERSION, generated_at=datetime.now(UTC), deployments=items)
+    return QuarantineSet(
+        version=SET_VERSION, generated_at=datetime.now(UTC), deployments=items, guards=_guards(request)
+    )
 
 
 Name = Annotated[str, Path(pattern=NAME_PATTERN)]

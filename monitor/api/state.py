@@ -15,6 +15,7 @@ from fastapi import Request
 from sqlalchemy.orm import Session, sessionmaker
 
 if TYPE_CHECKING:
+    from kvcanary.monitor.admission import AdmissionFacts
     from kvcanary.monitor.config.settings import Settings
     from kvcanary.monitor.containment import Containment
     from kvcanary.monitor.runs.run_now import RunNow
@@ -47,6 +48,8 @@ class ApiState:
     judge: TrafficJudge | None = None
     #: The quarantine set and its changes by hand; None: not served here.
     containment: Containment | None = None
+    #: The admission guard's facts the quarantine set carries; None: no guard served here.
+    admission: AdmissionFacts | None = None
 
 
 def api_state(request: Request) -> ApiState:

@@ -77,6 +77,9 @@ class Strict(BaseModel):
 
 
 Containment = Literal["observe", "quarantine"]
+#: ``off``: the gateways get no admission facts; ``observe``: they count what they would refuse;
+#: ``enforce``: they refuse it (``monitor/admission.py``).
+AdmissionGuard = Literal["off", "observe", "enforce"]
 
 
 class ContainmentPolicy(Strict):
@@ -88,6 +91,9 @@ class ContainmentPolicy(Strict):
     # A quarantine by an incident ends once the incident resolved and the target then went this
     # long without any failure: a deployment that leaks one request in four never gets there.
     lift_after_seconds: float = Field(3600.0, ge=0, le=30 * DAY)
+    # Whether the gateways refuse, before any upstream call, a prompt the target's smallest
+    # measured KV pool surely cannot hold (the admission check the incident's engine lacked).
+    admission_guard: AdmissionGuard = "off"
 
 
 class TargetContainment(Strict):
@@ -95,6 +101,7 @@ class TargetContainment(Strict):
 
     mode: Containment | None = None
     lift_after_seconds: float | None = Field(None, ge=0, le=30 * DAY)
+    admission_guard: AdmissionGuard | None = None
 
 
 class TenantConfig(Strict):
