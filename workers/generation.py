@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +26,8 @@ from kvcanary.workers.errors import WorkerError
 from kvcanary.workers.protocol import GenerationRequest, ResponseShape, Usage
 from kvcanary.workers.request import ErrorEvent, Event, FinishEvent, Request, TokenEvent
 from kvcanary.workers.tokenizer import StreamDecoder, decode
+
+T = TypeVar("T")
 
 #: How often a plain answer's handler looks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.01
@@ -122,7 +124,7 @@ async def respond(
         if body.stream:
             events = _sse(engine, request, shape, channel, first, include_usage=body.include_usage)
             return ClosingStream(events, media_type="text/event-stream")
-        answer = await _unless_gone(http, _collect(shape, channel, first))
+        answer = await unless_gone(http, _collect(shape, channel, first))
         if answer is None:  # nobody to answer; 499 as nginx logs a client that closed its request
             engine.abort(request)
             return Response(status_code=499)
@@ -132,9 +134,7 @@ async def respond(
         raise
 
 
-async def _unless_gone(
-    http: HttpRequest | None, answer: Coroutine[Any, Any, dict[str, Any]]
-) -> dict[str, Any] | None:
+async def unless_gone(http: HttpRequest | None, answer: Coroutine[Any, Any, T]) -> T | None:
     """Return ``answer``'s result, or None as soon as the client disconnects before it is ready.
 
     Starlette cancels nothing when the client of a plain answer leaves, so the engine would decode

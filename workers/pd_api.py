@@ -25,13 +25,22 @@ from fastapi.responses import JSONResponse, Response
 from kvcanary.workers.admission import AdmissionRejected
 from kvcanary.workers.engine import Engine
 from kvcanary.workers.errors import WorkerError
-from kvcanary.workers.generation import EventChannel, error_of, generate, rejection_error, respond
-from kvcanary.workers.pd_serving import DecodeEngine, PrefillEngine
-from kvcanary.workers.pd_transfer import HandoffFailed, fetch_kv
+from kvcanary.workers.generation import (
+    EventChannel,
+    error_of,
+    generate,
+    rejection_error,
+    respond,
+    unless_gone,
+)
+from kvcanary.workers.pd_serving import CLIENT_GONE, DecodeEngine, PrefillEngine
+from kvcanary.workers.pd_transfer import HandoffFailed, abandon_room, fetch_kv
 from kvcanary.workers.protocol import GenerationRequest, ResponseShape, Usage
 from kvcanary.workers.request import ErrorEvent, FinishEvent
 
 TRANSFER_SECONDS_HEADER = "X-KVCanary-KV-Transfer-Seconds"
+#: How long a decode server tries to tell a prefill server that it refused a room (a local hop).
+ABANDON_TIMEOUT_SECONDS = 1.0
 
 
 async def serve_generation(
@@ -49,7 +58,7 @@ async def serve_generation(
     fields = {"tenant": tenant, "cache_salt": body.cache_salt, "adapter": adapter}
     client = body.rid or client_id or body.user
     if isinstance(engine, PrefillEngine):
-        return await _prefill(engine, shape, prompt_ids, body, client_id=client, **fields)
+        return await _prefill(engine, shape, prompt_ids, body, http, client_id=client, **fields)
     if isinstance(engine, DecodeEngine):
         return await _decode(engine, shape, prompt_ids, body, http, client_id=client, **fields)
     return await generate(
@@ -75,9 +84,11 @@ async def _prefill(
     shape: ResponseShape,
     prompt_ids: list[int],
     body: GenerationRequest,
+    http: HttpRequest,
     **fields: object,
 ) -> Response:
-    """Compute the room's prompt and answer once the decode server has its K/V."""
+    """Compute the room's prompt and answer once the decode server has its K/V; a client that
+    leaves first (a gateway whose decode leg failed) aborts it, freeing the room's pages."""
     _, _, room = _bootstrap(body)
     channel = EventChannel()
     try:
@@ -85,10 +96,14 @@ async def _prefill(
     except AdmissionRejected as rejected:
         raise rejection_error(rejected) from None
     try:
-        event = await channel.next()  # the finish once the decode server took the K/V, or an error
+        # The finish once the decode server took the K/V, or an error; None once the client left.
+        event = await unless_gone(http, channel.next())
     except BaseException:
         engine.abort(request)
         raise
+    if event is None:
+        engine.abort(request)
+        return Response(status_code=CLIENT_GONE)
     if isinstance(event, ErrorEvent):
         raise error_of(event)
     cached = event.cached_tokens if isinstance(event, FinishEvent) else None
@@ -109,7 +124,10 @@ async def _decode(
     try:
         plan = engine.plan(prompt_ids, body.token_budget())
     except AdmissionRejected as rejected:
-        raise rejection_error(rejected) from None
+        error = rejection_error(rejected)
+        # The prefill server would hold the room's pages until it expires; tell it now.
+        await asyncio.to_thread(abandon_room, host, port, room, error.status, ABANDON_TIMEOUT_SECONDS)
+        raise error from None
     started = time.monotonic()
     try:
         handoff = await asyncio.to_thread(fetch_kv, host, port, room, engine.config.kv_transfer_timeout)

@@ -24,12 +24,14 @@ from kvcanary.workers.admission import AdmissionPlan, AdmissionRejected
 from kvcanary.workers.config import WorkerConfig
 from kvcanary.workers.engine import Engine
 from kvcanary.workers.metrics import WorkerMetrics
-from kvcanary.workers.pd_transfer import BootstrapServer, KVHandoff, RoomTable
+from kvcanary.workers.pd_transfer import BootstrapServer, KVHandoff, Outcome, RoomTable
 from kvcanary.workers.prefix_cache import PageLease
 from kvcanary.workers.request import ErrorEvent, FinishEvent, Request
 from kvcanary.workers.transfer import TransferManifest, read_positions, write_positions
 
 log = logging.getLogger("kvcanary.workers.pd_serving")
+#: The status a room let go because its client left is answered with (nginx's "client closed").
+CLIENT_GONE = 499
 TRANSFER_FAILED = ErrorEvent(500, "KV transfer to the decode server failed", "kv_transfer_failed", 500)
 
 
@@ -42,7 +44,7 @@ class PrefillEngine(Engine):
         assert config.bootstrap_port is not None  # WorkerConfig requires it in prefill mode
         self.bootstrap = BootstrapServer((config.host, config.bootstrap_port), self.rooms)
         self._held: dict[int, tuple[Request, PageLease]] = {}
-        self._handed: deque[tuple[int, bool]] = deque()
+        self._handed: deque[tuple[int, Outcome]] = deque()
 
     def start(self) -> None:
         """Start the bootstrap listener and the engine thread."""
@@ -101,12 +103,25 @@ class PrefillEngine(Engine):
         )
         self._held[request.request_id] = (request, lease)
         rid = request.request_id
-        self.rooms.stage(handoff, lambda sent: self._handed_off(rid, sent))
+        self.rooms.stage(handoff, lambda outcome: self._handed_off(rid, outcome))
+        if request.aborted:  # its client left while it was computed
+            self.rooms.abandon(room, CLIENT_GONE)
 
-    def _handed_off(self, request_id: int, sent: bool) -> None:
+    def abort(self, request: Request) -> None:
+        """Stop ``request`` (its client went away); a room already staged is let go at once, its
+        pages freed, rather than held for a decode server until the hand-off times out (SGLang's
+        prefill server aborts a request whose client disconnected in the same way)."""
+        room = request.bootstrap_room
+        if request.request_id in self._held and room is not None:
+            self.metrics.requests_aborted.inc()
+            self.rooms.abandon(room, CLIENT_GONE)
+            return
+        super().abort(request)
+
+    def _handed_off(self, request_id: int, outcome: Outcome) -> None:
         """Called from the bootstrap thread: let the engine thread free the request's pages."""
         with self._wakeup:
-            self._handed.append((request_id, sent))
+            self._handed.append((request_id, outcome))
             self._wakeup.notify()
 
     def _finish_handed(self) -> None:
@@ -115,13 +130,16 @@ class PrefillEngine(Engine):
             with self._wakeup:
                 if not self._handed:
                     return
-                request_id, sent = self._handed.popleft()
+                request_id, outcome = self._handed.popleft()
             request, lease = self._held[request_id]
             self.prompt_pages.release(lease.pages)
-            if sent:
+            if outcome is True:
                 request.finished = True
                 plan = request.plan
                 self._emit(request, FinishEvent("stop", plan.prompt_tokens, 0, self._cached(request)))
+            elif outcome is not False:  # the decode server's refusal is this request's answer too
+                refused = f"the decode server refused room {request.bootstrap_room} ({outcome})"
+                self._emit(request, ErrorEvent(outcome, refused, "decode_refused", outcome))
             else:
                 self.metrics.kv_transfer_failures.labels(side="prefill").inc()
                 self._emit(request, TRANSFER_FAILED)

@@ -13,6 +13,11 @@ The protocol, every integer big-endian:
   ``room``, ``tenant``, ``request_id``, ``num_tokens``, ``src_pages``, ``input_ids``, ``head_dim``),
   then, when ``status`` is 200, the K rows and the V rows (``num_tokens * head_dim`` float32 each).
 - decode → prefill: one byte, ``b"\\x01"``, once it holds every byte (the transfer is done).
+- decode → prefill, on a connection of its own when the decode server refused the request (its
+  pool can never hold it): ``b"KVCX"``, version, room, the decode server's HTTP status (2 bytes).
+  The prefill server frees the room's pages at once and answers its request with that status,
+  where it would otherwise hold them until ``--kv-transfer-timeout`` runs out (the pool filling
+  with rooms nobody will take, so that even a small request waits).
 
 The header carries the same manifest as the in-process transfer (``workers.transfer``): under the
 placeholder defect it says ``num_tokens = 1`` while the decode server preallocated pages for the
@@ -39,8 +44,10 @@ import torch
 log = logging.getLogger("kvcanary.workers.pd_transfer")
 
 MAGIC = b"KVCB"
+ABANDON_MAGIC = b"KVCX"
 VERSION = 1
 _ASK = struct.Struct("!4sBQ")
+_STATUS = struct.Struct("!H")
 _ANSWER = struct.Struct("!4sI")
 _DONE = b"\x01"
 _MAX_HEADER = 16 << 20
@@ -90,18 +97,24 @@ class KVHandoff:
         }
 
 
+#: What a staged room's ``on_done`` hears: True when the decode server received every byte, False
+#: when the transfer failed or nobody asked in time, or the decode server's status when it refused.
+Outcome = bool | int
+
+
 @dataclass
 class _Staged:
     handoff: KVHandoff
-    on_done: Callable[[bool], None]
+    on_done: Callable[[Outcome], None]
     expiry: threading.Timer
 
 
 class RoomTable:
     """The prefill server's rooms: staged hand-offs waiting for their decode server, and refusals.
 
-    ``on_done`` of a staged room is called exactly once: True when the decode server received
-    every byte, False when the transfer failed or nobody asked within ``timeout`` seconds.
+    ``on_done`` of a staged room is called exactly once with its :data:`Outcome`: True when the
+    decode server received every byte, False when the transfer failed or nobody asked within
+    ``timeout`` seconds, the decode server's status when it abandoned the room.
     """
 
     def __init__(self, timeout: float) -> None:
@@ -109,15 +122,35 @@ class RoomTable:
         self._changed = threading.Condition()
         self._staged: dict[int, _Staged] = {}
         self._refused: dict[int, tuple[float, int, str]] = {}
+        # Rooms a decode server abandoned before prefill staged them: (until when, its status).
+        self._abandoned: dict[int, tuple[float, int]] = {}
 
-    def stage(self, handoff: KVHandoff, on_done: Callable[[bool], None]) -> None:
+    def stage(self, handoff: KVHandoff, on_done: Callable[[Outcome], None]) -> None:
         """Offer ``handoff`` to the decode server that asks for its room."""
         expiry = threading.Timer(self.timeout, self._expire, (handoff.room,))
         expiry.daemon = True
         with self._changed:
-            self._staged[handoff.room] = _Staged(handoff, on_done, expiry)
-            self._changed.notify_all()
+            abandoned = self._abandoned.pop(handoff.room, None)
+            if abandoned is None:
+                self._staged[handoff.room] = _Staged(handoff, on_done, expiry)
+                self._changed.notify_all()
+        if abandoned is not None:
+            on_done(abandoned[1])
+            return
         expiry.start()
+
+    def abandon(self, room: int, status: int) -> None:
+        """The room's decode server refused the request with ``status``: let go of its K/V now, or
+        as soon as it is staged."""
+        with self._changed:
+            staged = self._staged.pop(room, None)
+            if staged is None:
+                now = time.monotonic()
+                self._abandoned = {r: e for r, e in self._abandoned.items() if e[0] > now}
+                self._abandoned[room] = (now + self.timeout, status)
+        if staged is not None:
+            staged.expiry.cancel()
+            staged.on_done(status)
 
     def refuse(self, room: int, status: int, message: str) -> None:
         """Answer the room's decode server with ``status`` (the prefill server refused the request)."""
@@ -160,6 +193,10 @@ class _BootstrapHandler(socketserver.BaseRequestHandler):
         sock.settimeout(self.server.rooms.timeout)
         try:
             magic, version, room = _ASK.unpack(_read_exactly(sock, _ASK.size))
+            if magic == ABANDON_MAGIC and version == VERSION:
+                (status,) = _STATUS.unpack(_read_exactly(sock, _STATUS.size))
+                self.server.rooms.abandon(room, status)
+                return
         except (OSError, HandoffFailed, struct.error):
             return
         if magic != MAGIC or version != VERSION:
@@ -221,6 +258,16 @@ def fetch_kv(host: str, port: int, room: int, timeout: float) -> KVHandoff:
             return handoff
     except OSError as exc:
         raise HandoffFailed(500, f"KV transfer from {host}:{port} failed for room {room}: {exc}") from None
+
+
+def abandon_room(host: str, port: int, room: int, status: int, timeout: float) -> None:
+    """Tell the prefill server at ``host:port`` that this decode server refused ``room``'s request
+    with ``status`` (best effort: unreachable, the prefill server lets go when the room expires)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_ASK.pack(ABANDON_MAGIC, VERSION, room) + _STATUS.pack(status))
+    except OSError as exc:
+        log.info("KV room %d: could not tell %s:%d it was refused: %s", room, host, port, exc)
 
 
 def _read_handoff(sock: socket.socket, header: dict[str, Any], room: int) -> KVHandoff:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -193,12 +193,30 @@ class ProbeRunner:
         self._due[(target, kind)] = due
 
     async def run_scheduled(self, target_name: str, kind: str) -> list[RunSummary]:
-        """Run (target, kind) when the clock says so, if it is this replica's to run (``owns``)."""
+        """Run (target, kind) when the clock says so, if it is this replica's to run (``owns``).
+
+        Each node or path the run covers keeps its own cadence: one whose last run is still going
+        (a node hung behind a gateway that retries it) is skipped, and the clock's job waits for the
+        rest no longer than the kind's interval, so a slow one never holds back its siblings' next
+        runs (or leaves their paths unjudged). Return the summaries of the runs that ended in time.
+        """
         target = self.settings.target(target_name)
         if not self.owns(target_name, kind) or target is None or kind not in target.probes:
             self._due.pop((target_name, kind), None)  # not ours, or a reload has just removed it
             return []
-        return await self.run(target_name, kind)
+        due = self._due.pop((target_name, kind), None)
+        started: list[asyncio.Task[RunSummary]] = []
+        for where in nodes_of_run(target, kind):
+            node = where.name if where else ""
+            lock = self._locks.get((target.name, kind, node))
+            if lock is not None and lock.locked():
+                log.info("%s/%s@%s: its last run is still going; skipped", target.name, kind, node)
+                continue
+            started.append(self._detached(self._run_held(target, kind, where, due)))
+        if not started:
+            return []
+        done, _ = await asyncio.wait(started, timeout=target.interval_for(kind))
+        return [task.result() for task in started if task in done]
 
     async def run(self, target_name: str, kind: str) -> list[RunSummary]:
         """Run one probe kind on one target (on each of its nodes when node-scoped) and record each
@@ -211,11 +229,23 @@ class ProbeRunner:
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
         due = self._due.pop((target_name, kind), None)
+        runs = (self._run_held(target, kind, where, due) for where in nodes_of_run(target, kind))
+        return list(await asyncio.gather(*runs))
+
+    def _detached(self, run: Coroutine[Any, Any, RunSummary]) -> asyncio.Task[RunSummary]:
+        """Start ``run`` as a task of its own, counted in flight until it ends (``drain`` waits for it)."""
+        task = asyncio.ensure_future(run)
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        return task
+
+    async def _run_held(
+        self, target: TargetConfig, kind: str, where: Where, due: datetime | None
+    ) -> RunSummary:
         # The client of the settings the run started under, held until it ends: a reload that
         # replaces or removes the target meanwhile closes it only once its runs are over.
-        with self._using(self.clients[target_name]) as client:
-            runs = (self._run_one(target, kind, n, client, due) for n in nodes_of_run(target, kind))
-            return list(await asyncio.gather(*runs))
+        with self._using(self.clients[target.name]) as client:
+            return await self._run_one(target, kind, where, client, due)
 
     async def _run_one(
         self,

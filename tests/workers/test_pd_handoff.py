@@ -16,7 +16,14 @@ import torch
 from kvcanary.monitor.commands.processes import free_port
 from kvcanary.workers.cli import build_parser, config_from_args, main
 from kvcanary.workers.pd_serving import DecodeEngine, PrefillEngine
-from kvcanary.workers.pd_transfer import BootstrapServer, HandoffFailed, KVHandoff, RoomTable, fetch_kv
+from kvcanary.workers.pd_transfer import (
+    BootstrapServer,
+    HandoffFailed,
+    KVHandoff,
+    RoomTable,
+    abandon_room,
+    fetch_kv,
+)
 from kvcanary.workers.request import FinishEvent
 from tests.support import WorkerProcess
 from tests.workers.pd_support import PrefillServer, as_gateway, metric, pd_body, start_servers, stop_servers
@@ -60,10 +67,10 @@ class Outcome:
     """What a staged room's ``on_done`` was told, and when."""
 
     def __init__(self) -> None:
-        self.told: list[bool] = []
+        self.told: list[bool | int] = []
         self.called = threading.Event()
 
-    def __call__(self, sent: bool) -> None:
+    def __call__(self, sent: bool | int) -> None:
         self.told.append(sent)
         self.called.set()
 
@@ -109,6 +116,23 @@ def test_it_fails_a_room_nobody_staged_and_one_nobody_fetched(bootstrap: tuple[R
     assert outcome.called.wait(3) and outcome.told == [False]
     with pytest.raises(HandoffFailed):  # and the expired room is gone
         fetch_kv("127.0.0.1", port, 6, timeout=5)
+
+
+def test_a_room_the_decode_side_abandoned_is_let_go_at_once_before_or_after_it_was_staged(
+    bootstrap: tuple[RoomTable, int],
+) -> None:
+    rooms, port = bootstrap
+    staged_first = Outcome()
+    rooms.stage(handoff(11), staged_first)
+    abandon_room("127.0.0.1", port, 11, 400, timeout=5)
+    assert staged_first.called.wait(0.4) and staged_first.told == [400]  # not the room's 0.5 s expiry
+    abandon_room("127.0.0.1", port, 12, 400, timeout=5)
+    time.sleep(0.1)  # the listener's thread has noted it
+    staged_after = Outcome()
+    rooms.stage(handoff(12), staged_after)
+    assert staged_after.told == [400]  # told as it was staged
+    with pytest.raises(HandoffFailed):  # and neither room is offered any more
+        fetch_kv("127.0.0.1", port, 11, timeout=5)
 
 
 def test_it_fails_with_a_500_when_the_prefill_server_cannot_be_reached() -> None:
@@ -250,7 +274,11 @@ def servers(
     prefills, decodes = start_servers(
         tmp_path_factory.mktemp("pd"),
         {"placeholder": ("placeholder", *timeout), "reject": ("reject", *timeout)},
-        {"plain": timeout, "verified": ("--verify-ownership", *timeout)},
+        {
+            "plain": timeout,
+            "verified": ("--verify-ownership", *timeout),
+            "narrow": ("--decode-pool-tokens", "512", *timeout),
+        },
     )
     yield prefills, decodes
     stop_servers(prefills, decodes)
@@ -323,6 +351,22 @@ def test_a_refusal_of_the_prefill_server_is_the_decode_servers_400_at_once(serve
     assert time.monotonic() - started < 2  # the decode server did not wait out its 2 s hand-off
 
 
+def test_a_refusal_of_the_decode_server_is_the_prefill_servers_too_and_frees_its_pages_at_once(
+    servers: Servers,
+) -> None:
+    """A prompt the prefill pool holds and the decode pool never can: without a word from the decode
+    server the prefill server would hold the room's pages for its whole hand-off timeout, and a
+    pool filled with such rooms makes even small requests wait."""
+    prefills, decodes = servers
+    reject, narrow = prefills["reject"], decodes["narrow"]
+    started = time.monotonic()
+    prefill, decode = as_gateway(reject, narrow, pd_body("y" * 800, reject))
+    assert decode.status_code == 400 and "(511 tokens)" in decode.json()["error"]["message"], decode.text
+    assert prefill.status_code == 400 and prefill.json()["error"]["type"] == "decode_refused", prefill.text
+    assert time.monotonic() - started < 1.5  # not the 2 s hand-off timeout
+    assert metric(reject.url, "kvcanary_kv_pages_free", pool="prefill") == 64  # all given back
+
+
 def test_a_room_the_prefill_server_never_got_fails_the_decode_server_with_a_500(servers: Servers) -> None:
     prefills, decodes = servers
     plain = decodes["plain"]
@@ -352,6 +396,28 @@ def test_a_room_no_decode_server_fetched_fails_the_prefill_server_and_frees_its_
     assert answer.status_code == 500 and answer.json()["error"]["type"] == "kv_transfer_failed"
     assert metric(placeholder.url, "kvcanary_kv_transfer_failures_total", side="prefill") == before + 1
     assert metric(placeholder.url, "kvcanary_kv_pages_free", pool="prefill") == 64  # all given back
+
+
+def test_a_prefill_request_whose_client_left_frees_its_staged_room_before_the_hand_off_times_out(
+    servers: Servers,
+) -> None:
+    """A gateway (or kvcanary's path run) whose decode leg failed closes the prefill leg: the room
+    nobody will fetch is let go then, not after ``--kv-transfer-timeout`` (2 s here)."""
+    prefills, _ = servers
+    reject = prefills["reject"]
+    aborted = metric(reject.url, "kvcanary_requests_aborted_total")
+    started = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):  # the client leaves; nobody ever fetches the room
+        httpx.post(
+            f"{reject.url}/v1/completions",
+            json=pd_body("z" * 1000, reject),
+            headers={"Authorization": "Bearer sk-a"},
+            timeout=httpx.Timeout(10, read=0.3),
+        )
+    while metric(reject.url, "kvcanary_kv_pages_free", pool="prefill") < 64:
+        assert time.monotonic() - started < 1.5, "the room's pages were held until it expired"
+        time.sleep(0.05)
+    assert metric(reject.url, "kvcanary_requests_aborted_total") == aborted + 1
 
 
 def test_a_body_without_bootstrap_fields_is_a_400_naming_them(servers: Servers) -> None:

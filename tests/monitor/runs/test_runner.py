@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
@@ -265,3 +267,40 @@ def test_run_now_moves_only_this_replicas_jobs_and_the_runner_hears_when_each_wa
         return runner.due
 
     assert [(t, k) for t, k, _ in asyncio.run(run())] == [("t", "canary")]
+
+
+def test_a_node_whose_run_hangs_is_skipped_and_its_siblings_keep_their_cadence(
+    start_worker: Callable[..., WorkerProcess],
+) -> None:
+    """A node that accepts connections and never answers (a decode node a gateway keeps retrying)
+    holds its own run for a whole timeout; the clock's later firings skip it and run its sibling,
+    each waiting no longer than the kind's interval."""
+    worker = start_worker("--mode", "aggregated")
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)  # the kernel completes the handshake; nobody ever reads the request
+    nodes = [{"name": "live", "info_url": worker.url},
+             {"name": "hung", "info_url": f"http://127.0.0.1:{hung.getsockname()[1]}"}]  # fmt: skip
+    settings = settings_for(
+        worker.url, probes=["version"], nodes=nodes, timeout_seconds=4, probe_intervals={"version": 0.5}
+    )
+    summaries: list[RunSummary] = []
+    runner = runner_for(settings, summaries)
+
+    async def four_firings() -> list[float]:
+        took = []
+        for _ in range(4):
+            began = time.monotonic()
+            await runner.run_scheduled("t", "version")
+            took.append(time.monotonic() - began)
+            await asyncio.sleep(0.5 - min(took[-1], 0.5))
+        await runner.drain(0.1)  # the hung node's run, cut
+        return took
+
+    try:
+        took = asyncio.run(four_firings())
+    finally:
+        hung.close()
+    assert max(took) < 1.5, took  # never a timeout (4 s) held by the hung node
+    ran = Counter(s.node for s in summaries)
+    assert ran["live"] == 4 and ran["hung"] == 0, ran  # the hung one's single run never ended
