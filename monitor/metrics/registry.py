@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from kvcanary.monitor.metrics.containment import QuarantineCollector, Quarantined
 from kvcanary.monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
+from kvcanary.monitor.metrics.gateway import GatewayHealth, GatewayHealthCollector
 from kvcanary.monitor.metrics.paths import PathCoverage
 from kvcanary.monitor.metrics.stream import StreamCollector
 from kvcanary.monitor.recording.health import WriteHealth
@@ -342,6 +343,9 @@ class MonitorMetrics:
 
     def watch_containment(self, targets: Callable[[], Iterable[str]], quarantined: Quarantined) -> None:
         self._general.register(QuarantineCollector(targets, quarantined))
+
+    def watch_gateways(self, health: GatewayHealth) -> None:
+        self._general.register(GatewayHealthCollector(health))
 
     def watch_stream(self, report: Callable[[], dict[str, Any]]) -> None:
         self._general.register(StreamCollector(report))

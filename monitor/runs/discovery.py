@@ -49,6 +49,8 @@ class GatewayDiscovery:
         self._limits = limits
         #: The nodes each target's gateway listed at its last successful reading.
         self.found: dict[str, list[NodeConfig]] = {}
+        #: What each target's gateway said of its nodes' health at that reading, by node name.
+        self.health: dict[str, dict[str, bool]] = {}
         self._read_at: dict[str, float] = {}  # time.monotonic() of each target's last reading
 
     def take_up(self, configured: Settings) -> Settings:
@@ -61,6 +63,7 @@ class GatewayDiscovery:
         for name in list(self.found):
             if gateways.get(name) != before.get(name):
                 del self.found[name]
+                self.health.pop(name, None)
                 self._read_at.pop(name, None)
         return self.merged()
 
@@ -107,6 +110,7 @@ class GatewayDiscovery:
         if listed.skipped:
             log.warning("%s: gateway %s listed %d worker(s) that are not nodes (no readable type or URL)",
                         target.name, gateway, listed.skipped)  # fmt: skip
+        self.health[target.name] = listed.healthy
         before = {node.name: node for node in self.found.get(target.name, [])}
         after = {node.name: node for node in listed.nodes}
         if before == after and target.name in self.found:

@@ -48,6 +48,9 @@ class WorkerList:
 
     nodes: list[NodeConfig] = field(default_factory=list)
     skipped: int = 0
+    #: What the gateway says of each node's health (``is_healthy``), by node name: a node it
+    #: thinks healthy gets customers, whatever kvcanary's probes found there.
+    healthy: dict[str, bool] = field(default_factory=dict)
 
 
 def node_name(role: str, url: str) -> str:
@@ -105,6 +108,10 @@ def parse_workers(payload: Any) -> WorkerList:
         elif node.name not in names:  # ranks of one server, or one server listed twice: one node
             names.add(node.name)
             found.nodes.append(node)
+            if isinstance(healthy := worker.get("is_healthy"), bool):
+                found.healthy[node.name] = healthy
+        elif worker.get("is_healthy") is False:  # one rank unhealthy: the server is not all healthy
+            found.healthy[node.name] = False
     return found
 
 

@@ -64,9 +64,14 @@ class Gateway:
 
 
 def start_gateway(
-    log_dir: Path, prefills: list[PrefillServer], decodes: list[WorkerProcess], policy: str = "round_robin"
+    log_dir: Path,
+    prefills: list[PrefillServer],
+    decodes: list[WorkerProcess],
+    policy: str = "round_robin",
+    more: tuple[str, ...] = (),
 ) -> Gateway:
-    """Start the real gateway in PD mode with ``policy`` and wait until it holds every worker healthy."""
+    """Start the real gateway in PD mode with ``policy`` (and ``more`` of its flags) and wait until
+    it holds every worker healthy."""
     port, metrics_port = free_port(), free_port()
     argv = [str(ROUTER_PYTHON), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     for prefill in prefills:
@@ -74,7 +79,7 @@ def start_gateway(
     for decode in decodes:
         argv += ["--decode", decode.url]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), *more]
     log = log_dir / f"gateway-{port}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

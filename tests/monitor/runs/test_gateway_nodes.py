@@ -38,6 +38,7 @@ from kvcanary.monitor.targets.sglang_gateway import (
     GatewayUnreadable,
     parse_workers,
     read_workers,
+    worker_node,
 )
 from kvcanary.monitor.targets.wire import Limits
 from tests.monitor.served import Served, reference_target
@@ -89,6 +90,18 @@ def test_names_are_stable_and_label_safe_whatever_the_gateway_writes() -> None:
     assert len({node.name for node in first}) == 4  # the two long names stay apart
     assert first[0].role == "aggregated" and first[0].name.startswith("aggregated-aaaa")
     assert first[3].info_url == "http://10.0.0.7:30000"
+
+
+def test_what_the_gateway_says_of_each_nodes_health_is_kept_by_node_name() -> None:
+    answer = recorded()
+    assert set(parse_workers(answer).healthy.values()) == {True}  # all four healthy when recorded
+    answer["workers"][0]["is_healthy"] = False
+    answer["workers"][1]["is_healthy"] = "yes"  # not a bool: nothing said
+    found = parse_workers(answer)
+    first, second = (worker_node(w) for w in answer["workers"][:2])
+    assert first is not None and second is not None
+    assert found.healthy[first.name] is False and second.name not in found.healthy
+    assert len(found.healthy) == 3
 
 
 def test_workers_that_cannot_be_read_are_left_out_and_counted() -> None:

@@ -162,7 +162,12 @@ def test_a_stopped_decode_node_leaves_its_paths_unjudged_and_the_rule_names_them
 ) -> None:
     from tests.workers.test_pd_gateway import start_gateway
 
-    gateway = start_gateway(fleet.logs, list(fleet.prefills.values()), list(fleet.decodes.values()))
+    # Health checked every second, a node unhealthy at its first failed check: the gateway's view of
+    # the stopped node changes within seconds, and the monitor exports it beside its own.
+    quick_health = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
+    gateway = start_gateway(
+        fleet.logs, list(fleet.prefills.values()), list(fleet.decodes.values()), more=quick_health
+    )
     prometheus = None
     try:
         monitor = watch(served, gateway.url)
@@ -189,6 +194,10 @@ def test_a_stopped_decode_node_leaves_its_paths_unjudged_and_the_rule_names_them
         both = lambda: (found := firing()) is not None and expected <= found and found  # noqa: E731
         stale = monitor.wait_for("the rule to name both stale paths", both, timeout=6 * INTERVAL + 30)
         assert stale == expected, stale
+        # What the gateway says of its nodes, as the monitor read it: only the stopped one unhealthy.
+        said = {labels["node"]: value for labels, value in monitor.samples("kvcanary_gateway_worker_healthy")}
+        live = {node("decode", fleet.decodes["d0"].url), *prefills}
+        assert said == {stale_node: 0.0, **dict.fromkeys(live, 1.0)}, said
     finally:
         if prometheus is not None:
             prometheus.stop()
