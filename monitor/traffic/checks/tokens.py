@@ -13,9 +13,11 @@ from __future__ import annotations
 from kvcanary.monitor.traffic.checks.base import CheckContext, Finding, TrafficCheck
 from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.probes.base import Verdict
+from kvcanary.wire import SURE_DENSITY_MARGIN
 
-#: How far below the calibrated floor a count must fall to be impossible, not just dense text.
-TOKENS_MARGIN = 8.0
+#: How far below the calibrated floor a count must fall to be impossible, not just dense text: the
+#: wire's margin, which the gateway's admission guard also takes as sure.
+TOKENS_MARGIN = SURE_DENSITY_MARGIN
 #: Prompts shorter than this are not judged for tokens (a template's tokens dominate small ones).
 TOKENS_MIN_CHARS = 1024
 
