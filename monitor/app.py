@@ -75,8 +75,10 @@ log = logging.getLogger("kvcanary")
 
 #: How often a SQLite file is checked for having been deleted or replaced under the process.
 FILE_CHECK_SECONDS = 2
-#: How often the quarantine rules are applied (and at once when a recording changed an incident).
-CONTAINMENT_SECONDS = 1.0
+#: How often the quarantine rules are applied (and at once when a recording changed an incident):
+#: what bounds how late a replica that did not record the verdict serves the new set (a gateway's
+#: poll and its requests in flight come on top, within the 2 s promise).
+CONTAINMENT_SECONDS = 0.5
 
 
 class Monitor:

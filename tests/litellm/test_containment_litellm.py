@@ -6,8 +6,9 @@ defect (a prefill pool below the window, the placeholder admission), ``calm`` is
 probes both (``boundary`` every 2 s) under ``containment.mode: quarantine``; three customers ask
 through the proxy without pause. After the first leak verdict no answer from ``glm`` reaches a
 customer later than 2 s after it, every request keeps succeeding on ``calm``, and once an operator
-lifts the quarantine ``glm`` serves again. The gateway's side alone, against a loopback set:
-``test_quarantine_litellm.py``.
+lifts the quarantine ``glm`` serves again. The same with the traffic on NATS JetStream and two of
+everything: two ``kvcanary serve`` replicas on PostgreSQL, two gateway replicas each polling its
+own monitor replica. The gateway's side alone, against a loopback set: ``test_quarantine_litellm.py``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvcanary.monitor.storage.db import make_engine, make_session_factory
 from tests.litellm.test_quarantine_litellm import ask, key_of, start_gateway
 from tests.monitor.served import Served, reference_target
-from tests.support import WorkerProcess, launch_worker, stop_process, wait_worker
+from tests.support import WorkerProcess, launch_worker, own_database, stop_process, wait_http, wait_worker
+from tests.support.jetstream import NATS_URL, StreamNames, counted
 from tests.support.litellm import Proxy
 
 POOL = ["--mode", "disaggregated", "--context-window", "8192", "--decode-pool-tokens", "16384"]
@@ -159,3 +162,97 @@ def test_no_customer_gets_an_answer_from_the_leaking_deployment_two_seconds_afte
     back = min(finished for finished, _, api_base in again.answers if api_base == leaking) - lifted_at
     print(f"traffic returned {back:.2f}s after the lift")
     assert {status for _, status, _ in again.answers} == {200}
+
+
+def lift(monitor: Served) -> None:
+    lifted = httpx.delete(
+        f"{monitor.url}/api/v1/targets/glm/quarantine",
+        params={"reason": "fixed: placeholder admission off"},
+        headers={"Authorization": f"Bearer {monitor.token}"},
+    )
+    assert lifted.status_code == 200, lifted.text
+
+
+@pytest.fixture
+def database_url(postgres_url: str) -> Iterator[str]:
+    yield from own_database("kvcanary_containjs")
+
+
+def test_over_jetstream_every_gateway_replica_stops_within_two_seconds_whichever_monitor_it_asks(
+    served: Callable[..., Served], tmp_path: Path, stream_names: StreamNames, database_url: str
+) -> None:
+    leaking, sound = launch_worker(DEFECTIVE, tmp_path), launch_worker(SOUND, tmp_path)
+    proxies: list[Proxy] = []
+    try:
+        wait_worker(leaking), wait_worker(sound)
+        probes = {"probes": ["boundary"], "probe_intervals": {"boundary": 2.0}, "timeout_seconds": 15}
+        config = {
+            "database_url": database_url,
+            "targets": [reference_target(n, w.url, **probes) for n, w in (("glm", leaking), ("calm", sound))],
+            "containment": {"mode": "quarantine"},
+            "scheduler": {"jitter_seconds": 0.1},
+            "traffic": {"source": "jetstream", "ingest_token_env": "KVC_TEST_INGEST",
+                        "jetstream": stream_names.config(ack_wait_seconds=3, duplicate_window_seconds=30)},
+        }  # fmt: skip
+        replicas = [served(config), served(config)]
+        for replica in replicas:
+            replica.env["KVC_TEST_INGEST"] = INGEST
+        for i, replica in enumerate(replicas):  # each gateway replica asks a monitor replica of its own
+            env = {
+                "KVCANARY_TAP_URL": NATS_URL,
+                "KVCANARY_TAP_SUBJECT_PREFIX": stream_names.subject_prefix,
+                "KVCANARY_TAP_GATEWAY": f"gw-{i}",
+                "KVCANARY_TAP_KEY": "a-fingerprint-key-the-monitor-never-sees",
+                "KVCANARY_TAP_FLUSH_SECONDS": "0.5",
+                "KVCANARY_TAP_QUARANTINE": "1",
+                "KVCANARY_TAP_QUARANTINE_URL": replica.url,
+                "KVCANARY_TAP_QUARANTINE_TOKEN": INGEST,
+                "KVCANARY_TAP_QUARANTINE_POLL_SECONDS": "0.5",
+            }
+            proxies.append(start_gateway(tmp_path / f"gateway-{i}", [leaking, sound], env))
+        customers = [Customers(proxy).start() for proxy in proxies]
+        both = {key_of(leaking), key_of(sound)}
+        served_both = lambda: all({a[2] for a in c.answers} == both for c in customers)  # noqa: E731
+        replicas[0].wait_for("both deployments to serve both gateways' customers", served_both, 60)
+        replicas[0].migrate()
+        for replica in replicas:  # started side by side, so that both answer about when one can judge
+            replica.start(migrate=False, wait=False)
+        for replica in replicas:
+            wait_http(replica.url + "/healthz", timeout=60, proc=replica.proc)
+        # Measured from the verdict, or from when both replicas answer if that is later: a gateway
+        # polling a replica that is still starting waits out its read (2 s) and keeps its last set.
+        up_at = time.time()
+        verdict_at = replicas[0].wait_for("the first leak verdict", lambda: first_leak(replicas[0]), 90)
+        since = max(verdict_at, up_at)
+        time.sleep(CONTAINMENT_SECONDS + 3)
+        for c in customers:
+            c.stop()
+        for i, c in enumerate(customers):
+            from_leaking = [finished for finished, _, api_base in c.answers if api_base == key_of(leaking)]
+            last = max(from_leaking) - since
+            lag = verdict_at - up_at
+            print(f"\ngateway {i}: the last answer from the leaking deployment {last:.2f}s after the later "
+                  f"of the verdict and both replicas up (the verdict {lag:+.2f}s after them)")  # fmt: skip
+            assert last < CONTAINMENT_SECONDS
+            after = {(status, api_base) for finished, status, api_base in c.answers
+                     if finished > since + CONTAINMENT_SECONDS}  # fmt: skip
+            assert after == {(200, key_of(sound))}, after
+        factory = make_session_factory(make_engine(database_url))
+        judged = replicas[0].wait_for("the customers' records judged from the stream",
+                                      lambda: counted(factory)[0] or None, timeout=30)  # fmt: skip
+        assert judged > 0
+
+        lift(replicas[1])  # lifted through the other replica: both gateways take it up
+        again = [Customers(proxy).start() for proxy in proxies]
+        try:
+            served_again = lambda: all(  # noqa: E731
+                any(api_base == key_of(leaking) for _, _, api_base in c.answers) for c in again
+            )
+            what = "the leaking deployment to serve again through each gateway"
+            replicas[0].wait_for(what, served_again, 15)
+        finally:
+            for c in again:
+                c.stop()
+    finally:
+        for proc in [*(p.proc for p in proxies), leaking.proc, sound.proc]:
+            stop_process(proc)
