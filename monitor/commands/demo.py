@@ -26,6 +26,7 @@ from kvcanary.monitor.commands.demo_gateway import (
     Gateway,
     maybe_start_gateway,
     report_blast_radius,
+    report_containment,
     run_traffic,
 )
 from kvcanary.monitor.commands.demo_stack import Observability, missing_binaries, start_observability
@@ -118,6 +119,8 @@ def demo_settings(
                 for name, url in urls.items()
             ],
             "incidents": {"resolve_after_passes": 3},
+            # Recorded, never acted on: the demo shows what containment would do (docs/operating.md).
+            "containment": {"mode": "observe", "admission_guard": "observe"},
             "spool": {"path": str(workdir / "spool")},
             "traffic": {"ingest_token_file": str(workdir / "ingest-token"), "pass_interval_seconds": 10},
         },
@@ -226,6 +229,7 @@ async def _serve(
                     await report_blast_radius(
                         monitor, settings, caught.incident_id if caught else None, gateway
                     )
+                await asyncio.to_thread(report_containment, monitor, gateway)
                 _where_to_look(settings, obs)
                 server.should_exit = until_caught
                 break

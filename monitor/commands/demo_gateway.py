@@ -77,6 +77,7 @@ def litellm_venv() -> Path | None:
 class Gateway:
     url: str
     proc: subprocess.Popen[bytes]
+    log: Path
     #: Over-pool prompts to the defective node answered 200, by customer: the truth to compare with.
     over_pool_answered: Counter[str] = field(default_factory=Counter)
     sent: int = 0
@@ -130,14 +131,18 @@ def start_gateway(
         "LITELLM_OFFLINE_MODE": "true", "LITELLM_LOG": "ERROR", "PYTHONPATH": str(path),
         "KVCANARY_TAP_URL": monitor_url, "KVCANARY_TAP_TOKEN": ingest_token,
         "KVCANARY_TAP_KEY": secrets.token_urlsafe(24), "KVCANARY_TAP_GATEWAY": "demo-litellm",
+        # The quarantine set and the admission guard's facts, read from the monitor (observe: the
+        # gateway routes as before and logs once what it would have kept off).
+        "KVCANARY_TAP_QUARANTINE": "1",
     }  # fmt: skip
-    log = (workdir / "gateway.log").open("wb")
+    log_path = workdir / "gateway.log"
+    log = log_path.open("wb")
     argv = [str(venv / "bin" / "litellm"), "--config", str(folder / "config.yaml"), "--host", "127.0.0.1",
             "--port", str(port)]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True
     )
-    return Gateway(f"http://127.0.0.1:{port}", proc)
+    return Gateway(f"http://127.0.0.1:{port}", proc, log_path)
 
 
 async def wait_ready(gateway: Gateway, timeout: float = 120.0) -> bool:
@@ -256,6 +261,37 @@ def print_blast_radius(radius: BlastRadius | None, gateway: Gateway, page_url: s
     truth = ", ".join(f"{k} {v}" for k, v in sorted(gateway.over_pool_answered.items())) or "none"
     print(f"  the customers' own count of over-pool prompts answered 200: {truth} ({gateway.sent} sent)")
     print(f"  page      : {page_url}\n", flush=True)
+
+
+def report_containment(monitor: Monitor, gateway: Gateway | None) -> None:
+    """Print what containment (the ``observe`` policy in the demo) would have done, from the
+    monitor's own quarantine rows, and what the gateway's tap said it would have kept off."""
+    for entry in monitor.containment.current():
+        incident = f"incident #{entry.incident_id}" if entry.incident_id is not None else "by hand"
+        mode = "quarantined" if entry.enforced else "would have quarantined (containment.mode: observe)"
+        print(f"=== CONTAINMENT: {entry.target} {mode} since {_when(entry.since)}, {incident} ===")
+        print(f"  reason    : {entry.reason}")
+        if not entry.enforced:
+            print(
+                "  with containment.mode: quarantine, the gateways stop sending it customers within 2 s",
+                flush=True,
+            )
+    said = _observed(gateway.log) if gateway is not None else []
+    for line in said:
+        print(f"  gateway   : {line}")
+    if said:
+        print(flush=True)
+
+
+def _observed(log: Path) -> list[str]:
+    """The tap's observe-mode lines in the gateway's log (each said once per target), shortened."""
+    with contextlib.suppress(OSError):
+        lines = log.read_text(errors="replace").splitlines()
+        found = [
+            line.removeprefix("kvcanary tap: ") for line in lines if "kvcanary tap: observe mode" in line
+        ]
+        return [line if len(line) <= 160 else line[:157] + "..." for line in found[:4]]
+    return []
 
 
 def _when(moment: datetime) -> str:

@@ -49,8 +49,13 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
     assert "/#/alerts" in out
     keys = [(tmp_path / f"key-{t}").read_text() for t in ("tenant-a", "tenant-b")]
     assert all(k not in out + proc.stderr for k in keys)
+    # Containment under the demo's observe policy: recorded, and said by the gateway, never acted on.
+    assert "=== CONTAINMENT: defective would have quarantined (containment.mode: observe)" in out
     if litellm_venv() is not None:  # the gateway ran: the blast radius matches the customers' count
         assert_blast_radius(out)
+        said = [line for line in out.splitlines() if line.startswith("  gateway   : observe mode")]
+        assert any("quarantined by kvcanary, target 'defective'" in line for line in said), out[-3000:]
+        assert any("whose smallest KV pool is 2048 tokens" in line for line in said), out[-3000:]
 
 
 def assert_blast_radius(out: str) -> None:
