@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 import kvcanary.tap
 from kvcanary.monitor.api.blast import sources_of
@@ -36,7 +36,7 @@ from kvcanary.monitor.blast.report import BlastRadius
 from kvcanary.monitor.commands.processes import free_port, stop_process
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.paging.links import incident_url
-from kvcanary.monitor.storage.models import Incident, Target
+from kvcanary.monitor.storage.models import Incident, Target, TrafficMinute
 
 if TYPE_CHECKING:
     from kvcanary.monitor.app import Monitor
@@ -214,9 +214,28 @@ async def report_blast_radius(
     radius and, where it is another, the boundary incident's (the over-pool answers)."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(gateway.done.wait(), timeout=90)
-    await asyncio.sleep(3)  # the tap posts its batches within a second
+    await _delivered(monitor, gateway)
     for radius, page in await asyncio.to_thread(_radii, monitor, settings, paged):
         print_blast_radius(radius, gateway, page)
+
+
+async def _delivered(monitor: Monitor, gateway: Gateway, timeout: float = 20.0) -> None:
+    """Wait until the monitor has stored a record of every request the customers sent, or its count
+    has stood still for 2 s (the tap posts within a second; a loaded machine's monitor may lag)."""
+    deadline, last, still = time.monotonic() + timeout, -1, 0
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        stored = await asyncio.to_thread(_stored_records, monitor)
+        still = still + 1 if stored == last else 0
+        if stored >= gateway.sent or still >= 4:
+            return
+        last = stored
+
+
+def _stored_records(monitor: Monitor) -> int:
+    """Records the monitor has judged (the per-minute counts hold every one, flagged or not)."""
+    with monitor.read_session_factory() as session:
+        return int(session.scalar(select(func.coalesce(func.sum(TrafficMinute.records), 0))) or 0)
 
 
 def _radii(monitor: Monitor, settings: Settings, paged: int | None) -> list[tuple[BlastRadius | None, str]]:
