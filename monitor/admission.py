@@ -14,8 +14,10 @@ its ``guards``; ``docs/tap-protocol.md``):
   own probes (``targets/calibration.py``), None until it was measured.
 
 What a gateway does with them is the tap's (``kvcanary/tap/admission.py``): only a sure count
-refuses. The readings are refreshed in the background every ``REFRESH_SECONDS`` (a housekeeping
-job): the gateways' poll reads memory only and never waits for a node.
+refuses. Both come from the traffic judge's facts (``traffic/facts.py``), so each node's pool is read
+and kept once for the judge and the guard alike, and read again when its configuration changes. The
+facts are gathered in the background every ``REFRESH_SECONDS`` (a housekeeping job): the gateways'
+poll reads memory only and never waits for a node.
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from typing import Any
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
-from kvcanary.monitor.traffic.facts import smallest_pool
+from kvcanary.monitor.traffic.facts import TargetFacts
 
 log = logging.getLogger("kvcanary.containment")
 
-#: How often the guarded targets' pools are read again (a pool changes only with a restart of its
-#: node, which the capacity audit also reports).
+#: How often the guarded targets' facts are gathered again (a pool changes only with a restart of
+#: its node, which the capacity audit reports, and the judge's facts then read it again).
 REFRESH_SECONDS = 15.0
 
 
@@ -48,13 +50,14 @@ class GuardFacts:
 
 
 class AdmissionFacts:
-    """The guarded targets' facts, read from their clients; ``settings`` returns the settings in
-    force and ``clients`` are the targets' clients by name (the monitor's own, kept up to date by
-    reloads)."""
+    """The guarded targets' facts; ``settings`` returns the settings in force, ``clients`` are the
+    targets' clients by name (the monitor's own, kept up to date by reloads) and ``facts`` the
+    traffic judge's, which read and keep their pools and calibration."""
 
-    def __init__(self, settings: Callable[[], Settings], clients: Mapping[str, Any]):
+    def __init__(self, settings: Callable[[], Settings], clients: Mapping[str, Any], facts: TargetFacts):
         self.settings = settings
         self.clients = clients
+        self.facts = facts
         self._facts: dict[str, GuardFacts] = {}
 
     def current(self) -> list[GuardFacts]:
@@ -71,25 +74,21 @@ class AdmissionFacts:
         self._facts = {facts.target: facts for facts in found if facts is not None}
 
     async def _read(self, target: TargetConfig, mode: str) -> GuardFacts | None:
-        client = self.clients[target.name]
         try:
-            pool = await admitting_pool(client)
+            pool = await self.admitting_pool(target.name)
+            chars_per_token = await self.facts.chars_per_token(target.name)
         except Exception as exc:  # a node that does not answer: no guard, said once a refresh
             log.info("admission guard of %s: no pool reading (%s)", target.name, type(exc).__name__)
             return None
-        if pool is None:
-            return None
-        calibration = getattr(client, "calibration", None)
-        chars_per_token = getattr(calibration, "chars_per_token", None)
-        return GuardFacts(target.name, mode, pool, chars_per_token)
+        return None if pool is None else GuardFacts(target.name, mode, pool, chars_per_token)
 
-
-async def admitting_pool(client: Any) -> int | None:
-    """Return the smallest KV pool of the nodes that admit ``client``'s requests (module doc), or
-    None where one of them has none known."""
-    admitting = [n for n in getattr(client, "nodes", []) if n.name and n.role != "decode"]
-    if not admitting:
-        return smallest_pool(await client.capacity(max_age=REFRESH_SECONDS))
-    pools = await asyncio.gather(*(client.node_capacity(n) for n in admitting))
-    sizes = [smallest_pool(reading) for reading in pools]
-    return None if None in sizes else min(s for s in sizes if s is not None)
+    async def admitting_pool(self, target: str) -> int | None:
+        """Return the smallest KV pool of the nodes that admit ``target``'s requests (module doc),
+        or None where one of them has none known."""
+        nodes = getattr(self.clients[target], "nodes", [])
+        admitting = [n.name for n in nodes if n.name and n.role != "decode"]
+        if not admitting:  # the target's own reading
+            return await self.facts.pool(target, "")
+        pools = await asyncio.gather(*(self.facts.pool(target, name) for name in admitting))
+        known = [pool for pool in pools if pool is not None]
+        return min(known) if len(known) == len(pools) else None

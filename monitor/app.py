@@ -181,7 +181,7 @@ class Monitor:
             lambda: [(q.target, q.enforced) for q in self.containment.known],
         )
         # What the gateways need to refuse a prompt a deployment's pool cannot hold (monitor/admission.py).
-        self.admission = AdmissionFacts(lambda: self.settings, self.clients)
+        self.admission = AdmissionFacts(lambda: self.settings, self.clients, self.traffic.judge.facts)
         self._admission_read: asyncio.Task[None] | None = None
         # Nodes found from SGLang gateways (monitor/runs/discovery.py), taken up as a reload would.
         self.discovery = GatewayDiscovery(settings, self.http, limits)
