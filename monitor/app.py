@@ -43,10 +43,11 @@ from kvcanary.monitor.recording.recorder import Recorder
 from kvcanary.monitor.recording.spool import open_spool
 from kvcanary.monitor.recording.writer import BatchWriter
 from kvcanary.monitor.reloads import take_up_file, take_up_nodes
+from kvcanary.monitor.runs.coverage import run_keys
 from kvcanary.monitor.runs.discovery import DISCOVERY_TICK_SECONDS, GatewayDiscovery
 from kvcanary.monitor.runs.replicas import HEARTBEAT_SECONDS, Membership
 from kvcanary.monitor.runs.run_now import RunNow
-from kvcanary.monitor.runs.runner import ProbeRunner, RunSummary, run_keys
+from kvcanary.monitor.runs.runner import ProbeRunner, RunSummary
 from kvcanary.monitor.runs.scheduler import (
     PRUNE_INTERVAL_SECONDS,
     REPLAY_INTERVAL_SECONDS,

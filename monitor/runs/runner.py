@@ -13,10 +13,10 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any, TypeVar
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
@@ -25,14 +25,15 @@ from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.recording.pending import PendingResult
 from kvcanary.monitor.recording.port import RecordingPort
 from kvcanary.monitor.recording.writer import BatchWriter
+from kvcanary.monitor.runs.coverage import Where, bound_to, declare_paths, nodes_of_run, run_keys
 from kvcanary.monitor.runs.execute import execute_probe
 from kvcanary.monitor.runs.slots import FairSlots
-from kvcanary.probes import REGISTRY
 from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.probes.markers import MarkerBook
-from kvcanary.probes.target import Node, ServingPath, TargetClient
+from kvcanary.probes.target import ServingPath, TargetClient
 
 log = logging.getLogger("kvcanary.runner")
+T = TypeVar("T")
 
 
 #: Reasons that say a run waited out a timeout: its target is known to hang until a run ends otherwise.
@@ -74,53 +75,6 @@ class _Run:
 
 
 StateKey = tuple[str, str, str]
-
-
-class RunKey(NamedTuple):
-    """One (target, kind, node) the configuration runs; ``node`` is "" for a target-wide run."""
-
-    target: str
-    kind: str
-    node: str
-
-
-#: What one run of a kind covers: a node, a prefill x decode path, or the whole target (None).
-Where = Node | ServingPath | None
-
-
-def nodes_of_run(target: TargetConfig, kind: str) -> list[Where]:
-    """Return what one run of ``kind`` covers: each node for a node-scoped kind; else the target
-    (None), and each prefill x decode path when it is one of the target's path kinds."""
-    if REGISTRY[kind].scope == "node":
-        return list(target.node_list())
-    if kind in target.path_kinds():
-        return [None, *target.paths()]
-    return [None]
-
-
-def bound_to(client: TargetClient, where: Where) -> tuple[TargetClient, Node | None]:
-    """Return the client and node a run covering ``where`` uses: down a path, the path's own client."""
-    if isinstance(where, ServingPath):
-        return client.via(where), None
-    return client, where
-
-
-def declare_paths(metrics: MonitorMetrics, target: TargetConfig) -> None:
-    """Export the coverage series of ``target``'s paths (none when it runs no kind down them)."""
-    kinds = target.path_kinds()
-    paths = [(p.prefill.name, p.decode.name) for p in target.paths()] if kinds else []
-    interval = min((target.interval_for(kind) for kind in kinds), default=0.0)
-    metrics.paths.declare(target.name, paths, interval, time.time())
-
-
-def run_keys(settings: Settings) -> list[RunKey]:
-    """Return every (target, kind, node) the configuration runs."""
-    return [
-        RunKey(t.name, kind, node.name if node else "")
-        for t in settings.targets
-        for kind in t.probes
-        for node in nodes_of_run(t, kind)
-    ]
 
 
 class ProbeRunner:
@@ -212,7 +166,7 @@ class ProbeRunner:
             if lock is not None and lock.locked():
                 log.info("%s/%s@%s: its last run is still going; skipped", target.name, kind, node)
                 continue
-            started.append(self._detached(self._run_held(target, kind, where, due)))
+            started.append(self._track(asyncio.ensure_future(self._run_held(target, kind, where, due))))
         if not started:
             return []
         done, _ = await asyncio.wait(started, timeout=target.interval_for(kind))
@@ -224,17 +178,14 @@ class ProbeRunner:
         target = self.settings.target(target_name)
         if target is None or kind not in target.probes:
             raise KeyError(f"{target_name}/{kind}")
-        task = asyncio.current_task()
-        if task is not None:
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
+        if (task := asyncio.current_task()) is not None:
+            self._track(task)
         due = self._due.pop((target_name, kind), None)
         runs = (self._run_held(target, kind, where, due) for where in nodes_of_run(target, kind))
         return list(await asyncio.gather(*runs))
 
-    def _detached(self, run: Coroutine[Any, Any, RunSummary]) -> asyncio.Task[RunSummary]:
-        """Start ``run`` as a task of its own, counted in flight until it ends (``drain`` waits for it)."""
-        task = asyncio.ensure_future(run)
+    def _track(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
+        """Count ``task`` in flight until it ends (``drain`` waits for it); return it."""
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
         return task

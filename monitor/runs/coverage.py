@@ -1,0 +1,63 @@
+"""What one run of a probe kind covers, and so which (target, kind, node) keys the configuration
+runs: each node for a node-scoped kind; else the target itself, and each prefill x decode path when
+the kind is one of the target's path kinds (``path_probes``). The runner and ``kvcanary check``
+both run what this says; the runner's states and the metrics' series are keyed by it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.metrics.registry import MonitorMetrics
+from kvcanary.probes import REGISTRY
+from kvcanary.probes.target import Node, ServingPath, TargetClient
+
+
+class RunKey(NamedTuple):
+    """One (target, kind, node) the configuration runs; ``node`` is "" for a target-wide run."""
+
+    target: str
+    kind: str
+    node: str
+
+
+#: What one run of a kind covers: a node, a prefill x decode path, or the whole target (None).
+Where = Node | ServingPath | None
+
+
+def nodes_of_run(target: TargetConfig, kind: str) -> list[Where]:
+    """Return what one run of ``kind`` covers: each node for a node-scoped kind; else the target
+    (None), and each prefill x decode path when it is one of the target's path kinds."""
+    if REGISTRY[kind].scope == "node":
+        return list(target.node_list())
+    if kind in target.path_kinds():
+        return [None, *target.paths()]
+    return [None]
+
+
+def bound_to(client: TargetClient, where: Where) -> tuple[TargetClient, Node | None]:
+    """Return the client and node a run covering ``where`` uses: down a path, the path's own client."""
+    if isinstance(where, ServingPath):
+        return client.via(where), None
+    return client, where
+
+
+def declare_paths(metrics: MonitorMetrics, target: TargetConfig) -> None:
+    """Export the coverage series of ``target``'s paths (none when it runs no kind down them)."""
+    kinds = target.path_kinds()
+    paths = [(p.prefill.name, p.decode.name) for p in target.paths()] if kinds else []
+    interval = min((target.interval_for(kind) for kind in kinds), default=0.0)
+    metrics.paths.declare(target.name, paths, interval, time.time())
+
+
+def run_keys(settings: Settings) -> list[RunKey]:
+    """Return every (target, kind, node) the configuration runs."""
+    return [
+        RunKey(t.name, kind, node.name if node else "")
+        for t in settings.targets
+        for kind in t.probes
+        for node in nodes_of_run(t, kind)
+    ]
