@@ -37,8 +37,9 @@ from typing import Any
 
 from kvcanary.tap.gateway_metrics import gateway_counter
 from kvcanary.tap.http import _OPENER
+from kvcanary.tap.litellm_deployments import DeploymentKeys, api_key_of
 from kvcanary.tap.quarantine import GuardEntry, QuarantineWatch
-from kvcanary.wire import SURE_DENSITY_MARGIN, api_base_key
+from kvcanary.wire import SURE_DENSITY_MARGIN
 
 log = logging.getLogger("kvcanary.tap")
 
@@ -112,6 +113,7 @@ class AdmissionGuard:
         #: Requests per (target, mode), as ``count`` was told.
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self._logged: set[str] = set()
+        self._key_of = DeploymentKeys()
 
     async def admit(
         self, model_group: str, deployments: list[Any], messages: Any, request: dict[str, Any] | None
@@ -121,7 +123,7 @@ class AdmissionGuard:
         guards = self.watch.snapshot().guards
         if not guards or not deployments:
             return deployments
-        guarded = [(d, guards.get(_key_of(d))) for d in deployments]
+        guarded = [(d, guards.get(self._key_of(d))) for d in deployments]
         if all(g is None for _, g in guarded):
             return deployments
         prompt = prompt_of(messages, request)
@@ -151,9 +153,9 @@ class AdmissionGuard:
         allowance = PROMPT_TOKENS + TEMPLATE_TOKENS * max(1, len(prompt.parts))
         if 4 * chars + allowance <= pool or _utf8_bytes(prompt) + allowance <= pool:
             return None
-        url = api_base_key(_api_base(deployment)) + "/tokenize"
+        url = self._key_of(deployment) + "/tokenize"
         if url not in counted:
-            body, api_key = _tokenize_body(prompt), _api_key(deployment)
+            body, api_key = _tokenize_body(prompt), api_key_of(deployment)
             counted[url] = await asyncio.to_thread(self._tokenize, url, body, api_key)
         tokens = counted[url]
         if tokens is None and guard.chars_per_token:
@@ -199,26 +201,6 @@ def prompt_of(messages: Any, request: dict[str, Any] | None) -> Prompt | None:
 
 def _utf8_bytes(prompt: Prompt) -> int:
     return sum(len(part.encode("utf-8", "surrogatepass")) for part in prompt.parts)
-
-
-def _params(deployment: Any) -> dict[str, Any]:
-    params = deployment.get("litellm_params") if isinstance(deployment, dict) else None
-    return params if isinstance(params, dict) else {}
-
-
-def _api_base(deployment: Any) -> str:
-    api_base = _params(deployment).get("api_base")
-    return api_base if isinstance(api_base, str) else ""
-
-
-def _key_of(deployment: Any) -> str:
-    api_base = _api_base(deployment)
-    return api_base_key(api_base) if api_base else ""
-
-
-def _api_key(deployment: Any) -> str | None:
-    key = _params(deployment).get("api_key")
-    return key if isinstance(key, str) and key and not key.startswith("os.environ/") else None
 
 
 def _tokenize_body(prompt: Prompt) -> dict[str, Any]:

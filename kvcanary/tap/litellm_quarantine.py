@@ -22,14 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcanary.tap.gateway_metrics import gateway_counter
+from kvcanary.tap.litellm_deployments import DeploymentKeys
 from kvcanary.tap.quarantine import QuarantineEntry, QuarantineSet, QuarantineWatch
-from kvcanary.wire import api_base_key
 
 log = logging.getLogger("kvcanary.tap")
 
-#: api_base spellings whose keys are remembered (a gateway has a few; the bound only caps a
-#: gateway whose deployments are made per request).
-MAX_REMEMBERED_KEYS = 4096
 #: (target, incident) pairs whose observe-mode line was logged, before the memory starts over.
 MAX_LOGGED_OBSERVED = 1024
 
@@ -69,7 +66,7 @@ class QuarantineFilter:
         )
         #: Requests per (target, mode), as ``count`` was told: for tests and a gateway's own views.
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._keys: dict[str, str] = {}
+        self._key_of = DeploymentKeys()
         self._logged_observed: set[tuple[str, int | None]] = set()
 
     def keep(self, model_group: str, deployments: list[Any]) -> list[Any]:
@@ -101,20 +98,6 @@ class QuarantineFilter:
         if stopped and not kept:
             raise DeploymentsQuarantined(model_group, list(stopped.values()))
         return kept
-
-    def _key_of(self, deployment: Any) -> str:
-        """Return the api_base key of a LiteLLM deployment dict, "" where it names no api_base (a
-        hosted API's default: never quarantined by api_base)."""
-        params = deployment.get("litellm_params") if isinstance(deployment, dict) else None
-        api_base = params.get("api_base") if isinstance(params, dict) else None
-        if not isinstance(api_base, str):
-            return ""
-        key = self._keys.get(api_base)
-        if key is None:
-            if len(self._keys) >= MAX_REMEMBERED_KEYS:
-                self._keys.clear()
-            key = self._keys[api_base] = api_base_key(api_base)
-        return key
 
     def _counted(self, entry: QuarantineEntry, mode: str) -> None:
         self.counts[entry.target, mode] += 1
