@@ -1,9 +1,12 @@
-"""The traffic ``bench/traffic.py`` judges for the overlap figures: benign exchanges of several
-callers built from real text nobody here wrote (Debian's documentation and licences, the standard
-library's docstrings and code, famous quotes), which share system prompts, licences, recited API
-docs, quoted and retold articles and code idioms, and private passages of 40, 80 and 200 words
-leaked from one caller's prompt into another's answer, each checked to share no 8-word run with
-any other caller's text (so a miss is the rule's, not boilerplate's).
+"""The traffic ``bench/traffic.py`` judges for the overlap and reworded figures: benign exchanges
+of several callers built from real text nobody here wrote (Debian's documentation and licences,
+the standard library's docstrings and code, famous quotes), which share system prompts, licences,
+recited API docs, quoted and retold articles, code idioms and public topics (cities, products,
+libraries: the same names and figures asked about, mentioned, pasted as notes and told from
+memory); private passages of 40, 80 and 200 words leaked from one caller's prompt into another's
+answer, each checked to share no 8-word run with any other caller's text (so a miss is the rule's,
+not boilerplate's); and reworded leaks, new sentences around k of one caller's private names,
+figures and identifiers.
 """
 
 from __future__ import annotations
@@ -50,9 +53,39 @@ API_MODULES = (  # noqa: SIM905 (one word a module, 36 of them)
     "statistics datetime heapq bisect csv argparse logging threading queue socket hashlib base64 "
     "zipfile tarfile tempfile glob fnmatch difflib inspect dataclasses enum contextlib copy pickle"
 ).split()
+#: Public topics callers ask about, each with the names and figures any answer about it may hold
+#: (the model knows them): the same tokens reach many callers without any leak.
+TOPICS: dict[str, list[str]] = {
+    "Lisbon": ["Tagus", "1147", "Alfama", "Belem", "Pessoa", "1755", "Baixa", "Sintra"],
+    "Berlin": ["Spree", "1237", "Reichstag", "Brandenburg", "Kreuzberg", "1989", "Tegel", "Charlottenburg"],
+    "Kyoto": ["Kamo", "Gion", "Kinkakuji", "Heian", "1868", "Arashiyama", "Fushimi", "Nishiki"],
+    "Montreal": ["Laurentian", "1642", "Maisonneuve", "Plateau", "Mirabel", "1976", "Verdun", "Habs"],
+    "PostgreSQL": ["5432", "MVCC", "pg_dump", "1996", "Stonebraker", "WAL", "psql", "autovacuum"],
+    "Redis": ["6379", "Sanfilippo", "2009", "RDB", "AOF", "Valkey", "ZADD", "Sentinel"],
+    "Kubernetes": ["kubelet", "etcd", "2014", "kubectl", "Borg", "CNCF", "6443", "DaemonSet"],
+    "NumPy": ["ndarray", "Oliphant", "2006", "BLAS", "einsum", "float64", "NEP", "linspace"],
+    "ThinkPad": ["X1", "Lenovo", "1992", "TrackPoint", "IBM", "T480", "Carbon", "Yamato"],
+    "Raspberry Pi": ["BCM2712", "Broadcom", "2012", "Upton", "GPIO", "Cortex", "A76", "RP2040"],
+    "Danube": ["2850", "Donaueschingen", "Sulina", "Vienna", "Budapest", "Belgrade", "Iron Gates", "Passau"],
+    "Apollo 11": ["1969", "Armstrong", "Aldrin", "Collins", "Columbia", "Eagle", "Tranquility", "Saturn"],
+    "Linux": ["Torvalds", "1991", "GPLv2", "systemd", "ext4", "Btrfs", "KVM", "Kbuild"],
+    "SQLite": ["Hipp", "2000", "B_tree", "WAL", "PRAGMA", "FTS5", "R_tree", "VACUUM"],
+    "Rust": ["Graydon", "2015", "Cargo", "rustc", "Mozilla", "crates_io", "Clippy", "MIR"],
+    "Amsterdam": ["Amstel", "1275", "Rijksmuseum", "Jordaan", "Schiphol", "IJ", "1602", "Vondelpark"],
+}
+#: How an answer tells one fact of a topic (the model's own sentences).
+TOLD = ["{} is tied to {}.", "People link {} with {}.", "You will often hear {} mentioned with {}.",
+        "A key fact about {}: {}.", "{} and {} go together in most accounts."]  # fmt: skip
+#: The new sentences a reworded leak puts another caller's tokens in: none holds a token itself.
+REWORDED = ["we went over {} again before the review", "the note about {} was checked twice",
+            "someone asked whether {} still applies", "as agreed, {} stays on the list",
+            "the figures for {} looked right to everyone", "next week we revisit {} with the team",
+            "it turned out {} mattered more than expected", "nobody objected to {} in the end"]  # fmt: skip
 SYSTEM = "You are the assistant of a software company. Answer in English, briefly, and cite the text you use."
 WORD_RE = re.compile(r"\w+")  # the tap's words (kvcanary/tap/fingerprints.py)
 LEAK_WORDS = (40, 80, 200)
+#: Private tokens of one caller a reworded leak puts in another's answer.
+LEAK_TOKENS = (3, 5, 8)
 
 
 def api_docs() -> dict[str, str]:
@@ -102,6 +135,7 @@ def benign_traffic(docs: list[str], callers: int, exchanges: int) -> tuple[list[
     sent: list[Sent] = []
     private: list[tuple[int, str]] = []
     kinds = ["own"] * 7 + ["article"] * 3 + ["api"] * 3 + ["quote", "recite", "retold"] + ["code"] * 4
+    kinds += ["topic"] * 3
     for i in range(exchanges):
         k, kind = i % callers, rng.choice(kinds)
         system = f"{SYSTEM}\n{teams[k // 2]}"
@@ -145,6 +179,8 @@ def benign_traffic(docs: list[str], callers: int, exchanges: int) -> tuple[list[
                 f"{system}\nWhat does this licence say: {text[:60]}",
                 "In short: " + text[at : at + 500],
             )
+        elif kind == "topic":
+            prompt, response = topic_exchange(rng, system)
         else:
             source = rng.choice(code[k::callers])
             at = rng.randrange(max(1, len(source) - 1500))
@@ -153,6 +189,24 @@ def benign_traffic(docs: list[str], callers: int, exchanges: int) -> tuple[list[
             private.append((k, own[:600]))
         sent.append(Sent(k, kind, prompt, response))
     return sent, private
+
+
+def topic_exchange(rng: random.Random, system: str) -> tuple[str, str]:
+    """Return a question about a public topic and the answer the model gives from memory. The
+    caller names the topic, or mentions a few of its tokens, or pastes notes holding many."""
+    name = rng.choice(sorted(TOPICS))
+    tokens = TOPICS[name]
+    mode = rng.random()
+    if mode < 0.4:
+        ask = f"Tell me about {name}."
+    elif mode < 0.7:
+        ask = f"I read that {name} has to do with {', '.join(rng.sample(tokens, rng.randint(1, 3)))}. True?"
+    else:
+        ask = (
+            f"Here are my notes on {name}: {'; '.join(rng.sample(tokens, rng.randint(4, 8)))}. Tidy them up."
+        )
+    told = " ".join(rng.choice(TOLD).format(name, t) for t in rng.sample(tokens, rng.randint(3, 8)))
+    return f"{system}\n{ask}", f"{name} is well known. {told}"
 
 
 def records_of(sent: list[Sent]) -> list[TrafficRecord]:
@@ -198,5 +252,48 @@ def private_leaks(
             if grams(passage) & others[victim]:
                 continue
             leaks.append((victim, words, passage))
+            made += 1
+    return leaks
+
+
+def shaped(word: str) -> bool:
+    """Whether a word is a name, a figure or an identifier to the eye: a capital, a digit or an
+    underscore, three characters or more (the bench's own reading, not the tap's rule)."""
+    return len(word) >= 3 and (word[0].isupper() or "_" in word or any(c.isdigit() for c in word))
+
+
+def reworded_leaks(
+    sent: list[Sent], private: list[tuple[int, str]], callers: int
+) -> list[tuple[int, int, str, str]]:
+    """Return reworded leaks, 300 for each k of ``LEAK_TOKENS``: (victim, k, the reader's prompt,
+    the leaked answer). The answer puts k tokens of a caller's recent private text (names, figures,
+    identifiers no other caller sent lately) into new sentences; the reader, the next caller,
+    asked one of its own recent questions."""
+    rng = random.Random(7)
+    others: dict[int, set[str]] = {k: set() for k in range(callers)}
+    asked: dict[int, list[str]] = {k: [] for k in range(callers)}
+    for s in sent[-850:]:
+        words = {w.lower() for w in WORD_RE.findall(f"{s.prompt} {s.response}")}
+        for k in others:
+            if k != s.caller:
+                others[k] |= words
+        if s.kind == "own":
+            asked[s.caller].append(s.prompt)
+    recent = private[-len(private) * 850 // len(sent) :]
+    leaks: list[tuple[int, int, str, str]] = []
+    for k in LEAK_TOKENS:
+        made = 0
+        while made < 300:
+            victim, text = rng.choice(recent)
+            mine = [
+                w
+                for w in dict.fromkeys(WORD_RE.findall(text))
+                if shaped(w) and w.lower() not in others[victim]
+            ]
+            if len(mine) < k:
+                continue
+            told = [rng.choice(REWORDED).format(token) for token in rng.sample(mine, k)]
+            answer = "Sure. " + " ".join(f"{t[0].upper()}{t[1:]}." for t in told)
+            leaks.append((victim, k, rng.choice(asked[(victim + 1) % callers]), answer))
             made += 1
     return leaks

@@ -72,7 +72,16 @@ from kvcanary.tap.record import Exchange, summarize
 
 # The benign corpus beside this file (after the tree: a tree measured by ``--against`` has none).
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from overlap_corpus import KEY, LEAK_WORDS, benign_traffic, private_leaks, records_of
+from overlap_corpus import (
+    KEY,
+    LEAK_TOKENS,
+    LEAK_WORDS,
+    Sent,
+    benign_traffic,
+    private_leaks,
+    records_of,
+    reworded_leaks,
+)
 
 HERE = Path(__file__).resolve().parent.parent
 BATCH = 300
@@ -269,13 +278,13 @@ def judge_benign(records: list[TrafficRecord], rule: Rule) -> tuple[OverlapWindo
 
 
 def bench_overlap(
-    docs: list[str], callers: int, exchanges: int, rules: list[Rule]
-) -> dict[Rule, dict[str, Any]]:
+    sent: list[Sent], private: list[tuple[int, str]], records: list[TrafficRecord], callers: int,
+    rules: list[Rule],
+) -> dict[Rule, dict[str, Any]]:  # fmt: skip
     """For each rule: false alarms on the benign traffic (by kind) as the overlap check judges it,
     recall on private passages of 40, 80 and 200 words leaked to another caller (judged against
     the window the benign traffic left), and the rule's CPU time per benign record."""
-    sent, private = benign_traffic(docs, callers, exchanges)
-    records = records_of(sent)
+    exchanges = len(sent)
     leaks = private_leaks(sent, private, callers)
     tap, asked = Fingerprinter(KEY), "Summarize our meeting notes, please."
     asked_fp = [tap.whole(asked)]
@@ -297,6 +306,40 @@ def bench_overlap(
             "us_per_record": took / len(records) * 1e6,
         }
     return out
+
+
+def bench_reworded(
+    sent: list[Sent], private: list[tuple[int, str]], records: list[TrafficRecord], callers: int,
+    min_tokens: int,
+) -> dict[str, Any] | None:  # fmt: skip
+    """The reworded check's false alarms on the benign traffic (by kind), its recall on reworded
+    leaks of k = 3, 5, 8 tokens (judged against the window the benign traffic left) and its CPU
+    time a record; None in a tree without it."""
+    try:
+        from kvcanary.monitor.traffic.checks.reworded import reworded_check
+        from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
+        from kvcanary.tap.distinctive import TokenPrints
+    except ImportError:
+        return None
+    window = DistinctiveWindow(900, 2_000_000)
+    start = time.process_time()
+    verdicts = [reworded_check(r, window, float(i), min_tokens) for i, r in enumerate(records)]
+    took = time.process_time() - start
+    flagged = [v is not None and v.verdict == "leak" for v in verdicts]
+    alarms = collections.Counter(s.kind for s, leak in zip(sent, flagged, strict=True) if leak)
+    tap, now = TokenPrints(KEY), float(len(records))
+    caught: dict[int, list[int]] = {k: [0, 0] for k in LEAK_TOKENS}
+    for victim, k, asked, answer in reworded_leaks(sent, private, callers):
+        prompt, said = tap.exchange(asked, answer)
+        found = window.most_shared(f"c{(victim + 1) % callers}", prompt, said, now, min_tokens)
+        caught[k][0] += found.tokens >= min_tokens
+        caught[k][1] += 1
+    return {
+        "alarms": alarms,
+        "kinds": collections.Counter(s.kind for s in sent),
+        "recall": {k: hit / total for k, (hit, total) in caught.items()},
+        "us_per_record": took / len(records) * 1e6,
+    }
 
 
 def parse_rule(text: str) -> Rule:
@@ -324,6 +367,7 @@ def main() -> None:
         help="overlap rules to measure: N (a run of N prints), N/M (or M of another caller's prompt), "
         "-/M (M of another caller's prompt only: the default)",
     )
+    parser.add_argument("--min-tokens", type=int, default=3, help="the reworded check's threshold")
     parser.add_argument("--judge-bodies", type=Path, help=argparse.SUPPRESS)  # one turn of --against
     args = parser.parse_args()
     if args.judge_bodies is not None:
@@ -340,12 +384,26 @@ def main() -> None:
             print(f"tap: {label} exchange: p50 {p50:.2f} ms, p99 {p99:.2f} ms of work on the tap's thread")
     asked = hasattr(OverlapWindow, "longest_asked_run")  # not in older trees
     rules = [rule for rule in args.rules if asked or (rule.min_run and not rule.prompt_run)]
-    for rule, o in bench_overlap(docs, args.callers, args.exchanges, rules).items():
+    sent, private = benign_traffic(docs, args.callers, args.exchanges)
+    records = records_of(sent)
+    for rule, o in bench_overlap(sent, private, records, args.callers, rules).items():
         recall = ", ".join(f"{n} words {r:.0%}" for n, r in o["recall"].items())
-        kinds = ", ".join(f"{kind} {o['alarms'][kind]}/{n}" for kind, n in sorted(o["kinds"].items()))
-        alarms = f"{sum(o['alarms'].values())} false alarms in {args.exchanges} benign exchanges"
-        print(f"overlap ({rule}): {alarms} of {args.callers} callers ({kinds}); recall on private "
-              f"leaked passages: {recall}; {o['us_per_record']:.0f} µs of CPU a record")  # fmt: skip
+        print(f"overlap ({rule}): {_alarms(o, args.callers)}; recall on private leaked passages: "
+              f"{recall}; {o['us_per_record']:.0f} µs of CPU a record")  # fmt: skip
+    found = bench_reworded(sent, private, records, args.callers, args.min_tokens)
+    if found is None:
+        print("reworded: no such check in this tree")
+        return
+    recall = ", ".join(f"k={k} {r:.0%}" for k, r in found["recall"].items())
+    cost = f"{found['us_per_record']:.0f} µs of CPU a record"
+    print(f"reworded ({args.min_tokens} tokens): {_alarms(found, args.callers)}; recall on reworded "
+          f"leaks of k private tokens: {recall}; {cost}")  # fmt: skip
+
+
+def _alarms(found: dict[str, Any], callers: int) -> str:
+    kinds = ", ".join(f"{kind} {found['alarms'][kind]}/{n}" for kind, n in sorted(found["kinds"].items()))
+    total, alarms = sum(found["kinds"].values()), sum(found["alarms"].values())
+    return f"{alarms} false alarms in {total} benign exchanges of {callers} callers ({kinds})"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ own) and cuts them to what the fingerprints read (head and tail, never joining m
 than that), and :func:`summarize` turns the exchange into the record posted to
 ``/api/v1/traffic``: its own id (made once per exchange: the gateway's id is carried as
 ``upstream_id``, since engines repeat theirs), sizes, usage, timings, the marker-shaped strings of
-the response (the monitor checks their seals) and keyed fingerprints. Every field is made to fit
+the response (the monitor checks their seals), keyed fingerprints and keyed prints of the
+distinctive tokens (``distinctive.py``). Every field is made to fit
 the monitor's bounds here, and every name printable (:func:`printable_name`), so no customer's
 input can get a batch refused or forge what a person reads. The texts go no further.
 """
@@ -26,6 +27,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcanary.tap.distinctive import TokenPrints
 from kvcanary.tap.fingerprints import MAX_FINGERPRINTS, OWN, Fingerprinter, cut_joined, joined_length
 
 #: The shape of a kvcanary marker (``probes/markers.py``: ``KVC-<8 hex id>-<32 hex secret>``), any
@@ -209,6 +211,7 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
     # The reader's own prompt, whole (not only the prints sent): a quote of it is no one else's text.
     own = set(every_prompt_fp)
     response_fp = [OWN if f in own else f for f in response_fp]
+    asked, said = TokenPrints(fingerprinter.key).exchange(exchange.prompt, exchange.response)
     markers = list(dict.fromkeys(m.group(0) for m in MARKER_RE.finditer(exchange.response)))
     status = exchange.status if isinstance(exchange.status, int) and 100 <= exchange.status <= 599 else 500
     return {
@@ -242,5 +245,6 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
         },
         "markers": markers[:MAX_MARKERS],
         "fingerprints": {"prompt": prompt_fp, "response": response_fp},
+        "distinctive": {"prompt": asked, "response": said},
         "truncated": prompt_cut or response_cut or len(whole) + len(every_prompt_fp) > MAX_FINGERPRINTS,
     }

@@ -265,6 +265,10 @@ class TrafficConfig(Strict):
     # leak; off by default: answers reciting public text (API docs, quotes, articles) to several
     # callers look the same (bench/traffic.py: 231 false flags in 5,000 benign exchanges at 8).
     overlap_min_run: int | None = Field(None, ge=2, le=1024)
+    # Distinctive tokens (names, figures, identifiers) of one other caller's prompt that make a
+    # suspected leak however reworded (the reworded check; the window's age and bound are the
+    # overlap window's); null turns the check off.
+    reworded_min_tokens: int | None = Field(3, ge=2, le=256)
     # A check that only passed is recorded at most this often per (target, node): its resolve clock.
     pass_interval_seconds: float = Field(60, ge=0, le=DAY)
 

@@ -44,6 +44,7 @@ from kvcanary.monitor.traffic.checks import (
     TrafficCheck,
     prompt_estimate,
 )
+from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
 from kvcanary.monitor.traffic.facts import TargetFacts
 from kvcanary.monitor.traffic.overlap import OverlapWindow
 from kvcanary.monitor.traffic.schema import TrafficRecord
@@ -90,6 +91,7 @@ class Deployment:
     """What one target's traffic keeps between batches."""
 
     window: OverlapWindow
+    distinctive: DistinctiveWindow
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_pass: dict[tuple[str, str], float] = field(default_factory=dict)
 
@@ -128,6 +130,8 @@ class _Batch:
     expires: datetime
     min_run: int | None
     min_prompt_run: int
+    distinctive: DistinctiveWindow
+    reworded_min_tokens: int | None
 
 
 @dataclass
@@ -187,7 +191,8 @@ class TrafficJudge:
             window = OverlapWindow(
                 cfg.overlap_window_seconds, cfg.overlap_max_fingerprints, cfg.overlap_common_callers
             )
-            found = self._deployments[target] = Deployment(window)
+            distinctive = DistinctiveWindow(cfg.overlap_window_seconds, cfg.overlap_max_fingerprints)
+            found = self._deployments[target] = Deployment(window, distinctive)
         return found
 
     def target_of(self, record: TrafficRecord) -> str | None:
@@ -245,6 +250,7 @@ class TrafficJudge:
                     target, cpt, pools, deployment.window, gateway, received,
                     received + timedelta(days=self.settings.retention.failure_days),
                     self.settings.traffic.overlap_min_run, self.settings.traffic.overlap_min_prompt_run,
+                    deployment.distinctive, self.settings.traffic.reworded_min_tokens,
                 )  # fmt: skip
                 # On the loop, a chunk at a time: a worker thread kept the GIL from the loop as long
                 # (the 5 ms switch interval), and its hand-offs cost the judge about a fifth of its
@@ -262,8 +268,9 @@ class TrafficJudge:
         rows into ``out``."""
         target = batch.target.name
         context = CheckContext(
-            target, self.markers, batch.cpt, batch.window, self.clock(), batch.min_run, batch.min_prompt_run
-        )
+            target, self.markers, batch.cpt, batch.window, self.clock(), batch.min_run, batch.min_prompt_run,
+            batch.distinctive, batch.reworded_min_tokens,
+        )  # fmt: skip
         for node, record, own in records:  # every record's: a look-up of its node's groups, one a check
             pool = batch.pools[node]
             estimate = prompt_estimate(record, batch.cpt)

@@ -66,6 +66,7 @@ MAX_RECORDS = 1000
 #: Bytes a batch's body may take (a full batch of records with every fingerprint a side allows).
 MAX_BODY_BYTES = 32 * 1024 * 1024
 MAX_FINGERPRINTS = 1024
+MAX_TOKENS = 256  # distinctive tokens' prints a side
 MAX_MARKERS = 32
 NAME_CHARS = 200
 MAX_COUNT = 10**12
@@ -90,6 +91,7 @@ Name = Annotated[str, StringConstraints(max_length=NAME_CHARS, pattern=r"^[^\x00
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 Fingerprint = Annotated[int, Field(ge=0, lt=FINGERPRINT_END)]
+TokenPrint = Annotated[int, Field(ge=1, lt=FINGERPRINT_END)]
 Marker = Annotated[str, StringConstraints(pattern=r"^(?i:KVC-[0-9a-f]{8}-[0-9a-f]{32})$")]
 
 
@@ -113,6 +115,14 @@ class UsageWire(Wire, title="Usage"):
 class FingerprintsWire(Wire, title="Fingerprints"):
     prompt: Annotated[list[Fingerprint], Field(max_length=MAX_FINGERPRINTS), FailFast()] = []
     response: Annotated[list[Fingerprint], Field(max_length=MAX_FINGERPRINTS), FailFast()] = []
+
+
+class DistinctiveWire(Wire, title="Distinctive"):
+    """Keyed prints of the distinctive tokens (names, figures, identifiers) of the prompt, and
+    of the response's that its prompt does not hold (``kvcanary/tap/distinctive.py``)."""
+
+    prompt: Annotated[list[TokenPrint], Field(max_length=MAX_TOKENS), FailFast()] = []
+    response: Annotated[list[TokenPrint], Field(max_length=MAX_TOKENS), FailFast()] = []
 
 
 class TrafficRecordWire(Wire, title="TrafficRecord"):
@@ -139,6 +149,7 @@ class TrafficRecordWire(Wire, title="TrafficRecord"):
     usage: UsageWire = UsageWire()
     markers: Annotated[list[Marker], Field(max_length=MAX_MARKERS), FailFast()] = []
     fingerprints: FingerprintsWire = FingerprintsWire()
+    distinctive: DistinctiveWire = DistinctiveWire()  # none from a tap of protocol version 1
     truncated: bool = False
 
 
@@ -184,6 +195,7 @@ _Name = Annotated[str, Meta(max_length=NAME_CHARS)]
 _Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
 _Seconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS)]
 _Prints = Annotated[list[Annotated[int, Meta(ge=0, lt=FINGERPRINT_END)]], Meta(max_length=MAX_FINGERPRINTS)]
+_Tokens = Annotated[list[Annotated[int, Meta(ge=1, lt=FINGERPRINT_END)]], Meta(max_length=MAX_TOKENS)]
 _Marker = Annotated[str, Meta(pattern=r"^[Kk][Vv][Cc]-[0-9A-Fa-f]{8}-[0-9A-Fa-f]{32}\Z")]
 
 
@@ -207,6 +219,11 @@ class Usage(_Struct, frozen=True):
 class Fingerprints(_Struct, frozen=True):
     prompt: _Prints = []
     response: _Prints = []
+
+
+class Distinctive(_Struct, frozen=True):
+    prompt: _Tokens = []
+    response: _Tokens = []
 
 
 class TrafficRecord(_Struct, frozen=True, kw_only=True):
@@ -234,6 +251,7 @@ class TrafficRecord(_Struct, frozen=True, kw_only=True):
     usage: Usage = Usage()
     markers: Annotated[list[_Marker], Meta(max_length=MAX_MARKERS)] = []
     fingerprints: Fingerprints = Fingerprints()
+    distinctive: Distinctive = Distinctive()
     truncated: bool = False
 
     @property
@@ -300,6 +318,7 @@ def _judged(wire: TrafficRecordWire) -> TrafficRecord:
     fields["prompt"] = PromptSize(**dict(wire.prompt))
     fields["usage"] = Usage(**dict(wire.usage))
     fields["fingerprints"] = Fingerprints(**dict(wire.fingerprints))
+    fields["distinctive"] = Distinctive(**dict(wire.distinctive))
     return printable(TrafficRecord(**fields))
 
 
@@ -396,6 +415,7 @@ _NESTED: dict[str, type[Wire]] = {
     "prompt": PromptSizeWire,
     "usage": UsageWire,
     "fingerprints": FingerprintsWire,
+    "distinctive": DistinctiveWire,
 }
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcanary import wire
+from kvcanary.tap.distinctive import TokenPrints
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.jetstream import messages_of
 from kvcanary.tap.record import key_digest
@@ -24,7 +25,7 @@ from kvcanary.tap.sender import Batch
 
 GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "wire" / "golden.json"
 #: The protocol version the vectors are of (``docs/tap-protocol.md``).
-VERSION = 1
+VERSION = 2
 KEY = b"kvcanary-golden-vector-key-0001!"
 TEXTS: dict[str, str] = {
     "empty": "",
@@ -65,12 +66,12 @@ def routing_of(url: str) -> dict[str, Any]:
 
 def vectors() -> dict[str, Any]:
     """Return the Python tap's outputs for the fixed inputs above: what the golden file holds."""
-    tap = Fingerprinter(KEY)
+    tap, tokens = Fingerprinter(KEY), TokenPrints(KEY)
     texts = {}
     for name, text in TEXTS.items():
         prints, truncated = tap.fingerprints(text)
         texts[name] = {"text": text, "fingerprints": prints, "truncated": truncated,
-                       "whole": tap.whole(text)}  # fmt: skip
+                       "whole": tap.whole(text), "distinctive": tokens.of(text)}  # fmt: skip
     batch = Batch("0123456789abcdef0123456789abcdef", "gw-1", 0, records())
     messages = {
         f"limit_{limit}": [

@@ -18,12 +18,14 @@ from kvcanary.monitor.traffic.checks.overlap_run import (
     longest_unexcused_run,
     overlap_check,
 )
+from kvcanary.monitor.traffic.checks.reworded import REWORDED_MIN_TOKENS, RewordedCheck
 from kvcanary.monitor.traffic.checks.tokens import TOKENS_MARGIN, TokensCheck, prompt_estimate
 
 REGISTRY: tuple[TrafficCheck, ...] = (
     MarkerCheck(),
     TokensCheck(),
     CapacityCheck(),
+    RewordedCheck(),
     OverlapCheck(),
 )
 
@@ -39,6 +41,7 @@ __all__ = [
     "NEAR_POOL",
     "OVERLAP_MIN_RUN",
     "REGISTRY",
+    "REWORDED_MIN_TOKENS",
     "TOKENS_MARGIN",
     "CheckContext",
     "Finding",

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
 from kvcanary.monitor.traffic.overlap import OverlapWindow
 from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.probes.base import Verdict
@@ -57,6 +58,8 @@ class CheckContext:
     now: float  # monotonic seconds: the overlap window's clock
     min_run: int | None  # None: only the run of another caller's prompt makes a leak
     min_prompt_run: int
+    distinctive: DistinctiveWindow
+    reworded_min_tokens: int | None  # None: the reworded check is off
     node: str = ""
     pool: int | None = None
     estimate: float | None = None

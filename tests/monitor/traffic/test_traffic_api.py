@@ -127,6 +127,8 @@ def test_the_ingest_token_posts_traffic_and_reads_nothing(client: TestClient) ->
         ({"status": 99}, "status"),
         ({"fingerprints": {"prompt": [2**53]}}, "prompt"),
         ({"fingerprints": {"response": list(range(1025))}}, "response"),
+        ({"distinctive": {"prompt": [0]}}, "distinctive"),  # 0 is no token's print
+        ({"distinctive": {"response": list(range(1, 258))}}, "distinctive"),  # 256 a side
         ({"markers": ["not a marker"]}, "markers"),
         ({"usage": {"prompt_tokens": -1}}, "prompt_tokens"),
         ({"prompt": {"chars": "many"}}, "chars"),
@@ -222,6 +224,23 @@ def test_flagged_and_near_pool_records_are_kept_and_listed_by_check_and_caller(c
     mine = client.get("/api/v1/traffic", params={"caller": "team-2", "limit": 1}, headers=auth).json()
     assert [r["request_id"] for r in mine["items"]] == ["req-2"]
     assert client.get("/api/v1/traffic", params={"check": "nope"}, headers=auth).status_code == 422
+
+
+def test_a_reworded_leak_is_kept_and_listed_under_its_check_with_counts_never_tokens(
+    client: TestClient,
+) -> None:
+    notes = list(range(101, 121))  # one caller's prompt: twenty distinctive tokens' prints
+    records = [
+        record(1, caller="acme", distinctive={"prompt": notes, "response": [7]}),
+        record(2, caller="initech", distinctive={"prompt": [9], "response": [102, 105, 111, 8]}),
+    ]
+    assert post(client, records).json()["flagged"] == 1
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    (kept,) = client.get("/api/v1/traffic", params={"check": "reworded"}, headers=auth).json()["items"]
+    assert kept["request_id"] == "req-2" and kept["caller"] == "initech"
+    found = {k: v for k, v in kept["findings"]["reworded"].items() if k not in ("verdict", "reason")}
+    assert kept["findings"]["reworded"]["reason"] == "another_callers_tokens"
+    assert found == {"shared_tokens": 3, "response_tokens": 4, "other_caller": "acme"}
 
 
 def test_kept_records_and_minute_counts_are_pruned_a_batch_at_a_time(

@@ -1,0 +1,85 @@
+"""The distinctive tokens of a text, keyed: what lets the monitor see another caller's names,
+numbers and identifiers in an answer that says them in new words.
+
+A stale KV cache rarely copies a passage of another customer's prompt: the model continues that
+context, and its answer reuses the context's names, figures and identifiers in sentences of its
+own, which no n-gram print (``fingerprints.py``) meets. So the tap also sends one keyed print of
+each distinct token of the text that has the shape of such a fact (:func:`distinctive_words`):
+
+- a word with a digit, of at least ``MIN_CHARS`` characters, where a word of digits alone needs
+  ``MIN_DIGITS`` of them (an order number, a year, an amount; not a list's "12");
+- a word with a capital letter (a name, a product, an acronym; a sentence's first word too: the
+  monitor learns that "The" is common, the tap need not know English);
+- a word with an underscore (an identifier).
+
+Words are ``\\w+`` runs, as the fingerprints cut them, compared lower-cased. Which tokens are
+common (held by many callers, said by the model unasked) is the monitor's to learn from the
+traffic (``monitor/traffic/distinctive.py``), not the tap's.
+
+Each print is a BLAKE2b MAC of the lower-cased word under the gateway's key (person ``kvc-token``),
+so the monitor, which never has the key, cannot test a guess. A prompt sends its first
+``MAX_TOKENS`` distinct tokens (of what the fingerprints read: head and tail of a long text); an
+answer sends its first ``MAX_TOKENS`` that its own prompt does not hold: a model repeating its
+caller's names is no one else's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from kvcanary.tap.fingerprints import FINGERPRINT_BITS, cut
+
+#: Characters of a token with a digit, a capital or an underscore.
+MIN_CHARS = 3
+#: Digits of a token of digits alone.
+MIN_DIGITS = 4
+#: Distinct tokens sent a side.
+MAX_TOKENS = 256
+
+_WORD_RE = re.compile(r"\w+")
+_DIGIT_RE = re.compile(r"\d")
+_MASK = (1 << FINGERPRINT_BITS) - 1
+
+
+def distinctive_words(text: str) -> list[str]:
+    """Return the distinct distinctive tokens of ``text`` (as fingerprinted: head and tail of a
+    long one), lower-cased, in the order they first appear."""
+    return list(dict.fromkeys(w.lower() for w in _WORD_RE.findall(cut(text)) if is_distinctive(w)))
+
+
+def is_distinctive(word: str) -> bool:
+    """Whether a word (a ``\\w+`` run) has the shape of a name, a figure or an identifier."""
+    if len(word) < MIN_CHARS:
+        return False
+    if word.isdecimal():
+        return len(word) >= MIN_DIGITS
+    if "_" in word or _DIGIT_RE.search(word):
+        return True
+    # Most words are lower-case (one check in C); a capital anywhere makes a name or an acronym.
+    return not word.islower() and any(ch.isupper() for ch in word)
+
+
+class TokenPrints:
+    """Keyed prints of distinctive tokens under one secret key (the fingerprints' key)."""
+
+    def __init__(self, key: bytes):
+        self._key = key[:64]
+
+    def of(self, text: str) -> list[int]:
+        """Return the prints of every distinctive token of ``text``, in order (no cap)."""
+        return [self.print_of(word) for word in distinctive_words(text)]
+
+    def print_of(self, word: str) -> int:
+        """Return one lower-cased token's print (0 is never one)."""
+        digest = hashlib.blake2b(word.encode("utf-8", "surrogatepass"), key=self._key, digest_size=8,
+                                 person=b"kvc-token")  # fmt: skip
+        return (int.from_bytes(digest.digest(), "big") & _MASK) or 1
+
+    def exchange(self, prompt: str, response: str) -> tuple[list[int], list[int]]:
+        """Return what a record sends: the prompt's first ``MAX_TOKENS`` prints, and the first
+        ``MAX_TOKENS`` of the response's that the whole prompt does not hold."""
+        asked = self.of(prompt)
+        own = set(asked)
+        said = [p for p in self.of(response) if p not in own]
+        return asked[:MAX_TOKENS], said[:MAX_TOKENS]
