@@ -5,7 +5,7 @@
 - ``tap``: the tap's work per exchange (summary and fingerprints: what runs on its thread, after
   the response is sent) for 1 KB, 16 KB and 1 MB exchanges, p50 and p99;
 - ``overlap``: for each overlap rule asked (``--rules``: ``8`` is a run of 8 prints of anything,
-  ``-/4`` a run of 4 prints one other caller alone asked (the settings' default), ``8/4`` either),
+  ``-/5`` a run of 5 prints one other caller alone asked (the settings' default), ``8/4`` either),
   its false alarms by kind on benign traffic of real text nobody here wrote
   (``bench/overlap_corpus.py``), its recall on private passages of 40, 80 and 200 words leaked into
   another caller's answer, and its CPU time. ``KVCANARY_BENCH_TREE=<a checkout> ... --overlap-only``
@@ -159,6 +159,9 @@ def judge_rate(bodies: list[bytes]) -> float:
         }
     )
     judge = TrafficJudge(settings, {"t": Answers()}, MarkerBook(), MonitorMetrics(CollectorRegistry()))
+    fields = getattr(TrafficRecord, "__struct_fields__", None) or getattr(TrafficRecord, "model_fields", {})
+    if "distinctive" not in fields:  # a tree before the field refuses records that carry it
+        bodies = [_without_distinctive(body) for body in bodies]
 
     async def run() -> float:
         start = time.process_time()  # every thread's, should any of the judge's work leave the loop
@@ -169,6 +172,13 @@ def judge_rate(bodies: list[bytes]) -> float:
 
     took = asyncio.run(run())
     return len(bodies) * BATCH / took
+
+
+def _without_distinctive(body: bytes) -> bytes:
+    batch = json.loads(body)
+    for record in batch["records"]:
+        record.pop("distinctive", None)
+    return json.dumps(batch).encode()
 
 
 def bench_judge(docs: list[str], records: int) -> float:
@@ -230,7 +240,7 @@ def bench_tap(docs: list[str]) -> dict[str, tuple[float, float]]:
 class Rule(NamedTuple):
     """An overlap rule: a run of ``min_run`` prints of anything another caller sent (None: not
     counted), or (where the window knows what callers asked) of ``prompt_run`` prints another
-    caller sent in a prompt (None: not counted). The settings' default is ``Rule(None, 4)``."""
+    caller sent in a prompt (None: not counted). The settings' default is ``Rule(None, 5)``."""
 
     min_run: int | None
     prompt_run: int | None = None
@@ -294,18 +304,27 @@ def bench_overlap(
     for rule in rules:
         window, verdicts, took = judge_benign(records, rule)
         alarms = collections.Counter(s.kind for s, leak in zip(sent, verdicts, strict=True) if leak)
-        caught: dict[int, list[int]] = {n: [0, 0] for n in LEAK_WORDS}
-        for victim, n, fp in leaked:
-            reader = f"c{(victim + 1) % callers}"
-            caught[n][0] += prompt_run_leaked(reader, asked_fp, fp, window, float(exchanges), rule)
-            caught[n][1] += 1
+        hits = [
+            prompt_run_leaked(f"c{(victim + 1) % callers}", asked_fp, fp, window, float(exchanges), rule)
+            for victim, _, fp in leaked
+        ]
         out[rule] = {
             "alarms": alarms,
             "kinds": kinds,
-            "recall": {n: hit / total for n, (hit, total) in caught.items()},
+            "hits": hits,  # each leak of ``private_leaks``, in order: caught or not
+            "recall": recall_by(leaks, hits),
             "us_per_record": took / len(records) * 1e6,
         }
     return out
+
+
+def recall_by(leaks: list[tuple[int, int, str]], hits: list[bool]) -> dict[int, float]:
+    """Return the share of leaks caught, by the passage's length in words."""
+    caught: dict[int, list[int]] = {n: [0, 0] for n in LEAK_WORDS}
+    for (_, n, _), hit in zip(leaks, hits, strict=True):
+        caught[n][0] += hit
+        caught[n][1] += 1
+    return {n: hit / total for n, (hit, total) in caught.items()}
 
 
 def bench_reworded(
@@ -313,8 +332,8 @@ def bench_reworded(
     min_tokens: int,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The reworded check's false alarms on the benign traffic (by kind), its recall on reworded
-    leaks of k = 3, 5, 8 tokens (judged against the window the benign traffic left) and its CPU
-    time a record; None in a tree without it."""
+    leaks of k = 3, 5, 8 tokens and on the overlap figure's private passages (judged against the
+    window the benign traffic left), and its CPU time a record; None in a tree without it."""
     try:
         from kvcanary.monitor.traffic.checks.reworded import reworded_check
         from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
@@ -334,17 +353,25 @@ def bench_reworded(
         found = window.most_shared(f"c{(victim + 1) % callers}", prompt, said, now, min_tokens)
         caught[k][0] += found.tokens >= min_tokens
         caught[k][1] += 1
+    asked, passages = tap.of("Summarize our meeting notes, please."), private_leaks(sent, private, callers)
+    hits = [
+        window.most_shared(f"c{(victim + 1) % callers}", asked, tap.exchange("", "Sure. " + passage)[1],
+                           now, min_tokens).tokens >= min_tokens
+        for victim, _, passage in passages
+    ]  # fmt: skip
     return {
         "alarms": alarms,
         "kinds": collections.Counter(s.kind for s in sent),
         "recall": {k: hit / total for k, (hit, total) in caught.items()},
+        "hits": hits,
+        "passages": passages,
         "us_per_record": took / len(records) * 1e6,
     }
 
 
 def parse_rule(text: str) -> Rule:
     """``8`` (a run of 8 prints of anything), ``8/4`` (that, or 4 of another caller's prompt) or
-    ``-/4`` (4 of another caller's prompt only: the settings' default)."""
+    ``-/5`` (5 of another caller's prompt only: the settings' default)."""
     first, _, second = text.partition("/")
     return Rule(None if first == "-" else int(first), int(second) if second else None)
 
@@ -386,7 +413,8 @@ def main() -> None:
     rules = [rule for rule in args.rules if asked or (rule.min_run and not rule.prompt_run)]
     sent, private = benign_traffic(docs, args.callers, args.exchanges)
     records = records_of(sent)
-    for rule, o in bench_overlap(sent, private, records, args.callers, rules).items():
+    overlaps = bench_overlap(sent, private, records, args.callers, rules)
+    for rule, o in overlaps.items():
         recall = ", ".join(f"{n} words {r:.0%}" for n, r in o["recall"].items())
         print(f"overlap ({rule}): {_alarms(o, args.callers)}; recall on private leaked passages: "
               f"{recall}; {o['us_per_record']:.0f} µs of CPU a record")  # fmt: skip
@@ -395,9 +423,18 @@ def main() -> None:
         print("reworded: no such check in this tree")
         return
     recall = ", ".join(f"k={k} {r:.0%}" for k, r in found["recall"].items())
+    alone = _words(recall_by(found["passages"], found["hits"]))
     cost = f"{found['us_per_record']:.0f} µs of CPU a record"
     print(f"reworded ({args.min_tokens} tokens): {_alarms(found, args.callers)}; recall on reworded "
-          f"leaks of k private tokens: {recall}; {cost}")  # fmt: skip
+          f"leaks of k private tokens: {recall}; on private leaked passages: {alone}; {cost}")  # fmt: skip
+    for rule, o in overlaps.items():
+        either = [a or b for a, b in zip(o["hits"], found["hits"], strict=True)]
+        print(f"overlap ({rule}) or reworded: recall on private leaked passages: "
+              f"{_words(recall_by(found['passages'], either))}")  # fmt: skip
+
+
+def _words(recall: dict[int, float]) -> str:
+    return ", ".join(f"{n} words {r:.0%}" for n, r in recall.items())
 
 
 def _alarms(found: dict[str, Any], callers: int) -> str:

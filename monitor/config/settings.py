@@ -259,8 +259,9 @@ class TrafficConfig(Strict):
     # Distinct callers holding a fingerprint that make it common (boilerplate): never a leak.
     overlap_common_callers: int = Field(3, ge=2, le=1000)
     # Consecutive fingerprints (each 8 words, one n-gram in four) of one other caller's prompt that
-    # make a suspected leak: its private input, which a stale KV cache continues (about 20-40 words).
-    overlap_min_prompt_run: int = Field(4, ge=2, le=1024)
+    # make a suspected leak: its private input, which a stale KV cache continues (about 24-48 words;
+    # 4 catches a few more 40-word passages and flags a few more recited boilerplates: docs/detection.md).
+    overlap_min_prompt_run: int = Field(5, ge=2, le=1024)
     # Consecutive fingerprints of anything another caller sent or was answered that make a suspected
     # leak; off by default: answers reciting public text (API docs, quotes, articles) to several
     # callers look the same (bench/traffic.py: 231 false flags in 5,000 benign exchanges at 8).

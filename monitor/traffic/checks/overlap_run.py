@@ -1,4 +1,4 @@
-"""The overlap check: a run of fingerprints (``OVERLAP_MIN_PROMPT_RUN`` in order, about 20 to 40
+"""The overlap check: a run of fingerprints (``OVERLAP_MIN_PROMPT_RUN`` in order, about 24 to 48
 words) that one other caller alone holds and sent in a prompt is that caller's private input in
 this answer, what a stale KV cache continues: a ``leak`` (suspected). The fingerprints, who holds
 them and for how long are the window's (``monitor/traffic/overlap.py``); this file is the rule.
@@ -7,7 +7,7 @@ A run of anything another caller sent or was answered (``traffic.overlap_min_run
 ``OVERLAP_MIN_RUN``) is a rule an operator may turn on; it is off by default: a model reciting
 public text (API docs, quotes, an article) gives several callers the same answer, and the second
 one looks exactly like a leak of the first (bench/traffic.py: 231 false flags in 5,000 benign
-exchanges of 8 callers at a run of 8, against 2 for the prompt rule).
+exchanges of 8 callers at a run of 8, against 1 for the prompt rule).
 
 Callers who sent the same prompt are passed over (a deterministic answer to the same question is
 the same text), and the exchange joins the window after it is judged.
@@ -23,9 +23,11 @@ from kvcanary.probes.base import Verdict
 #: A run of anything another caller holds that an operator may count as a suspected leak (about 40
 #: words in order; ``traffic.overlap_min_run``, off by default: the module doc).
 OVERLAP_MIN_RUN = 8
-#: The run of another caller's private input that makes a suspected leak (bench/traffic.py: 97 % of
-#: 40-word private passages); the settings' ``traffic.overlap_min_prompt_run`` defaults to it.
-OVERLAP_MIN_PROMPT_RUN = 4
+#: The run of another caller's private input that makes a suspected leak; the settings'
+#: ``traffic.overlap_min_prompt_run`` defaults to it. bench/traffic.py, 5,000 benign exchanges of 8
+#: callers: at 5, 1 false alarm and 93 % of 40-word private passages caught (95 % with the reworded
+#: check beside it), 100 % of 80; at 4, 4 false alarms and 97 %.
+OVERLAP_MIN_PROMPT_RUN = 5
 
 
 def longest_unexcused_run(

@@ -1,5 +1,5 @@
 """The reworded check: an answer that says ``REWORDED_MIN_TOKENS`` or more of one other caller's
-private names, figures and identifiers, all from one of its prompts, is a ``leak`` (suspected),
+private names, figures and identifiers, from few of its prompts, is a ``leak`` (suspected),
 however new its sentences: what a stale KV cache does when the model continues another request's
 context. The tokens, who holds them and which are public are the window's
 (``monitor/traffic/distinctive.py``); this file is the rule.
@@ -31,12 +31,13 @@ def reworded_check(
     tokens = record.distinctive
     if min_tokens is None or not (tokens.prompt or tokens.response):
         return None
+    if not tokens.response:  # nothing to judge: the prompt joins the window
+        window.add(record.caller, tokens.prompt, (), now)
+        return None
     found = window.most_shared(record.caller, tokens.prompt, tokens.response, now, min_tokens)
     leaked = found.tokens >= min_tokens
     # A leaked answer's tokens stay out: said to the reader, they would look public.
     window.add(record.caller, tokens.prompt, () if leaked else tokens.response, now)
-    if not tokens.response:
-        return None
     if not leaked:
         return RewordedCheck.passed
     figures = {
