@@ -11,7 +11,9 @@
   another caller's answer, and its CPU time. ``KVCANARY_BENCH_TREE=<a checkout> ... --overlap-only``
   measures that checkout's window and check on the same traffic (the rules its window knows).
 
-``--against REV`` gives the ``judge`` figure only, side by side: the same bodies (made once, by
+``--against REV --overlap-only`` prints the detection figures (the default rules) of commit ``REV``
+and of this working tree, one after the other, on the same traffic. ``--against REV`` alone gives
+the ``judge`` figure only, side by side: the same bodies (made once, by
 this tree's tap) judged by commit ``REV`` (exported into a temporary folder, removed after) and by
 this working tree, each round a fresh process of each, in turns whose order alternates, so that a
 machine shared with other work weighs on both alike; it prints each round's figures, the medians
@@ -20,6 +22,7 @@ and the ratio (the median of the rounds' ratios).
     .venv/bin/python bench/traffic.py [--records 30000] [--callers 8]
     .venv/bin/python bench/traffic.py --overlap-only [--rules 8 -/4 8/4] [--exchanges 5000]
     .venv/bin/python bench/traffic.py --against HEAD [--rounds 5] [--records 30000]
+    .venv/bin/python bench/traffic.py --against HEAD --overlap-only
 """
 
 from __future__ import annotations
@@ -189,11 +192,7 @@ def judge_against(docs: list[str], records: int, rev: str, rounds: int) -> None:
     """Print the judge figure of ``rev`` and of this working tree, side by side (the module doc)."""
     bodies = judge_bodies(docs, records)
     with tempfile.TemporaryDirectory(prefix="kvcanary-bench-") as tmp:
-        exported, given = Path(tmp) / "rev", Path(tmp) / "bodies.pickle"
-        exported.mkdir()
-        # An export, not a worktree: a run cut short leaves nothing behind in the repository.
-        archive = subprocess.run(["git", "-C", str(HERE), "archive", rev], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(exported)], input=archive.stdout, check=True)
+        exported, given = export(rev, Path(tmp)), Path(tmp) / "bodies.pickle"
         given.write_bytes(pickle.dumps(bodies))
         trees = {rev: exported, "working tree": HERE}
         rates: dict[str, list[float]] = {name: [] for name in trees}
@@ -206,6 +205,33 @@ def judge_against(docs: list[str], records: int, rev: str, rounds: int) -> None:
     print(f"judge: {medians} records per CPU-second (median of {rounds} rounds, batches of {BATCH})")
     print(f"judge: working tree / {rev}: {statistics.median(ratios):.2f}x "
           f"(rounds {min(ratios):.2f}x to {max(ratios):.2f}x)")  # fmt: skip
+
+
+def export(rev: str, into: Path) -> Path:
+    """Return a folder holding commit ``rev``'s tree: an export, not a worktree, so that a run cut
+    short leaves nothing behind in the repository."""
+    exported = into / "rev"
+    exported.mkdir()
+    archive = subprocess.run(["git", "-C", str(HERE), "archive", rev], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(exported)], input=archive.stdout, check=True)
+    return exported
+
+
+def detection_against(rev: str, forwarded: list[str]) -> None:
+    """Print the detection figures (``--overlap-only``, the default rules) of ``rev`` and of this
+    working tree, one after the other, on the same traffic: each tree's checks in a process of
+    its own, the corpus this file's."""
+    with tempfile.TemporaryDirectory(prefix="kvcanary-bench-") as tmp:
+        trees = {rev: export(rev, Path(tmp)), "working tree": HERE}
+        for name, tree in trees.items():
+            env = {**os.environ, "KVCANARY_BENCH_TREE": str(tree)}
+            done = subprocess.run(
+                [sys.executable, __file__, "--overlap-only", *forwarded],
+                env=env, check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            for line in done.stdout.splitlines():
+                if not line.startswith("corpus:"):
+                    print(f"{name}: {line}", flush=True)
 
 
 def _judge_in(tree: Path, bodies: Path) -> float:
@@ -402,6 +428,10 @@ def main() -> None:
         return
     docs = corpus()
     print(f"corpus: {len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f} MB from /usr/share")
+    if args.against is not None and args.overlap_only:
+        forwarded = ["--exchanges", str(args.exchanges), "--callers", str(args.callers)]
+        detection_against(args.against, [*forwarded, "--min-tokens", str(args.min_tokens)])
+        return
     if args.against is not None:
         judge_against(docs, args.records, args.against, args.rounds)
         return

@@ -3,6 +3,9 @@ bounded, and a response's tokens its own prompt holds left out."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from kvcanary.tap.distinctive import MAX_TOKENS, TokenPrints, distinctive_words, is_distinctive
 from kvcanary.tap.fingerprints import MAX_TEXT_CHARS, Fingerprinter
 from kvcanary.tap.record import Exchange, summarize
@@ -49,3 +52,14 @@ def test_a_long_text_sends_at_most_max_tokens_a_side_from_what_the_fingerprints_
     )
     assert record["distinctive"]["prompt"] == asked
     assert record["distinctive"]["response"] == [TokenPrints(KEY).print_of("zed")]
+
+
+def test_the_inlined_rule_is_the_documented_one_on_real_text() -> None:
+
+    text = (
+        Path("/usr/share/common-licenses/GPL-3").read_text()
+        + " x²y ß ǅemal Ωmega 東京タワー 3½ 0123 ٣٤٥٦ a_b"
+    )
+    words = re.findall(r"\w+", text)
+    assert distinctive_words(text) == list(dict.fromkeys(w.lower() for w in words if is_distinctive(w)))
+    assert len(distinctive_words(text)) > 50
