@@ -13,10 +13,11 @@ prompts as tokens, plus one), where a token counts only if
 - no answer said it unasked in the window: what a model says to a caller who did not mention it
   is what the model knows (a city's rivers, a library's functions), public however rare;
 
-and the reader did not ask about the same thing: a prompt that shares a **rare** token (in at most
-``RARE_SHARE`` of the window's prompts) with one of those prompts is excused (a caller asking
-"tell me about Lisbon" after another pasted notes on Lisbon). A token in many prompts (a shared
-system prompt's, a team's) excuses nothing.
+and the reader did not ask about the same thing: a prompt that shares a **rare** token (in other
+callers' prompts of at most ``RARE_SHARE`` of the window's exchanges) with one of those prompts is
+excused (a caller asking "tell me about Lisbon" after another pasted notes on Lisbon, however
+often that one sent its notes again). A token in many prompts (a shared system prompt's, a
+team's) excuses nothing.
 
 Few prompts is what separates a leak from coincidence: a stale KV cache continues one request's
 context (some of whose tokens the caller may have sent again since: each token is placed in the
@@ -35,11 +36,12 @@ import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
-#: The share of the window's prompts a token may be in and still show two callers asked about
-#: the same thing. bench/traffic.py, 5,000 benign exchanges of 8 callers: at 1 %, no benign flag
-#: and 93 % of 5-token reworded leaks caught; at 5 %, about 78 % (a reader's prompt shares some
-#: uncommon token with the victim's more often); with no excuse, 4 benign flags (a caller asking
-#: about a city another pasted notes on).
+#: The share of the window's exchanges whose prompts (other callers' than the one whose tokens an
+#: answer holds) a token may be in and still show two callers asked about the same thing.
+#: bench/traffic.py, 5,000 benign exchanges of 8 callers: at 1 %, no benign flag and 91 % of
+#: 5-token reworded leaks caught; a larger share excuses more leaks (a reader's prompt shares
+#: some uncommon token with the victim's more often); with no excuse, 4 benign flags (a caller
+#: asking about a city another pasted notes on).
 RARE_SHARE = 0.01
 
 
@@ -102,6 +104,7 @@ class DistinctiveWindow:
         """Return the other caller whose prompts give ``response`` the most private tokens, among
         those that reach ``min_shared`` from few prompts and are not excused (tokens 0: none)."""
         self._expire(now)
+        response = list(dict.fromkeys(response))  # a token said twice is one (a tap need not dedupe)
         holders = list(map(self._holders.get, response))
         if holders.count(None) == len(holders):  # most answers: every token nobody's prompt's
             return Shared(0, "", len(response))
@@ -132,16 +135,18 @@ class DistinctiveWindow:
         return Shared(0, "", len(response))
 
     def _same_topic(self, entry: _Entry, asked: frozenset[int]) -> bool:
-        """Whether the reader's prompt shares a rare token with ``entry``'s prompt: one in at most
-        ``RARE_SHARE`` of the window's prompts. Counted by a walk of the window, which only a
-        suspected leak costs."""
+        """Whether the reader's prompt shares a rare token with ``entry``'s prompt: one that the
+        prompts of other callers than ``entry``'s hold in at most ``RARE_SHARE`` of the window's
+        exchanges (a caller resending its own history never makes its topic common). Counted by
+        a walk of the window, which only a suspected leak costs, and cut short past the bound."""
         rare = max(1.0, len(self._entries) * RARE_SHARE)
         for token in asked.intersection(entry.asked):
             prompts = 0
             for held in self._entries:
-                prompts += token in held.asked
-                if prompts > rare:
-                    break
+                if held.caller is not entry.caller and token in held.asked:
+                    prompts += 1
+                    if prompts > rare:
+                        break
             else:
                 return True
         return False

@@ -278,6 +278,7 @@ class TrafficJudge:
             if not own:  # the monitor's own request: not judged, but counted and kept as a customer's is
                 found = groups.get(node) or groups.setdefault(node, defaultdict(_Group))
                 context.node, context.pool, context.estimate = node, pool, estimate
+                context.leaked = False
                 for check in self.checks:
                     finding = check.judge(record, context)
                     if finding is None:
@@ -288,6 +289,7 @@ class TrafficJudge:
                     else:
                         group.flagged.append((record, finding))
                         flagged.append(finding)
+                        context.leaked |= finding.verdict is Verdict.LEAK
             near = estimate is not None and pool is not None and estimate >= NEAR_POOL * pool
             self._count(out, target, node, record, bool(flagged), near, own)
             if flagged or near:

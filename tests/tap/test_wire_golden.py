@@ -87,15 +87,24 @@ def vectors() -> dict[str, Any]:
         "api_bases": [routing_of(url) for url in API_BASES],
         "key_digests": {caller: key_digest(caller, KEY) for caller in CALLERS},
         "batch": {"id": batch.id, "gateway": batch.gateway, "records": batch.records},
+        "exchange": exchange_vector(tokens),
         "messages": messages,
     }
+
+
+def exchange_vector(tokens: TokenPrints) -> dict[str, Any]:
+    """A record's distinctive tokens of one exchange: the answer's less those its prompt holds."""
+    prompt = "Invoice INV_7731 for Hendrikson Ltd: 48213 EUR, due 2027. Call Marta."
+    response = "Hendrikson owes 48213; Marta Oyelaran (x86 team) confirmed on 2026-12-04."
+    asked, said = tokens.exchange(prompt, response)
+    return {"prompt": prompt, "response": response, "distinctive": {"prompt": asked, "response": said}}
 
 
 def test_the_python_tap_makes_the_golden_vectors() -> None:
     golden = json.loads(GOLDEN.read_text(encoding="utf-8"))
     made = vectors()
     assert golden["version"] == VERSION
-    for section in ("texts", "api_bases", "key_digests", "batch", "messages"):
+    for section in ("texts", "api_bases", "key_digests", "batch", "messages", "exchange"):
         assert made[section] == golden[section], f"the tap's {section} moved: a protocol change"
 
 

@@ -1,7 +1,8 @@
 """Traffic checks, registered in judging order. One file per check; one explicit line per check here.
 
-Every customer record gets each check of :data:`REGISTRY`, in this order (the overlap check last: it
-adds the exchange to the window after judging it). The rules, and how sure each is, are in
+Every customer record gets each check of :data:`REGISTRY`, in this order (the windowed checks last:
+each adds the exchange to its window after judging it, the reworded check keeping out an answer
+an earlier check found a leak). The rules, and how sure each is, are in
 docs/operating.md ("Judging real traffic") and docs/detection.md; what a check is, ``base.py``.
 """
 
@@ -25,8 +26,8 @@ REGISTRY: tuple[TrafficCheck, ...] = (
     MarkerCheck(),
     TokensCheck(),
     CapacityCheck(),
-    RewordedCheck(),
     OverlapCheck(),
+    RewordedCheck(),
 )
 
 #: The checks' names: the ``check`` label and query parameter, and the kept rows' ``checks`` column.

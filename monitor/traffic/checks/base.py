@@ -63,6 +63,9 @@ class CheckContext:
     node: str = ""
     pool: int | None = None
     estimate: float | None = None
+    #: Whether a check before this one found the record a leak: a window then keeps none of the
+    #: answer, which another customer's text must not make look common or public.
+    leaked: bool = False
 
 
 #: The names a check may list in ``needs``.

@@ -25,9 +25,10 @@ REWORDED_MIN_TOKENS = 3
 
 
 def reworded_check(
-    record: TrafficRecord, window: DistinctiveWindow, now: float, min_tokens: int | None
+    record: TrafficRecord, window: DistinctiveWindow, now: float, min_tokens: int | None, leaked: bool = False
 ) -> Finding | None:
-    """Judge the answer's tokens against the window, then add the exchange to it."""
+    """Judge the answer's tokens against the window, then add the exchange to it; ``leaked``: an
+    earlier check found the answer a leak (its tokens stay out of the window too)."""
     tokens = record.distinctive
     if min_tokens is None or not (tokens.prompt or tokens.response):
         return None
@@ -35,10 +36,10 @@ def reworded_check(
         window.add(record.caller, tokens.prompt, (), now)
         return None
     found = window.most_shared(record.caller, tokens.prompt, tokens.response, now, min_tokens)
-    leaked = found.tokens >= min_tokens
+    flagged = found.tokens >= min_tokens
     # A leaked answer's tokens stay out: said to the reader, they would look public.
-    window.add(record.caller, tokens.prompt, () if leaked else tokens.response, now)
-    if not leaked:
+    window.add(record.caller, tokens.prompt, () if flagged or leaked else tokens.response, now)
+    if not flagged:
         return RewordedCheck.passed
     figures = {
         "shared_tokens": found.tokens,
@@ -50,7 +51,8 @@ def reworded_check(
 
 class RewordedCheck(TrafficCheck):
     name = "reworded"
-    needs = frozenset({"distinctive", "now", "reworded_min_tokens"})
+    needs = frozenset({"distinctive", "now", "reworded_min_tokens", "leaked"})
 
     def judge(self, record: TrafficRecord, context: CheckContext) -> Finding | None:
-        return reworded_check(record, context.distinctive, context.now, context.reworded_min_tokens)
+        window, now, least = context.distinctive, context.now, context.reworded_min_tokens
+        return reworded_check(record, window, now, least, leaked=context.leaked)

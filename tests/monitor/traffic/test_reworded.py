@@ -143,3 +143,29 @@ def test_the_judge_runs_it_and_its_results_are_stored_under_traffic_reworded() -
     )
     judge.take_up(off)
     assert not [r for r in asyncio.run(judge.judge(records, "gw")).results if r.kind == "traffic_reworded"]
+
+
+def test_the_excuse_holds_however_often_the_other_caller_sent_its_notes_again() -> None:
+    window = DistinctiveWindow()
+    asked_again = [("acme", NOTES, "Noted."), ("acme", NOTES + " Again?", "Noted.")]  # a chat resends history
+    assert judged(window, *asked_again, ("initech", "What does Hendrikson owe?", LEAKED))[-1] == "pass"
+
+
+def test_a_token_said_twice_counts_once() -> None:
+    window = DistinctiveWindow()
+    judged(window, ("acme", "Hendrikson and Oyelaran signed.", "Noted."))
+    twice = reworded_check(
+        exchange("initech", "Hi", "Hendrikson, Hendrikson, Hendrikson and Oyelaran."), window, 1.0, 3
+    )
+    assert twice is not None and twice.verdict.value == "pass"
+    found = window.most_shared("globex", [], [7, 7, 7], 2.0, 3)  # a tap that does not dedupe
+    assert found.tokens == 0
+
+
+def test_an_answer_an_earlier_check_found_a_leak_is_not_made_public() -> None:
+    window = DistinctiveWindow()
+    judged(window, ("acme", NOTES, "Noted."))
+    two = exchange("initech", "Hi", "Hendrikson owes 48213.")  # too few to flag here; the overlap check did
+    assert reworded_check(two, window, 1.0, 3, leaked=True).verdict.value == "pass"  # type: ignore[union-attr]
+    verdicts = judged(window, ("acme", NOTES, "Noted."), ("globex", "Time?", LEAKED))
+    assert verdicts[-1] == "leak"  # not hidden as "said unasked" by the leak before
