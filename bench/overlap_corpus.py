@@ -1,4 +1,4 @@
-"""The traffic ``bench/traffic.py`` judges for the overlap and reworded figures: benign exchanges
+"""The traffic ``bench/detection.py`` judges for the overlap and reworded figures: benign exchanges
 of several callers built from real text nobody here wrote (Debian's documentation and licences,
 the standard library's docstrings and code, famous quotes), which share system prompts, licences,
 recited API docs, quoted and retold articles, code idioms and public topics (cities, products,

@@ -264,7 +264,7 @@ class TrafficConfig(Strict):
     overlap_min_prompt_run: int = Field(5, ge=2, le=1024)
     # Consecutive fingerprints of anything another caller sent or was answered that make a suspected
     # leak; off by default: answers reciting public text (API docs, quotes, articles) to several
-    # callers look the same (bench/traffic.py: 231 false flags in 5,000 benign exchanges at 8).
+    # callers look the same (bench/detection.py: 231 false flags in 5,000 benign exchanges at 8).
     overlap_min_run: int | None = Field(None, ge=2, le=1024)
     # Distinctive tokens (names, figures, identifiers) of one other caller's prompt that make a
     # suspected leak however reworded (the reworded check; the window's age and bound are the

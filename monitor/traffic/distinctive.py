@@ -22,7 +22,7 @@ team's) excuses nothing.
 Few prompts is what separates a leak from coincidence: a stale KV cache continues one request's
 context (some of whose tokens the caller may have sent again since: each token is placed in the
 caller's latest prompt holding it), while a long benign answer meets one token of each of many
-prompts. bench/traffic.py: counting tokens per caller with no bound on its prompts, 1 benign flag
+prompts. bench/detection.py: counting tokens per caller with no bound on its prompts, 1 benign flag
 (a code answer) in 5,000; with the bound, none.
 
 Bounded like the fingerprint window (``overlap.py``): by age and by the tokens held (oldest
@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 #: The share of the window's exchanges whose prompts (other callers' than the one whose tokens an
 #: answer holds) a token may be in and still show two callers asked about the same thing.
-#: bench/traffic.py, 5,000 benign exchanges of 8 callers: at 1 %, no benign flag and 91 % of
+#: bench/detection.py, 5,000 benign exchanges of 8 callers: at 1 %, no benign flag and 91 % of
 #: 5-token reworded leaks caught; a larger share excuses more leaks (a reader's prompt shares
 #: some uncommon token with the victim's more often); with no excuse, 4 benign flags (a caller
 #: asking about a city another pasted notes on).

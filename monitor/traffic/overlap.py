@@ -24,7 +24,7 @@ caller alone holds and sent in the prompt of its latest exchange holding them: a
 private input, which is what a stale KV cache continues (another request's context). A public text
 a model recites from memory (an API's documentation, a famous quote) reaches callers through their
 answers, and a text two callers pasted (an article) is neither one's secret, so neither counts
-there, and a shorter run of what is left is evidence. Measured by ``bench/traffic.py``: 4 such
+there, and a shorter run of what is left is evidence. Measured by ``bench/detection.py``: 4 such
 prints in a row catch 97 % of 40-word private passages, where 8 prints of anything catch 62 %, and
 flag no benign answer that the run of 8 does not. :attr:`OverlapWindow.asked` offers that count
 under the names ``longest_run`` and ``holds_all`` (:class:`Runs`), for the check's

@@ -6,7 +6,7 @@ them and for how long are the window's (``monitor/traffic/overlap.py``); this fi
 A run of anything another caller sent or was answered (``traffic.overlap_min_run``, e.g.
 ``OVERLAP_MIN_RUN``) is a rule an operator may turn on; it is off by default: a model reciting
 public text (API docs, quotes, an article) gives several callers the same answer, and the second
-one looks exactly like a leak of the first (bench/traffic.py: 231 false flags in 5,000 benign
+one looks exactly like a leak of the first (bench/detection.py: 231 false flags in 5,000 benign
 exchanges of 8 callers at a run of 8, against 1 for the prompt rule).
 
 Callers who sent the same prompt are passed over (a deterministic answer to the same question is
@@ -24,7 +24,7 @@ from kvcanary.probes.base import Verdict
 #: words in order; ``traffic.overlap_min_run``, off by default: the module doc).
 OVERLAP_MIN_RUN = 8
 #: The run of another caller's private input that makes a suspected leak; the settings'
-#: ``traffic.overlap_min_prompt_run`` defaults to it. bench/traffic.py, 5,000 benign exchanges of 8
+#: ``traffic.overlap_min_prompt_run`` defaults to it. bench/detection.py, 5,000 benign exchanges of 8
 #: callers: at 5, 1 false alarm and 93 % of 40-word private passages caught (95 % with the reworded
 #: check beside it), 100 % of 80; at 4, 4 false alarms and 97 %.
 OVERLAP_MIN_PROMPT_RUN = 5

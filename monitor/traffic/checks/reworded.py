@@ -6,7 +6,7 @@ context. The tokens, who holds them and which are public are the window's
 
 It sees what the overlap check cannot (no 8-word run need survive) and is blind where that one
 sees (a copied passage of lower-case prose holds few such tokens): the two are run side by side.
-Measured by ``bench/traffic.py`` on the benign corpus and on answers that put k of another
+Measured by ``bench/detection.py`` on the benign corpus and on answers that put k of another
 caller's tokens into new sentences (docs/detection.md).
 
 Never the tokens themselves: the finding names how many, of how many, and whose.
@@ -20,7 +20,7 @@ from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.probes.base import Verdict
 
 #: Private tokens of one other caller's prompt that make a suspected leak (the settings'
-#: ``traffic.reworded_min_tokens`` defaults to it; bench/traffic.py: no benign flag at 3).
+#: ``traffic.reworded_min_tokens`` defaults to it; bench/detection.py: no benign flag at 3).
 REWORDED_MIN_TOKENS = 3
 
 
