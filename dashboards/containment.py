@@ -1,12 +1,13 @@
 """The overview's "Paths and containment" row: whether every prefill x decode path of a
 disaggregated target is being judged (``kvcanary_path_*``, the target's path probes), and which
-targets the gateways are told to stop sending customers to (``kvcanary_target_quarantine*``).
+targets the gateways are told to stop sending customers to (``kvcanary_target_quarantine*``), and
+the requests the gateways refused (``kvcanary_traffic_refused_total``).
 Targets without paths, or with containment left at ``observe`` and nothing found, leave the
 panels empty or at 0."""
 
 from __future__ import annotations
 
-from kvcanary.dashboards.panels import GREEN, ORANGE, RED, Grid, Query, stat_panel
+from kvcanary.dashboards.panels import GREEN, ORANGE, RED, Grid, Query, stat_panel, timeseries_panel
 
 TARGET = 'target=~"$target"'
 #: Seconds since each path was last judged, over its interval: above 3, KVCanaryPathNotJudged.
@@ -55,4 +56,18 @@ def containment_row(grid: Grid) -> None:
             mappings={"0": ("no", GREEN), "1": ("would be", ORANGE)},
         ),
         w=6, h=8,
+    )  # fmt: skip
+    grid.add(
+        timeseries_panel(
+            "Refused by the gateways",
+            "Requests per second the gateways' taps refused before any upstream call, by target and "
+            "cause: admission (the prompt surely over the KV pool of every deployment that would take "
+            "it) or quarantine (every deployment of its group quarantined). Kept as traffic records "
+            "with the verdict refused (GET /api/v1/traffic?verdict=refused); never an incident.",
+            [Query(f"sum by (target, by) (rate(kvcanary_traffic_refused_total{{{TARGET}}}[5m]))",
+                   "{{target}}: {{by}}")],
+            "reqps",
+            colors={".*quarantine": RED, ".*admission": ORANGE},
+        ),
+        w=24, h=6,
     )  # fmt: skip

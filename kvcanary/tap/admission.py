@@ -39,6 +39,7 @@ from kvcanary.tap.gateway_metrics import gateway_counter
 from kvcanary.tap.http import _OPENER
 from kvcanary.tap.litellm_deployments import DeploymentKeys, api_key_of
 from kvcanary.tap.quarantine import GuardEntry, QuarantineWatch
+from kvcanary.tap.record import Refusal
 from kvcanary.wire import SURE_DENSITY_MARGIN
 
 log = logging.getLogger("kvcanary.tap")
@@ -63,17 +64,25 @@ class AdmissionRefused(Exception):
     status_code = 400
     num_retries = 0
 
-    def __init__(self, model_group: str, tokens: int, refusals: list[tuple[GuardEntry, int]]):
+    def __init__(self, model_group: str, tokens: int, refusals: list[tuple[GuardEntry, int, str]]):
+        """``refusals``: each deployment kept off, as (its guard, the prompt's sure count of
+        tokens, its api_base key)."""
         self.model_group = model_group
         self.tokens = tokens
         self.refusals = refusals
-        pools = "; ".join(f"target {g.target!r}: {g.kv_pool_tokens} tokens" for g, _ in refusals)
+        pools = "; ".join(f"target {g.target!r}: {g.kv_pool_tokens} tokens" for g, _, _ in refusals)
         self.message = (
             f"model {model_group!r}: the prompt is at least {tokens} tokens, more than the KV pool "
             f"of every deployment that would take it ({pools}, measured by kvcanary); refused "
             "before any upstream call"
         )
         super().__init__(self.message)
+
+    @property
+    def kvcanary_refusal(self) -> tuple[str, Refusal]:
+        """The deployment the tap's record names (the first kept off) and what refused it."""
+        guard, tokens, api_base = self.refusals[0]
+        return api_base, Refusal("admission", tokens=tokens, kv_pool_tokens=guard.kv_pool_tokens)
 
 
 @dataclass(frozen=True)
@@ -130,18 +139,18 @@ class AdmissionGuard:
         if prompt is None:
             return deployments
         kept: list[Any] = []
-        refused: list[tuple[GuardEntry, int]] = []
+        refused: list[tuple[GuardEntry, int, str]] = []
         counted: dict[str, int | None] = {}  # by tokenize URL: one count per tokenizer a request
         for deployment, guard in guarded:
             tokens = None if guard is None else await self._sure_over(prompt, deployment, guard, counted)
             if guard is None or tokens is None:
                 kept.append(deployment)
             elif self._refuse(model_group, guard, tokens):
-                refused.append((guard, tokens))
+                refused.append((guard, tokens, self._key_of(deployment)))
             else:
                 kept.append(deployment)
         if refused and not kept:
-            raise AdmissionRefused(model_group, min(t for _, t in refused), refused)
+            raise AdmissionRefused(model_group, min(t for _, t, _ in refused), refused)
         return kept
 
     async def _sure_over(

@@ -28,6 +28,7 @@ beside the config holding ``from kvcanary.tap.litellm import tap`` and name
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import sys
@@ -40,6 +41,7 @@ from kvcanary.tap.admission import AdmissionGuard
 from kvcanary.tap.litellm_payload import exchange_of
 from kvcanary.tap.litellm_quarantine import QuarantineFilter
 from kvcanary.tap.quarantine import watch_from_env
+from kvcanary.tap.record import Exchange
 
 log = logging.getLogger("kvcanary.tap")
 
@@ -48,6 +50,17 @@ def _failure_status(kwargs: dict[str, Any]) -> int:
     exc = kwargs.get("exception")
     code = getattr(exc, "status_code", None)
     return code if isinstance(code, int) else 500
+
+
+def _refused(exchange: Exchange, exception: Any) -> Exchange:
+    """Return ``exchange`` as a refusal where the tap's own filter refused the request (LiteLLM
+    logs it as a failure with no deployment): the record names the deployment kept off, so the
+    monitor counts the refusal against its target."""
+    refusal = getattr(exception, "kvcanary_refusal", None)
+    if not isinstance(refusal, tuple):
+        return exchange
+    api_base, why = refusal
+    return dataclasses.replace(exchange, api_base=api_base or exchange.api_base, refused=why)
 
 
 class KVCanaryTap(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type hints here
@@ -63,7 +76,7 @@ class KVCanaryTap(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type 
         if not isinstance(payload, dict):
             return
         try:
-            exchange = exchange_of(payload, status)
+            exchange = _refused(exchange_of(payload, status), kwargs.get("exception"))
             if exchange.extra.get("redacted") and not self._warned_redacted:
                 self._warned_redacted = True
                 log.error(

@@ -24,6 +24,7 @@ from typing import Any
 from kvcanary.tap.gateway_metrics import gateway_counter
 from kvcanary.tap.litellm_deployments import DeploymentKeys
 from kvcanary.tap.quarantine import QuarantineEntry, QuarantineSet, QuarantineWatch
+from kvcanary.tap.record import Refusal
 
 log = logging.getLogger("kvcanary.tap")
 
@@ -40,15 +41,23 @@ class DeploymentsQuarantined(Exception):
     status_code = 503
     num_retries = 0
 
-    def __init__(self, model_group: str, entries: list[QuarantineEntry]):
+    def __init__(self, model_group: str, entries: list[QuarantineEntry], api_bases: list[str] | None = None):
+        """``api_bases``: the keys of the deployments kept off, in the group's order."""
         self.model_group = model_group
         self.entries = entries
+        self.api_bases = api_bases or []
         self.message = (
             f"model {model_group!r}: every deployment is quarantined by kvcanary "
             f"({'; '.join(entry.describe() for entry in entries)}); no request is sent to a "
             "deployment found leaking until the quarantine is lifted"
         )
         super().__init__(self.message)
+
+    @property
+    def kvcanary_refusal(self) -> tuple[str, Refusal]:
+        """The deployment the tap's record names (the group's first) and what refused it."""
+        first = self.entries[0]
+        return (self.api_bases or [""])[0], Refusal("quarantine", incident_id=first.incident_id)
 
 
 class QuarantineFilter:
@@ -80,12 +89,14 @@ class QuarantineFilter:
     def _narrowed(self, model_group: str, deployments: list[Any], current: QuarantineSet) -> list[Any]:
         kept: list[Any] = []
         stopped: dict[str, QuarantineEntry] = {}
+        stopped_keys: list[str] = []
         watched: dict[str, QuarantineEntry] = {}
         for deployment in deployments:
             key = self._key_of(deployment)
             entry = current.enforced.get(key)
             if entry is not None:
                 stopped[entry.target] = entry
+                stopped_keys.append(key)
                 continue
             if (seen := current.observed.get(key)) is not None:
                 watched[seen.target] = seen
@@ -96,7 +107,7 @@ class QuarantineFilter:
             self._counted(entry, "observe")
             self._log_observed(model_group, entry)
         if stopped and not kept:
-            raise DeploymentsQuarantined(model_group, list(stopped.values()))
+            raise DeploymentsQuarantined(model_group, list(stopped.values()), stopped_keys)
         return kept
 
     def _counted(self, entry: QuarantineEntry, mode: str) -> None:

@@ -49,6 +49,27 @@ _BREAKS = frozenset({"Cc", "Zl", "Zp"})
 _SPACES = re.compile(r"\s+")
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """The gateway refused the request before any upstream call (tap protocol version 3): its
+    admission guard (the prompt surely over the pool of every deployment that would take it) or
+    its quarantine (every deployment of the group quarantined). The record names the deployment
+    refused in ``api_base``, so the monitor counts the refusal against its target."""
+
+    by: str  # admission | quarantine
+    tokens: int | None = None  # admission: the sure lower bound of the prompt's tokens
+    kv_pool_tokens: int | None = None  # admission: the pool it was over
+    incident_id: int | None = None  # quarantine: the incident that put it on
+
+    def wire(self) -> dict[str, Any]:
+        return {
+            "by": self.by if self.by in ("admission", "quarantine") else "admission",
+            "tokens": _count(self.tokens),
+            "kv_pool_tokens": _count(self.kv_pool_tokens),
+            "incident_id": self.incident_id if _count(self.incident_id) is not None else None,
+        }
+
+
 @dataclass
 class Exchange:
     """One request and its response as the gateway saw them. Times are epoch seconds.
@@ -86,6 +107,8 @@ class Exchange:
     prompt_chars: int | None = None
     prompt_bytes: int | None = None
     response_chars: int | None = None
+    #: Set when the gateway refused the request (no engine saw it): no prints are made of it.
+    refused: Refusal | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def texts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -202,6 +225,9 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
     """Return the record of ``exchange``: everything the monitor judges, and no text. Its ``id``
     is made here (:func:`record_id`), once: the sender keeps the record, so a resend carries it."""
     exchange = exchange.bounded()
+    if exchange.refused is not None:
+        # No engine saw it, so nothing of it can be read back from one: no prints, no checks.
+        exchange = dataclasses.replace(exchange, prompt="", response="")
     every_prompt_fp, prompt_cut = fingerprinter.fingerprints(exchange.prompt, cap=None)
     # The whole prompt's print first: two callers who sent the same prompt are told apart from a
     # leak when their answers match (a deterministic answer to one question is nobody's secret).
@@ -247,4 +273,4 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
         "fingerprints": {"prompt": prompt_fp, "response": response_fp},
         "distinctive": {"prompt": asked, "response": said},
         "truncated": prompt_cut or response_cut or len(whole) + len(every_prompt_fp) > MAX_FINGERPRINTS,
-    }
+    } | ({} if exchange.refused is None else {"refused": exchange.refused.wire()})

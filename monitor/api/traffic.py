@@ -37,7 +37,7 @@ from kvcanary.monitor.api.deps import (
 from kvcanary.monitor.api.schemas import LIMIT_HELP, NEXT_CURSOR_HELP, Problem, _Out
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.storage import traffic_rows
-from kvcanary.monitor.storage.models import Verdict
+from kvcanary.monitor.storage.models import TrafficVerdict
 from kvcanary.monitor.traffic.checks import CHECKS
 from kvcanary.monitor.traffic.ingest import NotTakenHere
 from kvcanary.monitor.traffic.pipeline import read_off_loop
@@ -94,10 +94,13 @@ class TrafficRecordOut(_Out):
     cached_tokens: int | None
     estimated_prompt_tokens: int | None
     kv_pool_tokens: int | None
-    verdict: Verdict
+    verdict: TrafficVerdict
     own: bool = Field(description="The monitor's own tenant's request: not judged, kept for blast radii.")
     checks: list[str] = Field(description="The checks that flagged the record.")
-    findings: dict[str, Any] = Field(description="Each flagged check's reason and figures.")
+    findings: dict[str, Any] = Field(
+        description="Each flagged check's reason and figures; a refused request's `refused`: what "
+        "refused it (`admission`, `quarantine`) and its figures."
+    )
     expires_at: datetime
 
 
@@ -163,7 +166,7 @@ def list_traffic(
         str | None, Query(description="Caller, as the gateway named it.", max_length=200)
     ] = None,
     check: CheckName | None = None,
-    verdict: Annotated[Verdict | None, Query()] = None,
+    verdict: Annotated[TrafficVerdict | None, Query()] = None,
 ) -> TrafficPage:
     """Return kept records (flagged, or near or over their node's pool); ``since``/``until`` bound
     when each request started."""

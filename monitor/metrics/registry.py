@@ -286,6 +286,13 @@ class MonitorMetrics:
             ["target", "check", "verdict"],
             registry=self._general,
         )
+        self.traffic_refused = Counter(
+            "kvcanary_traffic_refused_total",
+            "Requests a gateway refused before any upstream call, by target and what refused them "
+            "(admission: the prompt surely over every pool of its group; quarantine).",
+            ["target", "by"],
+            registry=self._general,
+        )
         self.traffic_unmatched = Counter(
             "kvcanary_traffic_unmatched_records_total",
             "Gateway traffic records whose api_base is no configured target's or node's, by gateway.",

@@ -37,6 +37,9 @@ from sqlalchemy.orm import Mapped, mapped_column, relationship
 from kvcanary.monitor.storage.db import Base, UTCDateTime
 
 Verdict = Literal["pass", "leak", "mismatch", "error"]
+#: A traffic record's verdicts: a probe's, and ``refused``, a request the gateway refused before any
+#: upstream call (its admission guard, its quarantine): kept and counted, never an incident's cause.
+TrafficVerdict = Literal["pass", "leak", "mismatch", "error", "refused"]
 Severity = Literal["critical", "high", "warning"]
 State = Literal["open", "resolved"]
 EventKind = Literal["opened", "escalated", "resolved", "failure", "config_changed"]
@@ -44,6 +47,7 @@ EventKind = Literal["opened", "escalated", "resolved", "failure", "config_change
 QuarantineCause = Literal["incident", "recovered", "operator"]
 
 VERDICTS: tuple[str, ...] = get_args(Verdict)
+TRAFFIC_VERDICTS: tuple[str, ...] = get_args(TrafficVerdict)
 #: Worst first; an incident's severity only ever moves towards the front.
 SEVERITIES: tuple[str, ...] = get_args(Severity)
 STATES: tuple[str, ...] = get_args(State)
@@ -301,7 +305,7 @@ class TrafficRecordRow(Base):
 
     __tablename__ = "traffic_record"
     __table_args__ = (
-        CheckConstraint(_one_of("verdict", VERDICTS), name="verdict"),
+        CheckConstraint(_one_of("verdict", TRAFFIC_VERDICTS), name="verdict"),
         Index("ix_traffic_record_started_id", "started_at", "id"),
         # Also a blast radius's range (a target's window), which on PostgreSQL it reads from the
         # index alone: the columns its criteria and groups need are included.

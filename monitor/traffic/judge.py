@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import msgspec
+
 from kvcanary import wire
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
@@ -53,6 +55,8 @@ from kvcanary.probes.markers import MarkerBook
 
 #: Flagged records named in one result's evidence (the rest are counted).
 EVIDENCE_RECORDS = 20
+#: The kept row's verdict of a request the gateway refused (``storage/models.py``: TRAFFIC_VERDICTS).
+REFUSED = "refused"
 #: Records judged at a time on the event loop before it runs its other work (about 2 ms of CPU:
 #: under the 5 ms a thread holding the GIL would keep it from the loop, without a thread's cost).
 CHUNK_RECORDS = 50
@@ -274,6 +278,9 @@ class TrafficJudge:
         for node, record, own in records:  # every record's: a look-up of its node's groups, one a check
             pool = batch.pools[node]
             estimate = prompt_estimate(record, batch.cpt)
+            if record.refused is not None:
+                self._refused(batch, node, record, own, estimate, pool, out)
+                continue
             flagged: list[Finding] = []
             if not own:  # the monitor's own request: not judged, but counted and kept as a customer's is
                 found = groups.get(node) or groups.setdefault(node, defaultdict(_Group))
@@ -295,6 +302,27 @@ class TrafficJudge:
             if flagged or near:
                 row = _row(record, node, batch.gateway, batch.received, flagged, estimate, pool)
                 out.kept.append((target, {**row, "own": own, "expires_at": batch.expires}))
+
+    def _refused(
+        self,
+        batch: _Batch,
+        node: str,
+        record: TrafficRecord,
+        own: bool,
+        estimate: float | None,
+        pool: int | None,
+        out: Judged,
+    ) -> None:
+        """Keep and count a request the gateway refused before any upstream call: no engine saw
+        it, so no check judges it (nor do its prints join a window), and it is never an incident's
+        cause: it is what containment did, not what a deployment did."""
+        target = batch.target.name
+        assert record.refused is not None
+        self.metrics.traffic_refused.labels(target, record.refused.by).inc()
+        self._count(out, target, node, record, False, False, own)
+        row = _row(record, node, batch.gateway, batch.received, [], estimate, pool)
+        row |= {"verdict": REFUSED, "findings": {"refused": msgspec.to_builtins(record.refused)}}
+        out.kept.append((target, {**row, "own": own, "expires_at": batch.expires}))
 
     def _count_verdicts(self, target: str, groups: _Groups) -> None:
         verdicts: Counter[tuple[str, str]] = Counter()

@@ -125,6 +125,15 @@ class DistinctiveWire(Wire, title="Distinctive"):
     response: Annotated[list[TokenPrint], Field(max_length=MAX_TOKENS), FailFast()] = []
 
 
+class RefusedWire(Wire, title="Refused"):
+    """The gateway refused the request before any upstream call (tap protocol version 3)."""
+
+    by: Literal["admission", "quarantine"]
+    tokens: Count | None = None  # admission: the sure lower bound of the prompt's tokens
+    kv_pool_tokens: Count | None = None  # admission: the pool that bound was over
+    incident_id: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None  # quarantine: its incident
+
+
 class TrafficRecordWire(Wire, title="TrafficRecord"):
     """One request as the gateway saw it."""
 
@@ -151,6 +160,7 @@ class TrafficRecordWire(Wire, title="TrafficRecord"):
     fingerprints: FingerprintsWire = FingerprintsWire()
     distinctive: DistinctiveWire = DistinctiveWire()  # none from a tap of protocol version 1
     truncated: bool = False
+    refused: RefusedWire | None = None  # none before protocol version 3, or for a request served
 
 
 BatchId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
@@ -226,6 +236,13 @@ class Distinctive(_Struct, frozen=True):
     response: _Tokens = []
 
 
+class Refused(_Struct, frozen=True):
+    by: Literal["admission", "quarantine"]
+    tokens: _Count | None = None
+    kv_pool_tokens: _Count | None = None
+    incident_id: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+
+
 class TrafficRecord(_Struct, frozen=True, kw_only=True):
     """One request as the gateway saw it, as the judge reads it: the fields of
     :class:`TrafficRecordWire`. Made by :func:`read_batch` or :meth:`model_validate` (constructing
@@ -253,6 +270,7 @@ class TrafficRecord(_Struct, frozen=True, kw_only=True):
     fingerprints: Fingerprints = Fingerprints()
     distinctive: Distinctive = Distinctive()
     truncated: bool = False
+    refused: Refused | None = None
 
     @property
     def ok(self) -> bool:
@@ -319,6 +337,7 @@ def _judged(wire: TrafficRecordWire) -> TrafficRecord:
     fields["usage"] = Usage(**dict(wire.usage))
     fields["fingerprints"] = Fingerprints(**dict(wire.fingerprints))
     fields["distinctive"] = Distinctive(**dict(wire.distinctive))
+    fields["refused"] = None if wire.refused is None else Refused(**dict(wire.refused))
     return printable(TrafficRecord(**fields))
 
 

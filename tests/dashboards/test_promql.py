@@ -106,6 +106,8 @@ def monitor_metrics(n: int) -> str:
             f'kvcanary_traffic_records_total{{target="defective",check="{check}",verdict="leak"}} {n}',
         ]
     lines += [
+        f'kvcanary_traffic_refused_total{{target="defective",by="admission"}} {3 * n}',
+        f'kvcanary_traffic_refused_total{{target="defective",by="quarantine"}} {n}',
         f'kvcanary_traffic_unmatched_records_total{{gateway="gw0"}} {n}',
         f'kvcanary_traffic_tap_dropped_records_total{{gateway="gw0"}} {2 * n}',
         "kvcanary_traffic_stream_lag_seconds 0.4",

@@ -144,3 +144,16 @@ def test_no_over_pool_prompt_reaches_the_small_pool_and_no_benign_request_is_ref
     assert {by for _, by, _ in short_answers} == {leaky, sound}  # short ones still reach both
     assert solo_short[0] == 200 and solo_short[1] == leaky
     assert substitutions(stack.leaky) == 0  # not one over-pool prompt reached the defective pool
+    # Each refusal is a traffic record of glm's with the verdict `refused`, and no incident.
+    kept = stack.monitor.wait_for(
+        "the refusals kept",
+        lambda: stack.monitor.get("/api/v1/traffic", target="glm", verdict="refused").json()["items"],
+        30,
+    )
+    assert {(r["status_code"], r["caller"], r["findings"]["refused"]["by"]) for r in kept} == {
+        (400, "acme", "admission")
+    }
+    assert all(r["findings"]["refused"]["kv_pool_tokens"] == 1024 for r in kept)
+    assert all(r["findings"]["refused"]["tokens"] > 1024 for r in kept)
+    assert (stack.monitor.value("kvcanary_traffic_refused_total", target="glm", by="admission") or 0) >= 1
+    assert stack.monitor.get("/api/v1/incidents", target="glm").json()["items"] == []

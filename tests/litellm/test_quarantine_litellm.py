@@ -63,10 +63,12 @@ CONTAINMENT_SECONDS = 2.0
 
 class QuarantineMonitor:
     """The monitor's side of the contract on loopback: the set the test puts, to the ingest token
-    only; traffic posts are taken and dropped. ``stall`` seconds delay every quarantine answer."""
+    only; traffic posts are taken and their records kept (``records``). ``stall`` seconds delay
+    every quarantine answer."""
 
     def __init__(self) -> None:
         self.deployments: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = []
         self.stall = 0.0
         self.reads = 0
         self.closed = False
@@ -75,6 +77,7 @@ class QuarantineMonitor:
 
     async def _answer(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/api/v1/traffic":
+            self.records += json.loads(await request.aread())["records"]
             return httpx.Response(200, json={"accepted": 0, "unmatched": 0, "rejected": 0})
         if request.url.path != "/api/v1/quarantine":
             return httpx.Response(404)
@@ -287,6 +290,16 @@ def test_with_every_deployment_quarantined_a_request_fails_at_once_naming_the_in
     print(f"\nrefusals took {took[len(took) // 2] * 1000:.1f} ms (median), {took[-1] * 1000:.1f} ms (most)")
     assert took[-1] < 1.0  # no retries after backoffs, no hang
     assert [answered(w) for w in stack.workers] == before
+    # The tap sends each refusal as a record of its own, naming a deployment kept off: the monitor
+    # counts it against that target, as `refused`, never as a failure of the deployment.
+    refused = lambda: [r for r in stack.monitor.records if r.get("refused")]  # noqa: E731
+    records = wait_for("the refusals' records", lambda: len(refused()) >= 10 and refused())
+    assert {(r["status"], r["refused"]["by"], r["refused"]["incident_id"]) for r in records} == {
+        (503, "quarantine", 42)
+    }
+    assert {r["api_base"] for r in records} <= {key_of(w) for w in stack.workers}
+    assert {r["caller"] for r in records} == {"acme"}
+    assert not any(r["fingerprints"]["prompt"] for r in records)  # no engine saw them: no prints
 
 
 @pytest.mark.external_service
@@ -428,4 +441,6 @@ def test_the_filter_removes_quarantined_deployments_and_refuses_when_none_is_lef
         quarantine.keep(GROUP, deployments("http://a:1/"))
     assert refused.value.status_code == 503 and refused.value.num_retries == 0
     assert "quarantined by kvcanary" in refused.value.message and "incident 42" in refused.value.message
+    api_base, why = refused.value.kvcanary_refusal  # what the tap's record of the refusal names
+    assert (api_base, why.by, why.incident_id) == ("http://a:1", "quarantine", 42)
     assert quarantine.keep(GROUP, []) == []  # none to begin with: LiteLLM's own answer

@@ -105,6 +105,10 @@ def test_a_group_that_cannot_hold_the_prompt_is_refused_naming_the_pools(worker:
     assert refused.value.status_code == 400 and refused.value.num_retries == 0
     assert refused.value.tokens > 3000  # the worker's count: one token a byte, and the template
     assert "'small': 1024 tokens" in refused.value.message and GROUP in refused.value.message
+    # What the tap's record of the refusal names: the deployment kept off, the count, its pool.
+    api_base, why = refused.value.kvcanary_refusal
+    assert api_base == api_base_key(f"{worker.url}/v1")
+    assert (why.by, why.tokens, why.kv_pool_tokens) == ("admission", refused.value.tokens, 1024)
 
 
 def test_a_completion_prompt_is_counted_as_sent(worker: WorkerProcess) -> None:

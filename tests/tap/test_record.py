@@ -13,7 +13,7 @@ from kvcanary.probes.markers import MARKER_RE as PROBE_MARKER_RE
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.tap.fingerprints import MAX_TEXT_CHARS, OWN, Fingerprinter
 from kvcanary.tap.litellm_payload import exchange_of
-from kvcanary.tap.record import MARKER_RE, Exchange, summarize
+from kvcanary.tap.record import MARKER_RE, Exchange, Refusal, summarize
 
 KEY = b"a-test-fingerprint-key-0123456789"
 LICENCE = Path("/usr/share/common-licenses/GPL-3").read_text()
@@ -52,6 +52,18 @@ def test_a_huge_prompt_is_cut_to_head_and_tail_with_its_sizes_kept() -> None:
     rec = summarize(queued, Fingerprinter(KEY))
     assert rec["prompt"] == {"chars": len(prompt), "bytes": len(prompt.encode()), "messages": 0}
     assert rec["truncated"] is True and len(rec["fingerprints"]["prompt"]) <= 1024  # type: ignore[index]
+
+
+def test_a_refused_request_is_sent_with_its_refusal_and_sizes_and_no_prints() -> None:
+    refusal = Refusal("admission", tokens=9016, kv_pool_tokens=4096)
+    rec = record_of(prompt=LICENCE[:9000], status=400, refused=refusal)
+    assert rec["refused"] == {"by": "admission", "tokens": 9016, "kv_pool_tokens": 4096, "incident_id": None}
+    assert rec["prompt"] == {"chars": 9000, "bytes": len(LICENCE[:9000].encode()), "messages": 0}
+    # No engine saw it: nothing of it goes to a window that judges what engines answer.
+    assert rec["fingerprints"] == {"prompt": [], "response": []}
+    assert rec["distinctive"] == {"prompt": [], "response": []}
+    assert TrafficRecord.model_validate(rec).refused is not None  # the monitor reads it
+    assert "refused" not in record_of(prompt="served")  # a served request's record is as before
 
 
 def test_a_quote_of_the_callers_own_prompt_is_marked_own_however_long_the_prompt() -> None:

@@ -26,7 +26,7 @@ from kvcanary.monitor.storage.db import (
     make_engine,
     upgrade,
 )
-from kvcanary.monitor.storage.models import EVENT_KINDS, IncidentEvent
+from kvcanary.monitor.storage.models import EVENT_KINDS, TRAFFIC_VERDICTS, IncidentEvent
 from kvcanary.probes.base import ProbeResult as Outcome
 from kvcanary.probes.base import Verdict
 from tests.support import REPO
@@ -89,6 +89,9 @@ def test_the_checks_carry_the_models_names_and_values(scratch_url: str) -> None:
     try:
         checks = {c["name"] for c in inspect(engine).get_check_constraints("incident_event")}
         assert checks == {"ck_incident_event_kind"}
+        (verdicts,) = inspect(engine).get_check_constraints("traffic_record")
+        assert verdicts["name"] == "ck_traffic_record_verdict"
+        assert all(f"'{v}'" in verdicts["sqltext"] for v in TRAFFIC_VERDICTS), verdicts["sqltext"]
         with Session(engine) as session, session.begin():
             result = Outcome(Verdict.LEAK, "foreign_marker")
             opened = record_result(

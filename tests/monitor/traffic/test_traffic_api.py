@@ -226,6 +226,40 @@ def test_flagged_and_near_pool_records_are_kept_and_listed_by_check_and_caller(c
     assert client.get("/api/v1/traffic", params={"check": "nope"}, headers=auth).status_code == 422
 
 
+def test_a_refused_request_is_kept_and_counted_as_refused_and_is_no_incident(
+    client: TestClient, session_factory: Factory
+) -> None:
+    over = {"chars": 9000, "bytes": 9000, "messages": 1}  # over the 4,096 pool: never judged as served
+    prints = {"prompt": list(range(5, 13)), "response": []}
+    records = [
+        record(1, status=400, prompt=over, usage={}, fingerprints=prints,
+               refused={"by": "admission", "tokens": 9016, "kv_pool_tokens": 4096}),
+        record(2, status=503, refused={"by": "quarantine", "incident_id": 7}),
+    ]  # fmt: skip
+    answer = post(client, records).json()
+    assert (answer["accepted"], answer["flagged"]) == (2, 0)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    kept = client.get("/api/v1/traffic", params={"verdict": "refused"}, headers=auth).json()["items"]
+    by_id = {r["request_id"]: r for r in kept}
+    assert set(by_id) == {"req-1", "req-2"}
+    assert by_id["req-1"]["findings"] == {
+        "refused": {"by": "admission", "tokens": 9016, "kv_pool_tokens": 4096, "incident_id": None}
+    }
+    assert by_id["req-1"]["checks"] == [] and by_id["req-1"]["status_code"] == 400
+    assert by_id["req-2"]["findings"]["refused"]["incident_id"] == 7
+    metrics = client.app.state.api.traffic.judge.metrics  # type: ignore[attr-defined]
+    assert metrics.traffic_refused.labels("glm-prod", "admission")._value.get() == 1
+    assert metrics.traffic_refused.labels("glm-prod", "quarantine")._value.get() == 1
+    # No check judged them: no result of any traffic check, so nothing to open an incident with.
+    assert not [s for s in metrics.traffic_records.collect()[0].samples if s.value]
+    with session_factory() as s:
+        minutes = s.scalars(select(TrafficMinute)).all()
+    assert sum(m.records for m in minutes) == 2 and sum(m.answered for m in minutes) == 0
+    # The prompt's prints joined no window: the same text answered to another caller is no leak.
+    echo = record(3, caller="initech", fingerprints={"prompt": [99], "response": list(range(5, 13))})
+    assert post(client, [echo]).json()["flagged"] == 0
+
+
 def test_a_reworded_leak_is_kept_and_listed_under_its_check_with_counts_never_tokens(
     client: TestClient,
 ) -> None:
