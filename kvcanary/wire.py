@@ -33,6 +33,10 @@ import zlib
 #: message carries these headers beside its records (``docs/tap-protocol.md``).
 SUBJECT_PREFIX = "kvcanary.traffic"
 PARTITIONS = 16
+#: The quarantine set in JetStream: the KV bucket the monitors put it in (their
+#: ``traffic.jetstream.quarantine_bucket``, the taps' ``KVCANARY_TAP_QUARANTINE_BUCKET``) and its key.
+QUARANTINE_BUCKET = "kvcanary_quarantine"
+QUARANTINE_KEY = "set"
 GATEWAY_HEADER = "Kvcanary-Gateway"
 DROPPED_HEADER = "Kvcanary-Dropped"
 RECORDS_HEADER = "Kvcanary-Records"

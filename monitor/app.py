@@ -38,6 +38,7 @@ from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.containment import Containment
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.paging.pager import Delivery, Pager, paging_health
+from kvcanary.monitor.quarantine_set import quarantine_set
 from kvcanary.monitor.recording.port import RecordingPort
 from kvcanary.monitor.recording.recorder import Recorder
 from kvcanary.monitor.recording.spool import open_spool
@@ -71,6 +72,7 @@ from kvcanary.probes.markers import MarkerBook
 
 if TYPE_CHECKING:
     from kvcanary.monitor.traffic.jetstream import TrafficStream
+    from kvcanary.monitor.traffic.quarantine_bucket import QuarantineBucket
 
 log = logging.getLogger("kvcanary")
 
@@ -152,14 +154,18 @@ class Monitor:
         jetstream = settings.traffic.jetstream
         pipeline = TrafficPipeline(judge, self.port, self.session_factory, jetstream.partitions)
         self.stream: TrafficStream | None = None
+        self.quarantine_bucket: QuarantineBucket | None = None
         publisher = None
         if settings.traffic.source == "jetstream":
             from kvcanary.monitor.traffic.jetstream import TrafficStream  # nats-py only when used
+            from kvcanary.monitor.traffic.quarantine_bucket import QuarantineBucket
             from kvcanary.monitor.traffic.stream_setup import nats_token
 
             self.stream = TrafficStream(jetstream, pipeline, self.membership.id, nats_token(jetstream))
             self.metrics.watch_stream(self.stream.report)
             publisher = StreamPublisher(jetstream, self.stream.connection)
+            # The taps of gateways on NATS watch the quarantine set there (traffic/quarantine_bucket.py).
+            self.quarantine_bucket = QuarantineBucket(jetstream, self.stream.connection)
         self.traffic = HttpIngest(pipeline, self.membership, publisher)
         self._beat()  # know the other replicas before the first run, not a heartbeat later
         self.recorder.ensure_targets(settings.targets)
@@ -220,6 +226,11 @@ class Monitor:
             await asyncio.to_thread(self.containment.sync)
         except SQLAlchemyError as exc:
             log.warning("quarantine rules skipped: the database did not answer (%s)", type(exc).__name__)
+            return
+        if self.quarantine_bucket is not None:
+            known, guards = self.containment.known, self.admission.current()
+            document = quarantine_set(known, guards, self.settings, datetime.now(UTC))
+            await self.quarantine_bucket.publish(document)
 
     def _reaudit(self, target: TargetConfig, node: str) -> None:
         """A node's configuration changed: run the deployment audits now, not at their next interval,

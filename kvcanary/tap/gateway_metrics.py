@@ -20,3 +20,15 @@ def gateway_counter(name: str, documentation: str, labels: tuple[str, ...] = ())
     if not labels:
         return lambda by=1: counter.inc(by)
     return lambda *values, by=1: counter.labels(*values).inc(by)
+
+
+def gateway_gauge(name: str, documentation: str, read: Callable[[], float]) -> bool:
+    """Export ``read()`` as the gauge ``name``, read at each scrape (the latest caller's function where
+    several register one name); False without prometheus-client."""
+    try:
+        from prometheus_client import REGISTRY, Gauge
+    except ImportError:
+        return False
+    gauge: Any = REGISTRY._names_to_collectors.get(name) or Gauge(name, documentation)
+    gauge.set_function(read)
+    return True

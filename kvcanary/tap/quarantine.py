@@ -22,6 +22,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import threading
 import time
 import urllib.error
@@ -31,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcanary.tap import TapConfigError, _secret
+from kvcanary.tap.gateway_metrics import gateway_gauge
 from kvcanary.tap.http import _OPENER
 from kvcanary.tap.record import printable_name
-from kvcanary.wire import api_base_key
+from kvcanary.wire import QUARANTINE_BUCKET, api_base_key
 
 log = logging.getLogger("kvcanary.tap")
 
@@ -186,6 +188,7 @@ class QuarantineWatch:
         self._closed = False
         self._start_afresh()
         _WATCHES.add(self)
+        _export_failing(self)
         if start:
             self._start_polling()
 
@@ -295,12 +298,27 @@ def _log_changes(before: QuarantineSet, after: QuarantineSet) -> None:
             log.warning("kvcanary tap: deployment %s no longer %s", key, mode)
 
 
+def _export_failing(watch: QuarantineWatch) -> None:
+    """The gateway's gauge ``kvcanary_tap_quarantine_unreadable``: 1 while the set cannot be read
+    (the last known one is applied), 0 otherwise. Weakly: the gauge keeps no watch alive."""
+    held = weakref.ref(watch)
+    gateway_gauge(
+        "kvcanary_tap_quarantine_unreadable",
+        "1 while kvcanary's quarantine set cannot be read from the monitor (or its NATS bucket): the "
+        "gateway applies the last set it read.",
+        lambda: float(bool((w := held()) is not None and w.failing)),
+    )
+
+
 def watch_from_env() -> QuarantineWatch | None:
     """Return a started watch when ``KVCANARY_TAP_QUARANTINE`` is on, else None; raise
     :class:`TapConfigError` naming a wrong variable (``docs/tap-protocol.md``, "Quarantine").
 
     The monitor is ``KVCANARY_TAP_QUARANTINE_URL``, else ``KVCANARY_TAP_URL`` when that is the
-    monitor's (http, https); the token ``KVCANARY_TAP_QUARANTINE_TOKEN(_FILE)``, else the tap's."""
+    monitor's (http, https); the token ``KVCANARY_TAP_QUARANTINE_TOKEN(_FILE)``, else the tap's.
+    Where the tap's records go to NATS and no quarantine URL is set, the set is watched in the
+    monitors' KV bucket (``KVCANARY_TAP_QUARANTINE_BUCKET``, ``kvcanary/tap/quarantine_bucket.py``)
+    with the tap's own NATS credentials."""
     switch = os.environ.get("KVCANARY_TAP_QUARANTINE", "").strip().lower()
     if switch in ("", "0", "false", "off", "no"):
         return None
@@ -311,6 +329,8 @@ def watch_from_env() -> QuarantineWatch | None:
     tap_url = os.environ.get("KVCANARY_TAP_URL", "").strip()
     own_url = os.environ.get("KVCANARY_TAP_QUARANTINE_URL", "").strip()
     url = own_url or tap_url
+    if not own_url and tap_url.startswith(("nats://", "tls://")):
+        return _bucket_watch(tap_url)
     if not url.startswith(("http://", "https://")):
         raise TapConfigError(
             "KVCANARY_TAP_QUARANTINE_URL: set it to the monitor's URL (http://host:port) where "
@@ -325,6 +345,17 @@ def watch_from_env() -> QuarantineWatch | None:
             "monitor's ingest token"
         )
     return QuarantineWatch(url, token, poll_seconds=_poll_env())
+
+
+def _bucket_watch(servers: str) -> QuarantineWatch:
+    from kvcanary.tap.quarantine_bucket import BucketWatch  # nats-py: only where records go to NATS
+
+    bucket = os.environ.get("KVCANARY_TAP_QUARANTINE_BUCKET", "").strip() or QUARANTINE_BUCKET
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", bucket):
+        raise TapConfigError("KVCANARY_TAP_QUARANTINE_BUCKET: a bucket name (letters, digits, _ and -)")
+    user = os.environ.get("KVCANARY_TAP_NATS_USER", "").strip() or None
+    token = _secret("KVCANARY_TAP_TOKEN")
+    return BucketWatch(servers, token, user=user, bucket=bucket, poll_seconds=_poll_env())
 
 
 def _poll_env() -> float:

@@ -17,10 +17,8 @@ from kvcanary.monitor.api.deps import NAME_PATTERN, _bearer, require_ingest
 from kvcanary.monitor.api.schemas import Problem, _Out
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.containment import Containment, Quarantine, UnknownTarget
+from kvcanary.monitor.quarantine_set import quarantine_set as set_document
 from kvcanary.monitor.traffic.judge import routes_of
-
-#: The answer's shape; a tap refuses a version it does not know and keeps its last set.
-SET_VERSION = 1
 
 set_router = APIRouter(prefix="/api/v1/quarantine", tags=["containment"])
 router = APIRouter(prefix="/targets", tags=["containment"])
@@ -78,12 +76,6 @@ def _out(request: Request, entry: Quarantine) -> QuarantineOut:
     return QuarantineOut(api_bases=_api_bases(request, entry.target), **entry.__dict__)
 
 
-def _guards(request: Request) -> list[GuardOut]:
-    admission = api_state(request).admission
-    facts = admission.current() if admission is not None else []
-    return [GuardOut(api_bases=_api_bases(request, f.target), **f.__dict__) for f in facts]
-
-
 @set_router.get(
     "",
     summary="The deployments the gateways are to stop sending customers to",
@@ -97,10 +89,9 @@ async def quarantine_set(
     guard's facts of the guarded targets."""
     require_ingest(request, credentials)
     current = await asyncio.to_thread(_containment(request).current)
-    items = [_out(request, entry) for entry in current]
-    return QuarantineSet(
-        version=SET_VERSION, generated_at=datetime.now(UTC), deployments=items, guards=_guards(request)
-    )
+    state = api_state(request)
+    guards = state.admission.current() if state.admission is not None else []
+    return QuarantineSet.model_validate(set_document(current, guards, state.settings, datetime.now(UTC)))
 
 
 Name = Annotated[str, Path(pattern=NAME_PATTERN)]

@@ -29,6 +29,7 @@ from kvcanary.monitor.config.targets import (
     http_url,
 )
 from kvcanary.probes.yamlfile import DuplicateKeyError, error_lines, load_yaml
+from kvcanary.wire import QUARANTINE_BUCKET
 
 
 class ConfigError(Exception):
@@ -200,6 +201,8 @@ class JetStreamConfig(Strict):
     partitions: int = Field(16, ge=1, le=1024)
     # The KV bucket where replicas share out the partitions (heartbeats and claims, 6 s leases).
     bucket: str = Field("kvcanary_partitions", pattern=_NAME, max_length=64)
+    # The KV bucket the replicas put the quarantine set in, and the taps watch (docs/tap-protocol.md).
+    quarantine_bucket: str = Field(QUARANTINE_BUCKET, pattern=_NAME, max_length=64)
     # How long the stream keeps a record not yet judged (a judged one leaves it: a work queue), so
     # one sent while every monitor was down is still judged, and in a blast radius, when they come
     # back; and the most it holds so (then taps keep theirs, bounded, and count drops).

@@ -136,6 +136,20 @@ async def prepare(js: JetStreamContext, cfg: JetStreamConfig) -> KeyValue:
         ) from None
 
 
+async def quarantine_bucket(js: JetStreamContext, cfg: JetStreamConfig) -> KeyValue:
+    """Create the bucket the quarantine set is put in (one key, its last value kept: no TTL, since a
+    set must outlive every monitor's absence), or bind the one there."""
+    bucket = KeyValueConfig(
+        bucket=cfg.quarantine_bucket, history=1, storage=StorageType.FILE, replicas=cfg.stream_replicas
+    )
+    try:
+        return await js.create_key_value(bucket)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != STREAM_EXISTS:
+            raise
+        return await js.key_value(cfg.quarantine_bucket)
+
+
 async def verify(cfg: JetStreamConfig, token: str | None) -> None:
     """Reach NATS and prepare the stream once; raise ConfigError naming the key and the URL."""
     try:

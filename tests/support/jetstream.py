@@ -54,13 +54,15 @@ class StreamNames:
     stream: str
     bucket: str
     subject_prefix: str
+    quarantine_bucket: str
 
     def config(self, url: str = NATS_URL, **fields: Any) -> dict[str, Any]:
         """The ``traffic.jetstream`` block of a config file. Its stream holds ``TEST_MAX_BYTES``
         unless told: NATS reserves a stream's max_bytes on its disk, so tests in parallel (and a
         stream a killed run left behind) at the default 8 GiB would exhaust it for everyone."""
         return {"url": url, "stream": self.stream, "bucket": self.bucket,
-                "subject_prefix": self.subject_prefix, "max_bytes": TEST_MAX_BYTES, **fields}  # fmt: skip
+                "subject_prefix": self.subject_prefix, "quarantine_bucket": self.quarantine_bucket,
+                "max_bytes": TEST_MAX_BYTES, **fields}  # fmt: skip
 
     def settings(self, url: str = NATS_URL, **fields: Any) -> JetStreamConfig:
         return JetStreamConfig.model_validate(self.config(url, **fields))
@@ -68,7 +70,7 @@ class StreamNames:
 
 def new_names() -> StreamNames:
     tag = uuid.uuid4().hex[:10]
-    return StreamNames(f"KVC_TEST_{tag}", f"kvc_test_{tag}", f"kvctest.{tag}")
+    return StreamNames(f"KVC_TEST_{tag}", f"kvc_test_{tag}", f"kvctest.{tag}", f"kvc_testq_{tag}")
 
 
 def delete_created(names: StreamNames, url: str = NATS_URL) -> None:
@@ -79,8 +81,9 @@ def delete_created(names: StreamNames, url: str = NATS_URL) -> None:
         js = client.jetstream(timeout=5)
         with contextlib.suppress(Exception):
             await js.delete_stream(names.stream)
-        with contextlib.suppress(Exception):
-            await js.delete_key_value(names.bucket)
+        for bucket in (names.bucket, names.quarantine_bucket):
+            with contextlib.suppress(Exception):
+                await js.delete_key_value(bucket)
         await client.close()
 
     with contextlib.suppress(Exception):  # the server is down already: its store goes with the test

@@ -1,7 +1,8 @@
 """The NATS permissions kvcanary documents (``docs/nats-permissions.conf``), on a real nats-server
 started from that file: a real tap logged in as ``tap`` publishes records that a real monitor
 consumer logged in as ``monitor`` judges, and the tap's credentials can neither write the
-partitions' KV bucket (where a writer could starve every replica) nor read anything but its inbox.
+partitions' KV bucket (where a writer could starve every replica) nor read anything but its inbox;
+they watch the quarantine set the monitors put in its bucket, and cannot write it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from nats.js.kv import KeyValue
 
 from kvcanary.monitor.config.settings import JetStreamConfig
 from kvcanary.monitor.traffic.jetstream import TrafficStream
+from kvcanary.monitor.traffic.quarantine_bucket import QuarantineBucket
 from kvcanary.monitor.traffic.stream_setup import connect, prepare, verify
 from kvcanary.tap import Tap
+from kvcanary.tap.quarantine_bucket import BucketWatch
+from kvcanary.wire import QUARANTINE_KEY
 from tests.support import free_port
 from tests.support.jetstream import KEY, NATS_SERVER, TEST_MAX_BYTES, counted, exchange, in_process, until
 
@@ -166,3 +170,53 @@ async def _value(bucket: KeyValue, key: str) -> bytes | None:
         return (await bucket.get(key)).value
     except KeyNotFoundError:
         return None
+
+
+def test_the_taps_credentials_watch_the_quarantine_the_monitors_put_and_cannot_write_it(
+    permitted_nats: Server,
+) -> None:
+    cfg = permitted_nats.monitor_config()
+    watch = BucketWatch(permitted_nats.url, TAP_PASSWORD, user="tap", bucket=cfg.quarantine_bucket,
+                        poll_seconds=0.2)  # fmt: skip
+
+    async def run() -> list[str]:
+        monitor = await connect(cfg, MONITOR_PASSWORD, keep_trying=False)
+        publisher = QuarantineBucket(cfg, lambda: (monitor.jetstream(timeout=5), monitor.max_payload))
+        refused: list[str] = []
+
+        async def note(error: Exception) -> None:
+            refused.append(str(error).lower())
+
+        tap = await nats.connect(permitted_nats.tap_url(), error_cb=note, allow_reconnect=False)
+        try:
+            assert await publisher.publish(SET)
+            await until("the tap's watch to read the set", lambda: watch.quarantined(QUARANTINED) is not None)
+            with pytest.raises(nats.errors.TimeoutError):  # a forged lift: no PubAck comes
+                await (await tap.jetstream(timeout=1).key_value(cfg.quarantine_bucket)).put(
+                    QUARANTINE_KEY, b"{}"
+                )
+            await until("the server's refusal", lambda: refused, timeout=10)
+            kept = await (await monitor.jetstream(timeout=5).key_value(cfg.quarantine_bucket)).get(
+                QUARANTINE_KEY
+            )
+            assert kept.value is not None and b"shared" in kept.value
+            return refused
+        finally:
+            await tap.close()
+            await monitor.close()
+
+    try:
+        refused = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        watch.close()
+    bucket = cfg.quarantine_bucket.lower()
+    assert any(f'permissions violation for publish to "$kv.{bucket}.set"' in r for r in refused), refused
+    assert not watch.failing and watch.quarantined(QUARANTINED) is not None
+
+
+QUARANTINED = "http://10.0.0.7:8000"
+SET = {
+    "version": 1, "generated_at": "2026-12-05T07:00:00+00:00", "guards": [],
+    "deployments": [{"target": "shared", "api_bases": [QUARANTINED], "enforced": True, "cause": "incident",
+                     "incident_id": 1, "reason": "a leak", "since": "2026-12-05T07:00:00+00:00"}],
+}  # fmt: skip

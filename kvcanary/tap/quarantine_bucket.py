@@ -1,0 +1,134 @@
+"""The quarantine set watched in the monitors' JetStream KV bucket, for gateways whose records go
+to NATS (``KVCANARY_TAP_URL=nats://...``): a change reaches every gateway replica as it is put,
+and no gateway polls a monitor (``monitor/traffic/quarantine_bucket.py`` puts it).
+
+:class:`BucketWatch` is a :class:`~kvcanary.tap.quarantine.QuarantineWatch` whose thread, instead
+of polling HTTP, runs an event loop of its own with a NATS connection and a watch of the bucket's
+one key: the bucket's current value first, then each new one, each read whole by the same
+:func:`~kvcanary.tap.quarantine.parse_quarantine` (a value not the contract's keeps the last set).
+What a request reads is the same: memory only. When NATS cannot be reached, the bucket is not
+there yet (no monitor has started), or the connection drops, the last set is kept, one line says
+so (and one when the set is read again), the gateway's ``kvcanary_tap_quarantine_unreadable`` is
+1, and the watch starts again every ``poll_seconds``, from the bucket's current value. A value
+deleted from the bucket (by hand) is not taken as an empty set: only a monitor's put changes it.
+
+The tap's NATS user needs the rights ``docs/nats-permissions.conf`` gives it: to ask JetStream for
+the bucket's stream and an ordered consumer of it, and to hear on ``_INBOX``; never to write it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.js.kv import KV_DEL, KV_PURGE
+
+from kvcanary.tap.quarantine import QuarantineWatch, _log_changes, log, parse_quarantine
+from kvcanary.wire import QUARANTINE_BUCKET, QUARANTINE_KEY
+
+CONNECT_TIMEOUT_SECONDS = 2
+
+
+class BucketWatch(QuarantineWatch):
+    """The quarantine set as the bucket holds it, kept fresh by a daemon thread (module doc)."""
+
+    def __init__(
+        self,
+        servers: str,
+        token: str | None = None,
+        *,
+        user: str | None = None,
+        bucket: str = QUARANTINE_BUCKET,
+        poll_seconds: float = 1.0,
+        start: bool = True,
+    ):
+        """``servers``: NATS's URL; ``token``: its auth token, or ``user``'s password;
+        ``poll_seconds``: how soon a lost watch is made again; ``start``: now (else on the first
+        lookup)."""
+        super().__init__(servers, "", poll_seconds=poll_seconds, start=False)
+        self.servers, self.bucket = servers, bucket
+        self.url = f"{servers} (bucket {bucket})"  # what the log lines name
+        self._credentials: dict[str, Any] = (
+            {"user": user, "password": token or ""} if user else {"token": token} if token else {}
+        )
+        if start:
+            self._start_polling()
+
+    def poll_once(self) -> bool:
+        """Read the bucket's current value once (a watch's first step; for tests and tools)."""
+        return asyncio.run(self._watch(once=True))
+
+    def _loop(self) -> None:
+        asyncio.run(self._watch_until_closed())
+
+    async def _watch_until_closed(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # said by _watch; the set stays the last known
+                await self._watch(once=False)
+            await asyncio.to_thread(self._stop.wait, self.poll_seconds)
+
+    async def _watch(self, *, once: bool) -> bool:
+        """Watch the set until closed, the connection lost, or (``once``) the current value read;
+        return whether a value was taken. Failures are noted (logged once) and raised."""
+        client: Client | None = None
+        try:
+            client = await nats.connect(
+                self.servers, **self._credentials, name="kvcanary-tap-quarantine",
+                connect_timeout=CONNECT_TIMEOUT_SECONDS, allow_reconnect=False,
+                error_cb=_quiet, max_reconnect_attempts=0,
+            )  # fmt: skip
+            kv = await client.jetstream(timeout=self.timeout_seconds).key_value(self.bucket)
+            watcher = await kv.watch(QUARANTINE_KEY)
+            return await self._follow(client, watcher, once)
+        except Exception as exc:
+            self._note_failure(exc if str(exc) else RuntimeError(type(exc).__name__))
+            raise
+        finally:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.close(), 2)
+
+    async def _follow(self, client: Client, watcher: Any, once: bool) -> bool:
+        taken = False
+        while not self._stop.is_set():
+            try:
+                entry = await watcher.updates(timeout=self.poll_seconds)
+            except nats.errors.TimeoutError:
+                if not client.is_connected:
+                    raise ConnectionError("the connection to NATS was lost") from None
+                continue
+            if entry is None:  # the current values are all delivered: the bucket is read
+                self._read_again()
+                if once:
+                    return taken
+                continue
+            if entry.operation in (KV_DEL, KV_PURGE) or entry.value is None:
+                continue
+            taken = self._take(entry.value) or taken
+        return taken
+
+    def _take(self, value: bytes) -> bool:
+        try:
+            found = parse_quarantine(value)
+        except ValueError as exc:
+            self._note_failure(exc)
+            return False
+        _log_changes(self.current, found)
+        self.current = found
+        self._read_again()
+        return True
+
+    def _read_again(self) -> None:
+        self.last_read_at = time.time()
+        if self.failing:
+            self.failing = False
+            log.warning("kvcanary tap: the quarantine is read from %s again", self.url)
+
+
+async def _quiet(exc: Exception) -> None:
+    """nats-py's error callback: the watch says what failed, once, itself."""

@@ -1,0 +1,49 @@
+"""The quarantine set as the gateways read it (``docs/tap-protocol.md``, "Quarantine"): one document,
+served at ``GET /api/v1/quarantine`` (``api/containment.py``) and, where the traffic stream is used,
+put in the JetStream KV bucket the taps watch (``traffic/quarantine_bucket.py``).
+
+Each entry names the api_base keys (``kvcanary.wire.api_base_key``) routed to its target, so a tap
+compares its deployments' own with no knowledge of the monitor's targets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from kvcanary.monitor.admission import GuardFacts
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.containment import Quarantine
+from kvcanary.monitor.traffic.judge import routes_of
+
+#: The document's shape; a tap refuses a version it does not know and keeps its last set.
+SET_VERSION = 1
+
+
+def quarantine_set(
+    quarantines: Iterable[Quarantine], guards: Iterable[GuardFacts], settings: Settings, now: datetime
+) -> dict[str, Any]:
+    """Return the set as JSON-ready data: every quarantined target (``enforced: false``: the
+    observe policy's, counted and not filtered) and the guarded targets' admission facts."""
+    bases: dict[str, list[str]] = {}
+    for key, (target, _) in routes_of(settings).items():
+        bases.setdefault(target, []).append(key)
+    return {
+        "version": SET_VERSION,
+        "generated_at": now.isoformat(),
+        "deployments": [
+            {
+                "target": q.target, "api_bases": sorted(bases.get(q.target, [])), "enforced": q.enforced,
+                "cause": q.cause, "incident_id": q.incident_id, "reason": q.reason,
+                "since": q.since.isoformat(),
+            }
+            for q in quarantines
+        ],
+        "guards": [
+            {
+                "target": g.target, "api_bases": sorted(bases.get(g.target, [])), "mode": g.mode,
+                "kv_pool_tokens": g.kv_pool_tokens, "chars_per_token": g.chars_per_token,
+            }
+            for g in guards
+        ],
+    }  # fmt: skip
