@@ -84,6 +84,9 @@ async def _apply(monitor: Monitor, new: Settings, keys: Keys, why: str) -> None:
         asyncio.get_running_loop().create_task(monitor.runner.close_when_idle(client))
     for listener in monitor.on_reload:
         listener(new)
+    # A containment policy or admission guard that changed takes effect now, not at the next round.
+    await monitor.admission.refresh()
+    await monitor.contain()
     monitor.metrics.reload_ok.set(1)
     monitor.metrics.reload_ok_at.set(time.time())
     log.info("reloaded %s (%s): %s", monitor.config_path, why, change.summary())

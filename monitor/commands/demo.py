@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+import yaml
 
 from kvcanary.monitor.app import Monitor, create_app
 from kvcanary.monitor.commands.demo_gateway import (
     Gateway,
+    contain_and_send_again,
     maybe_start_gateway,
     report_blast_radius,
     report_containment,
@@ -31,7 +33,7 @@ from kvcanary.monitor.commands.demo_gateway import (
 )
 from kvcanary.monitor.commands.demo_stack import Observability, missing_binaries, start_observability
 from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
-from kvcanary.monitor.config.settings import Settings, parse_settings
+from kvcanary.monitor.config.settings import Settings, load_settings
 from kvcanary.monitor.runs.runner import RunSummary
 from kvcanary.monitor.storage.db import upgrade
 from kvcanary.probes.base import Verdict
@@ -90,42 +92,47 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 90.0) 
     wait_http(url + "/health", timeout, proc, every=0.2)
 
 
-def demo_settings(
+def demo_config(
     workdir: Path, urls: dict[str, str], port: int, alertmanager: str | None = None
-) -> Settings:
+) -> dict[str, Any]:
+    """The demo's configuration, as ``kvcanary.yml`` in the workdir holds it."""
     base = f"http://127.0.0.1:{port}"
-    return parse_settings(
-        {
-            "database_url": f"sqlite:///{workdir / 'kvcanary.db'}",
-            "api": {
-                "listen": f"127.0.0.1:{port}",
-                "token_file": str(workdir / "api-token"),
-                "public_url": base,
-            },
-            "alertmanagers": [alertmanager] if alertmanager else [],
-            "alerting": {"resend_interval_seconds": 30, "poll_interval_seconds": 1},
-            "targets": [
-                {
-                    "name": name,
-                    "base_url": url,
-                    "engine": "reference",
-                    "model": "kvcanary-reference",
-                    "tenants": [{"name": t, "api_key_file": str(workdir / f"key-{t}")} for t in TENANTS],
-                    "interval_seconds": 5,
-                    "timeout_seconds": 20,
-                    "probes": list(INTERVALS),
-                    "probe_intervals": INTERVALS,
-                }
-                for name, url in urls.items()
-            ],
-            "incidents": {"resolve_after_passes": 3},
-            # Recorded, never acted on: the demo shows what containment would do (docs/operating.md).
-            "containment": {"mode": "observe", "admission_guard": "observe"},
-            "spool": {"path": str(workdir / "spool")},
-            "traffic": {"ingest_token_file": str(workdir / "ingest-token"), "pass_interval_seconds": 10},
+    return {
+        "database_url": f"sqlite:///{workdir / 'kvcanary.db'}",
+        "api": {
+            "listen": f"127.0.0.1:{port}",
+            "token_file": str(workdir / "api-token"),
+            "public_url": base,
         },
-        source="demo",
-    )
+        "alertmanagers": [alertmanager] if alertmanager else [],
+        "alerting": {"resend_interval_seconds": 30, "poll_interval_seconds": 1},
+        "targets": [
+            {
+                "name": name,
+                "base_url": url,
+                "engine": "reference",
+                "model": "kvcanary-reference",
+                "tenants": [{"name": t, "api_key_file": str(workdir / f"key-{t}")} for t in TENANTS],
+                "interval_seconds": 5,
+                "timeout_seconds": 20,
+                "probes": list(INTERVALS),
+                "probe_intervals": INTERVALS,
+            }
+            for name, url in urls.items()
+        ],
+        "incidents": {"resolve_after_passes": 3},
+        # Recorded, not acted on, until the demo turns it on for the defective target
+        # (demo_gateway.contain_and_send_again: kvcanary.yml rewritten and reloaded).
+        "containment": {"mode": "observe", "admission_guard": "observe"},
+        "spool": {"path": str(workdir / "spool")},
+        "traffic": {"ingest_token_file": str(workdir / "ingest-token"), "pass_interval_seconds": 10},
+    }
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Settings:
+    """Write ``config`` to ``path`` (what a reload reads) and return its settings."""
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return load_settings(path)
 
 
 class DemoPrinter:
@@ -230,6 +237,8 @@ async def _serve(
                         monitor, settings, caught.incident_id if caught else None, gateway
                     )
                 await asyncio.to_thread(report_containment, monitor, gateway)
+                if gateway is not None:
+                    await contain_and_send_again(monitor, gateway)
                 _where_to_look(settings, obs)
                 server.should_exit = until_caught
                 break
@@ -317,10 +326,12 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
             print(f"  worker {name:<9} {url}  {' '.join(WORKERS[name])}", flush=True)
         gateway = maybe_start_gateway(workdir, urls, gateway_key, port, ingest_token)
         obs = _observability(workdir, port, urls)
-        settings = demo_settings(workdir, urls, port, obs.alertmanager_url if obs else None)
+        config_path = workdir / "kvcanary.yml"
+        config = demo_config(workdir, urls, port, obs.alertmanager_url if obs else None)
+        settings = write_config(config_path, config)
         upgrade(settings.database_url)
         printer = DemoPrinter()
-        monitor = Monitor(settings, on_summary=printer)
+        monitor = Monitor(settings, on_summary=printer, config_path=config_path)
         print(f"  monitor   http://127.0.0.1:{port}  probes {', '.join(INTERVALS)}\n", flush=True)
         asyncio.run(_serve(monitor, settings, printer, obs, duration, until_caught, gateway))
         if _TERMINATED:

@@ -37,6 +37,7 @@ from kvcanary.monitor.commands.processes import free_port, stop_process
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.paging.links import incident_url
 from kvcanary.monitor.storage.models import Incident, Target, TrafficMinute
+from kvcanary.wire import api_base_key
 
 if TYPE_CHECKING:
     from kvcanary.monitor.app import Monitor
@@ -78,8 +79,12 @@ class Gateway:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
-    #: Over-pool prompts to the defective node answered 200, by customer: the truth to compare with.
+    #: The deployments by the key of their api_base (``kvcanary.wire.api_base_key``): worker names.
+    deployments: dict[str, str] = field(default_factory=dict)
+    #: Over-pool prompts answered 200 by the defective node, by customer: the truth to compare with.
     over_pool_answered: Counter[str] = field(default_factory=Counter)
+    #: Requests to ``shop`` by (status, the worker that answered: "" for none), the latest wave's.
+    shop_answers: Counter[tuple[int, str]] = field(default_factory=Counter)
     sent: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -90,7 +95,8 @@ class Gateway:
 def start_gateway(
     workdir: Path, urls: dict[str, str], worker_key: str, monitor_url: str, ingest_token: str
 ) -> Gateway:
-    """Start the proxy (models ``shop`` on the defective worker, ``shop-eu`` on the healthy one)."""
+    """Start the proxy: model ``shop`` on both workers (LiteLLM picks one a request), ``shop-eu``
+    on the healthy one alone."""
     venv = litellm_venv()
     assert venv is not None
     folder = workdir / "gateway"
@@ -99,7 +105,8 @@ def start_gateway(
     deployments = [
         {"model_name": name, "litellm_params": {"model": "openai/kvcanary-reference", "api_base": f"{url}/v1",
                                                 "api_key": worker_key}}
-        for name, url in (("shop", urls["defective"]), ("shop-eu", urls["healthy"]))
+        for name, url in [("shop", urls["defective"]), ("shop", urls["healthy"]),
+                          ("shop-eu", urls["healthy"])]
     ]  # fmt: skip
     config = {
         "model_list": deployments,
@@ -142,7 +149,8 @@ def start_gateway(
     proc = subprocess.Popen(
         argv, stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True
     )
-    return Gateway(f"http://127.0.0.1:{port}", proc, log_path)
+    names = {api_base_key(f"{url}/v1"): name for name, url in urls.items()}
+    return Gateway(f"http://127.0.0.1:{port}", proc, log_path, names)
 
 
 async def wait_ready(gateway: Gateway, timeout: float = 120.0) -> bool:
@@ -158,10 +166,13 @@ async def wait_ready(gateway: Gateway, timeout: float = 120.0) -> bool:
     return False
 
 
-async def customers(gateway: Gateway, requests: int = REQUESTS, pace: float = 0.5) -> None:
-    """Send ``requests`` chat completions, the customers in turn, and count the truth."""
-    rng = random.Random(2026)
+async def customers(gateway: Gateway, requests: int = REQUESTS, pace: float = 0.5, seed: int = 2026) -> None:
+    """Send ``requests`` chat completions, the customers in turn, and count the truth: which worker
+    answered each (LiteLLM's ``x-litellm-model-api-base``)."""
+    rng = random.Random(seed)
     keys = list(CUSTOMERS)
+    gateway.shop_answers.clear()
+    gateway.done.clear()
     async with httpx.AsyncClient(timeout=60) as client:
         for i in range(requests):
             key, chars = keys[i % len(keys)], rng.choice(SIZES)
@@ -174,11 +185,14 @@ async def customers(gateway: Gateway, requests: int = REQUESTS, pace: float = 0.
             try:
                 answer = await client.post(f"{gateway.url}/v1/chat/completions", json=body,
                                            headers={"Authorization": f"Bearer {key}"})  # fmt: skip
-                status = answer.status_code
+                status, base = answer.status_code, answer.headers.get("x-litellm-model-api-base", "")
             except httpx.HTTPError:
-                status = 0
+                status, base = 0, ""
             gateway.sent += 1
-            if model == "shop" and chars > 2048 and status == 200:
+            worker = gateway.deployments.get(api_base_key(base), "") if status == 200 else ""
+            if model == "shop":
+                gateway.shop_answers[status, worker] += 1
+            if worker == "defective" and chars > 2048:
                 gateway.over_pool_answered[CUSTOMERS[key]] += 1
             await asyncio.sleep(pace)
     gateway.done.set()
@@ -315,3 +329,71 @@ def _observed(log: Path) -> list[str]:
 
 def _when(moment: datetime) -> str:
     return moment.strftime("%H:%M:%S UTC")
+
+
+#: The policy the demo turns on for the defective target once its leak is shown (docs/operating.md).
+CONTAINED = {"mode": "quarantine", "admission_guard": "enforce"}
+SECOND_WAVE = 12
+
+
+async def contain_and_send_again(monitor: Monitor, gateway: Gateway) -> None:
+    """Turn quarantine and the admission guard on for the defective target (its ``containment`` in
+    kvcanary.yml, reloaded as SIGHUP would), wait for the gateway to take it up, and send the
+    customers again: every later request to ``shop`` is the healthy worker's, and the blast radius
+    stops growing."""
+    assert monitor.config_path is not None
+    config = yaml.safe_load(monitor.config_path.read_text())
+    for target in config["targets"]:
+        if target["name"] == "defective":
+            target["containment"] = CONTAINED
+    monitor.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    print("=== CONTAINMENT ON for 'defective': containment: {mode: quarantine, admission_guard: "
+          "enforce} in kvcanary.yml, reloaded ===", flush=True)  # fmt: skip
+    began = time.monotonic()
+    if (refused := await monitor.reload("the demo turns containment on")) is not None:
+        print(f"  (the reload was refused: {refused})", flush=True)
+        return
+    took = await _taken_up(gateway, began)
+    for entry in monitor.containment.known:
+        print(f"  quarantine: {entry.target} since {_when(entry.since)} (incident #{entry.incident_id}), "
+              f"{'enforced' if entry.enforced else 'observed'}: {entry.reason}")  # fmt: skip
+    for guard in monitor.admission.current():
+        if guard.mode == "enforce":
+            print(f"  guard     : prompts over {guard.kv_pool_tokens} tokens kept off {guard.target!r}")
+    print(f"  gateway   : took it up {took:.1f}s after the reload" if took is not None
+          else "  gateway   : did not say it took it up (see gateway.log)", flush=True)  # fmt: skip
+    before = gateway.over_pool_answered.total()
+    counted_before = await asyncio.to_thread(_affected, monitor)
+    await customers(gateway, SECOND_WAVE, pace=0.2, seed=2027)
+    tally = ", ".join(f"{n} {'answered by ' + w if w else f'status {s}'}"
+                      for (s, w), n in sorted(gateway.shop_answers.items()))  # fmt: skip
+    print(f"  customers : {SECOND_WAVE} more requests, those to model 'shop' (both workers): {tally}")
+    late = gateway.over_pool_answered.total() - before
+    print(f"  exposed   : {late} more over-pool answers from 'defective' after containment "
+          f"({before} before it)", flush=True)  # fmt: skip
+    await _delivered(monitor, gateway)
+    counted = await asyncio.to_thread(_affected, monitor)
+    for incident, affected in counted.items():
+        print(f"  blast radius of incident #{incident}: {affected} response(s) now, "
+              f"{counted_before.get(incident)} before containment")  # fmt: skip
+    print(flush=True)
+
+
+def _affected(monitor: Monitor) -> dict[int, int | None]:
+    """The affected responses of each incident the demo reports a blast radius of, by id."""
+    found = {}
+    for radius, _ in _radii(monitor, monitor.settings, None):
+        if radius is not None:
+            data = radius.as_json()
+            found[int(radius.incident["id"])] = data.get("affected_responses")
+    return found
+
+
+async def _taken_up(gateway: Gateway, began: float, timeout: float = 10.0) -> float | None:
+    """Seconds until the gateway's log says it quarantined the defective deployment, or None."""
+    while time.monotonic() - began < timeout:
+        with contextlib.suppress(OSError):
+            if "quarantined by kvcanary: target 'defective'" in gateway.log.read_text(errors="replace"):
+                return time.monotonic() - began
+        await asyncio.sleep(0.1)
+    return None

@@ -49,13 +49,30 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
     assert "/#/alerts" in out
     keys = [(tmp_path / f"key-{t}").read_text() for t in ("tenant-a", "tenant-b")]
     assert all(k not in out + proc.stderr for k in keys)
-    # Containment under the demo's observe policy: recorded, and said by the gateway, never acted on.
+    # Containment under the demo's observe policy: recorded and said by the gateway, then turned on.
     assert "=== CONTAINMENT: defective would have quarantined (containment.mode: observe)" in out
     if litellm_venv() is not None:  # the gateway ran: the blast radius matches the customers' count
         assert_blast_radius(out)
         said = [line for line in out.splitlines() if line.startswith("  gateway   : observe mode")]
         assert any("quarantined by kvcanary, target 'defective'" in line for line in said), out[-3000:]
         assert any("whose smallest KV pool is 2048 tokens" in line for line in said), out[-3000:]
+        assert_contained(out)
+
+
+def assert_contained(out: str) -> None:
+    """Then containment on for the defective target: the gateway takes it up, no later customer
+    request is answered by the defective worker, and the blast radius stops growing."""
+    section = out[out.index("=== CONTAINMENT ON for 'defective'") :]
+    assert "quarantine: defective since" in section and "enforced" in section, section
+    assert "guard     : prompts over 2048 tokens kept off 'defective'" in section, section
+    taken = re.search(r"gateway   : took it up ([\d.]+)s after the reload", section)
+    assert taken is not None and float(taken.group(1)) < 3.0, section
+    customers = re.search(r"customers : .*", section).group(0)  # type: ignore[union-attr]
+    assert "answered by healthy" in customers and "defective" not in customers, customers
+    assert "exposed   : 0 more over-pool answers from 'defective' after containment" in section
+    radius = r"blast radius of incident #\d+: (\d+) response\(s\) now, (\d+) before"
+    now, before = re.search(radius, section).groups()  # type: ignore[union-attr]
+    assert now == before and int(now) > 0, section
 
 
 def assert_blast_radius(out: str) -> None:
