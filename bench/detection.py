@@ -118,15 +118,20 @@ def judge_benign(records: list[TrafficRecord], rule: Rule) -> tuple[OverlapWindo
 
 
 def bench_overlap(
-    sent: list[Sent], leaks: list[Leak], records: list[TrafficRecord], callers: int, rules: list[Rule]
-) -> dict[Rule, dict[str, Any]]:
+    sent: list[Sent], leaks: list[Leak], records: list[TrafficRecord], callers: int, rules: list[Rule],
+    tap: Fingerprinter,
+) -> dict[Rule, dict[str, Any]]:  # fmt: skip
     """For each rule: false alarms on the benign traffic (by kind) as the overlap check judges it,
     recall on private passages of 40, 80 and 200 words leaked to another caller (judged against
-    the window the benign traffic left), and the rule's CPU time per benign record."""
+    the window the benign traffic left, marked as the tap marks them: a public text's print as
+    its own), and the rule's CPU time per benign record."""
     exchanges = len(sent)
-    tap, asked = Fingerprinter(KEY), "Summarize our meeting notes, please."
+    asked, public = "Summarize our meeting notes, please.", getattr(tap, "public", frozenset())
     asked_fp = [tap.whole(asked)]
-    leaked = [(v, n, tap.fingerprints("Sure. " + passage)[0]) for v, n, passage in leaks]
+    leaked = [
+        (v, n, [0 if f in public else f for f in tap.fingerprints("Sure. " + passage)[0]])
+        for v, n, passage in leaks
+    ]
     kinds = collections.Counter(s.kind for s in sent)
     out: dict[Rule, dict[str, Any]] = {}
     for rule in rules:
@@ -235,9 +240,15 @@ def main() -> None:
         "-/M (M of another caller's prompt only: the default)",
     )
     parser.add_argument("--min-tokens", type=int, default=3, help="the reworded check's threshold")
+    parser.add_argument(
+        "--public-texts", nargs="*", default=[], metavar="PATH",
+        help="files or folders the tap is told are public (KVCANARY_TAP_PUBLIC_TEXTS), e.g. "
+        "/usr/share/common-licenses",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.against is not None:
         forwarded = ["--exchanges", str(args.exchanges), "--callers", str(args.callers)]
+        forwarded += ["--public-texts", *args.public_texts] if args.public_texts else []
         detection_against(args.against, [*forwarded, "--min-tokens", str(args.min_tokens)])
         return
     docs = corpus()
@@ -245,8 +256,9 @@ def main() -> None:
     asked = hasattr(OverlapWindow, "longest_asked_run")  # not in older trees
     rules = [rule for rule in args.rules if asked or (rule.min_run and not rule.prompt_run)]
     sent, private = benign_traffic(docs, args.callers, args.exchanges)
-    records, leaks = records_of(sent), private_leaks(sent, private, args.callers)
-    overlaps = bench_overlap(sent, leaks, records, args.callers, rules)
+    tap, public = public_tap(args.public_texts)
+    records, leaks = records_of(sent, tap), private_leaks(sent, private, args.callers, public)
+    overlaps = bench_overlap(sent, leaks, records, args.callers, rules, tap)
     for rule, o in overlaps.items():
         print(f"overlap ({rule}): {_alarms(o, args.callers)}; recall on private leaked passages: "
               f"{_words(o['recall'])}; {o['us_per_record']:.0f} µs of CPU a record")  # fmt: skip
@@ -263,6 +275,22 @@ def main() -> None:
         either = [a or b for a, b in zip(o["hits"], found["hits"], strict=True)]
         print(f"overlap ({rule}) or reworded: recall on private leaked passages: "
               f"{_words(recall_by(leaks, either))}")  # fmt: skip
+
+
+def public_tap(paths: list[str]) -> tuple[Fingerprinter, list[str]]:
+    """The tap's fingerprints under the bench's key, told the public texts at ``paths`` (a tree
+    without ``learn_public`` is told none, and says so), and those texts: no leak is made of them."""
+    tap = Fingerprinter(KEY)
+    files = [f for p in map(Path, paths) for f in ([p] if p.is_file() else sorted(p.rglob("*")))]
+    texts = [f.read_text(errors="replace") for f in files if f.is_file()]
+    if not texts:
+        return tap, []
+    if not hasattr(tap, "learn_public"):
+        print("public texts: this tree's tap cannot be told any")
+        return tap, texts
+    added = sum(tap.learn_public(text) for text in texts)
+    print(f"public texts: {len(texts)} files, {added} prints, told to the tap")
+    return tap, texts
 
 
 def _words(recall: dict[int, float]) -> str:

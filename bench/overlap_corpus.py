@@ -209,9 +209,10 @@ def topic_exchange(rng: random.Random, system: str) -> tuple[str, str]:
     return f"{system}\n{ask}", f"{name} is well known. {told}"
 
 
-def records_of(sent: list[Sent]) -> list[TrafficRecord]:
-    """Return the records the tap would send of the exchanges, as the monitor reads them."""
-    tap = Fingerprinter(KEY)
+def records_of(sent: list[Sent], tap: Fingerprinter | None = None) -> list[TrafficRecord]:
+    """Return the records the tap would send of the exchanges (``tap``: its fingerprints, with the
+    public texts it was given), as the monitor reads them."""
+    tap = tap or Fingerprinter(KEY)
     exchanges = [
         Exchange(f"r{i}", 1.8e9 + i, f"c{s.caller}", "team", "http://x", prompt=s.prompt, response=s.response)
         for i, s in enumerate(sent)
@@ -226,13 +227,18 @@ def grams(text: str) -> set[int]:
 
 
 def private_leaks(
-    sent: list[Sent], private: list[tuple[int, str]], callers: int
+    sent: list[Sent],
+    private: list[tuple[int, str]],
+    callers: int,
+    public: list[str] = (),  # type: ignore[assignment]
 ) -> list[tuple[int, int, str]]:
     """Return injected leaks, 300 of each length: (victim, words, passage), a stretch of a caller's
     private text (recent enough to be in the window) none of whose 8-word runs any other caller sent
-    (boilerplate inside a caller's documents is common by design, and no leak of anyone's)."""
+    (boilerplate inside a caller's documents is common by design, and no leak of anyone's) nor any
+    of the ``public`` texts holds (a licence quoted in a caller's document is nobody's secret)."""
     rng = random.Random(5)
-    others: dict[int, set[int]] = {k: set() for k in range(callers)}
+    known = set().union(*map(grams, public)) if public else set()
+    others: dict[int, set[int]] = {k: set(known) for k in range(callers)}
     for s in sent[-850:]:
         held = grams(s.prompt) | grams(s.response)
         for k in others:

@@ -232,11 +232,14 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
     # The whole prompt's print first: two callers who sent the same prompt are told apart from a
     # leak when their answers match (a deterministic answer to one question is nobody's secret).
     whole = [fingerprinter.whole(exchange.prompt)] if exchange.prompt else []
-    prompt_fp = [*whole, *every_prompt_fp][:MAX_FINGERPRINTS]
+    public = fingerprinter.public
+    private_fp = [f for f in every_prompt_fp if f not in public] if public else every_prompt_fp
+    prompt_fp = [*whole, *private_fp][:MAX_FINGERPRINTS]
     response_fp, response_cut = fingerprinter.fingerprints(exchange.response)
-    # The reader's own prompt, whole (not only the prints sent): a quote of it is no one else's text.
+    # The reader's own prompt, whole (not only the prints sent): a quote of it is no one else's
+    # text; nor is a public text's (``Fingerprinter.learn_public``).
     own = set(every_prompt_fp)
-    response_fp = [OWN if f in own else f for f in response_fp]
+    response_fp = [OWN if f in own or f in public else f for f in response_fp]
     asked, said = TokenPrints(fingerprinter.key).exchange(exchange.prompt, exchange.response)
     markers = list(dict.fromkeys(m.group(0) for m in MARKER_RE.finditer(exchange.response)))
     status = exchange.status if isinstance(exchange.status, int) and 100 <= exchange.status <= 599 else 500

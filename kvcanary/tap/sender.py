@@ -117,7 +117,7 @@ class Sender:
     ):
         """``transport``: how batches leave (default: an :class:`HttpTransport` to ``url``)."""
         self.transport = transport or HttpTransport(url, token, timeout_seconds)
-        self._fingerprinter = fingerprinter
+        self.fingerprinter = fingerprinter
         self.gateway = printable_name(gateway)
         self.batch_records = batch_records
         self.flush_seconds = flush_seconds
@@ -285,7 +285,7 @@ class Sender:
                 exchange = self._exchanges.popleft()
                 self._summarizing = 1
             try:
-                record = summarize(exchange, self._fingerprinter)
+                record = summarize(exchange, self.fingerprinter)
             except Exception:  # a gateway's odd payload costs its record, never the thread
                 log.exception("kvcanary tap: cannot summarize an exchange; dropped")
                 with self._lock:

@@ -181,6 +181,35 @@ def test_another_callers_text_in_an_answer_is_an_overlap_leak() -> None:
     assert named["caller"] == "initech" and named["other_caller"] == "acme" and named["run"] >= 8
 
 
+def test_a_public_text_the_tap_was_told_of_is_no_ones_when_the_model_recites_it() -> None:
+    """The licence one caller pasted, recited to another: the same exchanges as above, but the
+    gateway's tap was told the licence is public (``KVCANARY_TAP_PUBLIC_TEXTS``)."""
+    told = Fingerprinter(b"traffic-checks-key-0123456789abcdef")
+    assert told.learn_public(GPL) > 1000
+
+    def summarized(i: int, caller: str, prompt: str, response: str) -> TrafficRecord:
+        made = Exchange(f"r{i}", 1.8e9 + i, caller, "team", BASE, prompt=prompt, response=response)
+        return TrafficRecord.model_validate(summarize(made, told))
+
+    records = [
+        summarized(1, "acme", "Keep my notes: " + GPL[:6000], "Kept."),
+        summarized(2, "initech", "Summarize my meeting.", "Sure: " + GPL[2000:3500]),
+    ]
+    assert len(records[0].fingerprints.prompt) == 1  # the whole prompt's print alone: the rest is public
+    recital = records[1].fingerprints.response  # every print of it no one's (OWN), but where "Sure:" is
+    assert recital.count(0) > 50 and len(recital) - recital.count(0) <= 2, recital
+    _, judged = judge(records)
+    assert said(result_of(judged, "traffic_overlap"))[0] == "pass"
+    # A caller's own words beside the licence are still its own: quoted to another, a leak.
+    notes = "Our launch code name is Bluefinch and the budget for the Ravenna office opens in March. " * 8
+    leaked = [
+        summarized(3, "acme", "Keep my notes: " + GPL[:3000] + notes, "Kept."),
+        summarized(4, "initech", "Summarize my meeting.", "Sure: " + notes[:400]),
+    ]
+    _, judged = judge(leaked)
+    assert said(result_of(judged, "traffic_overlap"))[:2] == ("leak", "another_callers_text")
+
+
 class LongWaitCheck(TrafficCheck):
     """What a newcomer adds: an answer that took over a minute is a finding (one class, no more)."""
 
