@@ -21,4 +21,10 @@ bash scripts/setup.sh
 export KVCANARY_LITELLM_VENV="${KVCANARY_LITELLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-litellm}"
 mkdir -p "$(dirname "$KVCANARY_LITELLM_VENV")"
 bash scripts/setup-litellm.sh || echo "demo.sh: could not set up LiteLLM; the demo runs without its gateway" >&2
+# The incident's own topology (--topology pd) runs behind SGLang's model gateway: its venv, cached
+# like LiteLLM's (~100 MB the first time).
+if [[ " $* " == *" --topology pd "* || " $* " == *" --topology=pd "* ]]; then
+  export KVCANARY_SGLANG_ROUTER_VENV="${KVCANARY_SGLANG_ROUTER_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-sglang-router}"
+  bash scripts/setup-sglang-router.sh || echo "demo.sh: could not set up sglang-router" >&2
+fi
 exec .venv/bin/kvcanary demo "$@"

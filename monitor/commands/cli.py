@@ -220,6 +220,13 @@ def quarantine_lift(
     _quarantine(config, "lift", target, reason)
 
 
+class Topology(enum.StrEnum):
+    """The demo's serving topology (``kvcanary demo --topology``)."""
+
+    single = "single"
+    pd = "pd"
+
+
 @app.command()
 def demo(
     duration: Annotated[
@@ -230,11 +237,24 @@ def demo(
     until_caught: Annotated[
         bool, typer.Option(help="Exit once the leak is caught and the healthy target is green (for CI).")
     ] = False,
+    topology: Annotated[
+        Topology,
+        typer.Option(
+            help="single: a healthy and a defective worker (and a LiteLLM gateway); pd: the "
+            "incident's own, SGLang's gateway in PD mode before 2 prefill and 2 decode servers."
+        ),
+    ] = Topology.single,
 ) -> None:
-    """Start a healthy and a defective reference worker and the monitor; show the leak being caught."""
+    """Start a healthy and a defective reference worker and the monitor; show the leak being caught
+    (``--topology pd``: on the incident's prefill/decode topology behind SGLang's gateway)."""
+    _logging("warning")
+    if topology is Topology.pd:
+        from kvcanary.monitor.commands.demo_pd import run_pd_demo
+
+        code = run_pd_demo(duration=duration, port=port, workdir=workdir, until_caught=until_caught)
+        raise typer.Exit(code)
     from kvcanary.monitor.commands.demo import run_demo
 
-    _logging("warning")
     raise typer.Exit(run_demo(duration=duration, port=port, workdir=workdir, until_caught=until_caught))
 
 
