@@ -89,6 +89,7 @@ QUIET_PANELS = {
             "Traffic stream: records taken",
             "Traffic stream partitions unconsumed",
             "Traffic stream bucket anomalies",
+            "Refused by the gateways",
         ),
         "no gateway tap posts traffic in this stack",
     ),
