@@ -279,17 +279,21 @@ def main() -> None:
 
 def public_tap(paths: list[str]) -> tuple[Fingerprinter, list[str]]:
     """The tap's fingerprints under the bench's key, told the public texts at ``paths`` (a tree
-    without ``learn_public`` is told none, and says so), and those texts: no leak is made of them."""
+    whose tap cannot be told any says so), and those texts: no leak is made of them."""
     tap = Fingerprinter(KEY)
     files = [f for p in map(Path, paths) for f in ([p] if p.is_file() else sorted(p.rglob("*")))]
     texts = [f.read_text(errors="replace") for f in files if f.is_file()]
     if not texts:
         return tap, []
-    if not hasattr(tap, "learn_public"):
+    try:
+        from kvcanary.tap.public import public_prints, tell
+    except ImportError:
         print("public texts: this tree's tap cannot be told any")
         return tap, texts
-    added = sum(tap.learn_public(text) for text in texts)
-    print(f"public texts: {len(texts)} files, {added} prints, told to the tap")
+    known = public_prints(texts, tap)
+    tell(tap, known)
+    print(f"public texts: {known.files} files, {len(known.prints)} prints and {len(known.tokens)} "
+          "distinctive tokens, told to the tap")  # fmt: skip
     return tap, texts
 
 

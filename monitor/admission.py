@@ -59,6 +59,8 @@ class AdmissionFacts:
         self.clients = clients
         self.facts = facts
         self._facts: dict[str, GuardFacts] = {}
+        #: Whether the pools were read once: before, no guard is known, which is not "none".
+        self.refreshed = False
 
     def current(self) -> list[GuardFacts]:
         """Return the facts of every guarded target with a known pool, by name."""
@@ -72,6 +74,7 @@ class AdmissionFacts:
         guarded = [(t, mode) for t, mode in guarded if mode != "off" and t.name in self.clients]
         found = await asyncio.gather(*(self._read(t, mode) for t, mode in guarded))
         self._facts = {facts.target: facts for facts in found if facts is not None}
+        self.refreshed = True
 
     async def _read(self, target: TargetConfig, mode: str) -> GuardFacts | None:
         try:

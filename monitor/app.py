@@ -227,9 +227,11 @@ class Monitor:
         except SQLAlchemyError as exc:
             log.warning("quarantine rules skipped: the database did not answer (%s)", type(exc).__name__)
             return
-        if self.quarantine_bucket is not None:
-            known, guards = self.containment.known, self.admission.current()
-            document = quarantine_set(known, guards, self.settings, datetime.now(UTC))
+        # Not before the pools were read once: a set without guards would lift every gateway's.
+        if self.quarantine_bucket is not None and self.admission.refreshed:
+            known, guards = self.containment, self.admission.current()
+            now = datetime.now(UTC)
+            document = quarantine_set(known.known, guards, self.settings, now, known.revision)
             await self.quarantine_bucket.publish(document)
 
     def _reaudit(self, target: TargetConfig, node: str) -> None:

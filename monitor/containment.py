@@ -71,6 +71,9 @@ class Containment:
         self.on_change = on_change
         #: The set as the last :meth:`sync` left it: what ``/metrics`` exports without a read.
         self.known: list[Quarantine] = []
+        #: The newest change row that set was read from (0: none): a set's version, which only
+        #: grows, so that a replica that read an older set never puts it over a newer one.
+        self.revision = 0
 
     def current(self) -> list[Quarantine]:
         """Return every configured target that is quarantined now, enforced or observed."""
@@ -78,6 +81,7 @@ class Containment:
             return self._quarantined(_latest_changes(session))
 
     def _quarantined(self, latest: dict[str, QuarantineChange]) -> list[Quarantine]:
+        self.revision = max(self.revision, max((row.id for row in latest.values()), default=0))
         names = {t.name for t in self.settings().targets}
         return [
             Quarantine(name, row.enforced, row.cause, row.incident_id, row.reason, row.at)

@@ -21,15 +21,18 @@ SET_VERSION = 1
 
 
 def quarantine_set(
-    quarantines: Iterable[Quarantine], guards: Iterable[GuardFacts], settings: Settings, now: datetime
-) -> dict[str, Any]:
+    quarantines: Iterable[Quarantine], guards: Iterable[GuardFacts], settings: Settings, now: datetime,
+    revision: int = 0,
+) -> dict[str, Any]:  # fmt: skip
     """Return the set as JSON-ready data: every quarantined target (``enforced: false``: the
-    observe policy's, counted and not filtered) and the guarded targets' admission facts."""
+    observe policy's, counted and not filtered), the guarded targets' admission facts, and the
+    ``revision`` it was read at (the newest quarantine change row: it only grows)."""
     bases: dict[str, list[str]] = {}
     for key, (target, _) in routes_of(settings).items():
         bases.setdefault(target, []).append(key)
     return {
         "version": SET_VERSION,
+        "revision": revision,
         "generated_at": now.isoformat(),
         "deployments": [
             {

@@ -84,9 +84,13 @@ async def _apply(monitor: Monitor, new: Settings, keys: Keys, why: str) -> None:
         asyncio.get_running_loop().create_task(monitor.runner.close_when_idle(client))
     for listener in monitor.on_reload:
         listener(new)
-    # A containment policy or admission guard that changed takes effect now, not at the next round.
-    await monitor.admission.refresh()
-    await monitor.contain()
+    # A containment policy or admission guard that changed takes effect now, not at the next round
+    # (the settings are in force already: a failure here is said, and the next round tries again).
+    try:
+        await monitor.admission.refresh()
+        await monitor.contain()
+    except Exception:
+        log.exception("reload: containment and the admission guard take it up at their next round")
     monitor.metrics.reload_ok.set(1)
     monitor.metrics.reload_ok_at.set(time.time())
     log.info("reloaded %s (%s): %s", monitor.config_path, why, change.summary())

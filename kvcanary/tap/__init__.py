@@ -24,9 +24,9 @@ monitor's. Configured from the environment by :meth:`Tap.from_env`:
 - ``KVCANARY_TAP_FLUSH_SECONDS`` (default 1): how long a record waits for others to fill its batch,
   most of the delay from a response to its verdict; shorter costs more, smaller batches;
 - ``KVCANARY_TAP_PUBLIC_TEXTS``: files or folders (``:``-separated, read once at start, at most
-  ``MAX_PUBLIC_BYTES``) of texts that are public, not any customer's: licences, published
+  16 MB, ``public.py``) of texts that are public, not any customer's: licences, published
   documentation, the company's own boilerplate. A model reciting one that a single customer had
-  pasted is then no overlap leak (``fingerprints.py``); e.g. ``/usr/share/common-licenses``;
+  pasted is then no leak (``public.py``); e.g. ``/usr/share/common-licenses``;
 - ``KVCANARY_TAP_QUARANTINE=1``: the LiteLLM callback also keeps the deployments the monitor
   quarantined out of routing (``quarantine.py``, ``litellm_quarantine.py``), reading the set every
   ``KVCANARY_TAP_QUARANTINE_POLL_SECONDS`` (default 1) from the monitor at ``KVCANARY_TAP_URL``, or
@@ -47,16 +47,13 @@ from typing import Any
 
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.gateway_metrics import gateway_counter
+from kvcanary.tap.public import PublicPrints, files_of, public_prints, tell
 from kvcanary.tap.record import Exchange, summarize
 from kvcanary.tap.sender import Sender, Transport
 
 __all__ = ["Exchange", "Tap", "TapConfigError", "summarize"]
 
 log = logging.getLogger("kvcanary.tap")
-
-
-#: The most public text a tap reads (``KVCANARY_TAP_PUBLIC_TEXTS``): its prints stay in memory.
-MAX_PUBLIC_BYTES = 64 * 1024 * 1024
 
 
 class TapConfigError(RuntimeError):
@@ -140,32 +137,16 @@ class Tap:
         partitions, prefix = _nats_env()
         user = os.environ.get("KVCANARY_TAP_NATS_USER", "").strip() or None
         sender.setdefault("flush_seconds", _flush_env())
+        # Read before the tap starts: a bad path stops the gateway with nothing left running.
+        public = _public_env(key)
         tap = cls(
             url, token, key, gateway=gateway or host, partitions=partitions, subject_prefix=prefix,
             nats_user=user, **sender,
         )  # fmt: skip
-        texts = os.environ.get("KVCANARY_TAP_PUBLIC_TEXTS", "").strip()
-        if texts:
-            tap.learn_public([Path(p) for p in texts.split(":") if p.strip()])
+        if public is not None:
+            tell(tap.sender.fingerprinter, public)
+            log.info("kvcanary tap: %d public text(s) read: %d prints", public.files, len(public.prints))
         return tap
-
-    def learn_public(self, paths: list[Path]) -> int:
-        """Read the public texts at ``paths`` (files, or folders read whole) into the fingerprints'
-        :attr:`~kvcanary.tap.fingerprints.Fingerprinter.public`; return the prints added. Raise
-        :class:`TapConfigError` naming a path that cannot be read, or past ``MAX_PUBLIC_BYTES``."""
-        files: list[Path] = []
-        for path in paths:
-            if path.is_dir():
-                files += sorted(f for f in path.rglob("*") if f.is_file())
-            elif path.is_file():
-                files.append(path)
-            else:
-                raise TapConfigError(f"KVCANARY_TAP_PUBLIC_TEXTS: {path} is neither a file nor a folder")
-        if sum(f.stat().st_size for f in files) > MAX_PUBLIC_BYTES:
-            raise TapConfigError(f"KVCANARY_TAP_PUBLIC_TEXTS: over {MAX_PUBLIC_BYTES} bytes of text")
-        added = sum(self.sender.fingerprinter.learn_public(f.read_text(errors="replace")) for f in files)
-        log.info("kvcanary tap: %d public text(s) read, %d prints", len(files), added)
-        return added
 
     def observe(self, exchange: Exchange) -> None:
         """Queue one exchange for summary; the work happens on the tap's thread."""
@@ -203,6 +184,19 @@ def _flush_at_exit(ref: weakref.ref[Tap]) -> None:
 
 
 NATS_SCHEMES = ("nats://", "tls://")
+
+
+def _public_env(key: bytes) -> PublicPrints | None:
+    """Return the prints of ``KVCANARY_TAP_PUBLIC_TEXTS`` under ``key`` (None: not set); raise
+    :class:`TapConfigError` naming the variable and what is wrong."""
+    texts = os.environ.get("KVCANARY_TAP_PUBLIC_TEXTS", "").strip()
+    if not texts:
+        return None
+    try:
+        files = files_of(Path(p) for p in texts.split(":") if p.strip())
+        return public_prints((f.read_text(errors="replace") for f in files), Fingerprinter(key))
+    except (OSError, ValueError) as exc:
+        raise TapConfigError(f"KVCANARY_TAP_PUBLIC_TEXTS: {exc}") from None
 
 
 def _nats_env() -> tuple[int, str]:

@@ -16,9 +16,9 @@ only (the incident's 681,280-token prompts must not stall a gateway), and at mos
 ``MAX_FINGERPRINTS`` are kept a side. A response's fingerprint that its own prompt holds is sent
 as ``OWN`` (0, never a fingerprint): the monitor sees where the model quoted its caller, however
 long the prompt, without the prompt's every print. So is one of a text the gateway's operator
-declared public (:meth:`Fingerprinter.learn_public`: licences, published documentation, the
-company's own boilerplate), which the prompt's list leaves out: a model reciting a licence that one
-customer pasted is no leak of that customer's, and nothing else can tell the two apart.
+declared public (``public.py``: licences, published documentation, the company's own boilerplate),
+which the prompt's list leaves out: a model reciting a licence that one customer pasted is no leak
+of that customer's, and nothing else can tell the two apart.
 """
 
 from __future__ import annotations
@@ -37,9 +37,6 @@ MAX_FINGERPRINTS = 1024
 FINGERPRINT_BITS = 51
 #: Stands in the response's list for a fingerprint of the reader's own prompt (or a public text).
 OWN = 0
-#: Characters two pieces of a public text share, so that a run across their border is read whole
-#: (an n-gram of 8 words is far shorter).
-PUBLIC_OVERLAP_CHARS = 1024
 
 _WORD_RE = re.compile(r"\w+")
 _MOD = (1 << 64) - 1
@@ -103,19 +100,10 @@ class Fingerprinter:
             raise ValueError("a fingerprint key needs at least 16 bytes")
         self._key = key[:64]  # BLAKE2b takes keys up to 64 bytes
         self._words: dict[str, int] = {}
-        #: Prints of the texts declared public (:meth:`learn_public`): no caller's own.
+        #: Prints of the texts declared public, and of their distinctive tokens
+        #: (``kvcanary/tap/public.py``): no caller's own.
         self.public: frozenset[int] = frozenset()
-
-    def learn_public(self, text: str) -> int:
-        """Add every print of ``text``, read whole (in overlapping pieces of ``MAX_TEXT_CHARS``,
-        not head and tail), to :attr:`public`; return how many it added."""
-        step = MAX_TEXT_CHARS - PUBLIC_OVERLAP_CHARS
-        found: set[int] = set()
-        for at in range(0, max(len(text) - PUBLIC_OVERLAP_CHARS, 1), step):
-            found.update(self.fingerprints(text[at : at + MAX_TEXT_CHARS], cap=None)[0])
-        added = found - self.public
-        self.public = self.public | added
-        return len(added)
+        self.public_tokens: frozenset[int] = frozenset()
 
     @property
     def key(self) -> bytes:

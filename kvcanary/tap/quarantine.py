@@ -299,14 +299,13 @@ def _log_changes(before: QuarantineSet, after: QuarantineSet) -> None:
 
 
 def _export_failing(watch: QuarantineWatch) -> None:
-    """The gateway's gauge ``kvcanary_tap_quarantine_unreadable``: 1 while the set cannot be read
-    (the last known one is applied), 0 otherwise. Weakly: the gauge keeps no watch alive."""
-    held = weakref.ref(watch)
+    """The gateway's gauge ``kvcanary_tap_quarantine_unreadable``: 1 while a watch of this process
+    that is not closed cannot read the set (the last known one is applied), 0 otherwise."""
     gateway_gauge(
         "kvcanary_tap_quarantine_unreadable",
         "1 while kvcanary's quarantine set cannot be read from the monitor (or its NATS bucket): the "
         "gateway applies the last set it read.",
-        lambda: float(bool((w := held()) is not None and w.failing)),
+        lambda: float(any(w.failing and not w._closed for w in list(_WATCHES))),
     )
 
 

@@ -7,9 +7,10 @@ of polling HTTP, runs an event loop of its own with a NATS connection and a watc
 one key: the bucket's current value first, then each new one, each read whole by the same
 :func:`~kvcanary.tap.quarantine.parse_quarantine` (a value not the contract's keeps the last set).
 What a request reads is the same: memory only. When NATS cannot be reached, the bucket is not
-there yet (no monitor has started), or the connection drops, the last set is kept, one line says
-so (and one when the set is read again), the gateway's ``kvcanary_tap_quarantine_unreadable`` is
-1, and the watch starts again every ``poll_seconds``, from the bucket's current value. A value
+there yet (no monitor has started), holds no readable set (a value not the contract's, or none), or
+the connection drops (pings every ``PING_SECONDS`` find a silent one), the last set is kept, one
+line says so (and one when a set is read again), the gateway's ``kvcanary_tap_quarantine_unreadable``
+is 1, and the watch starts again every ``poll_seconds``, from the bucket's current value. A value
 deleted from the bucket (by hand) is not taken as an empty set: only a monitor's put changes it.
 
 The tap's NATS user needs the rights ``docs/nats-permissions.conf`` gives it: to ask JetStream for
@@ -32,6 +33,8 @@ from kvcanary.tap.quarantine import QuarantineWatch, _log_changes, log, parse_qu
 from kvcanary.wire import QUARANTINE_BUCKET, QUARANTINE_KEY
 
 CONNECT_TIMEOUT_SECONDS = 2
+#: Seconds between the watch's pings to NATS; two unanswered close the connection (watched again).
+PING_SECONDS = 2
 
 
 class BucketWatch(QuarantineWatch):
@@ -81,6 +84,9 @@ class BucketWatch(QuarantineWatch):
                 self.servers, **self._credentials, name="kvcanary-tap-quarantine",
                 connect_timeout=CONNECT_TIMEOUT_SECONDS, allow_reconnect=False,
                 error_cb=_quiet, max_reconnect_attempts=0,
+                # A connection dead without a word (a half-open socket) is found within seconds,
+                # not nats-py's default of minutes: the set would go stale with nothing said.
+                ping_interval=PING_SECONDS, max_outstanding_pings=2,
             )  # fmt: skip
             kv = await client.jetstream(timeout=self.timeout_seconds).key_value(self.bucket)
             watcher = await kv.watch(QUARANTINE_KEY)
@@ -102,8 +108,11 @@ class BucketWatch(QuarantineWatch):
                 if not client.is_connected:
                     raise ConnectionError("the connection to NATS was lost") from None
                 continue
-            if entry is None:  # the current values are all delivered: the bucket is read
-                self._read_again()
+            if entry is None:  # the bucket's current value is delivered (or it holds none)
+                if taken:
+                    self._read_again()
+                else:  # nothing readable there: the set held is not the monitors' (yet)
+                    self._note_failure(ValueError("the bucket holds no readable quarantine set"))
                 if once:
                     return taken
                 continue

@@ -61,9 +61,13 @@ class Refusal:
     kv_pool_tokens: int | None = None  # admission: the pool it was over
     incident_id: int | None = None  # quarantine: the incident that put it on
 
+    def __post_init__(self) -> None:
+        if self.by not in ("admission", "quarantine"):
+            raise ValueError(f"a refusal is by admission or quarantine, not {self.by!r}")
+
     def wire(self) -> dict[str, Any]:
         return {
-            "by": self.by if self.by in ("admission", "quarantine") else "admission",
+            "by": self.by,
             "tokens": _count(self.tokens),
             "kv_pool_tokens": _count(self.kv_pool_tokens),
             "incident_id": self.incident_id if _count(self.incident_id) is not None else None,
@@ -237,10 +241,13 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
     prompt_fp = [*whole, *private_fp][:MAX_FINGERPRINTS]
     response_fp, response_cut = fingerprinter.fingerprints(exchange.response)
     # The reader's own prompt, whole (not only the prints sent): a quote of it is no one else's
-    # text; nor is a public text's (``Fingerprinter.learn_public``).
+    # text; nor is a public text's (``public.py``).
     own = set(every_prompt_fp)
     response_fp = [OWN if f in own or f in public else f for f in response_fp]
     asked, said = TokenPrints(fingerprinter.key).exchange(exchange.prompt, exchange.response)
+    if public_tokens := fingerprinter.public_tokens:
+        asked = [t for t in asked if t not in public_tokens]
+        said = [t for t in said if t not in public_tokens]
     markers = list(dict.fromkeys(m.group(0) for m in MARKER_RE.finditer(exchange.response)))
     status = exchange.status if isinstance(exchange.status, int) and 100 <= exchange.status <= 599 else 500
     return {

@@ -48,6 +48,7 @@ class GuardOut(_Out):
 
 class QuarantineSet(_Out):
     version: int
+    revision: int = Field(0, description="The newest quarantine change the set was read at: it only grows.")
     generated_at: datetime
     deployments: list[QuarantineOut]
     guards: list[GuardOut] = Field(
@@ -88,10 +89,12 @@ async def quarantine_set(
     (``enforced: false`` entries are the observe policy's: count, do not filter), and the admission
     guard's facts of the guarded targets."""
     require_ingest(request, credentials)
-    current = await asyncio.to_thread(_containment(request).current)
+    containment = _containment(request)
+    current = await asyncio.to_thread(containment.current)
     state = api_state(request)
     guards = state.admission.current() if state.admission is not None else []
-    return QuarantineSet.model_validate(set_document(current, guards, state.settings, datetime.now(UTC)))
+    document = set_document(current, guards, state.settings, datetime.now(UTC), containment.revision)
+    return QuarantineSet.model_validate(document)
 
 
 Name = Annotated[str, Path(pattern=NAME_PATTERN)]

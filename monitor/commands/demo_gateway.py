@@ -342,6 +342,11 @@ async def contain_and_send_again(monitor: Monitor, gateway: Gateway) -> None:
     customers again: every later request to ``shop`` is the healthy worker's, and the blast radius
     stops growing."""
     assert monitor.config_path is not None
+    try:  # the first wave's tallies are read below: it must be over before the second begins
+        await asyncio.wait_for(gateway.done.wait(), timeout=60)
+    except TimeoutError:
+        print("  (the customers' first requests are still going: containment not turned on)", flush=True)
+        return
     config = yaml.safe_load(monitor.config_path.read_text())
     for target in config["targets"]:
         if target["name"] == "defective":

@@ -90,9 +90,9 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_fleet(python: Path, keys: Path, workdir: Path) -> Fleet:
-    """Start the four servers, wait for them, then the gateway in front of them."""
-    fleet = Fleet()
+def start_fleet(python: Path, keys: Path, workdir: Path, fleet: Fleet) -> None:
+    """Start the four servers, wait for them, then the gateway in front of them; ``fleet`` holds
+    each process as it starts, so that a failure midway stops what had started."""
     for name, flags in PREFILLS.items():
         fleet.bootstrap[name] = free_port()
         _start(name, ["--mode", "prefill", "--bootstrap-port", str(fleet.bootstrap[name]), *flags], keys,
@@ -114,7 +114,6 @@ def start_fleet(python: Path, keys: Path, workdir: Path) -> Fleet:
     fleet.gateway = f"http://127.0.0.1:{port}"
     wait_http(fleet.gateway + "/health", 60, fleet.procs[-1], every=0.2)
     print(f"  gateway {fleet.gateway}  sglang-router, PD mode, policy {POLICY}\n", flush=True)
-    return fleet
 
 
 def pd_settings(workdir: Path, gateway: str, port: int) -> Settings:
@@ -247,7 +246,7 @@ def run_pd_demo(*, duration: float | None, port: int, workdir: Path | None, unti
     print(f"kvcanary demo --topology pd — workdir {workdir}", flush=True)
     fleet = Fleet()
     try:
-        fleet = start_fleet(python, worker_keys, workdir)
+        start_fleet(python, worker_keys, workdir, fleet)
         settings = pd_settings(workdir, fleet.gateway, port)
         upgrade(settings.database_url)
         printer = PathPrinter(fleet)

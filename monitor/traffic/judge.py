@@ -57,6 +57,8 @@ from kvcanary.probes.markers import MarkerBook
 EVIDENCE_RECORDS = 20
 #: The kept row's verdict of a request the gateway refused (``storage/models.py``: TRAFFIC_VERDICTS).
 REFUSED = "refused"
+#: Refusals kept as rows per (target, caller, cause) a minute; the rest are counted only.
+REFUSED_ROWS_PER_MINUTE = 20
 #: Records judged at a time on the event loop before it runs its other work (about 2 ms of CPU:
 #: under the 5 ms a thread holding the GIL would keep it from the loop, without a thread's cost).
 CHUNK_RECORDS = 50
@@ -173,6 +175,8 @@ class TrafficJudge:
         self.clock = clock
         self.facts = TargetFacts(clients, clock)
         self._deployments: dict[str, Deployment] = {}
+        # Refusals kept as rows this minute, per (target, caller, cause) (``_keep_refused``).
+        self._refused_minute, self._refused_rows = -1, Counter[tuple[str, str, str]]()
         self.take_up(settings)
 
     def take_up(self, settings: Settings, changed: Iterable[str] = ()) -> None:
@@ -319,10 +323,24 @@ class TrafficJudge:
         target = batch.target.name
         assert record.refused is not None
         self.metrics.traffic_refused.labels(target, record.refused.by).inc()
-        self._count(out, target, node, record, False, False, own)
+        self._count(out, target, node, record, False, False, own, answered=False)
+        if not self._keep_refused(target, record):
+            return
         row = _row(record, node, batch.gateway, batch.received, [], estimate, pool)
         row |= {"verdict": REFUSED, "findings": {"refused": msgspec.to_builtins(record.refused)}}
         out.kept.append((target, {**row, "own": own, "expires_at": batch.expires}))
+
+    def _keep_refused(self, target: str, record: TrafficRecord) -> bool:
+        """Whether to keep a row of this refusal: the first ``REFUSED_ROWS_PER_MINUTE`` of each
+        (target, caller, cause) a minute. A group every deployment of which is quarantined refuses
+        every request it gets; a row each would be as many writes. The count is every one's."""
+        assert record.refused is not None
+        minute = int(record.time // 60)
+        if minute != self._refused_minute:
+            self._refused_minute, self._refused_rows = minute, Counter()
+        key = (target, record.caller, record.refused.by)
+        self._refused_rows[key] += 1
+        return self._refused_rows[key] <= REFUSED_ROWS_PER_MINUTE
 
     def _count_verdicts(self, target: str, groups: _Groups) -> None:
         verdicts: Counter[tuple[str, str]] = Counter()
@@ -335,17 +353,18 @@ class TrafficJudge:
                 self.metrics.traffic_records.labels(target, name, verdict).inc(n)
 
     def _count(
-        self, out: Judged, target: str, node: str, record: TrafficRecord, flagged: bool, near: bool, own: bool
-    ) -> None:
+        self, out: Judged, target: str, node: str, record: TrafficRecord, flagged: bool, near: bool,
+        own: bool, answered: bool | None = None,
+    ) -> None:  # fmt: skip
         out.accepted += not own
         out.flagged += flagged
         key = (target, node, record.caller, _minute(int(record.time // 60)))
         counts = out.minutes.get(key)
         if counts is None:
             counts = out.minutes[key] = MinuteCounts()
+        ok = record.ok if answered is None else answered
         counts.add(
-            answered=record.ok, flagged=flagged, near_pool=near, prompt_chars=record.prompt.chars,
-            own=own and record.ok,
+            answered=ok, flagged=flagged, near_pool=near, prompt_chars=record.prompt.chars, own=own and ok,
         )  # fmt: skip
 
     def _results(

@@ -56,7 +56,15 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
-from pydantic import BaseModel, ConfigDict, FailFast, Field, StringConstraints, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    FailFast,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 from pydantic.json_schema import GenerateJsonSchema
 
 from kvcanary.probes.untrusted import plain
@@ -161,6 +169,12 @@ class TrafficRecordWire(Wire, title="TrafficRecord"):
     distinctive: DistinctiveWire = DistinctiveWire()  # none from a tap of protocol version 1
     truncated: bool = False
     refused: RefusedWire | None = None  # none before protocol version 3, or for a request served
+
+    @model_validator(mode="after")
+    def _refused_is_not_answered(self) -> TrafficRecordWire:
+        if self.refused is not None and 200 <= self.status < 300:
+            raise ValueError("refused: a request the gateway refused has no 2xx status")
+        return self
 
 
 BatchId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
@@ -326,8 +340,13 @@ def _decoded(decoder: msgspec.json.Decoder[_T], raw: bytes) -> _T | None:
 
 
 def _fits(records: list[TrafficRecord]) -> bool:
-    """Whether every key hash is a SHA-256 in lowercase hex, or empty (what the decoder leaves)."""
-    return all(not r.key_hash or (len(r.key_hash) == 64 and not r.key_hash.strip(_HEX)) for r in records)
+    """Whether every key hash is a SHA-256 in lowercase hex, or empty, and no refused record has a
+    2xx status (what the decoder leaves to pydantic, which names the field)."""
+    return all(
+        (not r.key_hash or (len(r.key_hash) == 64 and not r.key_hash.strip(_HEX)))
+        and (r.refused is None or not 200 <= r.status < 300)
+        for r in records
+    )
 
 
 def _judged(wire: TrafficRecordWire) -> TrafficRecord:

@@ -29,10 +29,10 @@ from tests.support.jetstream import NATS_URL, OwnNats, StreamNames, wait_until
 SHARED = "http://10.0.0.7:8000"
 
 
-def document(*quarantined: str, incident: int = 42) -> dict[str, Any]:
+def document(*quarantined: str, incident: int = 42, revision: int = 1) -> dict[str, Any]:
     """A set as the monitor serves it, ``quarantined`` targets each on one deployment."""
     return {
-        "version": 1, "generated_at": datetime.now(UTC).isoformat(),
+        "version": 1, "revision": revision, "generated_at": datetime.now(UTC).isoformat(),
         "deployments": [
             {"target": t, "api_bases": [SHARED if t == "shared" else f"http://{t}:1"], "enforced": True,
              "cause": "incident", "incident_id": incident, "reason": "a leak",
@@ -51,7 +51,8 @@ class Monitor:
         self.url = url
         self.loop = asyncio.new_event_loop()
         self.client: Any = None
-        self.bucket = QuarantineBucket(self.cfg, self._connection)
+        self.now = 0.0  # the publisher's clock, moved by the test
+        self.bucket = QuarantineBucket(self.cfg, self._connection, clock=lambda: self.now)
 
     def _connection(self) -> Any:
         if self.client is None or not self.client.is_connected:
@@ -105,7 +106,7 @@ def test_a_watch_takes_the_set_the_monitor_puts_and_each_change(
         wait_until("the set read", lambda: watch.quarantined(SHARED + "/v1"), timeout=10)
         assert watch.quarantined(SHARED).incident_id == 42 and not watch.failing  # type: ignore[union-attr]
         changed = time.monotonic()
-        monitor.publish(document("other"))
+        monitor.publish(document("other", revision=2))
         wait_until(
             "the lift taken",
             lambda: watch.quarantined(SHARED) is None and watch.quarantined("http://other:1"),
@@ -131,8 +132,15 @@ def test_a_value_not_the_contracts_keeps_the_last_set_and_the_gauge_says_so(
         assert watch.quarantined(SHARED) is not None and unreadable() == 1.0  # the last set holds
         said = [r for r in caplog.records if "cannot read the quarantine" in r.getMessage()]
         assert len(said) == 1, [r.getMessage() for r in said]  # once per outage
-        monitor.bucket._put = None  # the monitor's next round puts its set again
-        monitor.publish(document())
+        # A gateway started now finds no readable set: it says so and stays so (it has none).
+        fresh = BucketWatch(NATS_URL, bucket=stream_names.quarantine_bucket, poll_seconds=0.2)
+        try:
+            wait_until("the fresh watch's failure", lambda: fresh.failing)
+            time.sleep(0.6)  # a few watches anew: none may call the bucket read
+            assert fresh.failing and fresh.snapshot().empty
+        finally:
+            fresh.close()
+        monitor.publish(document(revision=2))  # the monitor's next change puts a readable set
         wait_until("a good set read again", lambda: not watch.failing and watch.quarantined(SHARED) is None)
         assert unreadable() == 0.0
     finally:
@@ -168,7 +176,7 @@ def test_nats_gone_keeps_the_last_set_and_the_watch_comes_back_with_it(tmp_path:
         server.start()  # the same store: the bucket and its set are still there
         wait_until("watched again", lambda: not watch.failing, timeout=15)
         monitor = Monitor(names, server.url).connect()
-        monitor.publish(document())
+        monitor.publish(document(revision=2))
         wait_until("the lift after the restart", lambda: watch.quarantined(SHARED) is None)
     finally:
         watch.close()

@@ -7,13 +7,10 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 from kvcanary.monitor.traffic.overlap import OWN as MONITOR_OWN
 from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.probes.markers import MARKER_RE as PROBE_MARKER_RE
 from kvcanary.probes.markers import MarkerBook
-from kvcanary.tap import Tap, TapConfigError
 from kvcanary.tap.fingerprints import MAX_TEXT_CHARS, OWN, Fingerprinter
 from kvcanary.tap.litellm_payload import exchange_of
 from kvcanary.tap.record import MARKER_RE, Exchange, Refusal, summarize
@@ -156,28 +153,3 @@ def test_litellm_payloads_become_exchanges() -> None:
     redacted = exchange_of(payload, 200).bounded()  # turn_off_message_logging: no text is the placeholder's
     assert (redacted.prompt, redacted.response, redacted.extra) == ("", "", {"redacted": True})
     assert record_of(prompt=redacted.prompt)["prompt"]["chars"] == 0  # unjudged, not 19 characters
-
-
-def test_the_public_texts_a_gateway_names_are_read_at_start_and_a_bad_path_is_named(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("KVCANARY_TAP_URL", "http://127.0.0.1:9")  # never reached: nothing is sent
-    monkeypatch.setenv("KVCANARY_TAP_TOKEN", "ingest-token")
-    monkeypatch.setenv("KVCANARY_TAP_KEY", KEY.decode())
-    (tmp_path / "house").mkdir()
-    (tmp_path / "house" / "boilerplate.txt").write_text(LICENCE[:5000])
-    texts = f"{tmp_path / 'house'}:/usr/share/common-licenses/Apache-2.0"
-    monkeypatch.setenv("KVCANARY_TAP_PUBLIC_TEXTS", texts)
-    tap = Tap.from_env()
-    try:
-        public = tap.sender.fingerprinter.public
-        assert len(public) > 150
-        recital = summarize(Exchange("r", 1.8e9, "b", "team", "http://x/v1", response=LICENCE[1000:4000]),
-                            tap.sender.fingerprinter)  # fmt: skip
-        said = recital["fingerprints"]["response"]  # type: ignore[index]
-        assert said.count(OWN) > 100 and len(said) - said.count(OWN) <= 2  # the cut first word's
-    finally:
-        tap.close(0.1)
-    monkeypatch.setenv("KVCANARY_TAP_PUBLIC_TEXTS", str(tmp_path / "missing"))
-    with pytest.raises(TapConfigError, match=r"KVCANARY_TAP_PUBLIC_TEXTS: .*missing"):
-        Tap.from_env()

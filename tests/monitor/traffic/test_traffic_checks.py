@@ -40,6 +40,7 @@ from kvcanary.probes.base import Verdict
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity
 from kvcanary.tap.fingerprints import Fingerprinter
+from kvcanary.tap.public import public_prints, tell
 from kvcanary.tap.record import Exchange, summarize
 from tests.support.monitor_db import minutes, record
 
@@ -185,7 +186,9 @@ def test_a_public_text_the_tap_was_told_of_is_no_ones_when_the_model_recites_it(
     """The licence one caller pasted, recited to another: the same exchanges as above, but the
     gateway's tap was told the licence is public (``KVCANARY_TAP_PUBLIC_TEXTS``)."""
     told = Fingerprinter(b"traffic-checks-key-0123456789abcdef")
-    assert told.learn_public(GPL) > 1000
+    known = public_prints([GPL], told)
+    assert len(known.prints) > 1000
+    tell(told, known)
 
     def summarized(i: int, caller: str, prompt: str, response: str) -> TrafficRecord:
         made = Exchange(f"r{i}", 1.8e9 + i, caller, "team", BASE, prompt=prompt, response=response)
