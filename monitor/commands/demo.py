@@ -10,11 +10,14 @@ as they arrive, then the incident with its redacted evidence, and keeps serving 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import os
 import secrets
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -283,6 +286,10 @@ def _where_to_look(settings: Settings, obs: Observability | None) -> None:
 
 #: Set by a SIGTERM that came while the demo's event loop ran: the loop then stops the server.
 _TERMINATED = False
+#: Every process the demo started, for the SIGTERM watchdog.
+_CHILDREN: list[subprocess.Popen[bytes]] = []
+#: Seconds a SIGTERM'd demo may take to stop in order before the watchdog stops it.
+SIGTERM_GRACE_SECONDS = 20.0
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -293,7 +300,20 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         raise SystemExit(128 + signum) from None
+    if not _TERMINATED:
+        threading.Thread(target=_watchdog, args=(signum,), name="demo-sigterm", daemon=True).start()
     _TERMINATED = True
+
+
+def _watchdog(signum: int) -> None:
+    """Whatever the loop is stuck on, a SIGTERM'd demo ends within the grace, its processes with
+    it; where it was stuck is printed (stderr) to be mended."""
+    time.sleep(SIGTERM_GRACE_SECONDS)
+    print(f"kvcanary demo: not stopped {SIGTERM_GRACE_SECONDS:.0f}s after SIGTERM; stopping now",
+          file=sys.stderr, flush=True)  # fmt: skip
+    faulthandler.dump_traceback(all_threads=True)
+    stop_processes(list(_CHILDREN))
+    os._exit(128 + signum)
 
 
 def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_caught: bool = False) -> int:
@@ -320,12 +340,15 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         for name, flags in WORKERS.items():
             url, proc = _start_worker(name, flags, keys_file, workdir)
             procs.append(proc)
+            _CHILDREN.append(proc)
             urls[name] = url
         for (name, url), proc in zip(urls.items(), procs, strict=True):
             _wait_ready(url, proc)
             print(f"  worker {name:<9} {url}  {' '.join(WORKERS[name])}", flush=True)
         gateway = maybe_start_gateway(workdir, urls, gateway_key, port, ingest_token)
+        _CHILDREN.extend([gateway.proc] if gateway is not None else [])
         obs = _observability(workdir, port, urls)
+        _CHILDREN.extend(obs.procs if obs is not None else [])
         config_path = workdir / "kvcanary.yml"
         config = demo_config(workdir, urls, port, obs.alertmanager_url if obs else None)
         settings = write_config(config_path, config)

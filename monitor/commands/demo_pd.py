@@ -185,8 +185,8 @@ class PathPrinter:
             said = "  ".join(f"{k} {s.result.verdict.value}" for k, s in sorted(kinds.items()))
             print(f"  path  {self.fleet.name_of(path):<22} {said}")
         for (node, kind), s in sorted(self.last.items()):
-            leak = s.result.verdict.value == "leak"
-            if "--" in node and leak and s.outcome is not None and s.outcome.incident_id:
+            failed = s.result.verdict.value in ("leak", "mismatch")
+            if "--" in node and failed and s.outcome is not None and s.outcome.incident_id:
                 print(f"  incident #{s.outcome.incident_id} ({s.outcome.severity}): {kind} on the pair "
                       f"{self.fleet.name_of(node)}: {s.result.reason}")  # fmt: skip
         if self.covered_after is not None:

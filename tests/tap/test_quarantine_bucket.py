@@ -94,6 +94,8 @@ def monitor(stream_names: StreamNames) -> Iterator[Monitor]:
 
 
 def unreadable() -> float | None:
+    """The gateway's gauge: 1 while any live watch of this process cannot read (other tests' too,
+    so only its 1 says something of this test's watch)."""
     return REGISTRY.get_sample_value("kvcanary_tap_quarantine_unreadable")
 
 
@@ -123,7 +125,7 @@ def test_a_value_not_the_contracts_keeps_the_last_set_and_the_gauge_says_so(
     watch = BucketWatch(NATS_URL, bucket=stream_names.quarantine_bucket, poll_seconds=0.2)
     try:
         wait_until("the set read", lambda: watch.quarantined(SHARED))
-        assert unreadable() == 0.0
+        assert not watch.failing
         with caplog.at_level(logging.WARNING, "kvcanary.tap"):
             monitor.put_raw(b'{"version": 1, "deployments": "all of them"}')
             wait_until("the bad value noted", lambda: watch.failing)
@@ -142,7 +144,6 @@ def test_a_value_not_the_contracts_keeps_the_last_set_and_the_gauge_says_so(
             fresh.close()
         monitor.publish(document(revision=2))  # the monitor's next change puts a readable set
         wait_until("a good set read again", lambda: not watch.failing and watch.quarantined(SHARED) is None)
-        assert unreadable() == 0.0
     finally:
         watch.close()
 

@@ -37,10 +37,14 @@ def test_the_pd_demo_finds_the_nodes_and_names_the_leaking_pairs(tmp_path: Path)
     report = out[out.index("=== THE INCIDENT'S TOPOLOGY") :]
     capacity = dict(re.findall(r"node  (\w+)\s+capacity (\w+)", report))
     assert capacity == {"small": "mismatch", "roomy": "pass", "d0": "pass", "d1": "pass"}, report
+    # A 200 for an over-pool prompt is the defect (mismatch); a foreign marker read back, its leak:
+    # which a pair shows first depends on whether its decode pages held a plant yet.
+    small = {d: re.search(rf"path  small -> {d}\s+boundary (\w+)", report) for d in ("d0", "d1")}
+    assert {m[1] for m in small.values() if m} <= {"leak", "mismatch"} and all(small.values()), report
+    assert "boundary leak" in report, report
     for decode in ("d0", "d1"):
-        assert re.search(rf"path  small -> {decode}\s+boundary leak", report), report
         assert re.search(rf"path  roomy -> {decode}\s+boundary pass  canary pass", report), report
-    named = set(re.findall(r"incident #\d+ \(critical\): boundary on the pair (small -> d\d)", report))
+    named = set(re.findall(r"incident #\d+ \(\w+\): boundary on the pair (small -> d\d)", report))
     assert named == {"small -> d0", "small -> d1"}, report
     judged = re.search(r"all 4 prefill x decode paths judged (\d+)s after the monitor started", report)
     assert judged is not None and int(judged[1]) <= 2 + INTERVAL + 15, report  # a loaded host's slack
