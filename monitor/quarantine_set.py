@@ -27,16 +27,14 @@ def quarantine_set(
     """Return the set as JSON-ready data: every quarantined target (``enforced: false``: the
     observe policy's, counted and not filtered), the guarded targets' admission facts, and the
     ``revision`` it was read at (the newest quarantine change row: it only grows)."""
-    bases: dict[str, list[str]] = {}
-    for key, (target, _) in routes_of(settings).items():
-        bases.setdefault(target, []).append(key)
+    bases = api_bases(settings)
     return {
         "version": SET_VERSION,
         "revision": revision,
         "generated_at": now.isoformat(),
         "deployments": [
             {
-                "target": q.target, "api_bases": sorted(bases.get(q.target, [])), "enforced": q.enforced,
+                "target": q.target, "api_bases": bases.get(q.target, []), "enforced": q.enforced,
                 "cause": q.cause, "incident_id": q.incident_id, "reason": q.reason,
                 "since": q.since.isoformat(),
             }
@@ -44,9 +42,17 @@ def quarantine_set(
         ],
         "guards": [
             {
-                "target": g.target, "api_bases": sorted(bases.get(g.target, [])), "mode": g.mode,
+                "target": g.target, "api_bases": bases.get(g.target, []), "mode": g.mode,
                 "kv_pool_tokens": g.kv_pool_tokens, "chars_per_token": g.chars_per_token,
             }
             for g in guards
         ],
     }  # fmt: skip
+
+
+def api_bases(settings: Settings) -> dict[str, list[str]]:
+    """Return each target's api_base keys, sorted: what a tap compares its deployments' with."""
+    bases: dict[str, list[str]] = {}
+    for key, (target, _) in routes_of(settings).items():
+        bases.setdefault(target, []).append(key)
+    return {target: sorted(keys) for target, keys in bases.items()}

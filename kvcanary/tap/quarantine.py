@@ -188,7 +188,7 @@ class QuarantineWatch:
         self._closed = False
         self._start_afresh()
         _WATCHES.add(self)
-        _export_failing(self)
+        _export_failing()
         if start:
             self._start_polling()
 
@@ -298,7 +298,7 @@ def _log_changes(before: QuarantineSet, after: QuarantineSet) -> None:
             log.warning("kvcanary tap: deployment %s no longer %s", key, mode)
 
 
-def _export_failing(watch: QuarantineWatch) -> None:
+def _export_failing() -> None:
     """The gateway's gauge ``kvcanary_tap_quarantine_unreadable``: 1 while a watch of this process
     that is not closed cannot read the set (the last known one is applied), 0 otherwise."""
     gateway_gauge(

@@ -17,8 +17,8 @@ from kvcanary.monitor.api.deps import NAME_PATTERN, _bearer, require_ingest
 from kvcanary.monitor.api.schemas import Problem, _Out
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.containment import Containment, Quarantine, UnknownTarget
+from kvcanary.monitor.quarantine_set import api_bases
 from kvcanary.monitor.quarantine_set import quarantine_set as set_document
-from kvcanary.monitor.traffic.judge import routes_of
 
 set_router = APIRouter(prefix="/api/v1/quarantine", tags=["containment"])
 router = APIRouter(prefix="/targets", tags=["containment"])
@@ -69,8 +69,7 @@ def _containment(request: Request) -> Containment:
 
 
 def _api_bases(request: Request, target: str) -> list[str]:
-    routes = routes_of(api_state(request).settings)
-    return sorted(key for key, (routed, _) in routes.items() if routed == target)
+    return api_bases(api_state(request).settings).get(target, [])
 
 
 def _out(request: Request, entry: Quarantine) -> QuarantineOut:

@@ -26,12 +26,11 @@ import uvicorn
 import yaml
 
 from kvcanary.monitor.app import Monitor, create_app
+from kvcanary.monitor.commands.demo_containment import contain_and_send_again, report_containment
 from kvcanary.monitor.commands.demo_gateway import (
     Gateway,
-    contain_and_send_again,
     maybe_start_gateway,
     report_blast_radius,
-    report_containment,
     run_traffic,
 )
 from kvcanary.monitor.commands.demo_stack import Observability, missing_binaries, start_observability

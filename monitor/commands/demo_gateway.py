@@ -228,12 +228,12 @@ async def report_blast_radius(
     radius and, where it is another, the boundary incident's (the over-pool answers)."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(gateway.done.wait(), timeout=90)
-    await _delivered(monitor, gateway)
-    for radius, page in await asyncio.to_thread(_radii, monitor, settings, paged):
+    await wait_delivered(monitor, gateway)
+    for radius, page in await asyncio.to_thread(blast_radii, monitor, settings, paged):
         print_blast_radius(radius, gateway, page)
 
 
-async def _delivered(monitor: Monitor, gateway: Gateway, timeout: float = 20.0) -> None:
+async def wait_delivered(monitor: Monitor, gateway: Gateway, timeout: float = 20.0) -> None:
     """Wait until the monitor has stored a record of every request the customers sent, or its count
     has stood still for 2 s (the tap posts within a second; a loaded machine's monitor may lag)."""
     deadline, last, still = time.monotonic() + timeout, -1, 0
@@ -252,7 +252,9 @@ def _stored_records(monitor: Monitor) -> int:
         return int(session.scalar(select(func.coalesce(func.sum(TrafficMinute.records), 0))) or 0)
 
 
-def _radii(monitor: Monitor, settings: Settings, paged: int | None) -> list[tuple[BlastRadius | None, str]]:
+def blast_radii(
+    monitor: Monitor, settings: Settings, paged: int | None
+) -> list[tuple[BlastRadius | None, str]]:
     """The blast radii to print, with their pages' links (database work: off the event loop)."""
     ids = [paged] if paged else []
     out = []
@@ -280,7 +282,7 @@ def print_blast_radius(radius: BlastRadius | None, gateway: Gateway, page_url: s
     c = radius.criterion
     count = data["affected_responses"] if c.kind != "at_risk" else data["at_risk_responses"]
     print(f"=== BLAST RADIUS of incident #{radius.incident['id']} ({radius.incident['probe']}) ===")
-    print(f"  window    : {_when(radius.window.start.at)} to {_when(radius.window.end.at)}")
+    print(f"  window    : {clock_time(radius.window.start.at)} to {clock_time(radius.window.end.at)}")
     print(f"              from {radius.window.start.how}")
     print(f"  rule      : {c.text}")
     print(f"  {c.label:<9} : {count if count is not None else 'unknown'} response(s)"
@@ -296,109 +298,5 @@ def print_blast_radius(radius: BlastRadius | None, gateway: Gateway, page_url: s
     print(f"  page      : {page_url}\n", flush=True)
 
 
-def report_containment(monitor: Monitor, gateway: Gateway | None) -> None:
-    """Print what containment (the ``observe`` policy in the demo) would have done, from the
-    monitor's own quarantine rows, and what the gateway's tap said it would have kept off."""
-    for entry in monitor.containment.current():
-        incident = f"incident #{entry.incident_id}" if entry.incident_id is not None else "by hand"
-        mode = "quarantined" if entry.enforced else "would have quarantined (containment.mode: observe)"
-        print(f"=== CONTAINMENT: {entry.target} {mode} since {_when(entry.since)}, {incident} ===")
-        print(f"  reason    : {entry.reason}")
-        if not entry.enforced:
-            print(
-                "  with containment.mode: quarantine, the gateways stop sending it customers within 2 s",
-                flush=True,
-            )
-    said = _observed(gateway.log) if gateway is not None else []
-    for line in said:
-        print(f"  gateway   : {line}")
-    if said:
-        print(flush=True)
-
-
-def _observed(log: Path) -> list[str]:
-    """The tap's observe-mode lines in the gateway's log (each said once per target), shortened."""
-    with contextlib.suppress(OSError):
-        lines = log.read_text(errors="replace").splitlines()
-        found = [
-            line.removeprefix("kvcanary tap: ") for line in lines if "kvcanary tap: observe mode" in line
-        ]
-        return [line if len(line) <= 160 else line[:157] + "..." for line in found[:4]]
-    return []
-
-
-def _when(moment: datetime) -> str:
+def clock_time(moment: datetime) -> str:
     return moment.strftime("%H:%M:%S UTC")
-
-
-#: The policy the demo turns on for the defective target once its leak is shown (docs/operating.md).
-CONTAINED = {"mode": "quarantine", "admission_guard": "enforce"}
-SECOND_WAVE = 12
-
-
-async def contain_and_send_again(monitor: Monitor, gateway: Gateway) -> None:
-    """Turn quarantine and the admission guard on for the defective target (its ``containment`` in
-    kvcanary.yml, reloaded as SIGHUP would), wait for the gateway to take it up, and send the
-    customers again: every later request to ``shop`` is the healthy worker's, and the blast radius
-    stops growing."""
-    assert monitor.config_path is not None
-    try:  # the first wave's tallies are read below: it must be over before the second begins
-        await asyncio.wait_for(gateway.done.wait(), timeout=60)
-    except TimeoutError:
-        print("  (the customers' first requests are still going: containment not turned on)", flush=True)
-        return
-    config = yaml.safe_load(monitor.config_path.read_text())
-    for target in config["targets"]:
-        if target["name"] == "defective":
-            target["containment"] = CONTAINED
-    monitor.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    print("=== CONTAINMENT ON for 'defective': containment: {mode: quarantine, admission_guard: "
-          "enforce} in kvcanary.yml, reloaded ===", flush=True)  # fmt: skip
-    began = time.monotonic()
-    if (refused := await monitor.reload("the demo turns containment on")) is not None:
-        print(f"  (the reload was refused: {refused})", flush=True)
-        return
-    took = await _taken_up(gateway, began)
-    for entry in monitor.containment.known:
-        print(f"  quarantine: {entry.target} since {_when(entry.since)} (incident #{entry.incident_id}), "
-              f"{'enforced' if entry.enforced else 'observed'}: {entry.reason}")  # fmt: skip
-    for guard in monitor.admission.current():
-        if guard.mode == "enforce":
-            print(f"  guard     : prompts over {guard.kv_pool_tokens} tokens kept off {guard.target!r}")
-    print(f"  gateway   : took it up {took:.1f}s after the reload" if took is not None
-          else "  gateway   : did not say it took it up (see gateway.log)", flush=True)  # fmt: skip
-    before = gateway.over_pool_answered.total()
-    counted_before = await asyncio.to_thread(_affected, monitor)
-    await customers(gateway, SECOND_WAVE, pace=0.2, seed=2027)
-    tally = ", ".join(f"{n} {'answered by ' + w if w else f'status {s}'}"
-                      for (s, w), n in sorted(gateway.shop_answers.items()))  # fmt: skip
-    print(f"  customers : {SECOND_WAVE} more requests, those to model 'shop' (both workers): {tally}")
-    late = gateway.over_pool_answered.total() - before
-    print(f"  exposed   : {late} more over-pool answers from 'defective' after containment "
-          f"({before} before it)", flush=True)  # fmt: skip
-    await _delivered(monitor, gateway)
-    counted = await asyncio.to_thread(_affected, monitor)
-    for incident, affected in counted.items():
-        print(f"  blast radius of incident #{incident}: {affected} response(s) now, "
-              f"{counted_before.get(incident)} before containment")  # fmt: skip
-    print(flush=True)
-
-
-def _affected(monitor: Monitor) -> dict[int, int | None]:
-    """The affected responses of each incident the demo reports a blast radius of, by id."""
-    found = {}
-    for radius, _ in _radii(monitor, monitor.settings, None):
-        if radius is not None:
-            data = radius.as_json()
-            found[int(radius.incident["id"])] = data.get("affected_responses")
-    return found
-
-
-async def _taken_up(gateway: Gateway, began: float, timeout: float = 10.0) -> float | None:
-    """Seconds until the gateway's log says it quarantined the defective deployment, or None."""
-    while time.monotonic() - began < timeout:
-        with contextlib.suppress(OSError):
-            if "quarantined by kvcanary: target 'defective'" in gateway.log.read_text(errors="replace"):
-                return time.monotonic() - began
-        await asyncio.sleep(0.1)
-    return None

@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import msgspec
-
 from kvcanary import wire
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
@@ -49,16 +47,13 @@ from kvcanary.monitor.traffic.checks import (
 from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
 from kvcanary.monitor.traffic.facts import TargetFacts
 from kvcanary.monitor.traffic.overlap import OverlapWindow
+from kvcanary.monitor.traffic.refusals import RefusalRows, refused_row
 from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.probes.markers import MarkerBook
 
 #: Flagged records named in one result's evidence (the rest are counted).
 EVIDENCE_RECORDS = 20
-#: The kept row's verdict of a request the gateway refused (``storage/models.py``: TRAFFIC_VERDICTS).
-REFUSED = "refused"
-#: Refusals kept as rows per (target, caller, cause) a minute; the rest are counted only.
-REFUSED_ROWS_PER_MINUTE = 20
 #: Records judged at a time on the event loop before it runs its other work (about 2 ms of CPU:
 #: under the 5 ms a thread holding the GIL would keep it from the loop, without a thread's cost).
 CHUNK_RECORDS = 50
@@ -175,8 +170,7 @@ class TrafficJudge:
         self.clock = clock
         self.facts = TargetFacts(clients, clock)
         self._deployments: dict[str, Deployment] = {}
-        # Refusals kept as rows this minute, per (target, caller, cause) (``_keep_refused``).
-        self._refused_minute, self._refused_rows = -1, Counter[tuple[str, str, str]]()
+        self._refusal_rows = RefusalRows()
         self.take_up(settings)
 
     def take_up(self, settings: Settings, changed: Iterable[str] = ()) -> None:
@@ -317,30 +311,15 @@ class TrafficJudge:
         pool: int | None,
         out: Judged,
     ) -> None:
-        """Keep and count a request the gateway refused before any upstream call: no engine saw
-        it, so no check judges it (nor do its prints join a window), and it is never an incident's
-        cause: it is what containment did, not what a deployment did."""
+        """Count a request the gateway refused, and keep it where ``refusals.py`` says: no check
+        judges it, nor do its prints join a window."""
         target = batch.target.name
         assert record.refused is not None
         self.metrics.traffic_refused.labels(target, record.refused.by).inc()
         self._count(out, target, node, record, False, False, own, answered=False)
-        if not self._keep_refused(target, record):
-            return
-        row = _row(record, node, batch.gateway, batch.received, [], estimate, pool)
-        row |= {"verdict": REFUSED, "findings": {"refused": msgspec.to_builtins(record.refused)}}
-        out.kept.append((target, {**row, "own": own, "expires_at": batch.expires}))
-
-    def _keep_refused(self, target: str, record: TrafficRecord) -> bool:
-        """Whether to keep a row of this refusal: the first ``REFUSED_ROWS_PER_MINUTE`` of each
-        (target, caller, cause) a minute. A group every deployment of which is quarantined refuses
-        every request it gets; a row each would be as many writes. The count is every one's."""
-        assert record.refused is not None
-        minute = int(record.time // 60)
-        if minute != self._refused_minute:
-            self._refused_minute, self._refused_rows = minute, Counter()
-        key = (target, record.caller, record.refused.by)
-        self._refused_rows[key] += 1
-        return self._refused_rows[key] <= REFUSED_ROWS_PER_MINUTE
+        if self._refusal_rows.keep(target, record):
+            row = refused_row(_row(record, node, batch.gateway, batch.received, [], estimate, pool), record)
+            out.kept.append((target, {**row, "own": own, "expires_at": batch.expires}))
 
     def _count_verdicts(self, target: str, groups: _Groups) -> None:
         verdicts: Counter[tuple[str, str]] = Counter()

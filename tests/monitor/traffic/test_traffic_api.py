@@ -27,8 +27,9 @@ from kvcanary.monitor.storage.models import TrafficMinute, TrafficRecordRow
 from kvcanary.monitor.storage.target_rows import upsert_targets
 from kvcanary.monitor.targets.calibration import TokenCalibration
 from kvcanary.monitor.traffic.ingest import HttpIngest
-from kvcanary.monitor.traffic.judge import REFUSED_ROWS_PER_MINUTE, TrafficJudge
+from kvcanary.monitor.traffic.judge import TrafficJudge
 from kvcanary.monitor.traffic.pipeline import TrafficPipeline
+from kvcanary.monitor.traffic.refusals import ROWS_PER_MINUTE
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity
 from tests.support.monitor_app import settings_with_targets
@@ -258,13 +259,13 @@ def test_a_refused_request_is_kept_and_counted_as_refused_and_is_no_incident(
     # A refused record is never an answer: one that says it was 2xx is refused, naming the field.
     bad = post(client, [record(4, status=200, refused={"by": "admission"})])
     assert bad.status_code == 422 and "refused" in bad.text
-    # A group refused wholesale: every refusal counted, the first REFUSED_ROWS_PER_MINUTE of a
+    # A group refused wholesale: every refusal counted, the first ROWS_PER_MINUTE of a
     # caller's a minute kept as rows.
     burst = [record(100 + i, caller="acme", status=503, refused={"by": "quarantine"}) for i in range(30)]
     assert post(client, burst).json()["accepted"] == 30
     assert metrics.traffic_refused.labels("glm-prod", "quarantine")._value.get() == 31
     kept_acme = client.get("/api/v1/traffic", params={"verdict": "refused", "caller": "acme"}, headers=auth)
-    assert len(kept_acme.json()["items"]) == REFUSED_ROWS_PER_MINUTE
+    assert len(kept_acme.json()["items"]) == ROWS_PER_MINUTE
     # The prompt's prints joined no window: the same text answered to another caller is no leak.
     echo = record(3, caller="initech", fingerprints={"prompt": [99], "response": list(range(5, 13))})
     assert post(client, [echo]).json()["flagged"] == 0
