@@ -102,6 +102,9 @@ class ServerCapacity:
     #: Other configuration the node states, as strings (``enable_prefix_caching``, ``verify_ownership``,
     #: ``model``, ``tp_size``...): what a known defect may require, and what a change of it fingerprints.
     facts: dict[str, str] = field(default_factory=dict)
+    #: Each data-parallel rank's pool where the node lists them (SGLang's ``internal_states``);
+    #: ``kv_pool_tokens`` is then the smallest, so a node's audit sees its smallest rank.
+    rank_pools: dict[int, int] = field(default_factory=dict)
 
     @property
     def admission_limit(self) -> int | None:
@@ -121,6 +124,8 @@ class Node:
     info_url: str
     metrics_url: str
     bootstrap_port: int | None = None
+    #: Data-parallel ranks (SGLang's ``dp_size``): each a scheduler with a KV pool of its own.
+    dp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,25 @@ class ServingPath:
     decode: Node
     #: The pair's name where a node's name goes (results, incidents; ``path_name``).
     name: str
+    #: The data-parallel rank on each side, where the node has several (None where it has one):
+    #: each rank is a path of its own, reached by the rank fields and the bootstrap room.
+    prefill_rank: int | None = None
+    decode_rank: int | None = None
+
+    @property
+    def prefill_name(self) -> str:
+        """Return the prefill side as metrics and evidence name it: the node, and its rank if any."""
+        return ranked_name(self.prefill.name, self.prefill_rank)
+
+    @property
+    def decode_name(self) -> str:
+        """Return the decode side as metrics and evidence name it: the node, and its rank if any."""
+        return ranked_name(self.decode.name, self.decode_rank)
+
+
+def ranked_name(node: str, rank: int | None) -> str:
+    """Return a node's name with its data-parallel rank (``prefill-a.dp1``), or the name alone."""
+    return node if rank is None else f"{node}.dp{rank}"
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,22 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
         type=int,
         help="decode pool tokens (disaggregated or decode mode; default: --kv-pool-tokens)",
     )
+    add(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="--mode prefill/decode: data-parallel ranks, each with a KV pool and a batch of its own; a "
+        "request's routed_dp_rank (or data_parallel_rank) picks its rank, else its bootstrap room "
+        "modulo the ranks on a prefill server, else the next rank in turn (default: %(default)s)",
+    )
+    add(
+        "--rank-pool-tokens",
+        action="append",
+        default=[],
+        metavar="RANK=TOKENS",
+        help="with --dp-size: the pool of one rank whose GPU had less memory free (repeatable; the "
+        "others take the mode's pool flag)",
+    )
     add("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     add(
         "--context-window",
@@ -237,7 +253,17 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         log_level=args.log_level,
         bootstrap_port=args.bootstrap_port,
         kv_transfer_timeout=args.kv_transfer_timeout,
+        dp_size=args.dp_size,
+        rank_pool_tokens=tuple(_rank_pool(spec) for spec in args.rank_pool_tokens),
     )
+
+
+def _rank_pool(spec: str) -> tuple[int, int]:
+    """Parse one ``--rank-pool-tokens RANK=TOKENS``; raise ``ValueError`` naming the flag."""
+    rank, sep, tokens = spec.partition("=")
+    if not sep or not rank.strip().isdigit() or not tokens.strip().isdigit():
+        raise ValueError(f"--rank-pool-tokens takes RANK=TOKENS (two whole numbers), got {spec!r}")
+    return int(rank), int(tokens)
 
 
 def _cuda_available() -> bool:

@@ -7,7 +7,7 @@ admission rule and ``/get_server_info`` all read the same numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 #: ``prefill`` and ``decode`` are the two halves of disaggregated serving as separate servers behind
 #: SGLang's model gateway (``workers.pd_api``); ``disaggregated`` runs both halves in one process.
@@ -63,6 +63,12 @@ class WorkerConfig:
     bootstrap_port: int | None = None
     #: PD modes: how long either side waits for the other in a KV hand-off (SGLang's bootstrap timeout).
     kv_transfer_timeout: float = 30.0
+    #: PD modes: data-parallel ranks (SGLang's ``--dp-size`` with DP attention), each an engine with a
+    #: KV pool and a batch of its own; ``workers.dp`` says which rank serves a request.
+    dp_size: int = 1
+    #: Ranks whose pool differs from the others' (``--rank-pool-tokens RANK=TOKENS``): a rank whose
+    #: GPU had less memory free when its pool was sized, as SGLang sizes each rank's pool on its own.
+    rank_pool_tokens: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         _require(
@@ -97,6 +103,7 @@ class WorkerConfig:
             )
         _require(self.session_cache >= 0, f"--session-cache must be 0 or more, got {self.session_cache}")
         self._check_pd_flags()
+        self._check_dp_flags()
         _require(
             not self.session_cache or (self.prefix_cache == "off" and self.mode in ("aggregated", "single")),
             "--session-cache needs --mode aggregated and --prefix-cache off (restores are the request's "
@@ -153,6 +160,36 @@ class WorkerConfig:
             self.kv_transfer_timeout > 0,
             f"--kv-transfer-timeout must be positive, got {self.kv_transfer_timeout}",
         )
+
+    def _check_dp_flags(self) -> None:
+        """Refuse data-parallel flags outside the prefill and decode servers, or naming no rank."""
+        _require(1 <= self.dp_size <= 64, f"--dp-size must be in 1..64, got {self.dp_size}")
+        _require(
+            self.dp_size == 1 or self.mode in PD_MODES,
+            "--dp-size is for --mode prefill or decode (the ranks of a PD server)",
+        )
+        ranks = [rank for rank, _ in self.rank_pool_tokens]
+        for rank, tokens in self.rank_pool_tokens:
+            _require(
+                tokens >= 2 * self.page_size,
+                f"--rank-pool-tokens {rank}=: a pool holds at least two pages "
+                f"({2 * self.page_size} tokens), got {tokens}",
+            )
+        for rank in ranks:
+            last = self.dp_size - 1
+            _require(0 <= rank <= last, f"--rank-pool-tokens names rank {rank}; ranks are 0..{last}")
+        _require(len(set(ranks)) == len(ranks), "--rank-pool-tokens names a rank twice")
+        _require(not ranks or self.dp_size > 1, "--rank-pool-tokens needs --dp-size 2 or more")
+
+    def for_rank(self, rank: int) -> WorkerConfig:
+        """Return the settings of data-parallel rank ``rank``: one rank, its own pool."""
+        one = replace(self, dp_size=1, rank_pool_tokens=())
+        tokens = dict(self.rank_pool_tokens).get(rank)
+        if tokens is None:
+            return one
+        if self.mode == "prefill":
+            return replace(one, prefill_pool_tokens=tokens)
+        return replace(one, decode_pool_tokens=tokens)
 
     @property
     def disaggregated(self) -> bool:

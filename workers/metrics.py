@@ -8,7 +8,7 @@ carries the process's fixed settings, for alert rules and dashboards to join on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -40,6 +40,7 @@ class WorkerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._engines: EngineCollector | None = None  # registered with the first engine watched
         r = self.registry
         self.ownership_violations = Counter(
             "kvcanary_kv_ownership_violations",
@@ -133,8 +134,12 @@ class WorkerMetrics:
         ).set(1)
 
     def watch_engine(self, pools: Mapping[str, PagePool], batch: RunningBatch) -> None:
-        """Export the page counters, pool gauges and ownership checks of an engine (read at scrape time)."""
-        self.registry.register(EngineCollector(pools, batch))
+        """Export the page counters, pool gauges and ownership checks of an engine (read at scrape
+        time); a server's data-parallel ranks (``workers.dp``) each call this, in rank order."""
+        if self._engines is None:
+            self._engines = EngineCollector()
+            self.registry.register(self._engines)
+        self._engines.add(pools, batch)
 
     def render(self) -> bytes:
         """Return the registry in the Prometheus text format."""
@@ -148,17 +153,20 @@ class EngineCollector(Collector):
     lock, and in the decode loop that alone cost a tenth of a percent of throughput on a CPU.
     """
 
-    def __init__(self, pools: Mapping[str, PagePool], batch: RunningBatch) -> None:
-        self._pools = dict(pools)
-        self._batch = batch
+    def __init__(self) -> None:
+        self._ranks: list[tuple[dict[str, PagePool], RunningBatch]] = []
+
+    def add(self, pools: Mapping[str, PagePool], batch: RunningBatch) -> None:
+        """Watch one more engine: the next data-parallel rank."""
+        self._ranks.append((dict(pools), batch))
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        pools: Iterable[PagePool] = self._pools.values()
+        pools = [pool for ranked, _ in self._ranks for pool in ranked.values()]
         yield CounterMetricFamily(
             "kvcanary_kv_ownership_checks",
             "Block-table entries verified before a decode read, and prefill pages before a transfer "
             "that the prefix cache may share (--verify-ownership).",
-            value=self._batch.entries_checked,
+            value=sum(batch.entries_checked for _, batch in self._ranks),
         )
         yield CounterMetricFamily(
             "kvcanary_kv_pages_allocated",
@@ -170,12 +178,15 @@ class EngineCollector(Collector):
             "KV pages allocated while still holding another request's data (all pools).",
             value=sum(pool.pages_reused_dirty for pool in pools),
         )
-        capacity = GaugeMetricFamily(
-            "kvcanary_kv_pool_tokens", "KV pool capacity in tokens.", labels=["pool"]
-        )
-        free = GaugeMetricFamily("kvcanary_kv_pages_free", "KV pages free right now.", labels=["pool"])
-        for name, pool in self._pools.items():
-            capacity.add_metric([name], pool.capacity_tokens)
-            free.add_metric([name], pool.free_pages)
+        # A server with data-parallel ranks labels each rank's pools with it (``dp_rank``), as
+        # SGLang labels its schedulers' gauges; one rank keeps the plain series.
+        labels = ["pool", "dp_rank"] if len(self._ranks) > 1 else ["pool"]
+        capacity = GaugeMetricFamily("kvcanary_kv_pool_tokens", "KV pool capacity in tokens.", labels=labels)
+        free = GaugeMetricFamily("kvcanary_kv_pages_free", "KV pages free right now.", labels=labels)
+        for rank, (ranked, _) in enumerate(self._ranks):
+            for name, pool in ranked.items():
+                values = [name, str(rank)][: len(labels)]
+                capacity.add_metric(values, pool.capacity_tokens)
+                free.add_metric(values, pool.free_pages)
         yield capacity
         yield free

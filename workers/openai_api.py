@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from kvcanary.workers.auth import resolve_tenant
 from kvcanary.workers.config import WorkerConfig
-from kvcanary.workers.engine import Engine
+from kvcanary.workers.dp import Ranks
 from kvcanary.workers.errors import WorkerError
 from kvcanary.workers.pd_api import serve_generation
 from kvcanary.workers.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape, TokenizeRequest
@@ -27,9 +27,9 @@ def _config(request: Request) -> WorkerConfig:
     return config
 
 
-def _engine(request: Request) -> Engine:
-    engine: Engine = request.app.state.engine
-    return engine
+def _ranks(request: Request) -> Ranks:
+    ranks: Ranks = request.app.state.ranks
+    return ranks
 
 
 def _tenant(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
@@ -42,7 +42,7 @@ def _client_id(x_request_id: Annotated[str | None, Header()] = None) -> str | No
 
 ConfigDep = Annotated[WorkerConfig, Depends(_config)]
 ClientIdDep = Annotated[str | None, Depends(_client_id)]
-EngineDep = Annotated[Engine, Depends(_engine)]
+RanksDep = Annotated[Ranks, Depends(_ranks)]
 TenantDep = Annotated[str, Depends(_tenant)]
 
 
@@ -75,14 +75,14 @@ async def completions(
     body: CompletionRequest,
     tenant: TenantDep,
     config: ConfigDep,
-    engine: EngineDep,
+    ranks: RanksDep,
     client_id: ClientIdDep,
 ) -> Response:
     """Complete ``prompt``: the CopyModel echoes the prompt as its KV cache holds it."""
     adapter = _check_model(config, body.model)
     shape = ResponseShape("completion", body.model)
     return await serve_generation(
-        engine,
+        ranks.pick(body),
         shape,
         encode(body.prompt),
         body,
@@ -99,14 +99,14 @@ async def chat_completions(
     body: ChatCompletionRequest,
     tenant: TenantDep,
     config: ConfigDep,
-    engine: EngineDep,
+    ranks: RanksDep,
     client_id: ClientIdDep,
 ) -> Response:
     """Answer ``messages``: the reply echoes the rendered chat prompt (see ``workers.tokenizer``)."""
     adapter = _check_model(config, body.model)
     shape = ResponseShape("chat", body.model)
     return await serve_generation(
-        engine,
+        ranks.pick(body),
         shape,
         _chat_prompt(body.messages),
         body,

@@ -38,23 +38,35 @@ TRANSFER_FAILED = ErrorEvent(500, "KV transfer to the decode server failed", "kv
 class PrefillEngine(Engine):
     """Admit and prefill; hand each room's K/V to the decode server that asks for it."""
 
-    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        metrics: WorkerMetrics | None = None,
+        rooms: RoomTable | None = None,
+        **options: Any,
+    ) -> None:
+        """``rooms``: the server's room table when data-parallel ranks share one bootstrap listener
+        (``workers.dp``, which runs it); without it the engine runs a listener of its own."""
         super().__init__(config, metrics, **options)
-        self.rooms = RoomTable(config.kv_transfer_timeout)
+        self.rooms = rooms if rooms is not None else RoomTable(config.kv_transfer_timeout)
         assert config.bootstrap_port is not None  # WorkerConfig requires it in prefill mode
-        self.bootstrap = BootstrapServer((config.host, config.bootstrap_port), self.rooms)
+        self.bootstrap = (
+            BootstrapServer((config.host, config.bootstrap_port), self.rooms) if rooms is None else None
+        )
         self._held: dict[int, tuple[Request, PageLease]] = {}
         self._handed: deque[tuple[int, Outcome]] = deque()
 
     def start(self) -> None:
-        """Start the bootstrap listener and the engine thread."""
-        self.bootstrap.start()
+        """Start the bootstrap listener (when the engine has one) and the engine thread."""
+        if self.bootstrap is not None:
+            self.bootstrap.start()
         super().start()
 
     def stop(self) -> None:
         """Stop the engine thread and close the bootstrap listener."""
         super().stop()
-        self.bootstrap.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
 
     def submit_room(self, room: int, prompt_ids: list[int], max_tokens: int, **fields: Any) -> Request:
         """Plan and queue a room's prompt; a refusal is also the answer the decode server gets."""

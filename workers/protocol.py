@@ -44,6 +44,12 @@ class GenerationRequest(BaseModel):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    #: The data-parallel rank that serves the request (SGLang's ``routed_dp_rank``; the deprecated
+    #: ``data_parallel_rank`` is read where it is absent), and on a decode server the prefill rank
+    #: that holds its K/V (``disagg_prefill_dp_rank``). Without one, ``workers.dp`` picks.
+    routed_dp_rank: int | None = Field(default=None, ge=0)
+    data_parallel_rank: int | None = Field(default=None, ge=0)
+    disagg_prefill_dp_rank: int | None = Field(default=None, ge=0)
 
     @field_validator("cache_salt", mode="before")
     @classmethod

@@ -24,10 +24,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcanary.workers import __version__
 from kvcanary.workers.config import DEPRECATED_MODES, UNIFIED_POOL, WorkerConfig
+from kvcanary.workers.dp import Ranks
 from kvcanary.workers.errors import install_error_handlers
 from kvcanary.workers.metrics import WorkerMetrics
 from kvcanary.workers.openai_api import router
-from kvcanary.workers.pd_serving import build_engine
 
 log = logging.getLogger("kvcanary.workers.server")
 COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -35,26 +35,29 @@ COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 DISAGGREGATION_MODES = {"disaggregated": "prefill", "prefill": "prefill", "decode": "decode"}
 
 
-def server_info(config: WorkerConfig) -> dict[str, Any]:
+def server_info(config: WorkerConfig, ranks: Ranks) -> dict[str, Any]:
     """Return SGLang's ``/get_server_info`` fields plus the worker's isolation settings.
 
     ``max_total_num_tokens`` is the pool admission checks (the unified pool, or prefill in disaggregated mode,
     which is why ``disaggregation_mode`` reads ``prefill`` there) and ``max_req_input_len`` is
-    ``min(context_length, max_total_num_tokens) - 1``.
+    ``min(context_length, max_total_num_tokens) - 1``. With data-parallel ranks both are rank 0's, as
+    SGLang's top-level fields are its first scheduler's, and ``internal_states`` lists every rank's pool.
     """
+    first = ranks.engines[0].config
     return {
         "context_length": config.context_window,
         "context_len": config.context_window,
-        "max_total_num_tokens": config.admission_pool_tokens,
-        "max_req_input_len": config.max_req_input_len,
+        "max_total_num_tokens": first.admission_pool_tokens,
+        "max_req_input_len": first.max_req_input_len,
         "page_size": config.page_size,
         "max_running_requests": config.max_batch,
         "disaggregation_mode": DISAGGREGATION_MODES.get(config.mode, "null"),
-        "dp_size": 1,
+        "dp_size": config.dp_size,
+        "internal_states": ranks.internal_states(),
         "tp_size": 1,
         "version": f"kvcanary-reference {__version__}",
         "served_model_name": config.served_model_name,
-        "kv_pools": config.pool_tokens,
+        "kv_pools": first.pool_tokens,
         "admission": config.effective_admission,
         "verify_ownership": config.verify_ownership,
         "zero_freed_pages": config.zero_freed_pages,
@@ -104,19 +107,19 @@ def create_app(config: WorkerConfig) -> FastAPI:
     """Return the worker app; its lifespan starts and stops the engine thread."""
     metrics = WorkerMetrics()
     metrics.describe(config)
-    engine = build_engine(config, metrics)
+    ranks = Ranks(config, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        ranks.start()
         try:
             yield
         finally:
-            engine.stop()
+            ranks.stop()
 
     app = FastAPI(title="kvcanary reference worker", version=__version__, lifespan=lifespan)
     app.state.config = config
-    app.state.engine = engine
+    app.state.ranks = ranks
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(RequestCounter, metrics=metrics)
@@ -129,7 +132,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def get_server_info() -> dict[str, Any]:
-        return server_info(config)
+        return server_info(config, ranks)
 
     @app.get("/get_model_info")
     @app.get("/model_info")

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from kvcanary.probes import REGISTRY
-from kvcanary.probes.target import Node, ServingPath
+from kvcanary.probes.target import Node, ServingPath, ranked_name
 from kvcanary.probes.yamlfile import key_path
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,9 @@ class NodeConfig(Strict):
     # A prefill node's K/V hand-off port (SGLang's --disaggregation-bootstrap-port; the gateway lists
     # it): with it, each prefill x decode pair of the target is probed as a path of its own.
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    # Its data-parallel ranks (SGLang's --dp-size): each rank of a prefill or decode node is a path
+    # of its own. The gateway's listing or the node's server info says it for found nodes.
+    dp_size: int = Field(1, ge=1, le=64)
 
     @field_validator("role", mode="before")
     @classmethod
@@ -288,7 +291,13 @@ class TargetConfig(Strict):
         nodes = self.node_list()
         prefills = [n for n in nodes if n.role == "prefill" and n.bootstrap_port is not None]
         decodes = [n for n in nodes if n.role == "decode"]
-        pairs = [ServingPath(p, d, path_name(p.name, d.name)) for p in prefills for d in decodes]
+        pairs = [
+            ServingPath(p, d, path_name(ranked_name(p.name, pr), ranked_name(d.name, dr)), pr, dr)
+            for p in prefills
+            for pr in _ranks(p)
+            for d in decodes
+            for dr in _ranks(d)
+        ]
         return pairs[:MAX_PATHS]
 
     def node_list(self) -> list[Node]:
@@ -302,8 +311,13 @@ class TargetConfig(Strict):
         for node in self.nodes:
             info = node.info_url or self.base_url
             metrics = node.metrics_url or f"{info}/metrics"
-            out.append(Node(node.name, node.role, info, metrics, node.bootstrap_port))
+            out.append(Node(node.name, node.role, info, metrics, node.bootstrap_port, node.dp_size))
         return out
+
+
+def _ranks(node: Node) -> list[int | None]:
+    """Return a node's data-parallel ranks as paths name them: None alone where it has one."""
+    return [None] if node.dp_size == 1 else list(range(node.dp_size))
 
 
 def _no_shared_key_source(tenants: list[TenantConfig]) -> None:

@@ -48,7 +48,7 @@ def bound_to(client: TargetClient, where: Where) -> tuple[TargetClient, Node | N
 def declare_paths(metrics: MonitorMetrics, target: TargetConfig) -> None:
     """Export the coverage series of ``target``'s paths (none when it runs no kind down them)."""
     kinds = target.path_kinds()
-    paths = [(p.prefill.name, p.decode.name) for p in target.paths()] if kinds else []
+    paths = [(p.prefill_name, p.decode_name) for p in target.paths()] if kinds else []
     interval = min((target.interval_for(kind) for kind in kinds), default=0.0)
     metrics.paths.declare(target.name, paths, interval, time.time())
 

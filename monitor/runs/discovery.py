@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import NodeConfig, TargetConfig
 from kvcanary.monitor.targets.http import HttpClient
-from kvcanary.monitor.targets.sglang_gateway import GatewayUnreadable, read_workers
+from kvcanary.monitor.targets.sglang_gateway import GatewayUnreadable, read_dp_size, read_workers
 from kvcanary.monitor.targets.wire import Limits
 
 log = logging.getLogger("kvcanary.discovery")
@@ -112,10 +112,10 @@ class GatewayDiscovery:
                         target.name, gateway, listed.skipped)  # fmt: skip
         self.health[target.name] = listed.healthy
         before = {node.name: node for node in self.found.get(target.name, [])}
-        after = {node.name: node for node in listed.nodes}
+        after = await self._with_ranks(target, before, listed.nodes)
         if before == after and target.name in self.found:
             return None
-        self.found[target.name] = listed.nodes
+        self.found[target.name] = list(after.values())
         change = NodeChange(
             joined=[name for name, node in after.items() if before.get(name) != node],
             left=[name for name in before if name not in after],
@@ -125,3 +125,25 @@ class GatewayDiscovery:
         for name in change.left:
             log.warning("node %s left gateway %s (target %s)", name, gateway, target.name)
         return change if change.joined or change.left else None
+
+    async def _with_ranks(
+        self, target: TargetConfig, before: dict[str, NodeConfig], listed: list[NodeConfig]
+    ) -> dict[str, NodeConfig]:
+        """Return the listed nodes by name, each with its data-parallel ranks: as the gateway lists
+        them (``URL@rank``), else as a node seen before had them, else read from a new node's
+        server info (once, when it joins: a restart with other ranks is a new listing only if the
+        gateway lists it anew)."""
+        after: dict[str, NodeConfig] = {}
+        unknown: list[NodeConfig] = []
+        for node in listed:
+            if node.dp_size == 1 and (known := before.get(node.name)) is not None:
+                node = node.model_copy(update={"dp_size": known.dp_size})
+            elif node.dp_size == 1 and node.role in ("prefill", "decode"):
+                unknown.append(node)
+            after[node.name] = node
+        sizes = await asyncio.gather(
+            *(read_dp_size(self._http, node, target.timeout_seconds, self._limits) for node in unknown)
+        )
+        for node, size in zip(unknown, sizes, strict=True):
+            after[node.name] = node.model_copy(update={"dp_size": size})
+        return after

@@ -218,7 +218,7 @@ class ProbeRunner:
         if now_target is not None and kind in now_target.probes:  # a reload may have removed it meanwhile
             self.metrics.observe(target.name, kind, result, run.duration, time.time(), key[2])
             if isinstance(node, ServingPath) and result.verdict is not Verdict.ERROR:
-                self.metrics.paths.judged(target.name, (node.prefill.name, node.decode.name), time.time())
+                self.metrics.paths.judged(target.name, (node.prefill_name, node.decode_name), time.time())
         summary = RunSummary(target.name, kind, key[2], result, run.started_at, run.duration, outcome)
         where = f"{target.name}/{kind}" + (f"@{key[2]}" if key[2] else "")
         log.info("%s: %s (%s) in %.2fs", where, result.verdict.value, result.reason, run.duration)
@@ -269,7 +269,7 @@ class ProbeRunner:
         elif result.state is not None:
             self._states[key] = result.state
         if isinstance(where, ServingPath):  # the pair a finding came from, by its nodes' whole names
-            result.evidence["path"] = {"prefill": where.prefill.name, "decode": where.decode.name}
+            result.evidence["path"] = {"prefill": where.prefill_name, "decode": where.decode_name}
         return _Run(result, started_at, duration)
 
     def take_up(self, settings: Settings) -> None:

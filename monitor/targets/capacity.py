@@ -228,11 +228,12 @@ def _sglang_node(info: dict[str, Any], source: str) -> ServerCapacity:
         return None
 
     pools = _pools(info.get("kv_pools"))
+    ranks = _rank_pools(states)
     mode = pick("disaggregation_mode")
     facts = {key: str(value) for key in SGLANG_FACTS if (value := pick(key)) is not None and _scalar(value)}
     return ServerCapacity(
         context_window=_int(pick("context_length", "context_len", "max_model_len")),
-        kv_pool_tokens=_min(_int(pick("max_total_num_tokens")), *pools.values()),
+        kv_pool_tokens=_min(_int(pick("max_total_num_tokens")), *pools.values(), *ranks.values()),
         max_req_input_len=_int(pick("max_req_input_len")),
         page_size=_int(pick("page_size")),
         max_running_requests=_int(pick("max_running_requests")),
@@ -241,7 +242,24 @@ def _sglang_node(info: dict[str, Any], source: str) -> ServerCapacity:
         pools=pools,
         source=source,
         facts=facts,
+        rank_pools=ranks,
     )
+
+
+def _rank_pools(states: Any) -> dict[int, int]:
+    """Return each data-parallel rank's pool from ``internal_states`` (one entry per rank, in rank
+    order, its ``dp_rank`` where stated): the top-level fields are one rank's, and a smaller pool
+    on another rank would hide behind them."""
+    if not isinstance(states, list) or len(states) < 2:
+        return {}
+    pools: dict[int, int] = {}
+    for index, state in enumerate(states[:64]):
+        if not isinstance(state, dict):
+            continue
+        rank = _int(state.get("dp_rank"))
+        if (tokens := _int(state.get("max_total_num_tokens"))) is not None:
+            pools[rank if rank is not None else index] = tokens
+    return pools
 
 
 def _sglang_router(info: dict[str, Any], source: str) -> ServerCapacity:

@@ -61,10 +61,13 @@ class PathTarget:
         gateway adds (the prefill node's host and port, a new random 63-bit room), and answer as the
         gateway does: decode's answer, unless prefill refused or failed, whose answer is then the
         client's (a refused prefill leaves decode waiting on a room that never comes)."""
-        body = {**body, **bootstrap_fields(self.path.prefill)}
-        prefill = asyncio.ensure_future(self._prefill_leg(tenant, route, body, request))
+        body = {**body, **bootstrap_fields(self.path.prefill, self.path.prefill_rank)}
+        legs = rank_fields(self.path)
+        prefill = asyncio.ensure_future(self._prefill_leg(tenant, route, body | legs["prefill"], request))
         decode_url = URL(node_base(self.path.decode) + route)
-        decode = asyncio.ensure_future(self._target.exchange(tenant, decode_url, body, request, state))
+        decode = asyncio.ensure_future(
+            self._target.exchange(tenant, decode_url, body | legs["decode"], request, state)
+        )
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and prefill.result() is not None:
@@ -107,6 +110,7 @@ class PathTarget:
         prefill, decode = await asyncio.gather(
             self._target.node_capacity(self.path.prefill), self._target.node_capacity(self.path.decode)
         )
+        prefill, decode = of_rank(prefill, self.path.prefill_rank), of_rank(decode, self.path.decode_rank)
         found = dataclasses.replace(
             prefill,
             context_window=_least(prefill.context_window, decode.context_window),
@@ -137,14 +141,45 @@ def node_base(node: Node) -> str:
     return node.info_url.rstrip("/").removesuffix("/v1")
 
 
-def bootstrap_fields(prefill: Node) -> dict[str, Any]:
+def bootstrap_fields(prefill: Node, rank: int | None = None) -> dict[str, Any]:
     """Return the fields SGLang's gateway adds to a disaggregated request's body for ``prefill``: where
-    decode fetches the K/V, and a room no other request in flight has (63 random bits, as the gateway's)."""
+    decode fetches the K/V, and a room no other request in flight has (63 random bits, as the
+    gateway's). For a rank of a data-parallel prefill node the room is one that ``room % dp_size``
+    maps to that rank: the rule a prefill server follows when no rank is named, and by which a
+    decode server finds the prefill rank holding the K/V (a gateway that knows ranks aligns them so)."""
+    room = secrets.randbits(63)
+    if rank is not None:
+        room = room - room % prefill.dp_size + rank
     return {
         "bootstrap_host": urlsplit(prefill.info_url).hostname,
         "bootstrap_port": prefill.bootstrap_port,
-        "bootstrap_room": secrets.randbits(63),
+        "bootstrap_room": room,
     }
+
+
+def rank_fields(path: ServingPath) -> dict[str, dict[str, int]]:
+    """Return the fields naming the path's data-parallel ranks, per leg, as SGLang's gateway sends
+    them to DP-aware servers: ``routed_dp_rank`` (the rank that serves the leg) to each, and to
+    decode ``disagg_prefill_dp_rank`` (where its K/V is). The deprecated ``data_parallel_rank`` is
+    never sent: on a decode server of releases before them it also named the prefill rank, so a
+    decode rank other than the prefill's would send decode looking for K/V that is not there; such
+    a server leaves its decode rank to its own turn, and the room still picks the prefill rank."""
+    prefill: dict[str, int] = {}
+    decode: dict[str, int] = {}
+    if path.prefill_rank is not None:
+        prefill["routed_dp_rank"] = path.prefill_rank
+        decode["disagg_prefill_dp_rank"] = path.prefill_rank
+    if path.decode_rank is not None:
+        decode["routed_dp_rank"] = path.decode_rank
+    return {"prefill": prefill, "decode": decode}
+
+
+def of_rank(capacity: ServerCapacity, rank: int | None) -> ServerCapacity:
+    """Return a node's capacity as one of its data-parallel ranks has it: that rank's pool where the
+    node lists its ranks' (``rank_pools``), else the node's own figures (its smallest pool)."""
+    if rank is None or rank not in capacity.rank_pools:
+        return capacity
+    return dataclasses.replace(capacity, kv_pool_tokens=capacity.rank_pools[rank])
 
 
 def _least(*figures: int | None) -> int | None:

@@ -101,31 +101,58 @@ def parse_workers(payload: Any) -> WorkerList:
         raise GatewayUnreadable("the answer has no 'workers' list")
     found = WorkerList(skipped=max(0, len(workers) - MAX_WORKERS))
     names: set[str] = set()
+    ranks: dict[str, int] = {}  # the most ranks a node's ``URL@rank`` listings show
     for worker in workers[:MAX_WORKERS]:
         node = worker_node(worker)
         if node is None:
             found.skipped += 1
-        elif node.name not in names:  # ranks of one server, or one server listed twice: one node
+            continue
+        if (rank := _DP_RANK.search(worker["url"])) is not None and int(rank.group()[1:]) < 64:
+            ranks[node.name] = max(ranks.get(node.name, 1), int(rank.group()[1:]) + 1)
+        if node.name not in names:  # ranks of one server, or one server listed twice: one node
             names.add(node.name)
             found.nodes.append(node)
             if isinstance(healthy := worker.get("is_healthy"), bool):
                 found.healthy[node.name] = healthy
         elif worker.get("is_healthy") is False:  # one rank unhealthy: the server is not all healthy
             found.healthy[node.name] = False
+    found.nodes = [node.model_copy(update={"dp_size": ranks.get(node.name, 1)}) for node in found.nodes]
     return found
+
+
+async def _get(http: HttpClient, url: str, timeout: float, limits: Limits) -> tuple[int, str, bool]:
+    """GET ``url``: its status, its body up to ``limits.lookup_bytes``, and whether that is all of it."""
+    async with asyncio.timeout(timeout):
+        session = await http.session()
+        async with session.get(url, allow_redirects=False) as response:
+            raw, complete = await read_limited(chunks(response), limits.lookup_bytes, response.content_length)
+            return response.status, raw, complete
+
+
+async def read_dp_size(http: HttpClient, node: NodeConfig, timeout: float, limits: Limits) -> int:
+    """Return the data-parallel ranks a node's server info states (``dp_size``; ``/server_info``,
+    else ``/get_server_info``), or 1 where it cannot be read: a gateway that is not DP-aware lists
+    each server once, whatever ranks it runs."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            status, raw, complete = await _get(http, f"{node.info_url}{path}", timeout, limits)
+        except (TimeoutError, aiohttp.ClientError, *CONNECT_ERRORS):
+            return 1
+        if status == 404:
+            continue
+        try:
+            size = json.loads(raw).get("dp_size") if status == 200 and complete else None
+        except (ValueError, AttributeError):
+            return 1
+        return size if type(size) is int and 1 <= size <= 64 else 1
+    return 1
 
 
 async def read_workers(http: HttpClient, gateway: str, timeout: float, limits: Limits) -> WorkerList:
     """Return the nodes the gateway at ``gateway`` lists now; raise :class:`GatewayUnreadable`."""
     url = f"{gateway}/workers"
     try:
-        async with asyncio.timeout(timeout):
-            session = await http.session()
-            async with session.get(url, allow_redirects=False) as response:
-                raw, complete = await read_limited(
-                    chunks(response), limits.lookup_bytes, response.content_length
-                )
-                status = response.status
+        status, raw, complete = await _get(http, url, timeout, limits)
     except TimeoutError:
         raise GatewayUnreadable(f"{url}: no answer within {timeout:g}s") from None
     except CONNECT_ERRORS as exc:

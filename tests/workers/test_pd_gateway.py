@@ -41,6 +41,11 @@ VERIFY = ("--verify-ownership",)
 
 @pytest.fixture(scope="module", autouse=True)
 def _need_router() -> None:
+    need_router()
+
+
+def need_router() -> None:
+    """Skip without the gateway's venv; fail under ``KVCANARY_REQUIRE_SGLANG_ROUTER=1``."""
     if not (ROUTER_PYTHON.exists() and (VENV / ".kvcanary-setup").exists()):
         message = f"no sglang-router venv at {VENV}: run bash scripts/setup-sglang-router.sh"
         if os.environ.get("KVCANARY_REQUIRE_SGLANG_ROUTER") == "1":

@@ -36,6 +36,7 @@ from kvcanary.monitor.targets.http import HttpClient
 from kvcanary.monitor.targets.sglang_gateway import (
     MAX_WORKERS,
     GatewayUnreadable,
+    node_name,
     parse_workers,
     read_workers,
     worker_node,
@@ -71,6 +72,18 @@ def test_the_recorded_answer_is_two_prefill_and_two_decode_nodes_at_their_own_ur
     assert (prefill.role, prefill.info_url) == ("prefill", "http://127.0.0.1:45295")
     assert prefill.metrics_url == "http://127.0.0.1:45295/metrics"
     assert nodes["decode-127.0.0.1-58277"].role == "decode"
+
+
+def test_a_dp_aware_listing_of_ranks_is_one_node_with_as_many_ranks() -> None:
+    # sglang-router --dp-aware lists each rank of a server as URL@rank (DPAwareWorkerBuilder).
+    answer = recorded()
+    prefill = next(w for w in answer["workers"] if w["worker_type"] == "prefill")
+    ranks = [{**prefill, "url": f"{prefill['url']}@{rank}"} for rank in range(3)]
+    answer["workers"] = [w for w in answer["workers"] if w is not prefill] + ranks
+    nodes = {node.name: node for node in parse_workers(answer).nodes}
+    assert len(nodes) == 4
+    assert nodes[node_name("prefill", prefill["url"])].dp_size == 3
+    assert {n.dp_size for name, n in nodes.items() if name != node_name("prefill", prefill["url"])} == {1}
 
 
 def test_names_are_stable_and_label_safe_whatever_the_gateway_writes() -> None:

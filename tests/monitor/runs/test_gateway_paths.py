@@ -18,7 +18,6 @@ Needs the gateway's venv (``scripts/setup-sglang-router.sh``): skipped without i
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,13 +54,9 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    from tests.workers.test_pd_gateway import ROUTER_PYTHON, VENV
+    from tests.workers.test_pd_gateway import need_router
 
-    if not (ROUTER_PYTHON.exists() and (VENV / ".kvcanary-setup").exists()):
-        message = f"no sglang-router venv at {VENV}: run bash scripts/setup-sglang-router.sh"
-        if os.environ.get("KVCANARY_REQUIRE_SGLANG_ROUTER") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    need_router()
     logs = tmp_path_factory.mktemp("gateway-paths")
     roomy = ("--prefill-pool-tokens", "16384")
     prefills, decodes = start_servers(
