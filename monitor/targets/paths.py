@@ -147,8 +147,10 @@ def bootstrap_fields(prefill: Node, rank: int | None = None) -> dict[str, Any]:
     gateway's). For a rank of a data-parallel prefill node the room is one that ``room % dp_size``
     maps to that rank: the rule a prefill server follows when no rank is named, and by which a
     decode server finds the prefill rank holding the K/V (a gateway that knows ranks aligns them so)."""
-    room = secrets.randbits(63)
-    if rank is not None:
+    if rank is None:
+        room = secrets.randbits(63)
+    else:  # 62 random bits leave room for the rank: an aligned room never passes 2**63 - 1
+        room = secrets.randbits(62)
         room = room - room % prefill.dp_size + rank
     return {
         "bootstrap_host": urlsplit(prefill.info_url).hostname,
