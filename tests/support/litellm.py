@@ -11,9 +11,13 @@ and it binds 127.0.0.1. The tap is imported from this checkout (``PYTHONPATH``),
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,10 @@ VENV = Path(os.environ.get("KVCANARY_LITELLM_VENV") or REPO / ".venv-litellm")
 LITELLM = VENV / "bin" / "litellm"
 MASTER_KEY = "sk-kvcanary-test-master"
 TAP_CALLBACK = "kvcanary.tap.litellm.tap"
+#: A proxy starts in about 6 s on an idle 2-core machine (imports, mostly). Under the whole suite on
+#: parallel workers, beside a vLLM or llama.cpp server busy on both cores, two CI runs saw starts pass
+#: 90 s: a start is not a test, so it gets room, and proxies start one at a time (``_one_start``).
+START_TIMEOUT_S = 240.0
 #: Customer keys → (team, key alias). The keys never reach the monitor; their teams do.
 CALLERS = {
     "sk-acme-0001": ("acme", "acme-prod"),
@@ -128,18 +136,43 @@ def launch_proxy(config: Path, tap_env: dict[str, str] | None, port: int | None 
         **(tap_env or {}),
     }
     log = folder / f"litellm-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(LITELLM), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True,
-        )  # fmt: skip
-    proxy = Proxy(f"http://127.0.0.1:{port}", proc, log)
-    try:
-        wait_http(f"{proxy.url}/health/liveliness", timeout=90, proc=proc)
-    except Exception as exc:
-        stop_process(proc)
-        raise RuntimeError(f"LiteLLM did not start: {exc}\n{proxy.output()[-4000:]}") from exc
+    with _one_start():
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [str(LITELLM), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
+                stdout=out, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True,
+            )  # fmt: skip
+        proxy = Proxy(f"http://127.0.0.1:{port}", proc, log)
+        started = time.monotonic()
+        try:
+            wait_http(f"{proxy.url}/health/liveliness", timeout=START_TIMEOUT_S, proc=proc)
+        except Exception as exc:
+            stop_process(proc)
+            waited = time.monotonic() - started
+            raise RuntimeError(
+                f"LiteLLM did not start in {waited:.0f}s: {exc}\n{proxy.output()[-4000:]}"
+            ) from exc
     return proxy
+
+
+@contextmanager
+def _one_start() -> Iterator[None]:
+    """Hold the machine's LiteLLM start lock (a file in the venv, which every clone's tests share):
+    two proxies importing at once on 2 cores each take twice as long, and neither is a test."""
+    with (VENV / ".kvcanary-start.lock").open("w") as lock:
+        deadline = time.monotonic() + 2 * START_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("another LiteLLM proxy held the start lock too long") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def litellm_migrations() -> list[Path]:
