@@ -43,10 +43,17 @@ Why the check is sound:
   counter: a node whose only judged figures are balances still says ``not_exposed`` when they hold.
 - State gauges (LMCache's load-error blocks and health inside vLLM) are read as they stand and listed
   in the evidence, never judged.
+- What an engine only logs is read from a second page, the node's ``log_metrics_url``: SGLang's own
+  KV canary (``--kv-canary``) writes each violation as a log line, which mtail turns into counters
+  (``alerts/mtail/sglang_kv_canary.mtail``). Only the samples the engine's table names are taken
+  from it. A canary violation a request read is a ``leak``, one written a ``mismatch``. A log page
+  that cannot be read leaves a clean engine page an ``error`` (``log_metrics_unreachable``): the
+  canary's word went unheard, which is no pass; findings on the engine's page stand.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -62,6 +69,7 @@ from kvcanary.probes.engine_counters import (
     balance_gaps,
     gauge_readings,
     names_for,
+    sample_names,
     series_of,
 )
 from kvcanary.probes.target import Node
@@ -93,14 +101,37 @@ class CountersProbe(Probe):
         if scraped.samples is None:
             return ProbeResult.error(scraped.reason, scraped.error)
         samples = scraped.samples
+        log_page = None if node.log_metrics_url is None else await ctx.target.scrape(node.log_metrics_url)
+        if log_page is not None and log_page.samples is not None:
+            samples = with_log_samples(ctx.target.engine, samples, log_page.samples)
         zeroing = ctx.options.get("require_zeroed_pages")
         if zeroing is None:
             zeroing = _worker_says_zeroing(samples)
         lookback = float(ctx.options.get("lookback_seconds", 900.0))
-        return judge_counters(
+        result = judge_counters(
             ctx.target.engine, node, samples, ctx.state, zeroing=bool(zeroing), now=time.time(),
             lookback_seconds=lookback,
         )  # fmt: skip
+        if log_page is None:
+            return result
+        result.evidence["log_metrics"] = {"url": node.log_metrics_url, "read": log_page.samples is not None}
+        if log_page.samples is not None or result.verdict in (Verdict.LEAK, Verdict.MISMATCH):
+            return result
+        # Nothing found on the engine's page, but what its log says went unread: that is no pass.
+        detail = f"{result.detail}; and its log's page could not be read ({log_page.error})"
+        reason = f"log_{log_page.reason}"
+        return dataclasses.replace(result, verdict=Verdict.ERROR, reason=reason, detail=detail)
+
+
+def with_log_samples(
+    engine: str, samples: dict[str, float], log_samples: dict[str, float]
+) -> dict[str, float]:
+    """Return the engine's ``samples`` with what its log exporter's page adds: the samples kvcanary
+    reads for ``engine`` only (the exporter's own process start time is not the engine's), and never
+    one the engine's page already has."""
+    wanted = sample_names(engine)
+    added = {k: v for k, v in log_samples.items() if k.split("{", 1)[0] in wanted and k not in samples}
+    return {**samples, **added}
 
 
 def judge_counters(

@@ -78,6 +78,19 @@ CANONICAL: tuple[Canonical, ...] = (
         "prefills that released their KV and queued again to yield to requests the decode side admitted "
         "(optimistic prefill): the request's KV was recomputed",
     ),
+    Canonical(
+        "engine_canary_violations",
+        "the engine's own KV canary found a slot a request read whose canary is not that request's "
+        "sequence (its chain hash, position, K/V bytes or token disagree): another sequence's KV, or "
+        "none, under a live request",
+        Verdict.LEAK,
+    ),
+    Canonical(
+        "engine_canary_write_violations",
+        "the engine's own KV canary saw a slot written with a token or position the request does not "
+        "have: its inputs and its block table disagree",
+        Verdict.MISMATCH,
+    ),
     Canonical("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
     Canonical("prefix_cache_hits", "prompt tokens served from the prefix cache"),
     Canonical("preemptions", "requests preempted (their KV freed and recomputed later)"),
@@ -123,8 +136,12 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     # SGLang's srt/metrics/collector.py (2026, commit 00ae9c15), srt/observability/metrics_collector.py
     # in 0.5.23: PD transfer and bootstrap failures, prefill retries, retractions; nothing on page
-    # owners (tests/fixtures/engines/README.md). Its own KV canary (--kv-canary) only logs.
+    # owners (tests/fixtures/engines/README.md). Its own KV canary (--kv-canary) only logs: the
+    # canary's counters are mtail's, from alerts/mtail/sglang_kv_canary.mtail on the node's log, read
+    # at the node's log_metrics_url.
     "sglang": {
+        "engine_canary_violations": ("sglang_kv_canary_verify_violations_total",),
+        "engine_canary_write_violations": ("sglang_kv_canary_write_violations_total",),
         "ownership_violations": (),
         "placeholder_substitutions": (),
         "pages_reused_dirty": (),
@@ -169,6 +186,13 @@ def names_for(engine: str) -> dict[str, tuple[str, ...]]:
     """Return the canonical -> sample names map of ``engine`` (every canonical counter present)."""
     table = ENGINE_COUNTERS.get(engine, {})
     return {c.name: tuple(table.get(c.name, ())) for c in CANONICAL}
+
+
+def sample_names(engine: str) -> frozenset[str]:
+    """Return every sample name kvcanary reads for ``engine``: its counters' and its state gauges'
+    (what it takes from a page that is not the engine's own, such as a log exporter's)."""
+    counters = {name for names in names_for(engine).values() for name in names}
+    return frozenset(counters | {gauge.sample for gauge in ENGINE_GAUGES.get(engine, ())})
 
 
 def series_of(samples: dict[str, float], name: str) -> dict[str, float]:
@@ -234,11 +258,12 @@ class StateGauge:
     sound: float
 
 
-#: engine family -> its state gauges. LMCache's connector inside vLLM (LMCacheConnectorV1) writes its
-#: gauges into vLLM's page (lmcache/observability.py ``_dynamic_metrics``, commit 0353be82): both are
-#: read at scrape time by a callback, the health one as ``lmcache:lmcache_is_healthy`` (its docs page
-#: says ``lmcache:is_healthy``, which no code read registers).
+#: engine family -> its state gauges.
 ENGINE_GAUGES: dict[str, tuple[StateGauge, ...]] = {
+    # LMCache's connector inside vLLM (LMCacheConnectorV1) writes its gauges into vLLM's page
+    # (lmcache/observability.py ``_dynamic_metrics``, commit 0353be82): both are read at scrape time
+    # by a callback, the health one as ``lmcache:lmcache_is_healthy`` (its docs page says
+    # ``lmcache:is_healthy``, which no code read registers).
     "vllm": (
         StateGauge(
             "kv_load_error_blocks",
@@ -253,6 +278,16 @@ ENGINE_GAUGES: dict[str, tuple[StateGauge, ...]] = {
             "LMCache's health monitor: 0 while a storage backend fails its checks and LMCache blocks "
             "its operations (requests recompute)",
             1.0,
+        ),
+    ),
+    # The running total on SGLang's canary stats line (mtail's page, as its counters): it counts
+    # violations the engine's ring overflowed before they were logged, which the counters miss.
+    "sglang": (
+        StateGauge(
+            "kv_canary_engine_violations",
+            "sglang_kv_canary_engine_violations",
+            "violations SGLang's KV canary counted since the engine started, as its last stats line said",
+            0.0,
         ),
     ),
 }

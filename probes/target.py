@@ -126,6 +126,8 @@ class Node:
     bootstrap_port: int | None = None
     #: Data-parallel ranks (SGLang's ``dp_size``): each a scheduler with a KV pool of its own.
     dp_size: int = 1
+    #: A Prometheus page made from the node's log (mtail on SGLang's), read beside ``metrics_url``.
+    log_metrics_url: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything the test suite needs on a fresh Debian machine, then run every test.
 # Real services only: PostgreSQL (127.0.0.1:5432, started when down), Prometheus and Alertmanager
-# (Debian packages; the tests start their own on free ports), a vLLM CPU server and a llama.cpp server.
+# (Debian packages; the tests start their own on free ports), mtail (reads SGLang's canary log), a vLLM CPU
+# server and a llama.cpp server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -11,6 +12,7 @@ command -v pg_ctlcluster >/dev/null || need+=(postgresql)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v amtool >/dev/null || need+=(prometheus-alertmanager)
 command -v nats-server >/dev/null || need+=(nats-server)
+command -v mtail >/dev/null || need+=(mtail)
 if [ ${#need[@]} -gt 0 ]; then
   as_root apt-get update -q
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}"

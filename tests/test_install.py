@@ -133,13 +133,15 @@ def test_the_wheel_holds_only_the_kvcanary_package_with_its_data(source: Path, w
     for root in ROOTS:
         for path in (source / root).rglob("*"):
             relative = path.relative_to(source).as_posix()
-            if path.suffix in (".py", ".md", ".json", ".mako", ".yml") and "/tests/" not in f"/{relative}":
+            shipped = (".py", ".md", ".json", ".mako", ".yml", ".mtail")
+            if path.suffix in shipped and "/tests/" not in f"/{relative}":
                 expected.add(f"kvcanary/{relative}")
     assert expected - names == set()
     for must in (
         "kvcanary/migrations/env.py",
         "kvcanary/alerts/runbooks/KVCanaryLeak.md",
         "kvcanary/alerts/kvcanary.rules.yml",
+        "kvcanary/alerts/mtail/sglang_kv_canary.mtail",
         "kvcanary/dashboards/kvcanary-overview.json",
         "kvcanary/dashboards/provisioning/dashboards.yml",
         "kvcanary/probes/data/isolation_defects.yml",

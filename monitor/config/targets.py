@@ -151,6 +151,10 @@ class NodeConfig(Strict):
     # Its data-parallel ranks (SGLang's --dp-size): each rank of a prefill or decode node is a path
     # of its own. The gateway's listing or the node's server info says it for found nodes.
     dp_size: int = Field(1, ge=1, le=64)
+    # A Prometheus page made from the node's log, read by ``counters`` beside metrics_url: mtail
+    # running alerts/mtail/sglang_kv_canary.mtail on an SGLang log (its own KV canary only logs).
+    # Default: the target's log_metrics_port on the node's host, else none.
+    log_metrics_url: str | None = Field(None, max_length=2048)
 
     @field_validator("role", mode="before")
     @classmethod
@@ -161,7 +165,7 @@ class NodeConfig(Strict):
             return "aggregated"
         return v
 
-    @field_validator("info_url", "metrics_url")
+    @field_validator("info_url", "metrics_url", "log_metrics_url")
     @classmethod
     def _urls(cls, v: str | None) -> str | None:
         return None if v is None else http_url(v)
@@ -192,6 +196,9 @@ class TargetConfig(Strict):
     # listed nodes only: the gateway is no engine, and auditing it as one would judge nothing real.
     sglang_router: str | None = Field(None, max_length=2048)
     discovery_interval_seconds: float = Field(15.0, gt=0, le=DAY)
+    # Where each node's log exporter listens on the node's own host (mtail's 3903, say), for nodes
+    # that name no log_metrics_url: the nodes a gateway lists included.
+    log_metrics_port: int | None = Field(None, ge=1, le=65535)
     # Kinds also sent down every prefill x decode pair itself, as the gateway would send them
     # (``paths()``; a target with no prefill node that states its bootstrap port has none): each
     # pair is judged once per interval of the kind, whatever the gateway's policy picks.
@@ -306,13 +313,22 @@ class TargetConfig(Strict):
         if not self.nodes and self.sglang_router is not None:
             return []
         if not self.nodes:
-            return [Node("", "aggregated", self.base_url, f"{self.base_url}/metrics")]
+            logs = self._log_metrics_at(self.base_url)
+            return [Node("", "aggregated", self.base_url, f"{self.base_url}/metrics", log_metrics_url=logs)]
         out = []
         for node in self.nodes:
             info = node.info_url or self.base_url
             metrics = node.metrics_url or f"{info}/metrics"
-            out.append(Node(node.name, node.role, info, metrics, node.bootstrap_port, node.dp_size))
+            logs = node.log_metrics_url or self._log_metrics_at(info)
+            out.append(Node(node.name, node.role, info, metrics, node.bootstrap_port, node.dp_size, logs))
         return out
+
+    def _log_metrics_at(self, info_url: str) -> str | None:
+        """Return the log exporter's page on the host of ``info_url`` (None without a port)."""
+        if self.log_metrics_port is None:
+            return None
+        url = httpx.URL(info_url)
+        return str(url.copy_with(scheme="http", port=self.log_metrics_port, path="/metrics"))
 
 
 def _ranks(node: Node) -> list[int | None]:

@@ -82,7 +82,8 @@ def test_a_clean_worker_passes_and_says_what_its_engine_does_not_expose(
     assert first.evidence["first_read"] is True
     assert set(first.evidence["not_exposed"]) == {
         "corrupted_requests", "kv_read_after_release", "kv_transfer_failures", "kv_lease_expiries",
-        "kv_notification_failures", "prefill_retries", "preemptions",
+        "kv_notification_failures", "prefill_retries", "preemptions", "engine_canary_violations",
+        "engine_canary_write_violations",
     }  # fmt: skip
     send(worker.url, PROMPT_A, "alice")
     second = read(worker.url, first.state)

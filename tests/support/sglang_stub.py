@@ -25,6 +25,8 @@ class SGLangStub:
     """A running stub; ``requests`` holds (method, path) of everything it was asked."""
 
     info: dict[str, Any]
+    #: Its ``/metrics`` page (Prometheus text), or None: 404.
+    metrics: str | None = None
     requests: list[tuple[str, str]] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
 
@@ -51,9 +53,11 @@ class SGLangStub:
             self.server.server_close()
 
 
-def start_sglang_stub(fixture: str) -> SGLangStub:
-    """Serve ``tests/fixtures/engines/<fixture>`` as a node's /server_info on a free loopback port."""
-    stub = SGLangStub(json.loads((ENGINES / fixture).read_text()))
+def start_sglang_stub(fixture: str, metrics: str | None = None) -> SGLangStub:
+    """Serve ``tests/fixtures/engines/<fixture>`` as a node's /server_info on a free loopback port,
+    and the fixture ``metrics`` names, if any, as its /metrics."""
+    page = None if metrics is None else (ENGINES / metrics).read_text()
+    stub = SGLangStub(json.loads((ENGINES / fixture).read_text()), page)
     stub.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(stub))
     threading.Thread(target=stub.server.serve_forever, daemon=True).start()
     return stub
@@ -68,6 +72,13 @@ def _handler(stub: SGLangStub) -> type[BaseHTTPRequestHandler]:
             stub.requests.append(("GET", self.path))
             if self.path in ("/server_info", "/get_server_info"):
                 self._json(200, stub.info)
+            elif self.path == "/metrics" and stub.metrics is not None:
+                raw = stub.metrics.encode()
+                self.send_response(200)
+                self.send_header("content-type", "text/plain; version=0.0.4")
+                self.send_header("content-length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
             elif self.path == "/v1/models":
                 self._json(
                     200,

@@ -259,3 +259,27 @@ def test_the_deprecated_single_node_role_reads_as_aggregated_with_a_warning(
     assert "role 'single' is deprecated" in caplog.text
     with pytest.raises(ConfigError, match=r"targets\[0\]\.nodes\[0\]\.role"):
         parse_settings({"targets": [{**target, "nodes": [{"name": "n0", "role": "solo"}]}]})
+
+
+def test_a_nodes_log_page_is_its_own_url_or_the_targets_log_port_on_the_nodes_host() -> None:
+    target = {"name": "a", "base_url": "http://gw.internal:30000", "tenants": [{"name": "x"}],
+              "probes": ["counters"], "engine": "sglang"}  # fmt: skip
+    nodes = [
+        {"name": "p0", "role": "prefill", "info_url": "http://10.0.0.5:30001",
+         "log_metrics_url": "http://logs.internal:9100/sglang/metrics"},
+        {"name": "d0", "role": "decode", "info_url": "https://10.0.0.6:30002"},
+    ]  # fmt: skip
+    listed = parse_settings({"targets": [{**target, "nodes": nodes, "log_metrics_port": 3903}]}).targets[0]
+    assert [n.log_metrics_url for n in listed.node_list()] == [
+        "http://logs.internal:9100/sglang/metrics",
+        "http://10.0.0.6:3903/metrics",
+    ]
+    alone = parse_settings({"targets": [{**target, "log_metrics_port": 3903}]}).targets[0]
+    assert [n.log_metrics_url for n in alone.node_list()] == ["http://gw.internal:3903/metrics"]
+    unset = parse_settings({"targets": [{**target, "nodes": nodes[1:]}]}).targets[0]
+    assert [n.log_metrics_url for n in unset.node_list()] == [None]
+    with pytest.raises(ConfigError, match=r"targets\[0\]\.log_metrics_port"):
+        parse_settings({"targets": [{**target, "log_metrics_port": 0}]})
+    with pytest.raises(ConfigError, match=r"targets\[0\]\.nodes\[0\]\.log_metrics_url"):
+        bad = [{"name": "p0", "log_metrics_url": "http://user:pw@10.0.0.5:3903/metrics"}]
+        parse_settings({"targets": [{**target, "nodes": bad}]})
