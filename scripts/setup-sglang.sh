@@ -19,6 +19,9 @@
 # - torchvision: the reachable wheel is a CUDA build whose import fails beside the CPU torch
 #   ("operator torchvision::nms does not exist"), and SGLang imports it at load for its multimodal
 #   models, as transformers does once it finds the stand-in; a text-only model needs none of it.
+# And one mend: scripts/sglang_cpu_canary.py lets SGLang's own KV canary (--kv-canary) run on a CPU,
+# where three pieces of its plumbing assume an accelerator (that file says which, and why the checks
+# themselves stay SGLang's). A .pth line imports it in every process of the venv.
 set -euo pipefail
 
 TORCH_VERSION="2.13.0"
@@ -39,9 +42,10 @@ VENV="${KVCANARY_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcanary/venv-sgla
 STAMP="$VENV/.kvcanary-setup"
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
-# The stand-ins' recipe is part of what the stamp records: a change to them rebuilds the venv.
-STAND_INS_VERSION=1
-WANT="torch==$TORCH_VERSION sglang==$SGLANG_VERSION deps=${DEPENDENCIES[*]} stand-ins=$STAND_INS_VERSION python=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+# The stamp records what pip installed; the stand-ins and the canary's mend are this repository's
+# files, written on every run (a fraction of a second), so a change to them needs no rebuild.
+WANT="torch==$TORCH_VERSION sglang==$SGLANG_VERSION deps=${DEPENDENCIES[*]} python=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+CPU_CANARY="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/sglang_cpu_canary.py"
 
 start=$(date +%s)
 log() { echo "setup-sglang: [$(( $(date +%s) - start ))s] $*"; }
@@ -132,10 +136,16 @@ for relative, text in files.items():
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 PY
+    # The canary's CPU mend, imported by every interpreter of the venv (the scheduler is a spawned
+    # process, so a mend made in the launcher alone would not reach it).
+    cp "$CPU_CANARY" "$1/kvcanary_sglang_cpu_canary.py"
+    echo "import kvcanary_sglang_cpu_canary; kvcanary_sglang_cpu_canary.install()" > "$1/kvcanary-sglang-cpu-canary.pth"
 }
+site_packages() { "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
 set_up() { [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; }
 if [[ "${FORCE:-0}" != "1" ]] && set_up; then
+    write_stand_ins "$(site_packages)"
     log "already set up in $VENV (sglang==$SGLANG_VERSION)"
     exit 0
 fi
@@ -146,6 +156,7 @@ mkdir -p "$(dirname "$VENV")"
 exec 9>"$VENV.lock"
 flock 9
 if [[ "${FORCE:-0}" != "1" ]] && set_up; then
+    write_stand_ins "$(site_packages)"
     log "set up meanwhile in $VENV (sglang==$SGLANG_VERSION)"
     exit 0
 fi
@@ -169,9 +180,8 @@ quiet_pip install --quiet --no-deps "sglang==$SGLANG_VERSION"
 log "installing the dependencies a CPU server imports (torch held at $TORCH_VERSION)"
 quiet_pip install --quiet -c "$CONSTRAINT" "${DEPENDENCIES[@]}" 2>&1 | { grep -v "${QUIET_CONFLICTS[@]}" || true; }
 
-log "writing the stand-ins for sgl_kernel and torchvision"
-SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-write_stand_ins "$SITE"
+log "writing the stand-ins for sgl_kernel and torchvision, and the canary's CPU mend"
+write_stand_ins "$(site_packages)"
 
 log "checking the modules a CPU server loads, and that the stand-ins keep the AMX kernels off"
 (cd "$VENV" && SGLANG_USE_CPU_ENGINE=1 PYTHONWARNINGS=ignore "$VENV/bin/python" - <<'EOF'
@@ -194,6 +204,10 @@ from sglang.srt.utils.common import cpu_has_amx_support
 assert torch.__version__.endswith("+cpu"), f"expected the CPU torch, got {torch.__version__}"
 # The stand-in registers no torch.ops.sgl_kernel, so SGLang keeps to its native CPU paths.
 assert not cpu_has_amx_support(), "SGLang would call sgl_kernel's AMX kernels, which the stand-in lacks"
+# The canary's CPU mend is in place: the stream SGLang's canary asks for on a CPU can be made.
+from sglang.srt.utils import create_device_stream
+
+create_device_stream(torch.device("cpu"))
 for name in ("sglang", "torch", "transformers", "tokenizers", "safetensors"):
     print(f"  {name}=={md.version(name)}")
 EOF

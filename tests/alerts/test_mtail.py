@@ -1,12 +1,14 @@
 """``alerts/mtail/sglang_kv_canary.mtail``: SGLang's own KV canary, read by a real mtail and judged by
-the counters probe.
+the counters probe, case by case.
 
-SGLang's canary only logs, and it runs only where SGLang's GPU path does (its CPU path dies at start
-in 0.5.23: ``docs/sglang-engine.md``). So the engine is met at the seam twice: its log is written
-here line for line as 0.5.23 writes it (``srt/kv_canary/runner/violation_reporter.py`` and
-``stats_logger.py``, behind the logger's ``[time TPn]`` prefix), and the node's own page is the
-SGLang stub serving the 0.5.23 prefill page. mtail (Debian's 3.0.0~rc50) tails the log for real, and
-the probe reads both pages over HTTP as it reads any node.
+The canary running in the real engine is ``tests/sglang/test_kv_canary_on_sglang.py`` (opt-in: SGLang
+on this CPU, a read violation provoked by SGLang's own fault injection). The cases it cannot provoke
+are here: a write-only violation, raise mode's record at the end of a traceback, the labels of releases
+before 0.5.23, a ring that overflowed before every violation was logged, a log page gone. The log is
+written line for line as 0.5.23 writes it (``srt/kv_canary/runner/violation_reporter.py`` and
+``stats_logger.py``, behind the logger's ``[time DPn TPn]`` prefix; the real engine's lines match
+them), and the node's own page is the SGLang stub serving the 0.5.23 prefill page. mtail (Debian's
+3.0.0~rc50) tails the log for real, and the probe reads both pages over HTTP as it reads any node.
 """
 
 from __future__ import annotations
@@ -14,63 +16,37 @@ from __future__ import annotations
 import asyncio
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.runs.execute import execute_probe
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
-from kvcanary.monitor.targets.scrape import parse_samples
 from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.probes.markers import MarkerBook
-from tests.alerts import ALERTS_DIR, require_tool
-from tests.support import free_port, stop_process, wait_http
-from tests.support.services import wait_for
+from tests.alerts import require_tool
+from tests.support import free_port, stop_process
+from tests.support.mtail import PROGRAMS, Mtail, running_mtail
 from tests.support.sglang_stub import SGLangStub, start_sglang_stub
 
-PROGRAMS = ALERTS_DIR / "mtail"
 PREFIX = "[2026-12-05 10:00:00 DP0 TP0] "
 
 
-@dataclass
-class Mtail:
-    url: str
-    log: Path
-    proc: subprocess.Popen[bytes]
-
+class LoggedMtail(Mtail):
     def write(self, *messages: str) -> None:
         """Append log records as SGLang's logger writes them: the prefix on a record's first line."""
         with self.log.open("a") as out:
             out.writelines(PREFIX + message + "\n" for message in messages)
 
-    def samples(self) -> dict[str, float]:
-        return parse_samples(httpx.get(self.url, timeout=5).text)
-
-    def until(self, name: str, value: float) -> None:
-        """Wait until mtail's page reads ``value`` for the unlabelled sample ``name``."""
-        wait_for(lambda: self.samples().get(name) == value, 15, f"mtail to read {name} = {value}")
-
 
 @pytest.fixture
-def mtail(tmp_path: Path) -> Iterator[Mtail]:
-    binary = require_tool("mtail", "mtail")
+def mtail(tmp_path: Path) -> Iterator[LoggedMtail]:
     log = tmp_path / "sglang.log"
     log.touch()
-    port = free_port()
-    argv = [binary, "--progs", str(PROGRAMS), "--logs", str(log), "--address", "127.0.0.1",
-            "--port", str(port), "--logtostderr"]  # fmt: skip
-    with (tmp_path / "mtail.out").open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/metrics"
-    try:
-        wait_http(url, timeout=30, proc=proc)
-        yield Mtail(url, log, proc)
-    finally:
-        stop_process(proc)
+    with running_mtail(log, tmp_path) as running:
+        yield LoggedMtail(running.url, running.log, running.proc)
 
 
 @pytest.fixture
@@ -132,7 +108,7 @@ def read(sglang: SGLangStub, log_url: str | None, state: dict[str, Any] | None =
     return asyncio.run(go())
 
 
-def first_read(sglang: SGLangStub, mtail: Mtail) -> ProbeResult:
+def first_read(sglang: SGLangStub, mtail: LoggedMtail) -> ProbeResult:
     """The canary's first stats line logged and read by mtail, then the node's first read."""
     mtail.write(stats(100, 0))
     mtail.until("sglang_kv_canary_step", 100)
@@ -140,7 +116,7 @@ def first_read(sglang: SGLangStub, mtail: Mtail) -> ProbeResult:
 
 
 def read_after(
-    sglang: SGLangStub, mtail: Mtail, before: ProbeResult, record: str, counted: str
+    sglang: SGLangStub, mtail: LoggedMtail, before: ProbeResult, record: str, counted: str
 ) -> ProbeResult:
     """Log ``record``, wait until mtail has counted it in ``counted`` (one more), and read again."""
     was = mtail.samples()[counted]
@@ -163,7 +139,9 @@ def test_the_program_compiles_in_mtail() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_a_quiet_canary_passes_with_both_counters_read_at_zero(mtail: Mtail, sglang: SGLangStub) -> None:
+def test_a_quiet_canary_passes_with_both_counters_read_at_zero(
+    mtail: LoggedMtail, sglang: SGLangStub
+) -> None:
     result = first_read(sglang, mtail)
     assert (result.verdict, result.reason) == (Verdict.PASS, "counters_clean"), result.detail
     assert series(result, "engine_canary_violations")["after"] == 0
@@ -176,7 +154,7 @@ def test_a_quiet_canary_passes_with_both_counters_read_at_zero(mtail: Mtail, sgl
 
 
 def test_a_slot_a_request_read_failing_its_canary_is_a_leak_of_the_node(
-    mtail: Mtail, sglang: SGLangStub
+    mtail: LoggedMtail, sglang: SGLangStub
 ) -> None:
     first = first_read(sglang, mtail)
     mtail.write(violation("TAIL_K_FULL", ["verify_chain_hash", "verify_position"], 1), stats(200, 3))
@@ -196,7 +174,7 @@ def test_a_slot_a_request_read_failing_its_canary_is_a_leak_of_the_node(
 
 
 def test_a_write_only_violation_is_a_mismatch_and_older_labels_still_count_as_reads(
-    mtail: Mtail, sglang: SGLangStub
+    mtail: LoggedMtail, sglang: SGLangStub
 ) -> None:
     first = first_read(sglang, mtail)
     record = violation("HEAD_V_FULL", ["write_token", "write_position"], 1)
@@ -210,7 +188,7 @@ def test_a_write_only_violation_is_a_mismatch_and_older_labels_still_count_as_re
 
 
 def test_raise_mode_is_counted_from_the_error_that_stops_the_scheduler(
-    mtail: Mtail, sglang: SGLangStub
+    mtail: LoggedMtail, sglang: SGLangStub
 ) -> None:
     first = read(sglang, mtail.url)
     traceback = 'Traceback (most recent call last):\n  File "scheduler.py", line 1, in event_loop'
@@ -220,7 +198,7 @@ def test_raise_mode_is_counted_from_the_error_that_stops_the_scheduler(
 
 
 def test_a_log_page_gone_is_no_pass_and_one_never_configured_says_the_canary_is_missing(
-    mtail: Mtail, sglang: SGLangStub
+    mtail: LoggedMtail, sglang: SGLangStub
 ) -> None:
     stop_process(mtail.proc)
     gone = read(sglang, mtail.url)

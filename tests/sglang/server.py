@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -120,17 +121,18 @@ def server_argv(python: Path, port: int, *extra: str) -> list[str]:
 
 
 def start_server(
-    python: Path, workdir: Path, *extra: str
+    python: Path, workdir: Path, *extra: str, env: Mapping[str, str] | None = None
 ) -> tuple[SglangServer, subprocess.Popen[bytes] | None, str]:
-    """Start the server and wait until it answers /health (after its warm-up request): the server
-    and its process, or no process and what went wrong (the log's first error)."""
+    """Start the server (``extra`` flags, ``env`` beside ``SERVER_ENV``) and wait until it answers
+    /health (after its warm-up request): the server and its process, or no process and what went
+    wrong (the log's first error)."""
     port = free_port()
     log_path = workdir / f"sglang-server-{port}.log"
     with log_path.open("wb") as log:
         # cwd is the temporary folder so that the repo's top-level packages cannot shadow SGLang's.
         proc = subprocess.Popen(
             server_argv(python, port, *extra), stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
-            env={**os.environ, **SERVER_ENV}, start_new_session=True,
+            env={**os.environ, **SERVER_ENV, **(env or {})}, start_new_session=True,
         )  # fmt: skip
     server = SglangServer(f"http://127.0.0.1:{port}", SERVED_MODEL, CONTEXT_LEN, KV_POOL_TOKENS, log_path)
     try:
