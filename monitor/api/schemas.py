@@ -122,6 +122,15 @@ class LastVerdictOut(_Out):
     verdict: Verdict
     started_at: datetime
     reason: str
+    node: str = Field("", description=NODE_HELP + " A path is named 'prefill--decode'.")
+
+
+class OpenIncidentOut(_Out):
+    id: int
+    probe: str
+    node: str = Field(description=NODE_HELP + " A path is named 'prefill--decode': the pair it came from.")
+    severity: str
+    opened_at: datetime
 
 
 class TargetOut(_Out):
@@ -131,7 +140,14 @@ class TargetOut(_Out):
     model: str
     probes: list[str]
     last_verdicts: dict[str, LastVerdictOut] = Field(
-        description="The latest verdict of each configured probe; a probe not judged yet is absent."
+        description="The latest verdict of each configured probe, on whichever node or path it ran last; "
+        "a probe not judged yet is absent. A later pass elsewhere does not hide an open incident: see "
+        "open_incidents."
+    )
+    open_incidents: list[OpenIncidentOut] = Field(
+        default_factory=list,
+        description="The target's open incidents, newest first (at most 50; the incidents API has them all), "
+        "each with the node or prefill--decode path it came from.",
     )
 
 

@@ -8,7 +8,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 
 from kvcanary.monitor.api.deps import SessionDep
-from kvcanary.monitor.api.schemas import LastVerdictOut, ProbeRunOut, Problem, RunOut, TargetList, TargetOut
+from kvcanary.monitor.api.schemas import (
+    LastVerdictOut,
+    OpenIncidentOut,
+    ProbeRunOut,
+    Problem,
+    RunOut,
+    TargetList,
+    TargetOut,
+)
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.runs.run_now import RateLimited, RunJob, RunNow
 from kvcanary.monitor.storage import queries
@@ -23,20 +31,26 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {
 
 @router.get("", summary="Configured targets and each probe's latest verdict")
 def list_targets(request: Request, session: SessionDep) -> TargetList:
-    """Return every configured target, in order, with the latest verdict of each probe judged so far."""
+    """Return every configured target, in order, with the latest verdict of each probe judged so far
+    (and the node or path it ran on) and its open incidents, each naming the node or path it came from."""
     targets = api_state(request).settings.targets
     # Only the configured pairs: one index descent each, however many results the table holds.
     last = queries.last_verdicts(session, pairs=[(t.name, probe) for t in targets for probe in t.probes])
+    open_incidents = queries.open_incidents_by_target(session, targets=[t.name for t in targets])
     items = []
     for target in targets:
         seen = last.get(target.name, {})
         verdicts = {
-            probe: LastVerdictOut.model_validate(
-                {"verdict": seen[probe][0], "started_at": seen[probe][1], "reason": seen[probe][2]}
+            probe: LastVerdictOut(
+                verdict=seen[probe][0], started_at=seen[probe][1], reason=seen[probe][2], node=seen[probe][3]
             )
             for probe in target.probes
             if probe in seen
         }
+        incidents = [
+            OpenIncidentOut(id=i, probe=probe, node=node, severity=severity, opened_at=opened)
+            for i, probe, node, severity, opened in open_incidents.get(target.name, [])
+        ]
         items.append(
             TargetOut(
                 name=target.name,
@@ -45,6 +59,7 @@ def list_targets(request: Request, session: SessionDep) -> TargetList:
                 model=target.model,
                 probes=list(target.probes),
                 last_verdicts=verdicts,
+                open_incidents=incidents,
             )
         )
     return TargetList(items=items)

@@ -183,8 +183,9 @@ def list_probe_results(
 
 def last_verdicts(
     session: Session, *, pairs: Iterable[tuple[str, str]]
-) -> dict[str, dict[str, tuple[str, datetime, str]]]:
-    """Return ``{target_name: {probe: (verdict, started_at, reason)}}`` of each pair's latest result.
+) -> dict[str, dict[str, tuple[str, datetime, str, str]]]:
+    """Return ``{target_name: {probe: (verdict, started_at, reason, node)}}`` of each pair's latest
+    result (``node`` empty for a run of the whole target).
 
     ``pairs`` are the (target name, probe) pairs asked about; one that never recorded a result is
     absent. Latest means the greatest ``started_at``, then the greatest ``id``. Each (target, probe
@@ -195,19 +196,48 @@ def last_verdicts(
     latest = [_latest(probe) for probe in sorted({probe for _, probe in wanted})]
     if not latest:
         return {}
-    out: dict[str, dict[str, tuple[str, datetime, str]]] = {}
-    for name, probe, verdict, started_at, reason in session.execute(union_all(*latest)):
+    out: dict[str, dict[str, tuple[str, datetime, str, str]]] = {}
+    for name, probe, verdict, started_at, reason, node in session.execute(union_all(*latest)):
         if verdict is not None and (name, probe) in wanted:
-            out.setdefault(name, {})[probe] = (verdict, started_at, reason)
+            out.setdefault(name, {})[probe] = (verdict, started_at, reason, node or "")
+    return out
+
+
+#: The most open incidents a target's entry lists (a gateway target's paths are at most 256, each
+#: with a few probe kinds): newest first; the incidents API has them all.
+OPEN_INCIDENTS_LISTED = 50
+
+
+def open_incidents_by_target(
+    session: Session, *, targets: Iterable[str]
+) -> dict[str, list[tuple[int, str, str, str, datetime]]]:
+    """Return ``{target_name: [(id, probe, node, severity, opened_at), ...]}`` of the open incidents
+    of these targets, newest first, at most ``OPEN_INCIDENTS_LISTED`` each; a target with none is
+    absent. One range of ``ix_incident_target_state_opened_id`` per target."""
+    out: dict[str, list[tuple[int, str, str, str, datetime]]] = {}
+    for name in sorted(set(targets)):
+        query = (
+            select(Incident.id, Incident.probe, Incident.node, Incident.severity, Incident.opened_at)
+            .join(Target, Target.id == Incident.target_id)
+            .where(Target.name == name, Incident.state == "open")
+            .order_by(Incident.opened_at.desc(), Incident.id.desc())
+            .limit(OPEN_INCIDENTS_LISTED)
+        )
+        rows = [
+            (i, probe, node or "", severity, opened)
+            for i, probe, node, severity, opened in session.execute(query)
+        ]
+        if rows:
+            out[name] = rows
     return out
 
 
 def _latest(probe: str) -> Select[Any]:
-    """Return a SELECT of (target name, probe, verdict, started_at, reason) of the latest ``probe``
-    result of every target row (verdict None: it has none).
+    """Return a SELECT of (target name, probe, verdict, started_at, reason, node) of the latest
+    ``probe`` result of every target row (verdict None: it has none).
 
     Each value is a correlated subquery: one descent of the (target, probe, started_at, id) index
-    per target, so no plan scans probe_result, whatever its size. The three see one snapshot and
+    per target, so no plan scans probe_result, whatever its size. The four see one snapshot and
     one order, hence one row. Naming no target keeps the statement constant for the caches.
     """
 
@@ -227,4 +257,5 @@ def _latest(probe: str) -> Select[Any]:
         newest(ProbeResultRow.verdict),
         newest(ProbeResultRow.started_at),
         newest(ProbeResultRow.reason),
+        newest(ProbeResultRow.node),
     )

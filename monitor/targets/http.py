@@ -16,6 +16,12 @@ import aiohttp
 
 #: Errors that mean no connection could be made at all (refused, unreachable, unresolvable).
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ClientConnectorCertificateError)
+#: How long an idle pooled connection is kept for reuse. Engines served by uvicorn close theirs after
+#: 5 s (its default, and SGLang's, vLLM's and the reference worker's); aiohttp keeps them 15 s. A
+#: probe sent on one between the two races the server's close and reads "Server disconnected": a
+#: probe error on a sound engine (the likely cause of one in the demo under load). Letting go first
+#: leaves no race.
+IDLE_KEEPALIVE_SECONDS = 2.0
 
 
 class HttpClient:
@@ -30,7 +36,11 @@ class HttpClient:
         if self._session is None or self._session.closed:
             async with self._lock:
                 if self._session is None or self._session.closed:
-                    connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300)
+                    connector = aiohttp.TCPConnector(
+                        limit=self.max_connections,
+                        ttl_dns_cache=300,
+                        keepalive_timeout=IDLE_KEEPALIVE_SECONDS,
+                    )
                     self._session = aiohttp.ClientSession(
                         connector=connector,
                         # Every caller bounds its whole exchange with asyncio.timeout(); aiohttp's

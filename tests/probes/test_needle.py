@@ -38,9 +38,15 @@ def run_needle(
     state: dict[str, Any] | None = None,
     **options: Any,
 ) -> ProbeResult:
-    """Run the needle once, as the runner would (judged), with ``state`` from a previous run."""
+    """Run the needle once, as the runner would (judged), with ``state`` from a previous run; close
+    the target (its HTTP session left open would be reported unclosed in some later test's loop)."""
     ctx = ProbeContext(target, book if book is not None else MarkerBook(), options, state=state)
-    return asyncio.run(NeedleProbe().run(ctx))
+
+    async def go() -> ProbeResult:
+        async with target:
+            return await NeedleProbe().run(ctx)
+
+    return asyncio.run(go())
 
 
 def run_fake(engine: FakeEngine, *, tenants=("alice", "bob"), target_options=None, **options) -> ProbeResult:

@@ -69,9 +69,11 @@ def record(
     policy: IncidentConfig = POLICY,
     reason: str = "",
     detail: str = "",
+    node: str = "",
     **measurements: float,
 ) -> RecordOutcome:
-    """Record one result in its own committed transaction, the way the runner does."""
+    """Record one result (of ``node``: empty for the whole target) in its own committed transaction,
+    the way the runner does."""
     with factory() as s, s.begin():
         return record_result(
             s,
@@ -86,6 +88,7 @@ def record(
             policy=policy,
             retention=RETENTION,
             now=at + timedelta(seconds=1),
+            node=node,
         )
 
 

@@ -213,8 +213,30 @@ def test_targets_show_configuration_and_last_verdicts(client: TestClient, seeded
         "verdict": "pass",
         "started_at": "2026-11-29T12:01:00Z",
         "reason": "ok",
+        "node": "",
     }
-    assert (dev["name"], dev["last_verdicts"]) == ("llama-dev", {})
+    # The leak's incident is still open after the pass (it resolves after several): listed.
+    [incident] = prod["open_incidents"]
+    assert (incident["id"], incident["probe"], incident["node"]) == (seeded["critical"], "cross_tenant", "")
+    assert (dev["name"], dev["last_verdicts"], dev["open_incidents"]) == ("llama-dev", {}, [])
+
+
+def test_a_pass_down_one_path_does_not_hide_the_open_leak_of_another(
+    client: TestClient, session_factory: Factory
+) -> None:
+    """A gateway target's probes run down each prefill x decode path: the latest verdict may come
+    from a sound pair while another leaks. The targets API says which path each came from, and lists
+    the open incident with the pair that leaked."""
+    leak = record(session_factory, "leak", at=minutes(0), probe="canary", node="small--d0")
+    record(session_factory, "pass", at=minutes(1), probe="canary", node="roomy--d0")
+
+    [prod, _] = client.get("/api/v1/targets").json()["items"]
+
+    last = prod["last_verdicts"]["canary"]
+    assert (last["verdict"], last["node"]) == ("pass", "roomy--d0")
+    assert [(i["id"], i["probe"], i["node"], i["severity"]) for i in prod["open_incidents"]] == [
+        (leak.incident_id, "canary", "small--d0", "critical")
+    ]
 
 
 def test_running_a_target_calls_the_runner_and_returns_its_summaries(session_factory: Factory) -> None:

@@ -139,6 +139,10 @@ def test_every_path_is_probed_the_leaking_pair_named_and_the_healthy_pairs_pass(
         incidents = monitor.get("/api/v1/incidents", target="glm", state="open").json()["items"]
         named = {i["node"] for i in incidents if i["probe"] == "boundary"}
         assert named == small_paths, incidents
+        # The targets API names them too, beside whichever path each kind ran on last.
+        [entry] = [t for t in monitor.get("/api/v1/targets").json()["items"] if t["name"] == "glm"]
+        assert {i["node"] for i in entry["open_incidents"] if i["probe"] == "boundary"} == small_paths, entry
+        assert entry["last_verdicts"]["boundary"]["node"] in paths.values(), entry
         evidence = [r["evidence"] for r in last_results(monitor, paths[("small", "d1")])
                     if r["probe"] == "boundary" and r["verdict"] != "pass"]  # fmt: skip
         expected = {"prefill": node("prefill", fleet.prefills["small"].url),

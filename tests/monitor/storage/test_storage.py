@@ -143,11 +143,11 @@ def test_last_verdicts_hold_each_pairs_latest_result(session_factory: Factory) -
         only = queries.last_verdicts(s, pairs=[("llama-dev", "canary")])
         nothing = queries.last_verdicts(s, pairs=[])
 
-    assert last["glm-prod"]["cross_tenant"] == ("leak", minutes(0), "foreign_marker")
+    assert last["glm-prod"]["cross_tenant"] == ("leak", minutes(0), "foreign_marker", "")
     # Two results started at the same time: the one recorded last wins.
-    assert last["glm-prod"]["boundary"] == ("error", minutes(13), "timeout")
+    assert last["glm-prod"]["boundary"] == ("error", minutes(13), "timeout", "")
     assert set(last["llama-dev"]) == {"cross_tenant", "canary"} and set(last) == {"glm-prod", "llama-dev"}
-    assert only == {"llama-dev": {"canary": ("pass", minutes(21), "ok")}} and nothing == {}
+    assert only == {"llama-dev": {"canary": ("pass", minutes(21), "ok", "")}} and nothing == {}
 
 
 def test_open_incident_counts_group_the_open_ones(session_factory: Factory) -> None:

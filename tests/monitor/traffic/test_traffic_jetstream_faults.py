@@ -102,7 +102,13 @@ def test_the_first_records_after_an_idle_spell_are_judged_at_once_and_nothing_is
 
     with caplog.at_level(logging.INFO, logger="kvcanary.traffic"):
         took = asyncio.run(asyncio.wait_for(run(), 90))
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # The consumer's own loggers: asyncio's garbage-collection notes about an object another test of
+    # this worker left behind may land in this test's window (an unclosed aiohttp session, once).
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("kvcanary")
+    ]
     assert warnings == []
     assert took < 2.0, f"the first records after {IDLE_SECONDS:.0f} s idle took {took:.2f} s"
 
