@@ -24,9 +24,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvcanary.monitor.metrics.containment import QuarantineCollector, Quarantined
+from kvcanary.monitor.metrics.coverage import node_coverage, path_coverage
 from kvcanary.monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
 from kvcanary.monitor.metrics.gateway import GatewayHealth, GatewayHealthCollector
-from kvcanary.monitor.metrics.paths import PathCoverage
 from kvcanary.monitor.metrics.stream import StreamCollector
 from kvcanary.monitor.recording.health import WriteHealth
 from kvcanary.probes.base import ProbeResult, Verdict
@@ -228,8 +228,10 @@ class MonitorMetrics:
         self.registry.register(self._general)
         self.registry.register(self.pairs)
         #: When each prefill x decode path of a disaggregated target was last judged.
-        self.paths = PathCoverage()
+        self.paths = path_coverage()
+        self.nodes = node_coverage()
         self._general.register(self.paths)
+        self._general.register(self.nodes)
         # A histogram per (target, probe) is 16 series a pair (80,000 at 5,000 targets); the
         # distribution is kept per probe kind, and each pair's last duration is a gauge.
         self.probe_duration = Histogram(
@@ -323,6 +325,7 @@ class MonitorMetrics:
         self.pairs.forget(target, kinds)
         if kinds is None:
             self.paths.forget(target)
+            self.nodes.forget(target)
         if kinds is None or "capacity" in kinds:
             for t, node in [key for key in self._node_pools if key[0] == target]:
                 for pool in self._node_pools.pop((t, node)):

@@ -45,12 +45,18 @@ def bound_to(client: TargetClient, where: Where) -> tuple[TargetClient, Node | N
     return client, where
 
 
-def declare_paths(metrics: MonitorMetrics, target: TargetConfig) -> None:
-    """Export the coverage series of ``target``'s paths (none when it runs no kind down them)."""
+def declare_coverage(metrics: MonitorMetrics, target: TargetConfig) -> None:
+    """Export the coverage series of ``target``'s paths (none when it runs no kind down them) and
+    nodes (none when it runs no node-scoped kind)."""
+    now = time.time()
     kinds = target.path_kinds()
     paths = [(p.prefill_name, p.decode_name) for p in target.paths()] if kinds else []
     interval = min((target.interval_for(kind) for kind in kinds), default=0.0)
-    metrics.paths.declare(target.name, paths, interval, time.time())
+    metrics.paths.declare(target.name, paths, interval, now)
+    node_kinds = [kind for kind in target.probes if REGISTRY[kind].scope == "node"]
+    nodes = [node.name for node in target.node_list()] if node_kinds else []
+    interval = min((target.interval_for(kind) for kind in node_kinds), default=0.0)
+    metrics.nodes.declare(target.name, nodes, interval, now)
 
 
 def run_keys(settings: Settings) -> list[RunKey]:

@@ -25,7 +25,7 @@ from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.recording.pending import PendingResult
 from kvcanary.monitor.recording.port import RecordingPort
 from kvcanary.monitor.recording.writer import BatchWriter
-from kvcanary.monitor.runs.coverage import Where, bound_to, declare_paths, nodes_of_run, run_keys
+from kvcanary.monitor.runs.coverage import Where, bound_to, declare_coverage, nodes_of_run, run_keys
 from kvcanary.monitor.runs.execute import execute_probe
 from kvcanary.monitor.runs.slots import FairSlots
 from kvcanary.probes.base import ProbeResult, Verdict
@@ -138,7 +138,7 @@ class ProbeRunner:
         self._due: dict[tuple[str, str], datetime] = {}
         for target in settings.targets:
             metrics.declare(target.name, {kind: target.interval_for(kind) for kind in target.probes})
-            declare_paths(metrics, target)
+            declare_coverage(metrics, target)
             for tenant in target.tenants:
                 markers.register(target.name, tenant.name)
 
@@ -217,8 +217,10 @@ class ProbeRunner:
         now_target = self.settings.target(target.name)
         if now_target is not None and kind in now_target.probes:  # a reload may have removed it meanwhile
             self.metrics.observe(target.name, kind, result, run.duration, time.time(), key[2])
-            if isinstance(node, ServingPath) and result.verdict is not Verdict.ERROR:
+            if result.verdict is not Verdict.ERROR and isinstance(node, ServingPath):
                 self.metrics.paths.judged(target.name, (node.prefill_name, node.decode_name), time.time())
+            elif result.verdict is not Verdict.ERROR and node is not None:
+                self.metrics.nodes.judged(target.name, node.name, time.time())
         summary = RunSummary(target.name, kind, key[2], result, run.started_at, run.duration, outcome)
         where = f"{target.name}/{kind}" + (f"@{key[2]}" if key[2] else "")
         log.info("%s: %s (%s) in %.2fs", where, result.verdict.value, result.reason, run.duration)
@@ -278,7 +280,7 @@ class ProbeRunner:
         names = {t.name for t in settings.targets}
         for target in settings.targets:
             self.metrics.declare(target.name, {kind: target.interval_for(kind) for kind in target.probes})
-            declare_paths(self.metrics, target)
+            declare_coverage(self.metrics, target)
             for tenant in target.tenants:
                 self.markers.register(target.name, tenant.name)
         keys = set(run_keys(settings))

@@ -339,6 +339,11 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
         return {n: (rows[0]["verdict"], rows[0]["reason"]) for n, rows in seen.items()}
 
     assert monitor.wait_for("a capacity audit of each of the four nodes", audited, timeout=60) == expected
+    # Coverage per node: each found node has its series, and an audit judged it within the last minute.
+    judged = dict(
+        (labels["node"], value) for labels, value in monitor.samples("kvcanary_node_last_judged_timestamp")
+    )
+    assert set(judged) == set(expected) and all(time.time() - v < 60 for v in judged.values()), judged
 
     # A reload of the file keeps the nodes found: they are the gateway's, not the file's.
     monitor.config["targets"][0]["timeout_seconds"] = 20
@@ -379,6 +384,8 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
         return nodes if nodes == set(expected) else None  # re-audited without the node that left
 
     monitor.wait_for("the pools of the four remaining nodes only", pools_exported, timeout=15)
+    covered = {labels["node"] for labels, _ in monitor.samples("kvcanary_node_last_judged_timestamp")}
+    assert covered == set(expected), covered  # the node that left has no coverage series left
     count = len(capacity_results(monitor, joined))
     time.sleep(3 * DISCOVERY_SECONDS)
     assert len(capacity_results(monitor, joined)) == count  # no longer audited
