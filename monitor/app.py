@@ -192,7 +192,7 @@ class Monitor:
         self._admission_read: asyncio.Task[None] | None = None
         # Nodes found from SGLang gateways (monitor/runs/discovery.py), taken up as a reload would.
         self.discovery = GatewayDiscovery(settings, self.http, limits)
-        self.metrics.watch_gateways(lambda: self.discovery.health)
+        self.metrics.watch_gateways(lambda: self.discovery.health, lambda: self.discovery.circuits)
         self.scheduler = build_scheduler(
             settings,
             self.runner,

@@ -82,7 +82,9 @@ def test_every_monitor_metric_is_documented_and_every_documented_one_exported() 
               "rejected": 0, "pending_messages": 0, "lag_seconds": 0.0}  # fmt: skip
     metrics.watch_stream(lambda: report)
     metrics.watch_containment(lambda: ["t"], lambda: [])
-    metrics.watch_gateways(lambda: {"t": {"decode-10.0.0.7-30000": True}})
+    metrics.watch_gateways(
+        lambda: {"t": {"decode-10.0.0.7-30000": True}}, lambda: {"t": {"decode-10.0.0.7-30000": 0}}
+    )
     exported = set()
     for family in metrics.registry.collect():
         exported.add(family.name + ("_total" if family.type == "counter" else ""))

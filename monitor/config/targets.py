@@ -195,6 +195,9 @@ class TargetConfig(Strict):
     # listed ``nodes:`` (a listed name wins). Until the gateway first answers, the target has the
     # listed nodes only: the gateway is no engine, and auditing it as one would judge nothing real.
     sglang_router: str | None = Field(None, max_length=2048)
+    # The gateway's own metrics page (its --prometheus-port): its circuit breaker per worker is read
+    # there at each discovery, as kvcanary_gateway_worker_circuit_state by node.
+    sglang_router_metrics: str | None = Field(None, max_length=2048)
     discovery_interval_seconds: float = Field(15.0, gt=0, le=DAY)
     # Where each node's log exporter listens on the node's own host (mtail's 3903, say), for nodes
     # that name no log_metrics_url: the nodes a gateway lists included.
@@ -212,7 +215,7 @@ class TargetConfig(Strict):
         """Accept ``http(s)://host[:port][/prefix]``; a trailing ``/v1`` is dropped (paths add it)."""
         return http_url(v).removesuffix("/v1").rstrip("/")
 
-    @field_validator("sglang_router")
+    @field_validator("sglang_router", "sglang_router_metrics")
     @classmethod
     def _router(cls, v: str | None) -> str | None:
         return None if v is None else http_url(v)

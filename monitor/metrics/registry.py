@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from kvcanary.monitor.metrics.containment import QuarantineCollector, Quarantined
 from kvcanary.monitor.metrics.coverage import node_coverage, path_coverage
 from kvcanary.monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
-from kvcanary.monitor.metrics.gateway import GatewayHealth, GatewayHealthCollector
+from kvcanary.monitor.metrics.gateway import GatewayCircuits, GatewayHealth, GatewayHealthCollector
 from kvcanary.monitor.metrics.stream import StreamCollector
 from kvcanary.monitor.recording.health import WriteHealth
 from kvcanary.probes.base import ProbeResult, Verdict
@@ -354,8 +354,8 @@ class MonitorMetrics:
     def watch_containment(self, targets: Callable[[], Iterable[str]], quarantined: Quarantined) -> None:
         self._general.register(QuarantineCollector(targets, quarantined))
 
-    def watch_gateways(self, health: GatewayHealth) -> None:
-        self._general.register(GatewayHealthCollector(health))
+    def watch_gateways(self, health: GatewayHealth, circuits: GatewayCircuits) -> None:
+        self._general.register(GatewayHealthCollector(health, circuits))
 
     def watch_stream(self, report: Callable[[], dict[str, Any]]) -> None:
         self._general.register(StreamCollector(report))

@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import NodeConfig, TargetConfig
 from kvcanary.monitor.targets.http import HttpClient
-from kvcanary.monitor.targets.sglang_gateway import GatewayUnreadable, read_dp_size, read_workers
+from kvcanary.monitor.targets.sglang_gateway import (
+    GatewayUnreadable,
+    read_circuits,
+    read_dp_size,
+    read_workers,
+)
 from kvcanary.monitor.targets.wire import Limits
 
 log = logging.getLogger("kvcanary.discovery")
@@ -51,6 +56,9 @@ class GatewayDiscovery:
         self.found: dict[str, list[NodeConfig]] = {}
         #: What each target's gateway said of its nodes' health at that reading, by node name.
         self.health: dict[str, dict[str, bool]] = {}
+        #: Its circuit breaker of each node at that reading (0 closed, 1 open, 2 half-open), where
+        #: the target names the gateway's metrics page and it could be read.
+        self.circuits: dict[str, dict[str, int]] = {}
         self._read_at: dict[str, float] = {}  # time.monotonic() of each target's last reading
 
     def take_up(self, configured: Settings) -> Settings:
@@ -64,6 +72,7 @@ class GatewayDiscovery:
             if gateways.get(name) != before.get(name):
                 del self.found[name]
                 self.health.pop(name, None)
+                self.circuits.pop(name, None)
                 self._read_at.pop(name, None)
         return self.merged()
 
@@ -111,6 +120,7 @@ class GatewayDiscovery:
             log.warning("%s: gateway %s listed %d worker(s) that are not nodes (no readable type or URL)",
                         target.name, gateway, listed.skipped)  # fmt: skip
         self.health[target.name] = listed.healthy
+        await self._read_circuits(target, listed.nodes)
         before = {node.name: node for node in self.found.get(target.name, [])}
         after = await self._with_ranks(target, before, listed.nodes)
         if before == after and target.name in self.found:
@@ -125,6 +135,20 @@ class GatewayDiscovery:
         for name in change.left:
             log.warning("node %s left gateway %s (target %s)", name, gateway, target.name)
         return change if change.joined or change.left else None
+
+    async def _read_circuits(self, target: TargetConfig, nodes: list[NodeConfig]) -> None:
+        """Read the gateway's circuit breakers, where the target names its metrics page; an
+        unreadable page leaves none (a stale state would say a breaker is closed that may not be)."""
+        if target.sglang_router_metrics is None:
+            self.circuits.pop(target.name, None)
+            return
+        try:
+            self.circuits[target.name] = await read_circuits(
+                self._http, target.sglang_router_metrics, nodes, target.timeout_seconds, self._limits
+            )
+        except GatewayUnreadable as exc:
+            if self.circuits.pop(target.name, None) is not None or target.name not in self.found:
+                log.warning("%s: the gateway's metrics page is unreadable: %s", target.name, exc)
 
     async def _with_ranks(
         self, target: TargetConfig, before: dict[str, NodeConfig], listed: list[NodeConfig]

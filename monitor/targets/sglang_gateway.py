@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary.monitor.config.targets import NodeConfig, http_url
 from kvcanary.monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
@@ -169,3 +170,46 @@ async def read_workers(http: HttpClient, gateway: str, timeout: float, limits: L
         raise GatewayUnreadable(f"{url}: the answer is not JSON") from None
     except GatewayUnreadable as exc:
         raise GatewayUnreadable(f"{url}: {exc}") from None
+
+
+#: The gateway's circuit breaker per worker, on its metrics port (sglang-router 0.3.2's
+#: ``describe_gauge``: 0 closed, 1 open, 2 half-open), labelled by the worker's URL.
+CIRCUIT_STATE = "smg_worker_cb_state"
+#: Worse first: an open breaker sends a node nothing, a half-open one a trial request.
+_CIRCUIT_WORSE = {1: 2, 2: 1, 0: 0}
+
+
+async def read_circuits(
+    http: HttpClient, metrics_url: str, nodes: list[NodeConfig], timeout: float, limits: Limits
+) -> dict[str, int]:
+    """Return the gateway's circuit-breaker state of each of ``nodes`` it has one for, by node name
+    (a node with ranks: its worst rank's), from the page at ``metrics_url``; raise
+    :class:`GatewayUnreadable`."""
+    try:
+        status, raw, complete = await _get(http, metrics_url, timeout, limits)
+    except (TimeoutError, aiohttp.ClientError, *CONNECT_ERRORS) as exc:
+        raise GatewayUnreadable(f"{metrics_url}: {type(exc).__name__}") from None
+    if status != 200 or not complete:
+        raise GatewayUnreadable(
+            f"{metrics_url}: HTTP {status}" if status != 200 else f"{metrics_url}: too large"
+        )
+    by_url = {node.info_url: node.name for node in nodes}
+    states: dict[str, int] = {}
+    try:
+        for family in text_string_to_metric_families(raw):
+            for sample in family.samples:
+                worker = sample.labels.get("worker", "") if sample.name == CIRCUIT_STATE else ""
+                name = by_url.get(_worker_url(worker)) if worker else None
+                state = int(sample.value) if sample.value in (0, 1, 2) else None
+                if name is not None and state is not None:
+                    states[name] = max(states.get(name, 0), state, key=_CIRCUIT_WORSE.__getitem__)
+    except Exception as exc:  # the parser's own assorted errors: the page is not one it reads
+        raise GatewayUnreadable(f"{metrics_url}: not a Prometheus page ({exc})"[:300]) from None
+    return states
+
+
+def _worker_url(label: str) -> str:
+    try:
+        return http_url(_DP_RANK.sub("", label))
+    except ValueError:
+        return ""

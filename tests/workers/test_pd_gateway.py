@@ -58,6 +58,8 @@ class Gateway:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    #: Its own Prometheus page (--prometheus-port, on loopback).
+    metrics_url: str = ""
 
     def complete(self, prompt: str, key: str = "sk-a", **fields: Any) -> httpx.Response:
         return httpx.post(
@@ -88,7 +90,7 @@ def start_gateway(
     log = log_dir / f"gateway-{port}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    gateway = Gateway(f"http://127.0.0.1:{port}", proc, log)
+    gateway = Gateway(f"http://127.0.0.1:{port}", proc, log, f"http://127.0.0.1:{metrics_port}/metrics")
     try:
         wait_http(f"{gateway.url}/health", timeout=60, proc=proc)
         _wait_workers_healthy(gateway, len(prefills) + len(decodes))

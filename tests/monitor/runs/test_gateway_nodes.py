@@ -38,6 +38,7 @@ from kvcanary.monitor.targets.sglang_gateway import (
     GatewayUnreadable,
     node_name,
     parse_workers,
+    read_circuits,
     read_workers,
     worker_node,
 )
@@ -171,6 +172,49 @@ def test_the_answer_is_read_over_the_network_and_bounded_in_size() -> None:
         read_from(lambda request: httpx.Response(503, text="busy"))
     with pytest.raises(GatewayUnreadable, match="not JSON"):
         read_from(lambda request: httpx.Response(200, text="<html>"))
+
+
+def circuits_from(page: str, status: int = 200) -> dict[str, int]:
+    """The breakers read off ``page`` served on loopback, for the recorded answer's four nodes."""
+    nodes = parse_workers(recorded()).nodes
+    gateway = Loopback(lambda request: httpx.Response(status, text=page))
+    try:
+
+        async def go() -> dict[str, int]:
+            http = HttpClient(4)
+            try:
+                return await read_circuits(http, gateway.url + "/metrics", nodes, 5.0, Limits())
+            finally:
+                await http.aclose()
+
+        return asyncio.run(go())
+    finally:
+        gateway.close()
+
+
+def test_the_gateways_breakers_are_read_by_node_a_ranks_worst_and_strangers_left_out() -> None:
+    workers = recorded()["workers"]
+    prefill, decode = (
+        next(w for w in workers if w["worker_type"] == kind)["url"] for kind in ("prefill", "decode")
+    )
+    page = "\n".join(
+        [
+            "# TYPE smg_worker_cb_state gauge",
+            f'smg_worker_cb_state{{worker="{prefill}"}} 0',
+            f'smg_worker_cb_state{{worker="{decode}@0"}} 2',  # one rank half-open, the other open
+            f'smg_worker_cb_state{{worker="{decode}@1"}} 1',
+            'smg_worker_cb_state{worker="http://10.9.9.9:1"} 1',  # a worker that is no node of ours
+            "# TYPE smg_worker_health gauge",
+            f'smg_worker_health{{worker="{prefill}"}} 1',
+        ]
+    )
+    read = circuits_from(page + "\n")
+    assert read == {worker_node({"worker_type": "prefill", "url": prefill}).name: 0,  # type: ignore[union-attr]
+                    worker_node({"worker_type": "decode", "url": decode}).name: 1}  # type: ignore[union-attr]  # fmt: skip
+    with pytest.raises(GatewayUnreadable, match="HTTP 404"):
+        circuits_from("no page", status=404)
+    with pytest.raises(GatewayUnreadable, match="not a Prometheus page"):
+        circuits_from("smg_worker_cb_state{worker= 1 2 3\n")
 
 
 # --- merging into a target's nodes --------------------------------------------------------------------

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from kvcanary.monitor.commands.processes import stop_processes
 from kvcanary.monitor.config.targets import path_name
+from kvcanary.monitor.targets.scrape import parse_samples
 from tests.monitor.served import Served, reference_target
 from tests.probes.probe_harness import KEYS
 from tests.support import REPO, WorkerProcess, stop_process
@@ -79,11 +81,12 @@ def path_of(fleet: Fleet, prefill: str, decode: str) -> str:
     return path_name(node("prefill", fleet.prefills[prefill].url), node("decode", fleet.decodes[decode].url))
 
 
-def watch(served: Callable[..., Served], gateway_url: str) -> Served:
+def watch(served: Callable[..., Served], gateway_url: str, gateway_metrics: str | None = None) -> Served:
     target = reference_target(
         "glm",
         gateway_url,
         sglang_router=gateway_url,
+        sglang_router_metrics=gateway_metrics,
         discovery_interval_seconds=1.0,
         probes=["canary", "boundary"],
         probe_intervals={"canary": INTERVAL, "boundary": INTERVAL},
@@ -117,7 +120,7 @@ def test_every_path_is_probed_the_leaking_pair_named_and_the_healthy_pairs_pass(
     )
     try:
         began = time.monotonic()
-        monitor = watch(served, gateway.url)
+        monitor = watch(served, gateway.url, gateway.metrics_url)
         paths = {(p, d): path_of(fleet, p, d) for p in ("small", "roomy") for d in ("d0", "d1")}
 
         def all_judged() -> dict[tuple[str, str], dict[str, str]] | None:
@@ -148,6 +151,23 @@ def test_every_path_is_probed_the_leaking_pair_named_and_the_healthy_pairs_pass(
         expected = {"prefill": node("prefill", fleet.prefills["small"].url),
                     "decode": node("decode", fleet.decodes["d1"].url)}  # fmt: skip
         assert evidence and evidence[0]["path"] == expected
+
+        # The gateway's circuit breakers, as the monitor read them off its metrics page, by node:
+        # what the gateway's page says of each worker's URL, for all four nodes.
+        def breakers_agree() -> dict[str, float] | None:
+            own = parse_samples(httpx.get(gateway.metrics_url, timeout=5).text)
+            theirs = {
+                node(role, server.url): own.get(f'smg_worker_cb_state{{worker="{server.url}"}}')
+                for role, servers in (("prefill", fleet.prefills), ("decode", fleet.decodes))
+                for server in servers.values()
+            }
+            read = {
+                labels["node"]: v for labels, v in monitor.samples("kvcanary_gateway_worker_circuit_state")
+            }
+            return read if read == theirs else None
+
+        read = monitor.wait_for("the breakers as the gateway's page says", breakers_agree, timeout=15)
+        assert len(read) == 4 and set(read.values()) <= {0.0, 1.0, 2.0}, read
 
         samples = monitor.samples("kvcanary_path_last_judged_timestamp")
         judged = {(labels["prefill"], labels["decode"]): value for labels, value in samples}
