@@ -27,23 +27,24 @@ class GatewayHealthCollector(Collector):
         self._circuits = circuits
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
+        yield _by_node(
             "kvcanary_gateway_worker_healthy",
             "1 while the target's SGLang gateway lists the node as healthy (it routes customers there), "
             "0 while it does not; as kvcanary last read GET /workers.",
-            labels=["target", "node"],
+            self._health(),
         )
-        for target, nodes in sorted(self._health().items()):
-            for node, healthy in sorted(nodes.items()):
-                family.add_metric([target, node], 1.0 if healthy else 0.0)
-        yield family
-        circuits = GaugeMetricFamily(
+        yield _by_node(
             "kvcanary_gateway_worker_circuit_state",
             "The target's SGLang gateway's circuit breaker for the node: 0 closed, 1 open (the gateway "
             "sends it nothing), 2 half-open; as kvcanary last read smg_worker_cb_state on its metrics page.",
-            labels=["target", "node"],
+            self._circuits(),
         )
-        for target, states in sorted(self._circuits().items()):
-            for node, state in sorted(states.items()):
-                circuits.add_metric([target, node], float(state))
-        yield circuits
+
+
+def _by_node(name: str, documentation: str, values: Mapping[str, Mapping[str, float]]) -> Metric:
+    """One gauge family of {target: {node: value}} (a bool as 1 or 0), in a stable order."""
+    family = GaugeMetricFamily(name, documentation, labels=["target", "node"])
+    for target, nodes in sorted(values.items()):
+        for node, value in sorted(nodes.items()):
+            family.add_metric([target, node], float(value))
+    return family

@@ -146,20 +146,25 @@ def test_an_answer_without_a_worker_list_is_unreadable(answer: Any) -> None:
         parse_workers(answer)
 
 
-def read_from(handler: Callable[[httpx.Request], httpx.Response], limits: Limits = Limits()) -> Any:
+def over_loopback(handler: Callable[[httpx.Request], httpx.Response], read: Callable[..., Any]) -> Any:
+    """Run ``read(http, url)`` against ``handler`` served on a loopback socket."""
     gateway = Loopback(handler)
     try:
 
         async def go() -> Any:
             http = HttpClient(4)
             try:
-                return await read_workers(http, gateway.url, 5.0, limits)
+                return await read(http, gateway.url)
             finally:
                 await http.aclose()
 
         return asyncio.run(go())
     finally:
         gateway.close()
+
+
+def read_from(handler: Callable[[httpx.Request], httpx.Response], limits: Limits = Limits()) -> Any:
+    return over_loopback(handler, lambda http, url: read_workers(http, url, 5.0, limits))
 
 
 def test_the_answer_is_read_over_the_network_and_bounded_in_size() -> None:
@@ -177,19 +182,10 @@ def test_the_answer_is_read_over_the_network_and_bounded_in_size() -> None:
 def circuits_from(page: str, status: int = 200) -> dict[str, int]:
     """The breakers read off ``page`` served on loopback, for the recorded answer's four nodes."""
     nodes = parse_workers(recorded()).nodes
-    gateway = Loopback(lambda request: httpx.Response(status, text=page))
-    try:
-
-        async def go() -> dict[str, int]:
-            http = HttpClient(4)
-            try:
-                return await read_circuits(http, gateway.url + "/metrics", nodes, 5.0, Limits())
-            finally:
-                await http.aclose()
-
-        return asyncio.run(go())
-    finally:
-        gateway.close()
+    handler = lambda request: httpx.Response(status, text=page)  # noqa: E731
+    return over_loopback(
+        handler, lambda http, url: read_circuits(http, url + "/metrics", nodes, 5.0, Limits())
+    )
 
 
 def test_the_gateways_breakers_are_read_by_node_a_ranks_worst_and_strangers_left_out() -> None:
