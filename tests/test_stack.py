@@ -61,7 +61,7 @@ QUIET_RULES = {
     "KVCanaryOwnershipViolation": "no worker verifies ownership here (tests/probes/test_counters.py does)",
     "KVCanaryDirtyPageReuse": "no worker here is configured to zero freed pages",
     "KVCanaryPathNotJudged": "no prefill x decode paths here (tests/monitor/runs/test_gateway_paths.py "
-    "runs the rule on a real Prometheus over a real gateway's paths)",
+    "fires the rule in a real Prometheus over a real gateway's paths)",
     "KVCanaryTrafficStreamBehind": "no traffic stream here (alerts/tests/pipeline.test.yml runs its series)",
     "KVCanaryTrafficPartitionsUnconsumed": "no traffic stream here (alerts/tests/traffic_stream.test.yml "
     "and tests/monitor/traffic/test_traffic_jetstream_faults.py run its series)",

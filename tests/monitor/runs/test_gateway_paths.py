@@ -9,8 +9,9 @@ fields the gateway would add. The two paths through ``small`` leak, and the inci
 pair; the two through ``roomy`` pass; every path is judged within one interval of the nodes being
 found, whatever the gateway's policy (``cache_aware`` keeps a probe's prompt on one pair, so probes
 sent through it alone may never reach ``small``). A decode node stopped leaves its two paths
-unjudged, and ``KVCanaryPathNotJudged``'s expression, run by a real Prometheus scraping the
-monitor, names exactly those.
+unjudged: a real Prometheus scraping the monitor with ``alerts/kvcanary.rules.yml`` loaded names
+exactly those in ``KVCanaryPathNotJudged``'s expression, and the alert fires for both once its
+``for`` has passed.
 
 Needs the gateway's venv (``scripts/setup-sglang-router.sh``): skipped without it, failed under
 ``KVCANARY_REQUIRE_SGLANG_ROUTER=1``.
@@ -194,7 +195,7 @@ def test_a_stopped_decode_node_leaves_its_paths_unjudged_and_the_rule_names_them
         judged = lambda: all(verdicts(monitor, n) for n in names)  # noqa: E731
         monitor.wait_for("the four paths judged", judged, timeout=90)
         scraped = {"kvcanary": [monitor.url.removeprefix("http://")]}
-        prometheus = start_prometheus(tmp_path / "prometheus", scraped)
+        prometheus = start_prometheus(tmp_path / "prometheus", scraped, rule_files=[RULES])
         stop_process(fleet.decodes["d1"].proc)  # the last test of the module: its fleet goes next
         rule = next(r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
                     if r.get("alert") == "KVCanaryPathNotJudged")  # fmt: skip
@@ -217,6 +218,24 @@ def test_a_stopped_decode_node_leaves_its_paths_unjudged_and_the_rule_names_them
         said = {labels["node"]: value for labels, value in monitor.samples("kvcanary_gateway_worker_healthy")}
         live = {node("decode", fleet.decodes["d0"].url), *prefills}
         assert said == {stale_node: 0.0, **dict.fromkeys(live, 1.0)}, said
+
+        # And the alert itself fires in Prometheus, for both stale paths, once its `for` has passed
+        # (2 minutes of the expression holding): what an operator is paged by, its runbook named.
+        def alerts_firing() -> dict[tuple[str, str], dict[str, Any]] | None:
+            ours = [a for a in prometheus.alerts() if a["labels"]["alertname"] == "KVCanaryPathNotJudged"]
+            fired = {
+                (a["labels"]["prefill"], a["labels"]["decode"]): a for a in ours if a["state"] == "firing"
+            }
+            return fired if expected <= fired.keys() else None
+
+        hold = int(rule["for"][:-1]) * {"s": 1, "m": 60, "h": 3600}[rule["for"][-1]]
+        fired = monitor.wait_for("the alert firing for both", alerts_firing, timeout=hold + 2 * INTERVAL + 30)
+        assert fired.keys() == expected, sorted(fired)
+        for (prefill, decode), alert in fired.items():
+            assert alert["labels"]["severity"] == "warning"
+            assert f"{prefill} → {decode}" in alert["annotations"]["summary"], alert["annotations"]
+            runbook = alert["annotations"]["runbook_url"].split("/blob/main/", 1)[1]
+            assert (REPO / runbook).is_file(), runbook
     finally:
         if prometheus is not None:
             prometheus.stop()
