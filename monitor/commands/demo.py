@@ -145,6 +145,9 @@ class DemoPrinter:
         self.caught: RunSummary | None = None
         self.paged: float | None = None  # seconds from the first leaking response to the page
         self.ruled: float | None = None  # ...and to Prometheus's own rule firing on the monitor's metrics
+        #: Leak or mismatch verdicts on the healthy target, at any time: a false alarm fails the demo
+        #: even if later passes hide it from the last verdicts.
+        self.false_alarms: list[str] = []
 
     def page_seen(self, alert: dict[str, Any]) -> None:
         """Print the page once, with how long it took from the leaking run's start."""
@@ -177,6 +180,8 @@ class DemoPrinter:
             line = f"  [{mark}] {summary.target:<9} {summary.kind:<12} {verdict.value:<8}"
             print(f"{line} {summary.result.reason}", flush=True)
         self.last[key] = verdict.value
+        if summary.target == "healthy" and verdict in (Verdict.LEAK, Verdict.MISMATCH):
+            self.false_alarms.append(f"{summary.kind} {verdict.value} ({summary.result.reason})")
         if self.caught is None and summary.target == "defective" and verdict is Verdict.LEAK:
             self.caught = summary
             self._show(summary)
@@ -184,6 +189,22 @@ class DemoPrinter:
     def healthy_green(self) -> bool:
         mine = [v for (t, _), v in self.last.items() if t == "healthy"]
         return len(mine) == len(INTERVALS) and all(v == "pass" for v in mine)
+
+    def closing(self, paged: bool) -> tuple[int, str]:
+        """The demo's exit code and the line that says why, both decided from the whole run's end."""
+        unmet = []
+        if self.caught is None:
+            unmet.append("the leak on 'defective' was not caught")
+        elif not paged:
+            unmet.append("no page reached Alertmanager")
+        if self.false_alarms:
+            unmet.append(f"the healthy target was judged {'; '.join(self.false_alarms[:3])}")
+        if not self.healthy_green():
+            last = ", ".join(f"{k} {v}" for (t, k), v in sorted(self.last.items()) if t == "healthy")
+            unmet.append(f"the healthy target's last verdicts were not all pass: {last or 'none yet'}")
+        if unmet:
+            return 1, "=== demo: exit 1: " + "; ".join(unmet) + " ==="
+        return 0, "=== demo: exit 0: the leak caught and paged; the healthy target green to the end ==="
 
     def _show(self, s: RunSummary) -> None:
         leaks: list[dict[str, Any]] = s.result.evidence.get("leaks", [])
@@ -358,8 +379,9 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         asyncio.run(_serve(monitor, settings, printer, obs, duration, until_caught, gateway))
         if _TERMINATED:
             raise SystemExit(128 + signal.SIGTERM)
-        paged = obs is None or printer.paged is not None
-        return 0 if printer.caught and printer.healthy_green() and paged else 1
+        code, line = printer.closing(paged=obs is None or printer.paged is not None)
+        print(line, flush=True)
+        return code
     finally:  # all at once: a SIGTERM'd demo is gone within one grace, however loaded the machine
         gateway_procs = [gateway.proc] if gateway is not None else []
         stop_processes([*gateway_procs, *(obs.procs if obs else []), *procs])

@@ -8,11 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from kvcanary.monitor.commands.demo import INTERVALS, DemoPrinter
 from kvcanary.monitor.commands.demo_gateway import litellm_venv
+from kvcanary.monitor.runs.runner import RunSummary
+from kvcanary.probes.base import ProbeResult, Verdict
 from tests.support import REPO, free_port
 
 
@@ -43,6 +47,8 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
     assert "incident  : #" in out and "critical" in out
     assert "<redacted>" in out, "the excerpt must show the marker redacted"
     assert "healthy target is green" in out
+    closing = "=== demo: exit 0: the leak caught and paged; the healthy target green to the end ==="
+    assert out.rstrip().endswith(closing), out[-2000:]
     # The page: the monitor's own push, and Prometheus's rule on the same leak, in a real Alertmanager.
     assert "=== PAGED: KVCanaryLeak (critical) on defective/" in out
     assert "Prometheus's rule KVCanaryLeakDetected fired on the same leak" in out
@@ -57,6 +63,37 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
         assert any("quarantined by kvcanary, target 'defective'" in line for line in said), out[-3000:]
         assert any("whose smallest KV pool is 2048 tokens" in line for line in said), out[-3000:]
         assert_contained(out)
+
+
+def summary(target: str, kind: str, verdict: Verdict) -> RunSummary:
+    result = ProbeResult(verdict, "foreign_marker" if verdict is Verdict.LEAK else "ok")
+    return RunSummary(target, kind, "", result, datetime.now(UTC), 0.1, None)
+
+
+def test_the_demo_exits_0_only_when_its_closing_line_says_green_throughout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    printer = DemoPrinter()
+    printer(summary("defective", "boundary", Verdict.LEAK))
+    for kind in INTERVALS:
+        printer(summary("healthy", kind, Verdict.PASS))
+    assert printer.closing(paged=True) == (
+        0,
+        "=== demo: exit 0: the leak caught and paged; the healthy target green to the end ===",
+    )
+    assert printer.closing(paged=False)[0] == 1
+    # A false alarm on the healthy target fails the demo though later passes hide it from the last
+    # verdicts; an error at the end fails it too, and the line says which verdict did.
+    printer(summary("healthy", "canary", Verdict.LEAK))
+    printer(summary("healthy", "canary", Verdict.PASS))
+    code, line = printer.closing(paged=True)
+    assert code == 1 and "the healthy target was judged canary leak (foreign_marker)" in line, line
+    printer.false_alarms.clear()
+    printer(summary("healthy", "counters", Verdict.ERROR))
+    code, line = printer.closing(paged=True)
+    assert code == 1 and "last verdicts were not all pass" in line and "counters error" in line, line
+    assert "canary pass" in line
+    capsys.readouterr()
 
 
 def assert_contained(out: str) -> None:
