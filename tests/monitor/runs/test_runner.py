@@ -7,8 +7,9 @@ import math
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -32,6 +33,8 @@ from kvcanary.probes.base import Verdict
 from kvcanary.probes.markers import MarkerBook
 from tests.probes.probe_harness import Call, FakeEngine, answer, loopback_target
 from tests.support import WorkerProcess, free_port
+
+T = TypeVar("T")
 
 
 def settings_for(url: str, **target: object) -> Settings:
@@ -61,6 +64,20 @@ def runner_for(settings: Settings, summaries: list[RunSummary] | None = None) ->
     )
 
 
+def run_and_close(runner: ProbeRunner, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` on a new event loop, then close the runner's HTTP clients on that loop: a
+    session left open warns when it is collected, in whichever test runs then."""
+
+    async def then_close() -> T:
+        try:
+            return await work
+        finally:
+            for client in runner.clients.values():
+                await runner.close_when_idle(client)
+
+    return asyncio.run(then_close())
+
+
 def test_two_runs_of_one_target_and_probe_never_overlap(start_worker: Callable[..., WorkerProcess]) -> None:
     worker = start_worker("--mode", "aggregated")
     summaries: list[RunSummary] = []
@@ -69,7 +86,7 @@ def test_two_runs_of_one_target_and_probe_never_overlap(start_worker: Callable[.
     async def both() -> None:
         await asyncio.gather(runner.run("t", "canary"), runner.run("t", "canary"))
 
-    asyncio.run(both())
+    run_and_close(runner, both())
     first, second = sorted(summaries, key=lambda s: s.started_at)
     assert first.result.verdict is Verdict.PASS and second.result.verdict is Verdict.PASS
     assert second.started_at >= first.started_at + timedelta(seconds=first.duration_seconds * 0.99)
@@ -78,7 +95,7 @@ def test_two_runs_of_one_target_and_probe_never_overlap(start_worker: Callable[.
 def test_an_unreachable_target_is_an_error_counted_in_metrics_never_a_leak() -> None:
     settings = settings_for(f"http://127.0.0.1:{free_port()}")
     runner = runner_for(settings)
-    results = asyncio.run(runner.run_target("t"))
+    results = run_and_close(runner, runner.run_target("t"))
     assert {r["verdict"] for r in results} == {"error"}
     families = {
         f.name: f for f in text_string_to_metric_families(generate_latest(runner.metrics.registry).decode())
@@ -298,7 +315,7 @@ def test_a_node_whose_run_hangs_is_skipped_and_its_siblings_keep_their_cadence(
         return took
 
     try:
-        took = asyncio.run(four_firings())
+        took = run_and_close(runner, four_firings())
     finally:
         hung.close()
     assert max(took) < 1.5, took  # never a timeout (4 s) held by the hung node
