@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary.monitor.commands.demo import INTERVALS, DemoPrinter
+from kvcanary.monitor.commands.demo import INTERVALS
 from kvcanary.monitor.commands.demo_gateway import litellm_venv
+from kvcanary.monitor.commands.demo_printer import DemoPrinter
 from kvcanary.monitor.runs.runner import RunSummary
 from kvcanary.probes.base import ProbeResult, Verdict
 from tests.support import REPO, free_port
@@ -73,7 +74,7 @@ def summary(target: str, kind: str, verdict: Verdict) -> RunSummary:
 def test_the_demo_exits_0_only_when_its_closing_line_says_green_throughout(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    printer = DemoPrinter()
+    printer = DemoPrinter(INTERVALS)
     printer(summary("defective", "boundary", Verdict.LEAK))
     for kind in INTERVALS:
         printer(summary("healthy", kind, Verdict.PASS))
