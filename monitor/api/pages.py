@@ -130,7 +130,7 @@ def render(
         blast_error=blast_error or "no blast radius was asked for",
         chart=chart,
         i=i,
-        where=f"{i.target} / {i.probe}" + (f" @ {i.node}" if i.node else ""),
+        where=_where(i, detail.results),
         runbooks=runbooks,
         runbook=ALERTNAMES.get(i.severity),
         events=detail.events,
@@ -138,6 +138,16 @@ def render(
         page_results=PAGE_RESULTS,
         quarantine=quarantine,
     )
+
+
+def _where(i: Any, results: Sequence[Any]) -> str:
+    """Say where the incident is: its target and probe, and its node, or the prefill x decode pair
+    its path runs went down as their evidence names it."""
+    where = f"{i.target} / {i.probe}"
+    path = next((p for r in results if isinstance(p := (r.evidence or {}).get("path"), dict)), None)
+    if path and {"prefill", "decode"} <= path.keys():
+        return f"{where} · down prefill {path['prefill']} → decode {path['decode']} ({i.node})"
+    return f"{where} @ {i.node}" if i.node else where
 
 
 def _delivery(e: Any) -> str:

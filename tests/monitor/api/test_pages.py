@@ -96,6 +96,28 @@ def test_a_signed_link_opens_the_page_with_the_timeline_and_the_evidence(
     assert "<script" not in html
 
 
+def test_a_leak_down_a_path_names_its_prefill_and_decode_nodes(
+    client: TestClient, session_factory: Factory
+) -> None:
+    pair = {"prefill": "prefill-10.0.0.7-30000", "decode": "decode-10.0.0.9-30000.dp1"}
+    result = ProbeResult(Verdict.LEAK, "foreign_marker", "a marker of alice came back", {"path": pair})
+    with session_factory() as s, s.begin():
+        outcome = record_result(
+            s, target_name="glm-prod", engine="sglang", base_url="http://127.0.0.1:30000/v1", model="glm-5.3",
+            probe="canary", result=result, started_at=minutes(0), duration_seconds=0.5, policy=POLICY,
+            retention=RETENTION, now=minutes(0), node=f"{pair['prefill']}--{pair['decode']}",
+        )  # fmt: skip
+    incident = outcome.incident_id
+    assert incident is not None
+    page = client.get(f"/incidents/{incident}", params=signed(session_factory, incident))
+    assert page.status_code == 200, page.text
+    where = (
+        "glm-prod / canary · down prefill prefill-10.0.0.7-30000 → decode decode-10.0.0.9-30000.dp1 "
+        "(prefill-10.0.0.7-30000--decode-10.0.0.9-30000.dp1)"
+    )
+    assert where in page.text, page.text[:2000]
+
+
 def test_the_page_never_shows_what_a_target_answered(client: TestClient, session_factory: Factory) -> None:
     incident = leak_with_an_excerpt(session_factory)
     html = client.get(f"/incidents/{incident}", params=signed(session_factory, incident)).text
