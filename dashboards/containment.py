@@ -30,7 +30,20 @@ def containment_row(grid: Grid) -> None:
             steps=((GREEN, None), (ORANGE, 2.0), (RED, 3.0)),
             decimals=1,
         ),
-        w=12, h=8,
+        w=9, h=8,
+    )  # fmt: skip
+    grid.add(
+        stat_panel(
+            "Pairs not probed",
+            "Per target and why: prefill x decode pairs no probe is sent down, so no path age above "
+            "either (KVCanaryPathsUnprobed): a prefill node whose bootstrap port is unknown, or pairs "
+            "past the 256 a target is probed down.",
+            [Query(f"max by (target, reason) (kvcanary_paths_unprobed{{{TARGET}}})", "{{target}}: {{reason}}",
+                   instant=True)],
+            "none",
+            steps=((GREEN, None), (ORANGE, 1.0)),
+        ),
+        w=3, h=8,
     )  # fmt: skip
     grid.add(
         stat_panel(

@@ -324,7 +324,11 @@ class Monitor:
 
     async def discover(self) -> None:
         """Read the SGLang gateways that are due; a change of their nodes is taken up as a reload."""
-        if await self.discovery.refresh():
+        changes = await self.discovery.refresh()
+        for target, change in changes.items():
+            self.metrics.gateway_node_changes.labels(target, "joined").inc(len(change.joined))
+            self.metrics.gateway_node_changes.labels(target, "left").inc(len(change.left))
+        if changes:
             async with self._reloading:
                 await take_up_nodes(self)
 

@@ -105,6 +105,8 @@ def _swap_clients(monitor: Monitor, new: Settings, keys: Keys, change: ReloadPla
     for name in change.removed + change.changed:
         # Only its node series go when only its nodes changed: the other kinds' figures stand.
         monitor.metrics.forget(name, node_kinds(new, name) if name in change.nodes_only else None)
+    for name in change.removed:
+        monitor.metrics.forget_removed(name)
     return old
 
 

@@ -62,6 +62,7 @@ QUIET_RULES = {
     "KVCanaryDirtyPageReuse": "no worker here is configured to zero freed pages",
     "KVCanaryPathNotJudged": "no prefill x decode paths here (tests/monitor/runs/test_gateway_paths.py "
     "fires the rule in a real Prometheus over a real gateway's paths)",
+    "KVCanaryPathsUnprobed": "no prefill x decode paths here (alerts/tests/paths.test.yml runs its series)",
     "KVCanaryTrafficStreamBehind": "no traffic stream here (alerts/tests/pipeline.test.yml runs its series)",
     "KVCanaryTrafficPartitionsUnconsumed": "no traffic stream here (alerts/tests/traffic_stream.test.yml "
     "and tests/monitor/traffic/test_traffic_jetstream_faults.py run its series)",
@@ -94,6 +95,7 @@ QUIET_PANELS = {
         "no gateway tap posts traffic in this stack",
     ),
     "Path age, in intervals": "no prefill x decode paths here (tests/monitor/runs/test_gateway_paths.py)",
+    "Pairs not probed": "no prefill x decode nodes here (tests/dashboards/test_promql.py runs it)",
 }
 
 

@@ -297,18 +297,33 @@ class TargetConfig(Strict):
 
     def paths(self) -> list[ServingPath]:
         """Return every (prefill, decode) pair of the target's nodes, at most ``MAX_PATHS``: prefill
-        nodes whose bootstrap port is known (the gateway lists it) times decode nodes."""
+        nodes whose bootstrap port is known (the gateway lists it) times decode nodes. The pairs
+        left out are counted by :meth:`unprobed_paths`."""
+        return self._pairs()[:MAX_PATHS]
+
+    def unprobed_paths(self) -> dict[str, int]:
+        """Return how many (rank) pairs of the target's nodes no run goes down, by why: a prefill
+        node whose bootstrap port is unknown (a request cannot be sent the gateway's way), or past
+        ``MAX_PATHS``. The gateway may still send customers down them."""
+        nodes = self.node_list()
+        decode_ranks = sum(len(_ranks(n)) for n in nodes if n.role == "decode")
+        blind = sum(len(_ranks(n)) for n in nodes if n.role == "prefill" and n.bootstrap_port is None)
+        return {
+            "no_bootstrap_port": blind * decode_ranks,
+            "over_max_paths": max(0, len(self._pairs()) - MAX_PATHS),
+        }
+
+    def _pairs(self) -> list[ServingPath]:
         nodes = self.node_list()
         prefills = [n for n in nodes if n.role == "prefill" and n.bootstrap_port is not None]
         decodes = [n for n in nodes if n.role == "decode"]
-        pairs = [
+        return [
             ServingPath(p, d, path_name(ranked_name(p.name, pr), ranked_name(d.name, dr)), pr, dr)
             for p in prefills
             for pr in _ranks(p)
             for d in decodes
             for dr in _ranks(d)
         ]
-        return pairs[:MAX_PATHS]
 
     def node_list(self) -> list[Node]:
         """Return the target's nodes with every URL filled in; one unnamed node at base_url by default

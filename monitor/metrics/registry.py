@@ -230,6 +230,21 @@ class MonitorMetrics:
         #: When each prefill x decode path of a disaggregated target was last judged.
         self.paths = path_coverage()
         self.nodes = node_coverage()
+        self.gateway_node_changes = Counter(
+            "kvcanary_gateway_node_changes_total",
+            "Nodes that joined or left a target's SGLang gateway listing, as discovery read it (its "
+            "first reading counts every node listed as joined).",
+            ["target", "change"],
+            registry=self._general,
+        )
+        #: The pairs of a target's nodes that no run goes down (runs/coverage.py: declare_coverage).
+        self.paths_unprobed = Gauge(
+            "kvcanary_paths_unprobed",
+            "Prefill x decode pairs (rank pairs) of the target's nodes that kvcanary does not probe, "
+            "by why: no_bootstrap_port (a prefill node's is unknown), over_max_paths (past 256).",
+            ["target", "reason"],
+            registry=self._general,
+        )
         self._general.register(self.paths)
         self._general.register(self.nodes)
         # A histogram per (target, probe) is 16 series a pair (80,000 at 5,000 targets); the
@@ -320,12 +335,24 @@ class MonitorMetrics:
         for probe in intervals:
             self.probe_duration.labels(probe)
 
+    def forget_removed(self, target: str) -> None:
+        """Drop what a target keeps across changes of its settings, once a reload removed it."""
+        for change in ("joined", "left"):
+            with contextlib.suppress(KeyError):
+                self.gateway_node_changes.remove(target, change)
+
+    def forget_unprobed(self, target: str) -> None:
+        for reason in ("no_bootstrap_port", "over_max_paths"):
+            with contextlib.suppress(KeyError):
+                self.paths_unprobed.remove(target, reason)
+
     def forget(self, target: str, kinds: Iterable[str] | None = None) -> None:
         """Drop the series of a target (or some of its kinds) a reload removed, node facts included."""
         self.pairs.forget(target, kinds)
         if kinds is None:
             self.paths.forget(target)
             self.nodes.forget(target)
+            self.forget_unprobed(target)
         if kinds is None or "capacity" in kinds:
             for t, node in [key for key in self._node_pools if key[0] == target]:
                 for pool in self._node_pools.pop((t, node)):

@@ -6,6 +6,7 @@ both run what this says; the runner's states and the metrics' series are keyed b
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import NamedTuple
 
@@ -14,6 +15,8 @@ from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.probes import REGISTRY
 from kvcanary.probes.target import Node, ServingPath, TargetClient
+
+log = logging.getLogger("kvcanary.runner")
 
 
 class RunKey(NamedTuple):
@@ -53,10 +56,24 @@ def declare_coverage(metrics: MonitorMetrics, target: TargetConfig) -> None:
     paths = [(p.prefill_name, p.decode_name) for p in target.paths()] if kinds else []
     interval = min((target.interval_for(kind) for kind in kinds), default=0.0)
     metrics.paths.declare(target.name, paths, interval, now)
+    _declare_unprobed(metrics, target, kinds)
     node_kinds = [kind for kind in target.probes if REGISTRY[kind].scope == "node"]
     nodes = [node.name for node in target.node_list()] if node_kinds else []
     interval = min((target.interval_for(kind) for kind in node_kinds), default=0.0)
     metrics.nodes.declare(target.name, nodes, interval, now)
+
+
+def _declare_unprobed(metrics: MonitorMetrics, target: TargetConfig, kinds: list[str]) -> None:
+    """Export (and log) the pairs of the target's nodes no path run goes down; none where it runs no
+    path kind or has no prefill or decode node (no pair to probe)."""
+    if not kinds or not any(node.role in ("prefill", "decode") for node in target.node_list()):
+        metrics.forget_unprobed(target.name)
+        return
+    for reason, pairs in target.unprobed_paths().items():
+        metrics.paths_unprobed.labels(target.name, reason).set(pairs)
+        if pairs:
+            log.warning("%s: %d prefill x decode pair(s) not probed (%s): the gateway may send customers "
+                        "down them unchecked", target.name, pairs, reason)  # fmt: skip
 
 
 def run_keys(settings: Settings) -> list[RunKey]:

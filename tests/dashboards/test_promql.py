@@ -65,6 +65,7 @@ def monitor_metrics(n: int) -> str:
     """The monitor's /metrics after ``n`` scrapes: two targets, two probes, two nodes each."""
     now, lines = time.time(), []
     for target in ("healthy", "defective"):
+        blind = 4 if target == "defective" else 0  # pairs of a prefill node without a bootstrap port
         lines += [
             f'kvcanary_node_kv_pool_tokens{{target="{target}",node="n0",pool="prefill"}} 4096',
             f'kvcanary_node_kv_pool_tokens{{target="{target}",node="n0",pool="decode"}} 16384',
@@ -76,6 +77,8 @@ def monitor_metrics(n: int) -> str:
             f'kvcanary_path_last_judged_timestamp{{target="{target}",prefill="p0",decode="d0"}} {now - 20}',
             f'kvcanary_path_last_judged_timestamp{{target="{target}",prefill="p0",decode="d1"}} {now - 200}',
             f'kvcanary_path_judge_interval_seconds{{target="{target}"}} 30',
+            f'kvcanary_paths_unprobed{{target="{target}",reason="no_bootstrap_port"}} {blind}',
+            f'kvcanary_paths_unprobed{{target="{target}",reason="over_max_paths"}} 0',
             f'kvcanary_target_quarantined{{target="{target}"}} {int(target == "defective")}',
             f'kvcanary_target_quarantine_observed{{target="{target}"}} 0',
         ]

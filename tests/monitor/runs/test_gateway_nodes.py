@@ -342,10 +342,18 @@ def name(role: str, url: str) -> str:
     return f"{role}-{url.removeprefix('http://').replace(':', '-')}"
 
 
-def capacity_results(monitor: Served, node: str) -> list[dict[str, Any]]:
-    found = monitor.get("/api/v1/probe-results", target="glm", probe="capacity", node=node)
+#: The node-scoped kinds: each runs on a node as soon as it joins.
+AUDITS = ("capacity", "version", "counters")
+
+
+def results_of(monitor: Served, node: str, probe: str = "capacity") -> list[dict[str, Any]]:
+    found = monitor.get("/api/v1/probe-results", target="glm", probe=probe, node=node)
     assert found.status_code == 200, found.text
     return list(found.json()["items"])
+
+
+def node_changes(monitor: Served) -> dict[str, float]:
+    return {labels["change"]: v for labels, v in monitor.samples("kvcanary_gateway_node_changes_total")}
 
 
 def watch(served_monitors: Callable[..., Served], gateway_url: str) -> Served:
@@ -354,9 +362,9 @@ def watch(served_monitors: Callable[..., Served], gateway_url: str) -> Served:
         gateway_url,
         sglang_router=gateway_url,
         discovery_interval_seconds=DISCOVERY_SECONDS,
-        probes=["capacity"],
+        probes=list(AUDITS),
         # An hour apart: every audit seen here was run at once because its node joined.
-        probe_intervals={"capacity": 3600},
+        probe_intervals=dict.fromkeys(AUDITS, 3600),
     )
     return served_monitors({"targets": [target], "scheduler": {"jitter_seconds": 0.1}}).start()
 
@@ -373,7 +381,7 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
     }
 
     def audited() -> dict[str, tuple[str, str]] | None:
-        seen = {n: capacity_results(monitor, n) for n in expected}
+        seen = {n: results_of(monitor, n) for n in expected}
         if not all(seen.values()):
             return None
         return {n: (rows[0]["verdict"], rows[0]["reason"]) for n, rows in seen.items()}
@@ -393,6 +401,7 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
     time.sleep(2 * DISCOVERY_SECONDS)
     log = monitor.log()
     assert " left gateway " not in log and log.count(" joined gateway ") == 4, log[-3000:]
+    assert node_changes(monitor) == {"joined": 4.0, "left": 0.0}
 
     # A prefill server registered with the gateway at run time is audited within one interval.
     added = httpx.post(
@@ -404,13 +413,21 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
     worker_id = added.json()["worker_id"]
     listed_at = wait_listed(incident.gateway.url, spare.url, present=True)
     joined = name("prefill", spare.url)
-    rows = monitor.wait_for("the added node's audit", lambda: capacity_results(monitor, joined), timeout=30)
-    took = datetime.fromisoformat(rows[0]["started_at"]).timestamp() - listed_at
-    assert (rows[0]["verdict"], rows[0]["reason"]) == ("pass", "headroom_ok")
-    # One interval until the next reading, and slack for a loaded machine's scheduler.
-    assert took < DISCOVERY_SECONDS + 2, (
-        f"audited {took:.1f}s after the gateway listed it\n{monitor.log()[-3000:]}"
-    )
+
+    def audits() -> dict[str, dict[str, Any]] | None:
+        rows = {kind: results_of(monitor, joined, kind) for kind in AUDITS}
+        return {kind: found[0] for kind, found in rows.items()} if all(rows.values()) else None
+
+    first = monitor.wait_for("the added node's audits", audits, timeout=30)
+    assert (first["capacity"]["verdict"], first["capacity"]["reason"]) == ("pass", "headroom_ok")
+    assert {kind: row["verdict"] for kind, row in first.items()} == dict.fromkeys(AUDITS, "pass"), first
+    for kind, row in first.items():
+        took = datetime.fromisoformat(row["started_at"]).timestamp() - listed_at
+        # One interval until the next reading, and slack for a loaded machine's scheduler.
+        assert took < DISCOVERY_SECONDS + 2, (
+            f"{kind} ran {took:.1f}s after the gateway listed it\n{monitor.log()[-3000:]}"
+        )
+    assert node_changes(monitor) == {"joined": 5.0, "left": 0.0}
 
     # One removed from the gateway is dropped from the target, and the monitor says so.
     removed = httpx.delete(f"{incident.gateway.url}/workers/{worker_id}", timeout=10)
@@ -418,6 +435,7 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
     wait_listed(incident.gateway.url, spare.url, present=False)
     said = f"node {joined} left gateway {incident.gateway.url}"
     monitor.wait_for("the log to say the node left", lambda: said in monitor.log(), timeout=15)
+    assert node_changes(monitor) == {"joined": 5.0, "left": 1.0}
 
     def pools_exported() -> set[str] | None:
         nodes = {labels["node"] for labels, _ in monitor.samples("kvcanary_node_kv_pool_tokens")}
@@ -426,9 +444,9 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
     monitor.wait_for("the pools of the four remaining nodes only", pools_exported, timeout=15)
     covered = {labels["node"] for labels, _ in monitor.samples("kvcanary_node_last_judged_timestamp")}
     assert covered == set(expected), covered  # the node that left has no coverage series left
-    count = len(capacity_results(monitor, joined))
+    count = len(results_of(monitor, joined))
     time.sleep(3 * DISCOVERY_SECONDS)
-    assert len(capacity_results(monitor, joined)) == count  # no longer audited
+    assert len(results_of(monitor, joined)) == count  # no longer audited
 
 
 def wait_listed(gateway: str, url: str, present: bool, timeout: float = 30) -> float:
