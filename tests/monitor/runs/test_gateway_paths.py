@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -136,8 +137,24 @@ def test_every_path_is_probed_the_leaking_pair_named_and_the_healthy_pairs_pass(
             rows = last_results(monitor, paths[("roomy", decode)])
             why = [(r["probe"], r["reason"], r["detail"]) for r in rows]
             assert seen[("roomy", decode)] == {"canary": "pass", "boundary": "pass"}, why
-        # Found within a discovery interval, then judged within one interval (and a loaded host's slack).
+        # Found within a discovery interval, then judged within one interval and a run (the kinds'
+        # runs keep their phase) and a loaded host's slack for the monitor's start.
         print(f"{policy}: the four paths judged {took:.1f}s after the monitor started")
+        assert took < 2 * INTERVAL + 10, took
+
+        # And judged once per interval: each path's next run of a kind starts an interval after its first.
+        def second_runs() -> dict[str, float] | None:
+            gaps = {}
+            for name in paths.values():
+                runs = [r for r in last_results(monitor, name) if r["probe"] == "canary"]
+                starts = sorted(datetime.fromisoformat(r["started_at"]).timestamp() for r in runs)
+                if len(starts) < 2:
+                    return None
+                gaps[name] = starts[1] - starts[0]
+            return gaps
+
+        gaps = monitor.wait_for("a second run down each path", second_runs, timeout=2 * INTERVAL + 30)
+        assert all(gap < INTERVAL + 5 for gap in gaps.values()), gaps
 
         small_paths = {paths[("small", "d0")], paths[("small", "d1")]}
         incidents = monitor.get("/api/v1/incidents", target="glm", state="open").json()["items"]
