@@ -1,5 +1,6 @@
 """The overview's "Paths and containment" row: whether every prefill x decode path of a
-disaggregated target is being judged (``kvcanary_path_*``, the target's path probes), and which
+disaggregated target is being judged (``kvcanary_path_*``, the target's path probes), and every node
+audited (``kvcanary_node_last_judged_timestamp``, the nodes a gateway lists coming and going), which
 targets the gateways are told to stop sending customers to (``kvcanary_target_quarantine*``), and
 the requests the gateways refused (``kvcanary_traffic_refused_total``).
 Targets without paths, or with containment left at ``observe`` and nothing found, leave the
@@ -10,11 +11,21 @@ from __future__ import annotations
 from kvcanary.dashboards.panels import GREEN, ORANGE, RED, Grid, Query, stat_panel, timeseries_panel
 
 TARGET = 'target=~"$target"'
+NODE = 'target=~"$target", node=~"$node"'
 #: Seconds since each path was last judged, over its interval: above 3, KVCanaryPathNotJudged.
 PATH_AGE = (
     f"(time() - max by (target, prefill, decode) (kvcanary_path_last_judged_timestamp{{{TARGET}}}))"
     f" / on (target) group_left () max by (target) (kvcanary_path_judge_interval_seconds{{{TARGET}}})"
 )
+
+#: The same of each node's audits (capacity, version, counters), over the target's node interval.
+NODE_AGE = (
+    f"(time() - max by (target, node) (kvcanary_node_last_judged_timestamp{{{NODE}}}))"
+    f" / on (target) group_left () max by (target) (kvcanary_node_judge_interval_seconds{{{TARGET}}})"
+)
+
+#: Nodes joining and leaving each target's gateway listing, per quarter of an hour.
+NODE_CHANGES = f"sum by (target, change) (increase(kvcanary_gateway_node_changes_total{{{TARGET}}}[15m]))"
 
 
 def containment_row(grid: Grid) -> None:
@@ -83,4 +94,29 @@ def containment_row(grid: Grid) -> None:
             colors={".*quarantine": RED, ".*admission": ORANGE},
         ),
         w=24, h=6,
+    )  # fmt: skip
+    grid.add(
+        stat_panel(
+            "Node age, in intervals",
+            "Per node (a node a gateway lists included): the time since an audit of it (capacity, "
+            "version, counters) was last judged, in the target's node intervals. Above 3 (red) its "
+            "audits have only erred: a node down or unreachable from the monitor.",
+            [Query(NODE_AGE, "{{target}}: {{node}}", instant=True)],
+            "none",
+            steps=((GREEN, None), (ORANGE, 2.0), (RED, 3.0)),
+            decimals=1,
+        ),
+        w=12, h=8,
+    )  # fmt: skip
+    grid.add(
+        timeseries_panel(
+            "Gateway nodes joining and leaving",
+            "Per target and change: nodes that joined or left its SGLang gateway's listing, as "
+            "discovery read GET /workers (a joining node is audited at once). Churn here and paths "
+            "going stale together: a node flapping.",
+            [Query(NODE_CHANGES, "{{target}}: {{change}}")],
+            "short",
+            colors={".*left": ORANGE, ".*joined": GREEN},
+        ),
+        w=12, h=8,
     )  # fmt: skip

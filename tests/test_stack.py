@@ -96,6 +96,7 @@ QUIET_PANELS = {
     ),
     "Path age, in intervals": "no prefill x decode paths here (tests/monitor/runs/test_gateway_paths.py)",
     "Pairs not probed": "no prefill x decode nodes here (tests/dashboards/test_promql.py runs it)",
+    "Gateway nodes joining and leaving": "no SGLang gateway here (tests/dashboards/test_promql.py runs it)",
 }
 
 

@@ -79,6 +79,11 @@ def monitor_metrics(n: int) -> str:
             f'kvcanary_path_judge_interval_seconds{{target="{target}"}} 30',
             f'kvcanary_paths_unprobed{{target="{target}",reason="no_bootstrap_port"}} {blind}',
             f'kvcanary_paths_unprobed{{target="{target}",reason="over_max_paths"}} 0',
+            f'kvcanary_node_last_judged_timestamp{{target="{target}",node="n0"}} {now - 40}',
+            f'kvcanary_node_last_judged_timestamp{{target="{target}",node="n1"}} {now - 400}',
+            f'kvcanary_node_judge_interval_seconds{{target="{target}"}} 60',
+            f'kvcanary_gateway_node_changes_total{{target="{target}",change="joined"}} {2 + n // 10}',
+            f'kvcanary_gateway_node_changes_total{{target="{target}",change="left"}} {n // 10}',
             f'kvcanary_target_quarantined{{target="{target}"}} {int(target == "defective")}',
             f'kvcanary_target_quarantine_observed{{target="{target}"}} 0',
         ]
