@@ -10,14 +10,10 @@ as they arrive, then the incident with its redacted evidence, and keeps serving 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
-import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +31,7 @@ from kvcanary.monitor.commands.demo_gateway import (
 )
 from kvcanary.monitor.commands.demo_printer import DemoPrinter
 from kvcanary.monitor.commands.demo_stack import Observability, missing_binaries, start_observability
+from kvcanary.monitor.commands.demo_stop import DemoStop
 from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
 from kvcanary.monitor.config.settings import Settings, load_settings
 from kvcanary.monitor.storage.db import upgrade
@@ -59,6 +56,8 @@ WORKERS = {
         "8192",
     ],
 }
+#: How the demo stops on Ctrl-C or SIGTERM, and the processes it started, for the watchdog.
+STOP = DemoStop()
 INTERVALS = {"canary": 5.0, "cross_tenant": 5.0, "boundary": 8.0, "counters": 5.0, "capacity": 10.0}
 
 
@@ -186,7 +185,7 @@ async def _serve(
     async def stop_after() -> None:
         deadline = None if duration is None else time.monotonic() + duration
         while not server.should_exit:
-            if _TERMINATED or (deadline is not None and time.monotonic() >= deadline):
+            if STOP.asked or (deadline is not None and time.monotonic() >= deadline):
                 server.should_exit = True
             await asyncio.sleep(0.2)
 
@@ -215,38 +214,6 @@ def _where_to_look(settings: Settings, obs: Observability | None) -> None:
     print("  Ctrl-C to stop.\n", flush=True)
 
 
-#: Set by a SIGTERM that came while the demo's event loop ran: the loop then stops the server.
-_TERMINATED = False
-#: Every process the demo started, for the SIGTERM watchdog.
-_CHILDREN: list[subprocess.Popen[bytes]] = []
-#: Seconds a SIGTERM'd demo may take to stop in order before the watchdog stops it.
-SIGTERM_GRACE_SECONDS = 20.0
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    # Inside the event loop a SystemExit can land in a task that swallows it (uvicorn's lifespan
-    # startup does), and the demo would run on: the loop's watcher stops the server instead.
-    global _TERMINATED
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        raise SystemExit(128 + signum) from None
-    if not _TERMINATED:
-        threading.Thread(target=_watchdog, args=(signum,), name="demo-sigterm", daemon=True).start()
-    _TERMINATED = True
-
-
-def _watchdog(signum: int) -> None:
-    """Whatever the loop is stuck on, a SIGTERM'd demo ends within the grace, its processes with
-    it; where it was stuck is printed (stderr) to be mended."""
-    time.sleep(SIGTERM_GRACE_SECONDS)
-    print(f"kvcanary demo: not stopped {SIGTERM_GRACE_SECONDS:.0f}s after SIGTERM; stopping now",
-          file=sys.stderr, flush=True)  # fmt: skip
-    faulthandler.dump_traceback(all_threads=True)
-    stop_processes(list(_CHILDREN))
-    os._exit(128 + signum)
-
-
 def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_caught: bool = False) -> int:
     """Run the demo; return 0 when the leak was caught and the healthy target stayed green."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvcanary-demo-"))
@@ -263,23 +230,21 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
     procs: list[subprocess.Popen[bytes]] = []
     obs: Observability | None = None
     gateway: Gateway | None = None
-    # uvicorn re-raises SIGTERM after its graceful shutdown; make that an exception so that the
-    # `finally` below still stops the workers instead of the process dying around them.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    STOP.install()  # Ctrl-C and SIGTERM: the demo stops in order (demo_stop.py)
     try:
         urls = {}
         for name, flags in WORKERS.items():
             url, proc = _start_worker(name, flags, keys_file, workdir)
             procs.append(proc)
-            _CHILDREN.append(proc)
+            STOP.children.append(proc)
             urls[name] = url
         for (name, url), proc in zip(urls.items(), procs, strict=True):
             _wait_ready(url, proc)
             print(f"  worker {name:<9} {url}  {' '.join(WORKERS[name])}", flush=True)
         gateway = maybe_start_gateway(workdir, urls, gateway_key, port, ingest_token)
-        _CHILDREN.extend([gateway.proc] if gateway is not None else [])
+        STOP.children.extend([gateway.proc] if gateway is not None else [])
         obs = _observability(workdir, port, urls)
-        _CHILDREN.extend(obs.procs if obs is not None else [])
+        STOP.children.extend(obs.procs if obs is not None else [])
         config_path = workdir / "kvcanary.yml"
         config = demo_config(workdir, urls, port, obs.alertmanager_url if obs else None)
         settings = write_config(config_path, config)
@@ -288,8 +253,7 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         monitor = Monitor(settings, on_summary=printer, config_path=config_path)
         print(f"  monitor   http://127.0.0.1:{port}  probes {', '.join(INTERVALS)}\n", flush=True)
         asyncio.run(_serve(monitor, settings, printer, obs, duration, until_caught, gateway))
-        if _TERMINATED:
-            raise SystemExit(128 + signal.SIGTERM)
+        STOP.exit_if_terminated()
         code, line = printer.closing(paged=obs is None or printer.paged is not None)
         print(line, flush=True)
         return code

@@ -31,6 +31,7 @@ from pathlib import Path
 import uvicorn
 
 from kvcanary.monitor.app import Monitor, create_app
+from kvcanary.monitor.commands.demo_stop import DemoStop
 from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
 from kvcanary.monitor.config.settings import Settings, parse_settings
 from kvcanary.monitor.config.targets import PATH_KINDS
@@ -50,6 +51,8 @@ DECODE_FLAGS = ["--decode-pool-tokens", "16384"]
 INTERVAL = 10.0
 KINDS = {"canary": INTERVAL, "boundary": INTERVAL, "capacity": INTERVAL}
 POLICY = "cache_aware"
+#: How the demo stops on Ctrl-C or SIGTERM, and the processes it started, for the watchdog.
+STOP = DemoStop()
 
 
 def router_python() -> Path | None:
@@ -216,7 +219,7 @@ async def _serve(monitor: Monitor, settings: Settings, printer: PathPrinter, unt
                 print(f"  the monitor keeps running: http://{settings.api.listen}/api/v1/targets "
                       "(bearer token in the workdir's api-token); Ctrl-C to stop.\n", flush=True)  # fmt: skip
                 server.should_exit = until_caught
-            if deadline is not None and time.monotonic() >= deadline:
+            if STOP.asked or (deadline is not None and time.monotonic() >= deadline):
                 server.should_exit = True
 
     task = asyncio.create_task(narrate())
@@ -245,6 +248,8 @@ def run_pd_demo(*, duration: float | None, port: int, workdir: Path | None, unti
     (workdir / "api-token").chmod(0o600)
     print(f"kvcanary demo --topology pd — workdir {workdir}", flush=True)
     fleet = Fleet()
+    STOP.children = fleet.procs  # the same list: what starts later is stopped too
+    STOP.install()  # Ctrl-C and SIGTERM: the demo stops in order (demo_stop.py)
     try:
         start_fleet(python, worker_keys, workdir, fleet)
         settings = pd_settings(workdir, fleet.gateway, port)
@@ -254,11 +259,16 @@ def run_pd_demo(*, duration: float | None, port: int, workdir: Path | None, unti
         print(f"  monitor http://127.0.0.1:{port}  target 'incident': base_url and sglang_router both the "
               f"gateway; probes {', '.join(KINDS)} every {INTERVAL:.0f}s\n", flush=True)  # fmt: skip
         asyncio.run(_serve(monitor, settings, printer, until_caught, duration))
+        STOP.exit_if_terminated()
         sound = all(
             s.result.verdict.value == "pass"
             for path, kinds in printer.paths().items() if fleet.name_of(path).startswith("roomy")
             for s in kinds.values()
         )  # fmt: skip
-        return 0 if printer.caught() and sound else 1
+        code = 0 if printer.caught() and sound else 1
+        said = {0: "a leaking pair named, every path judged, the sound pairs passing",
+                1: "no leaking pair named with every path judged and the sound pairs passing"}  # fmt: skip
+        print(f"=== demo: exit {code}: {said[code]} ===", flush=True)
+        return code
     finally:
         stop_processes(fleet.procs)
