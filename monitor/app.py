@@ -325,11 +325,14 @@ class Monitor:
     async def discover(self) -> None:
         """Read the SGLang gateways that are due; a change of their nodes is taken up as a reload."""
         changes = await self.discovery.refresh()
-        for target, change in changes.items():
-            self.metrics.gateway_node_changes.labels(target, "joined").inc(len(change.joined))
-            self.metrics.gateway_node_changes.labels(target, "left").inc(len(change.left))
         if changes:
             async with self._reloading:
+                # Counted under the lock, for targets still configured: a reload that removed one
+                # while its gateway was read has dropped its series, not to be made again.
+                for target, change in changes.items():
+                    if self.discovery.configured.target(target) is not None:
+                        self.metrics.gateway_node_changes.labels(target, "joined").inc(len(change.joined))
+                        self.metrics.gateway_node_changes.labels(target, "left").inc(len(change.left))
                 await take_up_nodes(self)
 
     def start(self) -> None:

@@ -31,7 +31,7 @@ from kvcanary.monitor.commands.demo_gateway import (
 )
 from kvcanary.monitor.commands.demo_printer import DemoPrinter
 from kvcanary.monitor.commands.demo_stack import Observability, missing_binaries, start_observability
-from kvcanary.monitor.commands.demo_stop import DemoStop
+from kvcanary.monitor.commands.demo_stop import DemoServer, DemoStop
 from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
 from kvcanary.monitor.config.settings import Settings, load_settings
 from kvcanary.monitor.storage.db import upgrade
@@ -144,10 +144,11 @@ async def _serve(
     until_caught: bool,
     gateway: Gateway | None = None,
 ) -> None:
-    server = uvicorn.Server(
+    server = DemoServer(
         uvicorn.Config(
             create_app(monitor), host="127.0.0.1", port=settings.api.port, log_level="warning", lifespan="on"
-        )
+        ),
+        STOP,
     )
 
     def done() -> bool:
@@ -254,7 +255,7 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         print(f"  monitor   http://127.0.0.1:{port}  probes {', '.join(INTERVALS)}\n", flush=True)
         asyncio.run(_serve(monitor, settings, printer, obs, duration, until_caught, gateway))
         STOP.exit_if_terminated()
-        code, line = printer.closing(paged=obs is None or printer.paged is not None)
+        code, line = printer.closing(paged=None if obs is None else printer.paged is not None)
         print(line, flush=True)
         return code
     finally:  # all at once: a SIGTERM'd demo is gone within one grace, however loaded the machine

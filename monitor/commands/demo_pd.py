@@ -31,7 +31,7 @@ from pathlib import Path
 import uvicorn
 
 from kvcanary.monitor.app import Monitor, create_app
-from kvcanary.monitor.commands.demo_stop import DemoStop
+from kvcanary.monitor.commands.demo_stop import DemoServer, DemoStop
 from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
 from kvcanary.monitor.config.settings import Settings, parse_settings
 from kvcanary.monitor.config.targets import PATH_KINDS
@@ -205,8 +205,8 @@ class PathPrinter:
 
 async def _serve(monitor: Monitor, settings: Settings, printer: PathPrinter, until_caught: bool,
                  duration: float | None) -> None:  # fmt: skip
-    server = uvicorn.Server(uvicorn.Config(create_app(monitor), host="127.0.0.1", port=settings.api.port,
-                                           log_level="warning", lifespan="on"))  # fmt: skip
+    server = DemoServer(uvicorn.Config(create_app(monitor), host="127.0.0.1", port=settings.api.port,
+                                       log_level="warning", lifespan="on"), STOP)  # fmt: skip
 
     async def narrate() -> None:
         deadline = None if duration is None else time.monotonic() + duration

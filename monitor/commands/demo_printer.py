@@ -62,15 +62,16 @@ class DemoPrinter:
             self._show(summary)
 
     def healthy_green(self) -> bool:
-        mine = [v for (t, _), v in self.last.items() if t == "healthy"]
-        return len(mine) == len(self.kinds) and all(v == "pass" for v in mine)
+        mine = {kind: v for (t, kind), v in self.last.items() if t == "healthy"}
+        return mine.keys() == self.kinds and all(v == "pass" for v in mine.values())
 
-    def closing(self, paged: bool) -> tuple[int, str]:
-        """The demo's exit code and the line that says why, both decided from the whole run's end."""
+    def closing(self, paged: bool | None) -> tuple[int, str]:
+        """The demo's exit code and the line that says why, both decided from the whole run's end.
+        ``paged``: whether the page reached Alertmanager; None where none runs (nothing to page)."""
         unmet = []
         if self.caught is None:
             unmet.append("the leak on 'defective' was not caught")
-        elif not paged:
+        elif paged is False:
             unmet.append("no page reached Alertmanager")
         if self.false_alarms:
             unmet.append(f"the healthy target was judged {'; '.join(self.false_alarms[:3])}")
@@ -79,7 +80,8 @@ class DemoPrinter:
             unmet.append(f"the healthy target's last verdicts were not all pass: {last or 'none yet'}")
         if unmet:
             return 1, "=== demo: exit 1: " + "; ".join(unmet) + " ==="
-        return 0, "=== demo: exit 0: the leak caught and paged; the healthy target green to the end ==="
+        caught = "the leak caught and paged" if paged else "the leak caught (no Alertmanager here: not paged)"
+        return 0, f"=== demo: exit 0: {caught}; the healthy target green to the end ==="
 
     def _show(self, s: RunSummary) -> None:
         leaks: list[dict[str, Any]] = s.result.evidence.get("leaks", [])

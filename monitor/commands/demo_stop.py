@@ -7,8 +7,9 @@ into whichever task runs (a traceback from starlette's lifespan, and no closing 
 ``SystemExit`` raised there can land in a task that swallows it (uvicorn's lifespan startup does)
 and the demo runs on. So the demo's own handler, installed before either, only notes the signal
 while the loop runs: the demo's watcher stops the server and the demo ends in order. Outside the
-loop (while its processes start) it exits at once, the caller's ``finally`` stopping them.
-Whatever the loop is stuck on, a watchdog ends the demo and its processes within a grace.
+loop (while its processes start) it exits at once, the caller's ``finally`` stopping them. The
+demo's server (:class:`DemoServer`) notes the signals uvicorn takes too, so that whatever the loop
+is stuck on, the shutdown included, a watchdog ends the demo and its processes within a grace.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import subprocess
 import sys
 import threading
 import time
+from types import FrameType
+
+import uvicorn
 
 from kvcanary.monitor.commands.processes import stop_processes
 
@@ -38,7 +42,7 @@ class DemoStop:
 
     def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._on_signal)
+            signal.signal(signum, self.note)
 
     @property
     def asked(self) -> bool:
@@ -49,7 +53,8 @@ class DemoStop:
         if self.signum == signal.SIGTERM:
             raise SystemExit(128 + signal.SIGTERM)
 
-    def _on_signal(self, signum: int, frame: object) -> None:
+    def note(self, signum: int, frame: object = None) -> None:
+        """Take a stop signal: in the loop, note it (the watchdog starts); outside it, exit now."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -67,3 +72,15 @@ class DemoStop:
         faulthandler.dump_traceback(all_threads=True)
         stop_processes(list(self.children))
         os._exit(128 + signum)
+
+
+class DemoServer(uvicorn.Server):
+    """uvicorn's server, telling the demo's stop of each signal it takes while it serves."""
+
+    def __init__(self, config: uvicorn.Config, stop: DemoStop) -> None:
+        super().__init__(config)
+        self._stop = stop
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._stop.note(sig, frame)
+        super().handle_exit(sig, frame)

@@ -304,10 +304,16 @@ class TargetConfig(Strict):
     def unprobed_paths(self) -> dict[str, int]:
         """Return how many (rank) pairs of the target's nodes no run goes down, by why: a prefill
         node whose bootstrap port is unknown (a request cannot be sent the gateway's way), or past
-        ``MAX_PATHS``. The gateway may still send customers down them."""
+        ``MAX_PATHS``. The gateway may still send customers down them. Empty where the target
+        probes no pair at all: no gateway named and no prefill node's bootstrap port stated (a
+        file's way to leave its pairs to the probes sent through the gateway)."""
         nodes = self.node_list()
+        prefills = [n for n in nodes if n.role == "prefill"]
         decode_ranks = sum(len(_ranks(n)) for n in nodes if n.role == "decode")
-        blind = sum(len(_ranks(n)) for n in nodes if n.role == "prefill" and n.bootstrap_port is None)
+        probing = self.sglang_router is not None or any(n.bootstrap_port is not None for n in prefills)
+        if not (prefills and decode_ranks and probing):
+            return {}
+        blind = sum(len(_ranks(n)) for n in prefills if n.bootstrap_port is None)
         return {
             "no_bootstrap_port": blind * decode_ranks,
             "over_max_paths": max(0, len(self._pairs()) - MAX_PATHS),

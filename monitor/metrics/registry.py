@@ -237,7 +237,9 @@ class MonitorMetrics:
             ["target", "change"],
             registry=self._general,
         )
-        #: The pairs of a target's nodes that no run goes down (runs/coverage.py: declare_coverage).
+        #: The pairs of a target's nodes that no run goes down (runs/coverage.py: declare_coverage),
+        #: as last exported, by target and reason.
+        self._unprobed: dict[str, dict[str, int]] = {}
         self.paths_unprobed = Gauge(
             "kvcanary_paths_unprobed",
             "Prefill x decode pairs (rank pairs) of the target's nodes that kvcanary does not probe, "
@@ -341,10 +343,20 @@ class MonitorMetrics:
             with contextlib.suppress(KeyError):
                 self.gateway_node_changes.remove(target, change)
 
+    def set_unprobed(self, target: str, counts: Mapping[str, int]) -> dict[str, int]:
+        """Export the target's unprobed pairs by reason (none when ``counts`` is empty); return the
+        counts that changed."""
+        before = self._unprobed.pop(target, {})
+        for reason in before.keys() - counts.keys():
+            self.paths_unprobed.remove(target, reason)
+        for reason, pairs in counts.items():
+            self.paths_unprobed.labels(target, reason).set(pairs)
+        if counts:
+            self._unprobed[target] = dict(counts)
+        return {reason: pairs for reason, pairs in counts.items() if before.get(reason) != pairs}
+
     def forget_unprobed(self, target: str) -> None:
-        for reason in ("no_bootstrap_port", "over_max_paths"):
-            with contextlib.suppress(KeyError):
-                self.paths_unprobed.remove(target, reason)
+        self.set_unprobed(target, {})
 
     def forget(self, target: str, kinds: Iterable[str] | None = None) -> None:
         """Drop the series of a target (or some of its kinds) a reload removed, node facts included."""

@@ -64,13 +64,10 @@ def declare_coverage(metrics: MonitorMetrics, target: TargetConfig) -> None:
 
 
 def _declare_unprobed(metrics: MonitorMetrics, target: TargetConfig, kinds: list[str]) -> None:
-    """Export (and log) the pairs of the target's nodes no path run goes down; none where it runs no
-    path kind or has no prefill or decode node (no pair to probe)."""
-    if not kinds or not any(node.role in ("prefill", "decode") for node in target.node_list()):
-        metrics.forget_unprobed(target.name)
-        return
-    for reason, pairs in target.unprobed_paths().items():
-        metrics.paths_unprobed.labels(target.name, reason).set(pairs)
+    """Export the pairs of the target's nodes no path run goes down (none where it runs no path
+    kind or probes no pair); log a count when it changes (reloads re-declare every target)."""
+    counts = target.unprobed_paths() if kinds else {}
+    for reason, pairs in metrics.set_unprobed(target.name, counts).items():
         if pairs:
             log.warning("%s: %d prefill x decode pair(s) not probed (%s): the gateway may send customers "
                         "down them unchecked", target.name, pairs, reason)  # fmt: skip

@@ -83,6 +83,8 @@ def test_the_demo_exits_0_only_when_its_closing_line_says_green_throughout(
         "=== demo: exit 0: the leak caught and paged; the healthy target green to the end ===",
     )
     assert printer.closing(paged=False)[0] == 1
+    unpaged = printer.closing(paged=None)  # no Alertmanager here: green, and not said to be paged
+    assert unpaged[0] == 0 and "the leak caught (no Alertmanager here: not paged)" in unpaged[1]
     # A false alarm on the healthy target fails the demo though later passes hide it from the last
     # verdicts; an error at the end fails it too, and the line says which verdict did.
     printer(summary("healthy", "canary", Verdict.LEAK))

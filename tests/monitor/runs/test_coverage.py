@@ -64,6 +64,10 @@ def test_the_pairs_past_the_cap_or_without_a_bootstrap_port_are_counted_and_logg
     said = [r.getMessage() for r in caplog.records]
     assert any("32 prefill x decode pair(s) not probed (no_bootstrap_port)" in m for m in said), said
     assert any("16 prefill x decode pair(s) not probed (over_max_paths)" in m for m in said), said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "kvcanary.runner"):
+        declare_coverage(metrics, target)  # a reload, or another target's nodes changing: said once
+    assert not caplog.records
 
 
 def test_a_target_whose_pairs_are_all_probed_says_0_and_one_without_path_kinds_says_nothing(
@@ -80,3 +84,20 @@ def test_a_target_whose_pairs_are_all_probed_says_0_and_one_without_path_kinds_s
     declare_coverage(metrics, fleet(20, 20))
     metrics.forget("glm")  # a reload removed the target
     assert series(metrics, "kvcanary_paths_unprobed") == {}
+
+
+def test_a_target_that_leaves_its_pairs_to_the_gateway_has_no_unprobed_series(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No gateway named and no prefill node's bootstrap port stated: the file's way to probe only
+    through the gateway (kvcanary.example.yml), not a blind spot to page for."""
+    metrics = MonitorMetrics(CollectorRegistry())
+    with caplog.at_level(logging.WARNING, "kvcanary.runner"):
+        declare_coverage(metrics, fleet(0, 2, blind=2))
+    assert series(metrics, "kvcanary_paths_unprobed") == {} and not caplog.records
+    # Named behind a gateway, the same nodes are pairs it routes to and nobody probes.
+    declare_coverage(metrics, fleet(0, 2, blind=2, sglang_router="http://10.0.0.1:30000"))
+    assert series(metrics, "kvcanary_paths_unprobed") == {
+        'kvcanary_paths_unprobed{reason="no_bootstrap_port",target="glm"}': 4.0,
+        'kvcanary_paths_unprobed{reason="over_max_paths",target="glm"}': 0.0,
+    }

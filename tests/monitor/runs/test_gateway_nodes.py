@@ -401,7 +401,7 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
     time.sleep(2 * DISCOVERY_SECONDS)
     log = monitor.log()
     assert " left gateway " not in log and log.count(" joined gateway ") == 4, log[-3000:]
-    assert node_changes(monitor) == {"joined": 4.0, "left": 0.0}
+    monitor.wait_for("4 joined", lambda: node_changes(monitor) == {"joined": 4.0, "left": 0.0}, 5)
 
     # A prefill server registered with the gateway at run time is audited within one interval.
     added = httpx.post(
@@ -427,7 +427,7 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
         assert took < DISCOVERY_SECONDS + 2, (
             f"{kind} ran {took:.1f}s after the gateway listed it\n{monitor.log()[-3000:]}"
         )
-    assert node_changes(monitor) == {"joined": 5.0, "left": 0.0}
+    monitor.wait_for("5 joined", lambda: node_changes(monitor) == {"joined": 5.0, "left": 0.0}, 5)
 
     # One removed from the gateway is dropped from the target, and the monitor says so.
     removed = httpx.delete(f"{incident.gateway.url}/workers/{worker_id}", timeout=10)
@@ -435,7 +435,7 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
     wait_listed(incident.gateway.url, spare.url, present=False)
     said = f"node {joined} left gateway {incident.gateway.url}"
     monitor.wait_for("the log to say the node left", lambda: said in monitor.log(), timeout=15)
-    assert node_changes(monitor) == {"joined": 5.0, "left": 1.0}
+    monitor.wait_for("1 left", lambda: node_changes(monitor) == {"joined": 5.0, "left": 1.0}, 5)
 
     def pools_exported() -> set[str] | None:
         nodes = {labels["node"] for labels, _ in monitor.samples("kvcanary_node_kv_pool_tokens")}

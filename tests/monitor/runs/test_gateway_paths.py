@@ -121,8 +121,8 @@ def test_every_path_is_probed_the_leaking_pair_named_and_the_healthy_pairs_pass(
         fleet.logs, list(fleet.prefills.values()), list(fleet.decodes.values()), policy=policy
     )
     try:
-        began = time.monotonic()
         monitor = watch(served, gateway.url, gateway.metrics_url)
+        began = time.monotonic()  # the monitor serving: its discovery's first tick is due
         paths = {(p, d): path_of(fleet, p, d) for p in ("small", "roomy") for d in ("d0", "d1")}
 
         def all_judged() -> dict[tuple[str, str], dict[str, str]] | None:
@@ -137,10 +137,10 @@ def test_every_path_is_probed_the_leaking_pair_named_and_the_healthy_pairs_pass(
             rows = last_results(monitor, paths[("roomy", decode)])
             why = [(r["probe"], r["reason"], r["detail"]) for r in rows]
             assert seen[("roomy", decode)] == {"canary": "pass", "boundary": "pass"}, why
-        # Found within a discovery interval, then judged within one interval and a run (the kinds'
-        # runs keep their phase) and a loaded host's slack for the monitor's start.
-        print(f"{policy}: the four paths judged {took:.1f}s after the monitor started")
-        assert took < 2 * INTERVAL + 10, took
+        # Found within a discovery interval (1 s), then judged at the kinds' next phase (within an
+        # interval) once a run is over (within its timeout, an interval), and a loaded host's slack.
+        print(f"{policy}: the four paths judged {took:.1f}s after the monitor was serving")
+        assert took < 1 + 2 * INTERVAL + 5, took
 
         # And judged once per interval: each path's next run of a kind starts an interval after its first.
         def second_runs() -> dict[str, float] | None:
@@ -194,6 +194,7 @@ def test_every_path_is_probed_the_leaking_pair_named_and_the_healthy_pairs_pass(
         stop_processes([gateway.proc])
 
 
+@pytest.mark.slow  # the alert's `for` is waited out: over 2 minutes
 def test_a_stopped_decode_node_leaves_its_paths_unjudged_and_the_rule_names_them(
     fleet: Fleet, served: Callable[..., Served], tmp_path: Path
 ) -> None:
