@@ -190,6 +190,9 @@ def test_every_path_is_probed_the_leaking_pair_named_and_the_healthy_pairs_pass(
         samples = monitor.samples("kvcanary_path_last_judged_timestamp")
         judged = {(labels["prefill"], labels["decode"]): value for labels, value in samples}
         assert len(judged) == 4 and all(time.time() - v < 3 * INTERVAL for v in judged.values()), judged
+        # The gateway lists each prefill node's bootstrap port: no pair is left unprobed.
+        unprobed = {labels["reason"]: v for labels, v in monitor.samples("kvcanary_paths_unprobed")}
+        assert unprobed == {"no_bootstrap_port": 0.0, "over_max_paths": 0.0}, unprobed
     finally:
         stop_processes([gateway.proc])
 
