@@ -12,17 +12,21 @@ from kvcanary.dashboards.panels import GREEN, ORANGE, RED, Grid, Query, stat_pan
 
 TARGET = 'target=~"$target"'
 NODE = 'target=~"$target", node=~"$node"'
-#: Seconds since each path was last judged, over its interval: above 3, KVCanaryPathNotJudged.
-PATH_AGE = (
-    f"(time() - max by (target, prefill, decode) (kvcanary_path_last_judged_timestamp{{{TARGET}}}))"
-    f" / on (target) group_left () max by (target) (kvcanary_path_judge_interval_seconds{{{TARGET}}})"
-)
 
-#: The same of each node's audits (capacity, version, counters), over the target's node interval.
-NODE_AGE = (
-    f"(time() - max by (target, node) (kvcanary_node_last_judged_timestamp{{{NODE}}}))"
-    f" / on (target) group_left () max by (target) (kvcanary_node_judge_interval_seconds{{{TARGET}}})"
-)
+
+def age_in_intervals(subject: str, by: str, selector: str) -> str:
+    """Seconds since each ``subject`` (path, node) was last judged, over the target's interval for it."""
+    return (
+        f"(time() - max by (target, {by}) (kvcanary_{subject}_last_judged_timestamp{{{selector}}}))"
+        f" / on (target) group_left ()"
+        f" max by (target) (kvcanary_{subject}_judge_interval_seconds{{{TARGET}}})"
+    )
+
+
+#: Each path's age: above 3, KVCanaryPathNotJudged.
+PATH_AGE = age_in_intervals("path", "prefill, decode", TARGET)
+#: Each node's audits' age (capacity, version, counters).
+NODE_AGE = age_in_intervals("node", "node", NODE)
 
 #: Nodes joining and leaving each target's gateway listing, per quarter of an hour.
 NODE_CHANGES = f"sum by (target, change) (increase(kvcanary_gateway_node_changes_total{{{TARGET}}}[15m]))"

@@ -259,8 +259,7 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         print(line, flush=True)
         return code
     finally:  # all at once: a SIGTERM'd demo is gone within one grace, however loaded the machine
-        gateway_procs = [gateway.proc] if gateway is not None else []
-        stop_processes([*gateway_procs, *(obs.procs if obs else []), *procs])
+        stop_processes(list(STOP.children))
 
 
 def _observability(workdir: Path, port: int, urls: dict[str, str]) -> Observability | None:

@@ -299,7 +299,17 @@ class TargetConfig(Strict):
         """Return every (prefill, decode) pair of the target's nodes, at most ``MAX_PATHS``: prefill
         nodes whose bootstrap port is known (the gateway lists it) times decode nodes. The pairs
         left out are counted by :meth:`unprobed_paths`."""
-        return self._pairs()[:MAX_PATHS]
+        nodes = self.node_list()
+        prefills = [n for n in nodes if n.role == "prefill" and n.bootstrap_port is not None]
+        decodes = [n for n in nodes if n.role == "decode"]
+        pairs = [
+            ServingPath(p, d, path_name(ranked_name(p.name, pr), ranked_name(d.name, dr)), pr, dr)
+            for p in prefills
+            for pr in _ranks(p)
+            for d in decodes
+            for dr in _ranks(d)
+        ]
+        return pairs[:MAX_PATHS]
 
     def unprobed_paths(self) -> dict[str, int]:
         """Return how many (rank) pairs of the target's nodes no run goes down, by why: a prefill
@@ -308,28 +318,17 @@ class TargetConfig(Strict):
         probes no pair at all: no gateway named and no prefill node's bootstrap port stated (a
         file's way to leave its pairs to the probes sent through the gateway)."""
         nodes = self.node_list()
-        prefills = [n for n in nodes if n.role == "prefill"]
         decode_ranks = sum(len(_ranks(n)) for n in nodes if n.role == "decode")
-        probing = self.sglang_router is not None or any(n.bootstrap_port is not None for n in prefills)
+        prefills = [n for n in nodes if n.role == "prefill"]
+        known = sum(len(_ranks(n)) for n in prefills if n.bootstrap_port is not None)
+        blind = sum(len(_ranks(n)) for n in prefills if n.bootstrap_port is None)
+        probing = known > 0 or self.sglang_router is not None
         if not (prefills and decode_ranks and probing):
             return {}
-        blind = sum(len(_ranks(n)) for n in prefills if n.bootstrap_port is None)
         return {
             "no_bootstrap_port": blind * decode_ranks,
-            "over_max_paths": max(0, len(self._pairs()) - MAX_PATHS),
+            "over_max_paths": max(0, known * decode_ranks - MAX_PATHS),
         }
-
-    def _pairs(self) -> list[ServingPath]:
-        nodes = self.node_list()
-        prefills = [n for n in nodes if n.role == "prefill" and n.bootstrap_port is not None]
-        decodes = [n for n in nodes if n.role == "decode"]
-        return [
-            ServingPath(p, d, path_name(ranked_name(p.name, pr), ranked_name(d.name, dr)), pr, dr)
-            for p in prefills
-            for pr in _ranks(p)
-            for d in decodes
-            for dr in _ranks(d)
-        ]
 
     def node_list(self) -> list[Node]:
         """Return the target's nodes with every URL filled in; one unnamed node at base_url by default

@@ -10,12 +10,13 @@ one that is never judged goes stale like one that stopped being judged.
 ``kvcanary_path_judge_interval_seconds{target}`` and ``kvcanary_node_judge_interval_seconds{target}``
 are how often each is due (the shortest interval of the kinds run there): ``KVCanaryPathNotJudged``
 compares the path figures. Series exist only for the nodes and paths the target has now (at most
-``MAX_PATHS`` paths each, and the nodes they are made of).
+``MAX_PATHS`` paths each, and the nodes they are made of). ``kvcanary_paths_unprobed{target,reason}``
+counts the pairs of a target's nodes that have no path series because no run goes down them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -81,3 +82,33 @@ def path_coverage() -> LastJudged:
 
 def node_coverage() -> LastJudged:
     return LastJudged("node", ["node"], "of a node-scoped kind on the node")
+
+
+class UnprobedPaths(Collector):
+    """The pairs of each target's nodes that no path run goes down, by reason
+    (``TargetConfig.unprobed_paths``)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, dict[str, int]] = {}
+
+    def declare(self, target: str, counts: Mapping[str, int]) -> dict[str, int]:
+        """Export ``counts`` for the target from now on (none when empty); return those that changed."""
+        before = self._counts.pop(target, {})
+        if counts:
+            self._counts[target] = dict(counts)
+        return {reason: pairs for reason, pairs in counts.items() if before.get(reason) != pairs}
+
+    def forget(self, target: str) -> None:
+        self._counts.pop(target, None)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "kvcanary_paths_unprobed",
+            "Prefill x decode pairs (rank pairs) of the target's nodes that kvcanary does not probe, "
+            "by why: no_bootstrap_port (a prefill node's is unknown), over_max_paths (past 256).",
+            labels=["target", "reason"],
+        )
+        for target, counts in self._counts.items():
+            for reason, pairs in counts.items():
+                family.add_metric([target, reason], pairs)
+        yield family

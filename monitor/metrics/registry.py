@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvcanary.monitor.metrics.containment import QuarantineCollector, Quarantined
-from kvcanary.monitor.metrics.coverage import node_coverage, path_coverage
+from kvcanary.monitor.metrics.coverage import UnprobedPaths, node_coverage, path_coverage
 from kvcanary.monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
 from kvcanary.monitor.metrics.gateway import GatewayCircuits, GatewayHealth, GatewayHealthCollector
 from kvcanary.monitor.metrics.stream import StreamCollector
@@ -237,18 +237,11 @@ class MonitorMetrics:
             ["target", "change"],
             registry=self._general,
         )
-        #: The pairs of a target's nodes that no run goes down (runs/coverage.py: declare_coverage),
-        #: as last exported, by target and reason.
-        self._unprobed: dict[str, dict[str, int]] = {}
-        self.paths_unprobed = Gauge(
-            "kvcanary_paths_unprobed",
-            "Prefill x decode pairs (rank pairs) of the target's nodes that kvcanary does not probe, "
-            "by why: no_bootstrap_port (a prefill node's is unknown), over_max_paths (past 256).",
-            ["target", "reason"],
-            registry=self._general,
-        )
+        #: The pairs of a target's nodes that no run goes down (runs/coverage.py: declare_coverage).
+        self.paths_unprobed = UnprobedPaths()
         self._general.register(self.paths)
         self._general.register(self.nodes)
+        self._general.register(self.paths_unprobed)
         # A histogram per (target, probe) is 16 series a pair (80,000 at 5,000 targets); the
         # distribution is kept per probe kind, and each pair's last duration is a gauge.
         self.probe_duration = Histogram(
@@ -343,28 +336,13 @@ class MonitorMetrics:
             with contextlib.suppress(KeyError):
                 self.gateway_node_changes.remove(target, change)
 
-    def set_unprobed(self, target: str, counts: Mapping[str, int]) -> dict[str, int]:
-        """Export the target's unprobed pairs by reason (none when ``counts`` is empty); return the
-        counts that changed."""
-        before = self._unprobed.pop(target, {})
-        for reason in before.keys() - counts.keys():
-            self.paths_unprobed.remove(target, reason)
-        for reason, pairs in counts.items():
-            self.paths_unprobed.labels(target, reason).set(pairs)
-        if counts:
-            self._unprobed[target] = dict(counts)
-        return {reason: pairs for reason, pairs in counts.items() if before.get(reason) != pairs}
-
-    def forget_unprobed(self, target: str) -> None:
-        self.set_unprobed(target, {})
-
     def forget(self, target: str, kinds: Iterable[str] | None = None) -> None:
         """Drop the series of a target (or some of its kinds) a reload removed, node facts included."""
         self.pairs.forget(target, kinds)
         if kinds is None:
             self.paths.forget(target)
             self.nodes.forget(target)
-            self.forget_unprobed(target)
+            self.paths_unprobed.forget(target)
         if kinds is None or "capacity" in kinds:
             for t, node in [key for key in self._node_pools if key[0] == target]:
                 for pool in self._node_pools.pop((t, node)):

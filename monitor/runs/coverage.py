@@ -67,7 +67,7 @@ def _declare_unprobed(metrics: MonitorMetrics, target: TargetConfig, kinds: list
     """Export the pairs of the target's nodes no path run goes down (none where it runs no path
     kind or probes no pair); log a count when it changes (reloads re-declare every target)."""
     counts = target.unprobed_paths() if kinds else {}
-    for reason, pairs in metrics.set_unprobed(target.name, counts).items():
+    for reason, pairs in metrics.paths_unprobed.declare(target.name, counts).items():
         if pairs:
             log.warning("%s: %d prefill x decode pair(s) not probed (%s): the gateway may send customers "
                         "down them unchecked", target.name, pairs, reason)  # fmt: skip
