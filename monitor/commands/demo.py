@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 import yaml
 
 from kvcanary.monitor.app import Monitor, create_app
@@ -144,12 +143,7 @@ async def _serve(
     until_caught: bool,
     gateway: Gateway | None = None,
 ) -> None:
-    server = DemoServer(
-        uvicorn.Config(
-            create_app(monitor), host="127.0.0.1", port=settings.api.port, log_level="warning", lifespan="on"
-        ),
-        STOP,
-    )
+    server = DemoServer(create_app(monitor), settings, STOP)
 
     def done() -> bool:
         if obs is not None and printer.caught is not None:

@@ -28,8 +28,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import uvicorn
-
 from kvcanary.monitor.app import Monitor, create_app
 from kvcanary.monitor.commands.demo_stop import DemoServer, DemoStop
 from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
@@ -205,8 +203,7 @@ class PathPrinter:
 
 async def _serve(monitor: Monitor, settings: Settings, printer: PathPrinter, until_caught: bool,
                  duration: float | None) -> None:  # fmt: skip
-    server = DemoServer(uvicorn.Config(create_app(monitor), host="127.0.0.1", port=settings.api.port,
-                                       log_level="warning", lifespan="on"), STOP)  # fmt: skip
+    server = DemoServer(create_app(monitor), settings, STOP)
 
     async def narrate() -> None:
         deadline = None if duration is None else time.monotonic() + duration

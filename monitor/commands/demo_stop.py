@@ -23,10 +23,12 @@ import sys
 import threading
 import time
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from kvcanary.monitor.commands.processes import stop_processes
+from kvcanary.monitor.config.settings import Settings
 
 #: Seconds a demo asked to stop may take to stop in order before the watchdog stops it.
 GRACE_SECONDS = 20.0
@@ -75,9 +77,21 @@ class DemoStop:
 
 
 class DemoServer(uvicorn.Server):
-    """uvicorn's server, telling the demo's stop of each signal it takes while it serves."""
+    """uvicorn serving the demo's monitor on loopback, telling the demo's stop of each signal it
+    takes while it serves."""
 
-    def __init__(self, config: uvicorn.Config, stop: DemoStop) -> None:
+    def __init__(self, app: Any, settings: Settings, stop: DemoStop) -> None:
+        grace = settings.api.shutdown_grace_seconds
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=settings.api.port,
+            log_level="warning",
+            lifespan="on",
+            # As `kvcanary serve` does: requests still open after the grace (a gateway's long poll
+            # of the quarantine set) are cut, not awaited; awaited, the demo hung on Ctrl-C.
+            timeout_graceful_shutdown=max(1, round(grace)),
+        )
         super().__init__(config)
         self._stop = stop
 
