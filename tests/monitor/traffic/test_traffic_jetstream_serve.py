@@ -24,6 +24,7 @@ from kvcanary.monitor.storage.db import make_engine, make_session_factory
 from kvcanary.monitor.storage.models import Target, TrafficMinute
 from kvcanary.monitor.traffic.partitions import LEASE_SECONDS, STEP_SECONDS
 from kvcanary.monitor.traffic.stream_setup import verify
+from kvcanary.wire import partition_of
 from tests.monitor.served import Served
 from tests.support import free_port, own_database, stop_process
 from tests.support.jetstream import (
@@ -52,7 +53,7 @@ def database_url(postgres_url: str) -> Iterator[str]:
 def test_two_replicas_share_the_partitions_and_a_killed_ones_records_are_judged_once(
     served: Callable[[dict[str, Any]], Served], database_url: str, stream_names: StreamNames
 ) -> None:
-    bases = [f"http://10.2.0.{i}:8000/v1" for i in range(1, 25)]
+    bases = bases_covering(16)
     config = replica_config(database_url, stream_names, bases)
     first = served(config)
     first.start()
@@ -71,11 +72,9 @@ def test_two_replicas_share_the_partitions_and_a_killed_ones_records_are_judged_
         )
 
     try:
-        wait_until(
-            "the replicas to share the 16 partitions",
-            lambda: [len(stream_report(m).get("partitions", [])) for m in replicas] in shares(16),
-            timeout=6 * LEASE_SECONDS, state=state,
-        )  # fmt: skip
+        # Settled, not caught mid-hand-over: while the second replica claims its share a step at a
+        # time, the first still judges the rest, and records sent then could all be the first's.
+        settled(replicas, timeout=6 * LEASE_SECONDS, state=state)
 
         def send(n: int) -> None:
             nonlocal sent
@@ -107,6 +106,39 @@ def test_two_replicas_share_the_partitions_and_a_killed_ones_records_are_judged_
             if monitor.proc is not None:
                 stop_process(monitor.proc, timeout=30)
         engine.dispose()
+
+
+def bases_covering(partitions: int) -> list[str]:
+    """Return 24 deployments' api_bases, and more until every partition holds one: whichever share
+    each replica settles on, both have records to judge."""
+    bases = [f"http://10.2.0.{i}:8000/v1" for i in range(1, 25)]
+    covered = {partition_of(base, partitions) for base in bases}
+    host = len(bases)
+    while len(covered) < partitions:
+        host += 1
+        base = f"http://10.2.0.{host}:8000/v1"
+        if partition_of(base, partitions) not in covered:
+            bases.append(base)
+            covered.add(partition_of(base, partitions))
+    return bases
+
+
+def settled(replicas: list[Served], timeout: float, state: Callable[[], str]) -> None:
+    """Wait until the replicas share every partition, each some, and the shares have held for two
+    steps (a hand-over moves a partition within one)."""
+    last: list[list[int]] = []
+    since = time.monotonic()
+
+    def held() -> bool:
+        nonlocal last, since
+        now = [stream_report(m).get("partitions", []) for m in replicas]
+        if now != last:
+            last, since = now, time.monotonic()
+        split = [len(p) for p in now]
+        return split in shares(16) and time.monotonic() - since >= 2 * STEP_SECONDS
+
+    wait_until("the replicas to settle on a share of the 16 partitions each", held, timeout=timeout,
+               state=state)  # fmt: skip
 
 
 def test_serve_facing_a_nats_that_is_not_there_exits_2_with_one_line(
