@@ -128,8 +128,8 @@ def guard_cost(backend: str, size: int, n: int = 20_000) -> tuple[float, float]:
     chat prompt of ``size`` characters that the pool holds."""
     import asyncio
 
-    from kvcanary.tap.admission import AdmissionGuard
-    from kvcanary.tap.quarantine import QuarantineWatch
+    from kvcanary.tap.containment.guard import AdmissionGuard
+    from kvcanary.tap.containment.watch import QuarantineWatch
 
     watch = QuarantineWatch(backend, "bench-token-0123456789", start=False)
     assert watch.poll_once() and watch.current.guards, "the backend's guards were not read"
@@ -152,8 +152,8 @@ def guard_cost(backend: str, size: int, n: int = 20_000) -> tuple[float, float]:
 def filter_cost(backend: str, n: int = 20_000) -> tuple[float, float]:
     """The quarantine filter's own time per request in this process (p50, p99 in microseconds): the
     set the backend serves, a group of three deployments of which none is quarantined."""
-    from kvcanary.tap.litellm_quarantine import QuarantineFilter
-    from kvcanary.tap.quarantine import QuarantineWatch
+    from kvcanary.tap.containment.litellm_filter import QuarantineFilter
+    from kvcanary.tap.containment.watch import QuarantineWatch
 
     watch = QuarantineWatch(backend, "bench-token-0123456789", start=False)
     assert watch.poll_once(), "the backend's quarantine set was not read"

@@ -22,8 +22,6 @@ from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from kvcanary.monitor.admission import REFRESH_SECONDS as ADMISSION_REFRESH_SECONDS
-from kvcanary.monitor.admission import AdmissionFacts
 from kvcanary.monitor.api.main import build_http_app
 from kvcanary.monitor.api.state import ApiState
 from kvcanary.monitor.config.secrets import (
@@ -38,7 +36,6 @@ from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.containment import Containment
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.paging.pager import Delivery, Pager, paging_health
-from kvcanary.monitor.quarantine_set import quarantine_set
 from kvcanary.monitor.recording.port import RecordingPort
 from kvcanary.monitor.recording.recorder import Recorder
 from kvcanary.monitor.recording.spool import open_spool
@@ -72,16 +69,11 @@ from kvcanary.probes.markers import MarkerBook
 
 if TYPE_CHECKING:
     from kvcanary.monitor.traffic.jetstream import TrafficStream
-    from kvcanary.monitor.traffic.quarantine_bucket import QuarantineBucket
 
 log = logging.getLogger("kvcanary")
 
 #: How often a SQLite file is checked for having been deleted or replaced under the process.
 FILE_CHECK_SECONDS = 2
-#: How often the quarantine rules are applied (and at once when a recording changed an incident):
-#: what bounds how late a replica that did not record the verdict serves the new set (a gateway's
-#: poll and its requests in flight come on top, within the 2 s promise).
-CONTAINMENT_SECONDS = 0.5
 
 
 class Monitor:
@@ -154,18 +146,14 @@ class Monitor:
         jetstream = settings.traffic.jetstream
         pipeline = TrafficPipeline(judge, self.port, self.session_factory, jetstream.partitions)
         self.stream: TrafficStream | None = None
-        self.quarantine_bucket: QuarantineBucket | None = None
         publisher = None
         if settings.traffic.source == "jetstream":
             from kvcanary.monitor.traffic.jetstream import TrafficStream  # nats-py only when used
-            from kvcanary.monitor.traffic.quarantine_bucket import QuarantineBucket
             from kvcanary.monitor.traffic.stream_setup import nats_token
 
             self.stream = TrafficStream(jetstream, pipeline, self.membership.id, nats_token(jetstream))
             self.metrics.watch_stream(self.stream.report)
             publisher = StreamPublisher(jetstream, self.stream.connection)
-            # The taps of gateways on NATS watch the quarantine set there (traffic/quarantine_bucket.py).
-            self.quarantine_bucket = QuarantineBucket(jetstream, self.stream.connection)
         self.traffic = HttpIngest(pipeline, self.membership, publisher)
         self._beat()  # know the other replicas before the first run, not a heartbeat later
         self.recorder.ensure_targets(settings.targets)
@@ -179,17 +167,19 @@ class Monitor:
             self.metrics.watch_outbox(self._outbox_backlog)
             delivery = Delivery(am_headers, self.metrics, settings.alerting.timeout_seconds)
             self.pager = Pager(settings, self.session_factory, delivery, link_key=self.token)
-        # Which deployments the gateways stop sending customers to (monitor/containment.py).
-        self.containment = Containment(self.session_factory, lambda: self.settings, self._quarantine_changed)
-        self._containing: asyncio.Task[None] | None = None
+        # What the gateways are told to do about each deployment (monitor/containment/): the
+        # quarantines, the admission guards' facts and, on NATS, the bucket the taps watch.
+        self.containment = Containment(
+            self.session_factory, lambda: self.settings, self.clients, self.traffic.judge.facts,
+            on_change=self._quarantine_changed,
+            connection=self.stream.connection if self.stream is not None else None,
+        )  # fmt: skip
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
+        self._guards_read: asyncio.Task[None] | None = None
         self.metrics.watch_containment(
             lambda: [t.name for t in self.settings.targets],
             lambda: [(q.target, q.enforced) for q in self.containment.known],
         )
-        # What the gateways need to refuse a prompt a deployment's pool cannot hold (monitor/admission.py).
-        self.admission = AdmissionFacts(lambda: self.settings, self.clients, self.traffic.judge.facts)
-        self._admission_read: asyncio.Task[None] | None = None
         # Nodes found from SGLang gateways (monitor/runs/discovery.py), taken up as a reload would.
         self.discovery = GatewayDiscovery(settings, self.http, limits)
         self.metrics.watch_gateways(lambda: self.discovery.health, lambda: self.discovery.circuits)
@@ -198,8 +188,7 @@ class Monitor:
             self.runner,
             housekeeping=[
                 ("gateway-discovery", self.discover, DISCOVERY_TICK_SECONDS),
-                ("containment", self.contain, CONTAINMENT_SECONDS),
-                ("admission-guard", self.admission.refresh, ADMISSION_REFRESH_SECONDS),
+                *self.containment.jobs(),
                 ("prune", self.prune, PRUNE_INTERVAL_SECONDS),
                 ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
                 ("heartbeat", self.heartbeat, HEARTBEAT_SECONDS),
@@ -212,27 +201,12 @@ class Monitor:
         if self.pager is not None:
             self.pager.nudge()  # an incident changed: page now, not at the next poll
         # and quarantine now: a gateway reads the set within a second of it changing
-        if self._containing is None or self._containing.done():
-            self._containing = asyncio.get_running_loop().create_task(self.contain())
+        self.containment.round_now()
 
     def _quarantine_changed(self) -> None:
         """A target's quarantine changed (called from a thread): its alerts say so now."""
         if self.pager is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.pager.resend_now)
-
-    async def contain(self) -> None:
-        """Apply the quarantine rules (``monitor/containment.py``); a database away skips a round."""
-        try:
-            await asyncio.to_thread(self.containment.sync)
-        except SQLAlchemyError as exc:
-            log.warning("quarantine rules skipped: the database did not answer (%s)", type(exc).__name__)
-            return
-        # Not before the pools were read once: a set without guards would lift every gateway's.
-        if self.quarantine_bucket is not None and self.admission.refreshed:
-            known, guards = self.containment, self.admission.current()
-            now = datetime.now(UTC)
-            document = quarantine_set(known.known, guards, self.settings, now, known.revision)
-            await self.quarantine_bucket.publish(document)
 
     def _reaudit(self, target: TargetConfig, node: str) -> None:
         """A node's configuration changed: run the deployment audits now, not at their next interval,
@@ -345,8 +319,7 @@ class Monitor:
             self._pager_task = asyncio.get_running_loop().create_task(self.pager.run_forever())
         if self.stream is not None:
             self.stream.start()
-        # The gateways' admission facts now, not a refresh interval after start.
-        self._admission_read = self._loop.create_task(self.admission.refresh())
+        self._guards_read = self.containment.start()
 
     def begin_shutdown(self) -> None:
         """Stop scheduling now (a signal arrived); :meth:`stop` follows once uvicorn lets go."""
@@ -423,7 +396,6 @@ def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
         traffic=monitor.traffic,
         judge=monitor.traffic.judge,
         containment=monitor.containment,
-        admission=monitor.admission,
     )
     app = build_http_app(state, lifespan=lifespan)
     # Routers read the settings in force: a reload hands them the new ones.

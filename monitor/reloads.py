@@ -87,8 +87,7 @@ async def _apply(monitor: Monitor, new: Settings, keys: Keys, why: str) -> None:
     # A containment policy or admission guard that changed takes effect now, not at the next round
     # (the settings are in force already: a failure here is said, and the next round tries again).
     try:
-        await monitor.admission.refresh()
-        await monitor.contain()
+        await monitor.containment.take_up()
     except Exception:
         log.exception("reload: containment and the admission guard take it up at their next round")
     monitor.metrics.reload_ok.set(1)

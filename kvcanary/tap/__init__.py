@@ -28,7 +28,7 @@ monitor's. Configured from the environment by :meth:`Tap.from_env`:
   documentation, the company's own boilerplate. A model reciting one that a single customer had
   pasted is then no leak (``public.py``); e.g. ``/usr/share/common-licenses``;
 - ``KVCANARY_TAP_QUARANTINE=1``: the LiteLLM callback also keeps the deployments the monitor
-  quarantined out of routing (``quarantine.py``, ``litellm_quarantine.py``), reading the set every
+  quarantined out of routing (``containment/``), reading the set every
   ``KVCANARY_TAP_QUARANTINE_POLL_SECONDS`` (default 1) from the monitor at ``KVCANARY_TAP_URL``, or
   at ``KVCANARY_TAP_QUARANTINE_URL`` with ``KVCANARY_TAP_QUARANTINE_TOKEN`` where records go to NATS.
 """

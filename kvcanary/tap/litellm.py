@@ -16,8 +16,8 @@ its logging callbacks (:func:`flush_in_proxy_shutdown`): the proxy, like uvicorn
 by raising SIGTERM again, so the process dies by the signal and no exit hook would run.
 
 With ``KVCANARY_TAP_QUARANTINE=1`` the same callback also keeps the deployments the monitor
-quarantined out of routing (:class:`KVCanaryQuarantiningTap`, ``kvcanary/tap/litellm_quarantine.py``),
-and prompts off deployments whose pool surely cannot hold them (``kvcanary/tap/admission.py``);
+quarantined out of routing (:class:`KVCanaryQuarantiningTap`, ``kvcanary/tap/containment/litellm_filter.py``),
+and prompts off deployments whose pool surely cannot hold them (``kvcanary/tap/containment/guard.py``);
 without it the callback is the plain tap and LiteLLM runs no deployment filter for it.
 
 If the proxy cannot import an installed module by that path, put a file ``kvcanary_tap.py``
@@ -37,10 +37,10 @@ from typing import Any
 from litellm.integrations.custom_logger import CustomLogger
 
 from kvcanary.tap import Tap
-from kvcanary.tap.admission import AdmissionGuard
+from kvcanary.tap.containment import watch_from_env
+from kvcanary.tap.containment.guard import AdmissionGuard
+from kvcanary.tap.containment.litellm_filter import QuarantineFilter
 from kvcanary.tap.litellm_payload import exchange_of
-from kvcanary.tap.litellm_quarantine import QuarantineFilter
-from kvcanary.tap.quarantine import watch_from_env
 from kvcanary.tap.record import Exchange
 
 log = logging.getLogger("kvcanary.tap")
@@ -102,7 +102,7 @@ class KVCanaryTap(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type 
 class KVCanaryQuarantiningTap(KVCanaryTap):
     """The tap, and LiteLLM's router kept off the deployments the monitor quarantined and, where
     the monitor publishes a target's admission facts, off those whose KV pool surely cannot hold
-    the prompt (``kvcanary/tap/admission.py``): LiteLLM runs a callback's
+    the prompt (``kvcanary/tap/containment/guard.py``): LiteLLM runs a callback's
     ``async_filter_deployments`` only where its class overrides it, hence a class of its own."""
 
     def __init__(self, tap: Tap, quarantine: QuarantineFilter, guard: AdmissionGuard | None = None):

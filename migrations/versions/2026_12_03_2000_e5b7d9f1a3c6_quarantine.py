@@ -4,7 +4,7 @@ Revision ID: e5b7d9f1a3c6
 Revises: a4c6e8f02d17
 Create Date: 2026-12-03 20:00:00
 
-- ``quarantine_change``: one row per change of a target's quarantine (``monitor/containment.py``),
+- ``quarantine_change``: one row per change of a target's quarantine (``monitor/containment/rules.py``),
   only ever added; a target's state is its latest row's.
 
 Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).

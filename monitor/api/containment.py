@@ -1,12 +1,12 @@
 """The quarantine set: ``GET /api/v1/quarantine`` for the gateways' taps (the ingest token may read
 it, and nothing else), and a quarantine put on or lifted by hand
 (``POST``/``DELETE /api/v1/targets/{name}/quarantine``, the API token). What the rules are:
-``monitor/containment.py``; what a tap does with the answer: ``docs/tap-protocol.md``."""
+``monitor/containment/rules.py``; what a tap does with the answer: ``docs/tap-protocol.md``."""
 
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Request, Security, status
@@ -17,8 +17,7 @@ from kvcanary.monitor.api.deps import NAME_PATTERN, _bearer, require_ingest
 from kvcanary.monitor.api.schemas import Problem, _Out
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.containment import Containment, Quarantine, UnknownTarget
-from kvcanary.monitor.quarantine_set import api_bases
-from kvcanary.monitor.quarantine_set import quarantine_set as set_document
+from kvcanary.monitor.containment.document import api_bases
 
 set_router = APIRouter(prefix="/api/v1/quarantine", tags=["containment"])
 router = APIRouter(prefix="/targets", tags=["containment"])
@@ -53,7 +52,7 @@ class QuarantineSet(_Out):
     deployments: list[QuarantineOut]
     guards: list[GuardOut] = Field(
         default_factory=list,
-        description="The admission guard's facts (monitor/admission.py); absent to a tap that predates it.",
+        description="The admission guard's facts (monitor/containment/guards.py); absent to an older tap.",
     )
 
 
@@ -88,12 +87,7 @@ async def quarantine_set(
     (``enforced: false`` entries are the observe policy's: count, do not filter), and the admission
     guard's facts of the guarded targets."""
     require_ingest(request, credentials)
-    containment = _containment(request)
-    current = await asyncio.to_thread(containment.current)
-    state = api_state(request)
-    guards = state.admission.current() if state.admission is not None else []
-    document = set_document(current, guards, state.settings, datetime.now(UTC), containment.revision)
-    return QuarantineSet.model_validate(document)
+    return QuarantineSet.model_validate(await _containment(request).document())
 
 
 Name = Annotated[str, Path(pattern=NAME_PATTERN)]
@@ -109,7 +103,7 @@ async def put_quarantine(request: Request, name: Name, body: QuarantineBody) -> 
     """Tell every gateway to stop sending customers to ``name`` now (enforced whatever the policy),
     until it is lifted by hand."""
     try:
-        entry = await asyncio.to_thread(_containment(request).put, name, body.reason)
+        entry = await asyncio.to_thread(_containment(request).rules.put, name, body.reason)
     except UnknownTarget:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no target named {name}") from None
     return _out(request, entry)
@@ -126,7 +120,7 @@ async def lift_quarantine(
     """Lift ``name``'s quarantine; it holds until a new incident (the one that put it on does not
     put it on again). 404 when the target is not quarantined."""
     try:
-        entry = await asyncio.to_thread(_containment(request).lift, name, reason[:300])
+        entry = await asyncio.to_thread(_containment(request).rules.lift, name, reason[:300])
     except UnknownTarget:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no target named {name}") from None
     if entry is None:

@@ -36,7 +36,7 @@ from kvcanary.monitor.api.blast import page_radius
 from kvcanary.monitor.api.deps import MAX_ID, SessionDep, token_matches
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.blast.chart import chart_of
-from kvcanary.monitor.containment import changes_since
+from kvcanary.monitor.containment.rules import changes_since
 from kvcanary.monitor.paging.links import runbook_base, signature_ok
 from kvcanary.monitor.paging.pager import ALERTNAMES
 from kvcanary.monitor.storage import queries

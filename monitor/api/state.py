@@ -15,7 +15,6 @@ from fastapi import Request
 from sqlalchemy.orm import Session, sessionmaker
 
 if TYPE_CHECKING:
-    from kvcanary.monitor.admission import AdmissionFacts
     from kvcanary.monitor.config.settings import Settings
     from kvcanary.monitor.containment import Containment
     from kvcanary.monitor.runs.run_now import RunNow
@@ -46,10 +45,9 @@ class ApiState:
     traffic: Callable[[TrafficBatch, list[TrafficRecord]], Awaitable[dict[str, int]]] | None = None
     #: The traffic judge: what blast radii read of it (the own tenants' key digests, calibration).
     judge: TrafficJudge | None = None
-    #: The quarantine set and its changes by hand; None: not served here.
+    #: The quarantine set (with the admission guards' facts) and its changes by hand; None: not
+    #: served here.
     containment: Containment | None = None
-    #: The admission guard's facts the quarantine set carries; None: no guard served here.
-    admission: AdmissionFacts | None = None
 
 
 def api_state(request: Request) -> ApiState:

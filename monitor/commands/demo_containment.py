@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def report_containment(monitor: Monitor, gateway: Gateway | None) -> None:
     """Print what containment (the ``observe`` policy in the demo) would have done, from the
     monitor's own quarantine rows, and what the gateway's tap said it would have kept off."""
-    for entry in monitor.containment.current():
+    for entry in monitor.containment.rules.current():
         incident = f"incident #{entry.incident_id}" if entry.incident_id is not None else "by hand"
         mode = "quarantined" if entry.enforced else "would have quarantined (containment.mode: observe)"
         print(f"=== CONTAINMENT: {entry.target} {mode} since {clock_time(entry.since)}, {incident} ===")
@@ -83,7 +83,7 @@ async def contain_and_send_again(monitor: Monitor, gateway: Gateway) -> None:
         since = clock_time(entry.since)
         print(f"  quarantine: {entry.target} since {since} (incident #{entry.incident_id}), "
               f"{'enforced' if entry.enforced else 'observed'}: {entry.reason}")  # fmt: skip
-    for guard in monitor.admission.current():
+    for guard in monitor.containment.guards.current():
         if guard.mode == "enforce":
             print(f"  guard     : prompts over {guard.kv_pool_tokens} tokens kept off {guard.target!r}")
     print(f"  gateway   : took it up {took:.1f}s after the reload" if took is not None

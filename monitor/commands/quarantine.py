@@ -1,6 +1,6 @@
 """``kvcanary quarantine list|put|lift``: the quarantine set read and changed from a shell, on the
 monitor's database (what ``GET /api/v1/quarantine`` and ``POST``/``DELETE
-/api/v1/targets/{name}/quarantine`` do over HTTP; ``monitor/containment.py`` has the rules). A
+/api/v1/targets/{name}/quarantine`` do over HTTP; ``monitor/containment/rules.py`` has the rules). A
 running monitor serves a change to the gateways' taps at their next poll."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from kvcanary.monitor.config.settings import Settings
-from kvcanary.monitor.containment import Containment, Quarantine, UnknownTarget
+from kvcanary.monitor.containment.rules import Quarantine, QuarantineRules, UnknownTarget
 from kvcanary.monitor.storage.db import check_migrated, make_engine, make_session_factory
 
 EXIT_OK, EXIT_NOTHING = 0, 1
@@ -23,13 +23,13 @@ def run_quarantine(
     engine = make_engine(settings.database_url)
     try:
         check_migrated(engine)
-        containment = Containment(make_session_factory(engine), lambda: settings)
+        containment = QuarantineRules(make_session_factory(engine), lambda: settings)
         return _act(containment, action, target, reason, out)
     finally:
         engine.dispose()
 
 
-def _act(containment: Containment, action: str, target: str | None, reason: str, out: TextIO) -> int:
+def _act(containment: QuarantineRules, action: str, target: str | None, reason: str, out: TextIO) -> int:
     if action == "list":
         for entry in containment.current():
             print(_line(entry), file=out)

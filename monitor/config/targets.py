@@ -78,12 +78,12 @@ class Strict(BaseModel):
 
 Containment = Literal["observe", "quarantine"]
 #: ``off``: the gateways get no admission facts; ``observe``: they count what they would refuse;
-#: ``enforce``: they refuse it (``monitor/admission.py``).
+#: ``enforce``: they refuse it (``monitor/containment/guards.py``).
 AdmissionGuard = Literal["off", "observe", "enforce"]
 
 
 class ContainmentPolicy(Strict):
-    """What an open critical leak on a target does to the gateways' routing (``monitor/containment.py``):
+    """What an open critical leak on a target does to the gateways' routing (``monitor/containment/``):
     ``observe`` records that it would quarantine the target; ``quarantine`` has every gateway's tap
     stop sending customers to it. Set at the top (``containment:``) and, to differ, on a target."""
 

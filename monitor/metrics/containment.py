@@ -1,4 +1,4 @@
-"""Which targets are quarantined (``monitor/containment.py``), as the last sync of the set left it:
+"""Which targets are quarantined (``monitor/containment/rules.py``), as the last sync of the set left it:
 ``kvcanary_target_quarantined{target}`` is 1 while the gateways are told to stop sending customers
 to it, and ``kvcanary_target_quarantine_observed{target}`` 1 while the ``observe`` policy only
 records that it would be. Every configured target has both series, 0 when it is neither."""

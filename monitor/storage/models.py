@@ -402,7 +402,7 @@ class TrafficJudged(Base):
 class QuarantineChange(Base):
     """One change of a target's quarantine: put on (by an incident or an operator) or lifted (by the
     lifting rule or an operator). Rows are only added; a target's state is its latest row's
-    (``monitor/containment.py``), so a restarted monitor or another replica reads the same set.
+    (``monitor/containment/rules.py``), so a restarted monitor or another replica reads the same set.
 
     ``enforced`` is False for a quarantine the ``observe`` policy only records: the gateways are
     told of it and route as before.

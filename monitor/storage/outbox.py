@@ -207,7 +207,7 @@ def incident_views(session: Session, incident_ids: list[int]) -> dict[int, Incid
 
 
 def _latest_quarantine(session: Session, target_ids: set[int]) -> dict[int, QuarantineChange]:
-    """Return each target's latest quarantine change (``monitor/containment.py``)."""
+    """Return each target's latest quarantine change (``monitor/containment/rules.py``)."""
     if not target_ids:
         return {}
     newest = (

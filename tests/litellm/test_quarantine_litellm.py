@@ -36,8 +36,9 @@ import httpx
 import pytest
 import yaml
 
-from kvcanary.tap.litellm_quarantine import DeploymentsQuarantined, QuarantineFilter
-from kvcanary.tap.quarantine import MAX_BODY_BYTES, QuarantineWatch, parse_quarantine
+from kvcanary.tap.containment.document import parse_quarantine
+from kvcanary.tap.containment.litellm_filter import DeploymentsQuarantined, QuarantineFilter
+from kvcanary.tap.containment.watch import MAX_BODY_BYTES, QuarantineWatch
 from kvcanary.wire import api_base_key
 from tests.support import WorkerProcess, launch_worker, stop_process, wait_worker
 from tests.support.litellm import Proxy, launch_proxy, write_proxy_config

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from kvcanary.monitor.config.settings import IncidentConfig, RetentionConfig, load_settings
-from kvcanary.monitor.containment import Containment
+from kvcanary.monitor.containment.rules import QuarantineRules
 from kvcanary.monitor.incidents import record_result
 from kvcanary.monitor.storage.db import make_engine, make_session_factory, upgrade
 from kvcanary.probes.base import ProbeResult, Verdict
@@ -52,7 +52,7 @@ def setup(tmp_path: Path, mode: str = "quarantine") -> Path:
                 policy=IncidentConfig(), retention=RetentionConfig(), now=NOW - timedelta(seconds=4),
             )  # fmt: skip
     settings = load_settings(path)
-    Containment(make_session_factory(engine), lambda: settings).sync()
+    QuarantineRules(make_session_factory(engine), lambda: settings).sync()
     engine.dispose()
     return path
 

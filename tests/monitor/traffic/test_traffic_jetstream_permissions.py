@@ -23,11 +23,11 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from kvcanary.monitor.config.settings import JetStreamConfig
+from kvcanary.monitor.containment.bucket import QuarantineBucket
 from kvcanary.monitor.traffic.jetstream import TrafficStream
-from kvcanary.monitor.traffic.quarantine_bucket import QuarantineBucket
 from kvcanary.monitor.traffic.stream_setup import connect, prepare, verify
 from kvcanary.tap import Tap
-from kvcanary.tap.quarantine_bucket import BucketWatch
+from kvcanary.tap.containment.bucket import BucketWatch
 from kvcanary.wire import QUARANTINE_KEY
 from tests.support import free_port
 from tests.support.jetstream import KEY, NATS_SERVER, TEST_MAX_BYTES, counted, exchange, in_process, until

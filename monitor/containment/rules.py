@@ -1,4 +1,4 @@
-"""Containment: the deployments the gateways stop sending customers to, and why.
+"""The quarantine rules: the deployments the gateways stop sending customers to, and why.
 
 A target is quarantined while its latest ``quarantine_change`` row says so. The rules that add rows:
 
@@ -13,7 +13,7 @@ A target is quarantined while its latest ``quarantine_change`` row says so. The 
 - **By hand.** ``POST /api/v1/targets/{name}/quarantine`` puts one on (enforced whatever the
   policy: an operator asked), ``DELETE`` lifts it.
 
-:meth:`Containment.sync` applies the first two rules (every second, and at once when a recording
+:meth:`QuarantineRules.sync` applies the first two rules (every second, and at once when a recording
 changed an incident); every replica may run it: a target's rows are added under a lock of its
 target row (PostgreSQL), and a rule that finds its row already added adds nothing.
 ``GET /api/v1/quarantine`` serves the set to the gateways' taps (``docs/tap-protocol.md``).
@@ -56,7 +56,7 @@ class UnknownTarget(LookupError):
     """No configured target has that name."""
 
 
-class Containment:
+class QuarantineRules:
     """Reads and changes the quarantine set; ``settings`` returns the settings in force."""
 
     def __init__(

@@ -1,5 +1,5 @@
 """The quarantine set put in a JetStream KV bucket (``traffic.jetstream.quarantine_bucket``), where
-the taps of gateways whose records go to NATS watch it (``kvcanary/tap/quarantine_bucket.py``)
+the taps of gateways whose records go to NATS watch it (``kvcanary/tap/containment/bucket.py``)
 instead of polling ``GET /api/v1/quarantine``: a change reaches every gateway replica when it is
 put, and hundreds of gateway processes cost the monitors nothing.
 

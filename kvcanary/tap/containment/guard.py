@@ -1,7 +1,7 @@
 """The admission guard in the gateway (issue 36): a prompt that a deployment's KV pool surely
 cannot hold is kept off that deployment before any upstream call, and refused when no deployment
 of its model group can hold it. The incident's engine admitted such prompts and answered them from
-stale pages; this is the check it lacked, made from what kvcanary measured (``monitor/admission.py``
+stale pages; this is the check it lacked, made from what kvcanary measured (``monitor/containment/guards.py``
 publishes each guarded target's smallest KV pool and calibration beside the quarantine set).
 
 Only a sure count refuses, never a guess. For each deployment of the group that has a guard:
@@ -35,10 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvcanary.tap.containment.deployments import DeploymentKeys, api_key_of
+from kvcanary.tap.containment.document import GuardEntry
+from kvcanary.tap.containment.watch import QuarantineWatch
 from kvcanary.tap.gateway_metrics import gateway_counter
 from kvcanary.tap.http import _OPENER
-from kvcanary.tap.litellm_deployments import DeploymentKeys, api_key_of
-from kvcanary.tap.quarantine import GuardEntry, QuarantineWatch
 from kvcanary.tap.record import Refusal
 from kvcanary.wire import SURE_DENSITY_MARGIN
 

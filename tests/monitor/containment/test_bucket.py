@@ -1,7 +1,7 @@
-"""The monitor's side of the quarantine bucket (``monitor/traffic/quarantine_bucket.py``) on a real
+"""The monitor's side of the quarantine bucket (``monitor/containment/bucket.py``) on a real
 NATS: a set is put only when it changed (``generated_at`` aside), never over a newer one, a lost or
 unreadable value is put right within ``RECHECK_SECONDS``, and a round without NATS is said once and
-put at the next round that has it. The taps' side: ``tests/tap/test_quarantine_bucket.py``."""
+put at the next round that has it. The taps' side: ``tests/tap/containment/test_bucket.py``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcanary.monitor.traffic.quarantine_bucket import RECHECK_SECONDS
+from kvcanary.monitor.containment.bucket import RECHECK_SECONDS
 from kvcanary.wire import QUARANTINE_KEY
 from tests.support.jetstream import StreamNames
-from tests.tap.test_quarantine_bucket import Monitor, document
+from tests.tap.containment.test_bucket import Monitor, document
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""The quarantine set watched in the monitors' JetStream KV bucket (``kvcanary/tap/quarantine_bucket.py``),
-on a real NATS: the monitor's own publisher (``monitor/traffic/quarantine_bucket.py``) puts each set,
+"""The quarantine set watched in the monitors' JetStream KV bucket (``kvcanary/tap/containment/bucket.py``),
+on a real NATS: the monitor's own publisher (``monitor/containment/bucket.py``) puts each set,
 and a tap's watch takes it within a moment, keeps the last set through anything it cannot read
 (a value not the contract's, a bucket not there yet, NATS gone), says so once and in the gateway's
 gauge, and watches again once it can."""
@@ -20,9 +20,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from kvcanary.monitor.config.settings import JetStreamConfig
-from kvcanary.monitor.traffic.quarantine_bucket import QuarantineBucket
-from kvcanary.tap.quarantine import watch_from_env
-from kvcanary.tap.quarantine_bucket import BucketWatch
+from kvcanary.monitor.containment.bucket import QuarantineBucket
+from kvcanary.tap.containment import watch_from_env
+from kvcanary.tap.containment.bucket import BucketWatch
 from kvcanary.wire import QUARANTINE_KEY
 from tests.support.jetstream import NATS_URL, OwnNats, StreamNames, wait_until
 

@@ -1,11 +1,11 @@
 """The quarantine set watched in the monitors' JetStream KV bucket, for gateways whose records go
 to NATS (``KVCANARY_TAP_URL=nats://...``): a change reaches every gateway replica as it is put,
-and no gateway polls a monitor (``monitor/traffic/quarantine_bucket.py`` puts it).
+and no gateway polls a monitor (``monitor/containment/bucket.py`` puts it).
 
-:class:`BucketWatch` is a :class:`~kvcanary.tap.quarantine.QuarantineWatch` whose thread, instead
+:class:`BucketWatch` is a :class:`~kvcanary.tap.containment.watch.QuarantineWatch` whose thread, instead
 of polling HTTP, runs an event loop of its own with a NATS connection and a watch of the bucket's
 one key: the bucket's current value first, then each new one, each read whole by the same
-:func:`~kvcanary.tap.quarantine.parse_quarantine` (a value not the contract's keeps the last set).
+:func:`~kvcanary.tap.containment.document.parse_quarantine` (a value not the contract's keeps the last set).
 What a request reads is the same: memory only. When NATS cannot be reached, the bucket is not
 there yet (no monitor has started), holds no readable set (a value not the contract's, or none), or
 the connection drops (pings every ``PING_SECONDS`` find a silent one), the last set is kept, one
@@ -29,7 +29,8 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_PURGE
 
-from kvcanary.tap.quarantine import QuarantineWatch, _log_changes, log, parse_quarantine
+from kvcanary.tap.containment.document import parse_quarantine
+from kvcanary.tap.containment.watch import QuarantineWatch, log, log_changes
 from kvcanary.wire import QUARANTINE_BUCKET, QUARANTINE_KEY
 
 CONNECT_TIMEOUT_SECONDS = 2
@@ -127,7 +128,7 @@ class BucketWatch(QuarantineWatch):
         except ValueError as exc:
             self._note_failure(exc)
             return False
-        _log_changes(self.current, found)
+        log_changes(self.current, found)
         self.current = found
         self._read_again()
         return True

@@ -1,6 +1,6 @@
 """The quarantine set as the gateways read it (``docs/tap-protocol.md``, "Quarantine"): one document,
 served at ``GET /api/v1/quarantine`` (``api/containment.py``) and, where the traffic stream is used,
-put in the JetStream KV bucket the taps watch (``traffic/quarantine_bucket.py``).
+put in the JetStream KV bucket the taps watch (``containment/bucket.py``).
 
 Each entry names the api_base keys (``kvcanary.wire.api_base_key``) routed to its target, so a tap
 compares its deployments' own with no knowledge of the monitor's targets."""
@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from kvcanary.monitor.admission import GuardFacts
 from kvcanary.monitor.config.settings import Settings
-from kvcanary.monitor.containment import Quarantine
+from kvcanary.monitor.containment.guards import GuardFacts
+from kvcanary.monitor.containment.rules import Quarantine
 from kvcanary.monitor.traffic.judge import routes_of
 
 #: The document's shape; a tap refuses a version it does not know and keeps its last set.

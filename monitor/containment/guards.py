@@ -13,7 +13,7 @@ its ``guards``; ``docs/tap-protocol.md``):
 - ``chars_per_token``: the most characters a token of the target's tokenizer held in the monitor's
   own probes (``targets/calibration.py``), None until it was measured.
 
-What a gateway does with them is the tap's (``kvcanary/tap/admission.py``): only a sure count
+What a gateway does with them is the tap's (``kvcanary/tap/containment/guard.py``): only a sure count
 refuses. Both come from the traffic judge's facts (``traffic/facts.py``), so each node's pool is read
 and kept once for the judge and the guard alike, and read again when its configuration changes. The
 facts are gathered in the background every ``REFRESH_SECONDS`` (a housekeeping job): the gateways'

@@ -21,9 +21,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from kvcanary.tap.containment.deployments import DeploymentKeys
+from kvcanary.tap.containment.document import QuarantineEntry, QuarantineSet
+from kvcanary.tap.containment.watch import QuarantineWatch
 from kvcanary.tap.gateway_metrics import gateway_counter
-from kvcanary.tap.litellm_deployments import DeploymentKeys
-from kvcanary.tap.quarantine import QuarantineEntry, QuarantineSet, QuarantineWatch
 from kvcanary.tap.record import Refusal
 
 log = logging.getLogger("kvcanary.tap")

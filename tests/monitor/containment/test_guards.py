@@ -1,4 +1,4 @@
-"""The admission guard's facts as ``kvcanary serve`` publishes them (``monitor/admission.py``):
+"""The admission guard's facts as ``kvcanary serve`` publishes them (``monitor/containment/guards.py``):
 beside the quarantine set, each guarded target's smallest KV pool of the nodes that admit its
 requests, read from the node itself, under the policy in force for the target (the top-level one
 or the target's own). What a gateway does with them: ``tests/tap/test_admission.py`` and, through a

@@ -1,4 +1,4 @@
-"""The gateway's admission guard (``kvcanary/tap/admission.py``): a prompt a deployment's KV pool
+"""The gateway's admission guard (``kvcanary/tap/containment/guard.py``): a prompt a deployment's KV pool
 surely cannot hold is kept off it, the group's other deployments take it, and a group with none
 that can refuses at once, naming the pools; never on a guess.
 
@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from kvcanary.tap.admission import AdmissionGuard, AdmissionRefused, prompt_of, tokenize_over_http
-from kvcanary.tap.quarantine import QuarantineWatch, parse_quarantine
+from kvcanary.tap.containment.document import parse_quarantine
+from kvcanary.tap.containment.guard import AdmissionGuard, AdmissionRefused, prompt_of, tokenize_over_http
+from kvcanary.tap.containment.watch import QuarantineWatch
 from kvcanary.wire import api_base_key
 from tests.support import WorkerProcess, launch_worker, stop_process, wait_worker
 

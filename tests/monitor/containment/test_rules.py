@@ -1,4 +1,4 @@
-"""The quarantine rules (``monitor/containment.py``) on SQLite and PostgreSQL: results recorded as
+"""The quarantine rules (``monitor/containment/rules.py``) on SQLite and PostgreSQL: results recorded as
 the runner records them, the rules applied as the monitor's sync does, the set read as the gateways
 read it. ``kvcanary serve`` and the REST endpoints: ``tests/monitor/scenes/test_quarantine.py``."""
 
@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvcanary.monitor.config.settings import Settings
-from kvcanary.monitor.containment import Containment, UnknownTarget
+from kvcanary.monitor.containment.rules import QuarantineRules, UnknownTarget
 from kvcanary.monitor.storage.models import QuarantineChange
 from tests.support.monitor_db import record
 
@@ -30,8 +30,8 @@ def settings(mode: str = "quarantine", lift_after_seconds: float = 3600, **targe
     return Settings.model_validate({"targets": targets, "containment": policy})
 
 
-def watch(factory: Factory, given: Settings) -> Containment:
-    return Containment(factory, lambda: given)
+def watch(factory: Factory, given: Settings) -> QuarantineRules:
+    return QuarantineRules(factory, lambda: given)
 
 
 def now(seconds: float = 0) -> datetime:

@@ -1,0 +1,125 @@
+"""Containment: what the monitor tells every gateway to do about a deployment, and nothing else.
+
+The room's parts:
+
+- ``rules.py``: which targets are quarantined (an incident puts one on, recovery or an operator
+  lifts it), each change a ``quarantine_change`` row;
+- ``guards.py``: the admission guard's facts, each guarded target's smallest admitting KV pool;
+- ``document.py``: the one set the gateways read, the quarantines and the guards;
+- ``bucket.py``: that set put in the JetStream KV bucket the taps of gateways on NATS watch.
+
+:class:`Containment` is the one interface the composition root (``monitor/app.py``), the API
+(``api/containment.py``) and the CLI call. The gateway's half is ``kvcanary/tap/containment/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.containment.document import quarantine_set
+from kvcanary.monitor.containment.guards import REFRESH_SECONDS, AdmissionFacts, GuardFacts
+from kvcanary.monitor.containment.rules import Quarantine, QuarantineRules, UnknownTarget
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+    from kvcanary.monitor.containment.bucket import QuarantineBucket
+    from kvcanary.monitor.traffic.facts import TargetFacts
+
+__all__ = ["Containment", "GuardFacts", "Quarantine", "UnknownTarget"]
+
+log = logging.getLogger("kvcanary.containment")
+
+#: How often the quarantine rules are applied (and at once when a recording changed an incident):
+#: what bounds how late a replica that did not record the verdict serves the new set (a gateway's
+#: poll and its requests in flight come on top, within the 2 s promise).
+ROUND_SECONDS = 0.5
+
+#: A housekeeping job: its name, what it runs, every how many seconds.
+Job = tuple[str, Callable[[], Awaitable[None]], float]
+
+
+class Containment:
+    """The quarantine rules, the guards' facts and, where the traffic stream is used, the bucket,
+    behind one interface.
+
+    ``settings`` returns the settings in force; ``clients`` are the targets' clients by name (kept
+    up to date by reloads) and ``facts`` the traffic judge's, which read and keep each node's pool;
+    ``on_change`` is called (from a worker thread) after the set changed; ``connection`` returns
+    the replica's JetStream context while connected, where the set is put in a bucket.
+    """
+
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        settings: Callable[[], Settings],
+        clients: Mapping[str, Any],
+        facts: TargetFacts,
+        *,
+        on_change: Callable[[], None] | None = None,
+        connection: Callable[[], tuple[JetStreamContext, int] | None] | None = None,
+    ):
+        self.settings = settings
+        self.rules = QuarantineRules(session_factory, settings, on_change)
+        self.guards = AdmissionFacts(settings, clients, facts)
+        self.bucket: QuarantineBucket | None = None
+        if connection is not None:
+            from kvcanary.monitor.containment.bucket import QuarantineBucket  # nats-py only when used
+
+            self.bucket = QuarantineBucket(settings().traffic.jetstream, connection)
+        self._round: asyncio.Task[None] | None = None
+
+    @property
+    def known(self) -> list[Quarantine]:
+        """The set as the last round left it: what ``/metrics`` exports without a read."""
+        return self.rules.known
+
+    def jobs(self) -> list[Job]:
+        """Return the housekeeping jobs that keep the set current."""
+        return [
+            ("containment", self.round, ROUND_SECONDS),
+            ("admission-guard", self.guards.refresh, REFRESH_SECONDS),
+        ]
+
+    def start(self) -> asyncio.Task[None]:
+        """Read the guards' pools now, not a refresh interval after start."""
+        return asyncio.get_running_loop().create_task(self.guards.refresh())
+
+    def round_now(self) -> None:
+        """Apply the rules now (a recording changed an incident), unless a round is running."""
+        if self._round is None or self._round.done():
+            self._round = asyncio.get_running_loop().create_task(self.round())
+
+    async def round(self) -> None:
+        """Apply the quarantine rules and put the set in the bucket where one is used; a database
+        away skips a round."""
+        try:
+            await asyncio.to_thread(self.rules.sync)
+        except SQLAlchemyError as exc:
+            log.warning("quarantine rules skipped: the database did not answer (%s)", type(exc).__name__)
+            return
+        # Not before the pools were read once: a set without guards would lift every gateway's.
+        if self.bucket is not None and self.guards.refreshed:
+            await self.bucket.publish(self.published(self.rules.known))
+
+    async def take_up(self) -> None:
+        """Take up new settings now (a policy or guard that changed), not at the next round."""
+        await self.guards.refresh()
+        await self.round()
+
+    async def document(self) -> dict[str, Any]:
+        """Return the set as the gateways read it, from the rows as they are now."""
+        return self.published(await asyncio.to_thread(self.rules.current))
+
+    def published(self, quarantines: list[Quarantine]) -> dict[str, Any]:
+        """Return the set of ``quarantines`` with the guards' facts, at the rules' revision."""
+        now = datetime.now(UTC)
+        return quarantine_set(quarantines, self.guards.current(), self.settings(), now, self.rules.revision)
