@@ -34,8 +34,10 @@ from kvcanary.monitor.config.secrets import (
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.containment import Containment
+from kvcanary.monitor.containment.verification import Verifier
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.paging.pager import Delivery, Pager, paging_health
+from kvcanary.monitor.recording.pending import PendingResult
 from kvcanary.monitor.recording.port import RecordingPort
 from kvcanary.monitor.recording.recorder import Recorder
 from kvcanary.monitor.recording.spool import open_spool
@@ -132,9 +134,13 @@ class Monitor:
         self._stop_asked_at: float | None = None  # time.monotonic() of the signal; set: stopping
         self.writer = BatchWriter(self.recorder)
         # Probe runs and gateway traffic record through one port, which pages at once on a change.
-        self.port = RecordingPort(self.writer, on_change=self._page_now)
+        self.port = RecordingPort(self.writer, on_change=self._page_now, on_suspicion=self._verify)
         self.runner = ProbeRunner(
             settings, self.clients, self.markers, self.metrics, self.port, self.on_summary
+        )
+        # A suspected leak is verified at once by the probes that can prove it (containment/verification.py).
+        self.verifier = Verifier(
+            lambda: self.settings, self.runner.run, self.session_factory, self.metrics.suspicion_verifications
         )
         self.runner.on_config_change = self._reaudit
         shared = self.engine.dialect.name == "postgresql"
@@ -203,6 +209,9 @@ class Monitor:
         # and quarantine now: a gateway reads the set within a second of it changing
         self.containment.round_now()
 
+    def _verify(self, item: PendingResult, incident_id: int) -> None:
+        self.verifier.suspect(item, incident_id)
+
     def _quarantine_changed(self) -> None:
         """A target's quarantine changed (called from a thread): its alerts say so now."""
         if self.pager is not None and self._loop is not None:
@@ -223,7 +232,7 @@ class Monitor:
         with self.read_session_factory() as session:
             return outbox.backlog(session, now=datetime.now(UTC))
 
-    def _open_incident_counts(self) -> Iterable[tuple[str, str, str, str, int]]:
+    def _open_incident_counts(self) -> Iterable[tuple[str, str, str, str, str, int]]:
         with self.read_session_factory() as session:
             return list(open_incident_counts(session))
 

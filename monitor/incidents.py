@@ -11,6 +11,10 @@ Probes compute, the runner records: :func:`record_result` is the recording. For 
   ``warning`` incident: the target is unmonitored, which is an availability problem, not a leak.
 - ``pass`` counts towards resolution; ``resolve_after_passes`` passes in a row resolve the incident.
   A failure in between resets the count, so a flapping probe keeps ONE incident open.
+- An incident is as ``certain`` as its surest failure (``probes/base.py``): one opened by a
+  ``suspected`` failure becomes ``certain`` (``proven``) when a certain one joins it. An operator
+  may ``confirm`` a suspected incident (containment then acts on it) or ``dismiss`` it as benign
+  (it resolves); neither applies to a certain one.
 
 Every state change is a compare-and-set statement (``monitor/storage/incident_rows.py``) and every
 change writes an ``incident_event`` row; only the caller whose UPDATE matched writes it. The
@@ -34,6 +38,7 @@ from kvcanary.monitor.storage.incident_rows import (
     escalate,
     event,
     open_incident,
+    prove,
     resolve_incident,
     try_open,
 )
@@ -50,11 +55,22 @@ if TYPE_CHECKING:
 #: Severity opened by each failing verdict; errors open ``warning`` (see module docstring).
 SEVERITY_FOR = {"leak": "critical", "mismatch": "high", "error": "warning"}
 _RANK = {"warning": 0, "high": 1, "critical": 2}
+#: What an event's note keeps of an operator's words or a verification's summary.
+NOTE_CHARS = 300
 # Opening can lose a race (another replica opened first) and attaching can lose one (the incident
 # was resolved in between); each loss means the next attempt sees the winner's row.
 _ATTEMPTS = 3
 
-__all__ = ["SEVERITY_FOR", "RecordOutcome", "note_config_change", "record_result", "resolve_incident"]
+__all__ = [
+    "SEVERITY_FOR",
+    "NotSuspected",
+    "RecordOutcome",
+    "confirm",
+    "dismiss",
+    "note_config_change",
+    "record_result",
+    "resolve_incident",
+]
 
 
 def record_result(
@@ -143,6 +159,66 @@ def note_config_change(session: Session, *, target_id: int, result_id: int, now:
     return len(rows)
 
 
+class NotSuspected(Exception):
+    """The incident is not an open suspected one: an operator's word does not apply to it.
+
+    ``state`` and ``certainty`` are what it is instead (None: no such incident)."""
+
+    def __init__(self, incident_id: int, state: str | None, certainty: str | None):
+        self.incident_id, self.state, self.certainty = incident_id, state, certainty
+        what = "no such incident" if state is None else f"it is {state} and {certainty}"
+        super().__init__(f"incident {incident_id}: {what}, not an open suspected one")
+
+
+def confirm(session: Session, *, incident_id: int, note: str, now: datetime) -> None:
+    """Confirm an open suspected incident as a real leak: containment acts on it from now on.
+    The ``confirmed`` event pages (the alert's certainty changes). Raise :class:`NotSuspected`."""
+    stmt = (
+        update(Incident)
+        .where(Incident.id == incident_id, Incident.state == "open", Incident.certainty == "suspected")
+        .values(certainty="confirmed")
+        .returning(Incident.severity)
+    )
+    severity = session.execute(stmt).scalar_one_or_none()
+    if severity is None:
+        raise _not_suspected(session, incident_id)
+    _operator_event(session, incident_id, "confirmed", "open", severity, note, now)
+
+
+def dismiss(session: Session, *, incident_id: int, note: str, now: datetime) -> None:
+    """Resolve an open suspected incident as benign (a text the customers share, not a leak); the
+    ``dismissed`` event pages its resolution. Raise :class:`NotSuspected`."""
+    stmt = (
+        update(Incident)
+        .where(Incident.id == incident_id, Incident.state == "open", Incident.certainty == "suspected")
+        .values(state="resolved", resolved_at=now)
+        .returning(Incident.severity)
+    )
+    severity = session.execute(stmt).scalar_one_or_none()
+    if severity is None:
+        raise _not_suspected(session, incident_id)
+    _operator_event(session, incident_id, "dismissed", "resolved", severity, note, now)
+
+
+def _not_suspected(session: Session, incident_id: int) -> NotSuspected:
+    found = session.execute(
+        select(Incident.state, Incident.certainty).where(Incident.id == incident_id)
+    ).one_or_none()
+    return NotSuspected(incident_id, *(found or (None, None)))
+
+
+def _operator_event(
+    session: Session, incident_id: int, kind: str, state: str, severity: str, note: str, now: datetime
+) -> None:
+    session.add(
+        IncidentEvent(
+            incident_id=incident_id, kind=kind, created_at=now, old_state="open", new_state=state,
+            old_severity=severity, new_severity=severity, reason=f"operator_{kind}",
+            note=note[:NOTE_CHARS], processed_at=None,
+        )
+    )  # fmt: skip
+
+
 # --- the rules ------------------------------------------------------------------------------------
 
 
@@ -171,8 +247,12 @@ def _attach(session: Session, rec: Recording, current: Row[Any], severity: str) 
     counted = count_failure(session, rec, current.id)
     if counted is None:
         return None
+    proven = current.certainty == "suspected" and rec.certainty == "certain"
+    proven = proven and prove(session, rec, current.id, counted)
     if _RANK[severity] > _RANK[counted] and escalate(session, rec, current.id, counted, severity):
         return rec.outcome(current.id, "escalated", severity)
+    if proven:
+        return rec.outcome(current.id, "proven", counted)
     if current.consecutive_passes > 0 or (
         current.last_reason != rec.reason and current.last_verdict != "error"
     ):

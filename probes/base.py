@@ -14,6 +14,12 @@ Verdicts:
 - ``mismatch``: a wrong answer, or a success where a refusal was due.
 - ``error``: the probe could not judge (refused connection, timeout, 5xx, bad credentials).
   An error never counts as a leak or a mismatch.
+
+How a failure is known (its ``certainty``): ``certain`` where the evidence cannot arise by chance
+(a live sealed marker in an answer, a 2xx for a prompt the node's measured pool cannot hold, the
+engine's own integrity counters), ``suspected`` where a benign cause could produce it too. Probes
+control both ends of what they judge, so their findings are certain; the traffic checks that
+compare customers' texts (``monitor/traffic/checks/``) are the suspected ones.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -40,6 +46,11 @@ class Verdict(enum.StrEnum):
         """Return True for the verdicts that open incidents (leak, mismatch)."""
         return self in (Verdict.LEAK, Verdict.MISMATCH)
 
+
+#: How a failure is known (module doc). Containment acts on ``certain`` findings (and on suspected
+#: ones an operator confirmed); a suspected one pages and is verified by the kinds that can prove it.
+Certainty = Literal["certain", "suspected"]
+CERTAINTIES: tuple[str, ...] = ("certain", "suspected")
 
 #: Longest excerpt of model output a result may carry: evidence, not a second copy of the data.
 EXCERPT_CHARS = 160
@@ -83,6 +94,8 @@ class ProbeResult:
     #: What the probe carries to its next run on this (target, node), e.g. counter readings; None
     #: keeps the previous state. The runner stores it with the result; the probe never writes.
     state: dict[str, Any] | None = None
+    #: How a ``leak`` or ``mismatch`` is known (module doc); meaningless for a pass or an error.
+    certainty: Certainty = "certain"
 
     @classmethod
     def error(cls, reason: str, detail: str = "", **measurements: float) -> ProbeResult:
@@ -170,6 +183,10 @@ class Probe(ABC):
     min_tenants: ClassVar[int] = 1
     #: Run at once when a node's configuration changes (the capacity audit saw its fingerprint move).
     reaudit_on_config_change: ClassVar[bool] = False
+    #: Run at once when a suspected finding (a traffic check's) is recorded on the target: the kind
+    #: plants or reads sealed markers, or the node's pool, so a real leak shows certain evidence
+    #: within seconds and a benign coincidence shows none (``monitor/containment/verification.py``).
+    verifies_suspicion: ClassVar[bool] = False
     #: Its findings are about a node's KV pool against the context window: a blast radius then
     #: starts at the node's first capacity reading below the window.
     judges_pool: ClassVar[bool] = False

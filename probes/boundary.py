@@ -101,6 +101,7 @@ class BoundaryProbe(Probe):
     """Send a prompt just over the node's KV capacity; pass only on a refusal before generating."""
 
     kind = "boundary"
+    verifies_suspicion = True
     reaudit_on_config_change = True
     judges_pool = True
     default_interval_seconds = 300.0

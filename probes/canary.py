@@ -117,6 +117,7 @@ class CanaryProbe(Probe):
     """Ask every tenant to repeat its own fresh nonce; judge the answer, not the status code."""
 
     kind = "canary"
+    verifies_suspicion = True
     options_model = CanaryOptions
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:

@@ -91,6 +91,7 @@ class CrossTenantProbe(Probe):
     """Plant every tenant's markers in the KV cache, read as every tenant, and look for foreign ones."""
 
     kind = "cross_tenant"
+    verifies_suspicion = True
     min_tenants = 2
     options_model = CrossTenantOptions
 

@@ -40,6 +40,7 @@ class DuplicateIdsProbe(Probe):
     """Send every tenant's canary at once under one shared client request id."""
 
     kind = "duplicate_ids"
+    verifies_suspicion = True
     options_model = TriggerOptions
     default_interval_seconds = 300.0
 

@@ -64,6 +64,7 @@ class FullBatchProbe(Probe):
     """Fill a batch with every tenant's marked requests, parameters mixed; each must get its own."""
 
     kind = "full_batch"
+    verifies_suspicion = True
     options_model = FullBatchOptions
     default_interval_seconds = 1800.0
 

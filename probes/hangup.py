@@ -86,6 +86,7 @@ class HangupProbe(Probe):
     """Hang up on a tenant's marker-carrying answer three ways; every next answer must be its own."""
 
     kind = "hangup"
+    verifies_suspicion = True
     options_model = HangupOptions
     default_interval_seconds = 600.0
     # Three hang-ups, each followed by two rounds of canaries and up to ABORT_SEEN_SECONDS of

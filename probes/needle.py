@@ -126,6 +126,7 @@ class NeedleProbe(Probe):
     """Fill the node to just under its limit, nonce first, question last; pass only if the nonce returns."""
 
     kind = "needle"
+    verifies_suspicion = True
     default_interval_seconds = 600.0
     options_model = NeedleOptions
 

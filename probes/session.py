@@ -83,6 +83,7 @@ class SessionProbe(Probe):
     """Open a marked conversation per tenant, churn the cache, continue them all; each keeps its own."""
 
     kind = "session"
+    verifies_suspicion = True
     options_model = SessionOptions
     default_interval_seconds = 3600.0
     budget_timeouts = 12.0

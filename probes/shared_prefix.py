@@ -82,6 +82,7 @@ class SharedPrefixProbe(Probe):
     """Send every tenant one fresh shared prefix followed by its own marker; each must get its own."""
 
     kind = "shared_prefix"
+    verifies_suspicion = True
     options_model = SharedPrefixOptions
     default_interval_seconds = 600.0
     budget_timeouts = 12.0  # up to 3 T + 2 requests one after another

@@ -16,6 +16,7 @@ import httpx
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -77,9 +78,19 @@ class Strict(BaseModel):
 
 
 Containment = Literal["observe", "quarantine"]
+
+
+def _off_as_written(value: Any) -> Any:
+    """YAML 1.1 reads an unquoted ``off`` as false: take it as the word the operator wrote."""
+    return "off" if value is False else value
+
+
 #: ``off``: the gateways get no admission facts; ``observe``: they count what they would refuse;
 #: ``enforce``: they refuse it (``monitor/containment/guards.py``).
-AdmissionGuard = Literal["off", "observe", "enforce"]
+AdmissionGuard = Annotated[Literal["off", "observe", "enforce"], BeforeValidator(_off_as_written)]
+#: What a ``suspected`` leak (a fingerprint check's, ``probes/base.py``) does: ``page`` (and verify
+#: it by probes; an operator's ``confirm`` quarantines) or ``quarantine`` as a certain one does.
+Suspected = Literal["page", "quarantine"]
 
 
 class ContainmentPolicy(Strict):
@@ -94,6 +105,9 @@ class ContainmentPolicy(Strict):
     # Whether the gateways refuse, before any upstream call, a prompt the target's smallest
     # measured KV pool surely cannot hold (the admission check the incident's engine lacked).
     admission_guard: AdmissionGuard = "off"
+    # Proof moves traffic, a hint pages: customers sharing a public text must not take a healthy
+    # deployment away. ``quarantine`` here is for a target where any hint must close the door.
+    suspected: Suspected = "page"
 
 
 class TargetContainment(Strict):
@@ -102,6 +116,7 @@ class TargetContainment(Strict):
     mode: Containment | None = None
     lift_after_seconds: float | None = Field(None, ge=0, le=30 * DAY)
     admission_guard: AdmissionGuard | None = None
+    suspected: Suspected | None = None
 
 
 class TenantConfig(Strict):

@@ -3,8 +3,11 @@
 A target is quarantined while its latest ``quarantine_change`` row says so. The rules that add rows:
 
 - **On, by an incident.** An open ``critical`` incident (a ``leak``, found by a probe or in traffic)
-  on a target quarantines it, unless an operator lifted a quarantine after that incident opened:
-  an operator's lift holds until a new incident. Under the ``observe`` policy the row says
+  that is ``certain``, or ``confirmed`` by an operator, quarantines its target, unless an operator
+  lifted a quarantine after that incident opened (or was confirmed): an operator's lift holds until
+  a new incident. A ``suspected`` one (a fingerprint check's hint, which customers sharing a public
+  text can raise too) pages and is verified by probes, and moves no traffic unless the target's
+  policy says ``suspected: quarantine``. Under the ``observe`` policy the row says
   ``enforced: false``: the gateways are told, count what they would have refused, and route as before.
 - **Off, by recovery.** A quarantine an incident put on is lifted once no critical incident of the
   target is open and its last failure is ``lift_after_seconds`` old (an hour by default). An
@@ -26,12 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
-from kvcanary.monitor.storage.models import Incident, QuarantineChange, Target
+from kvcanary.monitor.storage.models import Incident, IncidentEvent, QuarantineChange, Target
 
 log = logging.getLogger("kvcanary.containment")
 
@@ -165,20 +168,22 @@ def _change_for(
         return None
     policy = settings.containment_of(target)
     enforced = policy.mode == "quarantine"
+    hints = policy.suspected == "quarantine"
     last = _latest_of(session, target_id)
-    leak = _open_leak(session, target_id, after=last.at if last is not None else None)
+    leak = _open_leak(session, target_id, after=last.at if last is not None else None, hints=hints)
     if last is None or not last.quarantined:
         if leak is None:
             return None
-        log.warning("%s: quarantine %s by incident %d (%s)", target.name,
-                    "on" if enforced else "observed", leak.id, leak.title)  # fmt: skip
-        return _row(target_id, now, True, enforced, "incident", leak.id, leak.title)
+        why = f"{leak.title} ({leak.certainty})"
+        log.warning("%s: quarantine %s by incident %d: %s", target.name,
+                    "on" if enforced else "observed", leak.id, why)  # fmt: skip
+        return _row(target_id, now, True, enforced, "incident", leak.id, why)
     if last.cause != "incident":
         return None  # an operator's quarantine ends by hand
     if last.enforced != enforced:  # the policy changed meanwhile: tell the gateways
         return _row(target_id, now, True, enforced, "incident", last.incident_id, last.reason)
-    if _open_leak(session, target_id, after=None) is not None:
-        return None
+    if _open_leak(session, target_id, after=None, hints=True) is not None:
+        return None  # the deployment is still suspect: a hint keeps a quarantine on, never puts one on
     last_failure = session.scalar(
         select(func.max(Incident.last_failure_at)).where(Incident.target_id == target_id)
     )
@@ -238,11 +243,23 @@ _OPEN_LEAK_TARGETS = (
 )
 
 
-def _open_leak(session: Session, target_id: int, *, after: datetime | None) -> Incident | None:
-    """Return the target's oldest open leak incident (opened after ``after``, when given)."""
+def _open_leak(session: Session, target_id: int, *, after: datetime | None, hints: bool) -> Incident | None:
+    """Return the target's oldest open leak incident that is certain or confirmed (or, with
+    ``hints``, suspected too), opened or confirmed after ``after`` when given."""
     query = select(Incident).where(
         Incident.target_id == target_id, Incident.state == "open", Incident.severity == LEAK_SEVERITY
     )
+    if not hints:
+        query = query.where(Incident.certainty != "suspected")
     if after is not None:
-        query = query.where(Incident.opened_at > after)
+        confirmed_since = (
+            select(IncidentEvent.id)
+            .where(
+                IncidentEvent.incident_id == Incident.id,
+                IncidentEvent.kind == "confirmed",
+                IncidentEvent.created_at > after,
+            )
+            .exists()
+        )
+        query = query.where(or_(Incident.opened_at > after, confirmed_since))
     return session.scalar(query.order_by(Incident.opened_at, Incident.id).limit(1))

@@ -45,7 +45,8 @@ DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 
 OPEN = (
     "kvcanary_incidents_open",
-    "Open incidents by target, probe and severity (from the database; last known while it is down).",
+    "Open incidents by target, probe, node, severity and certainty (from the database; last known "
+    "while it is down).",
 )
 READ_AT = (
     "kvcanary_incidents_open_read_timestamp_seconds",
@@ -64,13 +65,16 @@ FAILED_AT = (
     "Unix time a write of results last failed (spooled); 0 when none has.",
 )
 
-OpenIncidentCounts = Callable[[], Iterable[tuple[str, str, str, str, int]]]
+OpenIncidentCounts = Callable[[], Iterable[tuple[str, str, str, str, str, int]]]
 #: Every (target, probe, node) the config makes: their series are exported at 0.
 Pairs = Callable[[], Iterable[tuple[str, str, str]]]
 
 
 class OpenIncidentsCollector(Collector):
-    """Export ``kvcanary_incidents_open`` from ``(target, probe, node, severity, count)`` rows.
+    """Export ``kvcanary_incidents_open`` from ``(target, probe, node, severity, certainty, count)``
+    rows. Every configured (target, probe, node) has its severities at 0 as ``certain`` (what a
+    probe's incident is); an incident of another certainty (a traffic check's ``suspected``, an
+    operator's ``confirmed``) has its series while it is open.
 
     When the database does not answer, the last counts read are exported again, so alerts on
     open incidents keep firing through an outage; ``kvcanary_database_up`` goes to 0 and
@@ -81,15 +85,15 @@ class OpenIncidentsCollector(Collector):
         self._counts = counts
         self._pairs = pairs
         self._writes = writes or WriteHealth()
-        self._last: dict[tuple[str, str, str, str], int] = {}
+        self._last: dict[tuple[str, str, str, str, str], int] = {}
         self._read_at = 0.0
 
     def _read(self) -> int:
         """Refresh the counts from the database; return 1, or 0 (keeping the last counts) when it is away."""
         try:
-            values = {(t, p, n, s): 0 for t, p, n in self._pairs() for s in SEVERITIES}
-            for target, probe, node, severity, count in self._counts():
-                values[(target, probe, node, severity)] = count
+            values = {(t, p, n, s, "certain"): 0 for t, p, n in self._pairs() for s in SEVERITIES}
+            for target, probe, node, severity, certainty, count in self._counts():
+                values[(target, probe, node, severity, certainty)] = count
             self._last, self._read_at = values, time.time()
         except Exception:  # a database hiccup must not break the scrape: serve the last known counts
             return 0
@@ -97,7 +101,8 @@ class OpenIncidentsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         up = self._read()
-        family = GaugeMetricFamily(OPEN[0], OPEN[1], labels=["target", "probe", "node", "severity"])
+        names = ["target", "probe", "node", "severity", "certainty"]
+        family = GaugeMetricFamily(OPEN[0], OPEN[1], labels=names)
         for labels, count in sorted(self._last.items()):
             family.add_metric(list(labels), count)
         yield family
@@ -110,8 +115,8 @@ class OpenIncidentsCollector(Collector):
         """The same families in the text format, written directly (thousands of rows at scale)."""
         up = self._read()
         rows = (
-            (f'node="{escape(n)}",probe="{escape(p)}",severity="{s}",target="{escape(t)}"', count)
-            for (t, p, n, s), count in sorted(self._last.items())
+            (f'certainty="{c}",node="{escape(n)}",probe="{escape(p)}",severity="{s}",{_target(t)}', count)
+            for (t, p, n, s, c), count in sorted(self._last.items())
         )
         return (
             render_gauge(*OPEN, rows)
@@ -120,6 +125,10 @@ class OpenIncidentsCollector(Collector):
             + render_gauge(*WRITTEN_AT, [("", self._writes.last_success_at)])
             + render_gauge(*FAILED_AT, [("", self._writes.last_failure_at)])
         )
+
+
+def _target(name: str) -> str:
+    return f'target="{escape(name)}"'
 
 
 class SpoolCollector(Collector):
@@ -235,6 +244,13 @@ class MonitorMetrics:
             "Nodes that joined or left a target's SGLang gateway listing, as discovery read it (its "
             "first reading counts every node listed as joined).",
             ["target", "change"],
+            registry=self._general,
+        )
+        self.suspicion_verifications = Counter(
+            "kvcanary_suspicion_verifications_total",
+            "Suspected leaks verified at once by the target's proving probes, by what the runs found "
+            "(monitor/containment/verification.py).",
+            ["target", "outcome"],
             registry=self._general,
         )
         #: The pairs of a target's nodes that no run goes down (runs/coverage.py: declare_coverage).

@@ -12,9 +12,11 @@ every ``resend_interval_seconds`` with ``endsAt`` four intervals ahead (Promethe
 so a monitor that dies lets its alerts expire instead of firing forever; a resolved incident is
 sent with ``endsAt`` = when it resolved, and re-sent for a few minutes. An escalation resolves the
 alert of the old severity and fires the new one (their names differ). Labels are bounded and
-stable: ``alertname``, ``target``, ``probe``, ``severity``, for node-scoped probes ``node``, and
-for a traffic check's incident ``check`` (the check's name, found in the traffic checks' registry
-by the incident's kind).
+stable: ``alertname``, ``target``, ``probe``, ``severity``, ``certainty`` (``certain``,
+``suspected``, ``confirmed``: a receiver may route a suspected leak to a person rather than an
+automated runbook), for node-scoped probes ``node``, and for a traffic check's incident ``check``
+(the check's name, found in the traffic checks' registry by the incident's kind). A change of
+severity or certainty resolves the alert of the old labels and fires the new one.
 Descriptions carry figures (tokens sent and reported, pool and window, marker ids), never text a
 target returned. Summaries and descriptions are one printable line each (``probes/untrusted.py``'s
 ``plain``): the names in them come from gateways and their customers, and a newline, control or
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -246,13 +249,16 @@ class Pager:
         """Return the alerts one incident event sends (two for an escalation)."""
         now = self.clock()
         incident = event.incident
-        if event.kind == "resolved":
+        if event.kind in ("resolved", "dismissed"):
             return [self.alert(incident, event.new_severity, firing=False, now=now, ended=event.created_at)]
         alerts = [self.alert(incident, event.new_severity, firing=True, now=now)]
         if event.kind == "escalated" and event.old_severity and event.old_severity != event.new_severity:
             alerts.append(
                 self.alert(incident, event.old_severity, firing=False, now=now, ended=event.created_at)
             )
+        if event.kind in ("proven", "confirmed"):  # the suspected alert ends: its labels differ
+            was = dataclasses.replace(incident, certainty="suspected")
+            alerts.append(self.alert(was, event.new_severity, firing=False, now=now, ended=event.created_at))
         return alerts
 
     def alert(
@@ -268,7 +274,10 @@ class Pager:
         base = self.settings.api.base_url
         runbooks = runbook_base(self.settings)
         name = ALERTNAMES[severity]
-        labels = {"alertname": name, "target": incident.target, "probe": incident.probe, "severity": severity}
+        labels = {
+            "alertname": name, "target": incident.target, "probe": incident.probe, "severity": severity,
+            "certainty": incident.certainty,
+        }  # fmt: skip
         if incident.node:
             labels["node"] = incident.node
         # An incident keeps only its kind: the traffic check that stores results under it, if any.

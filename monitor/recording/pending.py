@@ -48,6 +48,8 @@ class PendingResult:
     #: Who judged: ``probe`` (a probe run) or ``traffic`` (a traffic check on gateway records,
     #: ``monitor/traffic/checks/``). An entry spooled before the field existed has none: ``probe``.
     source: str = PROBE
+    #: How a failure is known (``probes/base.py``): ``certain`` or ``suspected``.
+    certainty: str = "certain"
 
     @classmethod
     def of(
@@ -80,6 +82,7 @@ class PendingResult:
             node=node,
             state=result.state,
             source=source,
+            certainty=result.certainty,
         )
 
     @classmethod
@@ -97,5 +100,13 @@ class PendingResult:
         """The target's identity as its row stores it: (name, engine, base_url, model)."""
         return (self.target, self.engine, self.base_url, self.model)
 
+    @property
+    def suspected(self) -> bool:
+        """Whether this is a failure only suspected: what a verification is run for."""
+        return self.certainty == "suspected" and Verdict(self.verdict).is_failure
+
     def result(self) -> ProbeResult:
-        return ProbeResult(Verdict(self.verdict), self.reason, self.detail, self.evidence, self.measurements)
+        return ProbeResult(
+            Verdict(self.verdict), self.reason, self.detail, self.evidence, self.measurements,
+            certainty="suspected" if self.certainty == "suspected" else "certain",
+        )  # fmt: skip

@@ -4,8 +4,9 @@ incident change and a page.
 Both sources hand a :class:`~monitor.recording.pending.PendingResult` to :meth:`RecordingPort.submit`:
 the batching writer records it (``writer.py``: group commit, the spool while the database is
 away), and when the recording changed an incident the pager is nudged at once instead of at its
-next poll. The runner adds what is its own around the call (the per-pair lock, replica
-ownership, its metrics); the traffic judge adds its own (the deployment's lock and counters).
+next poll; a suspected failure that landed on an incident is handed on to be verified. The runner
+adds what is its own around the call (the per-pair lock, replica ownership, its metrics); the
+traffic judge adds its own (the deployment's lock and counters).
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ from kvcanary.monitor.recording.writer import BatchWriter
 
 
 class RecordingPort:
-    """Records through ``writer`` and calls ``on_change`` (the pager's nudge) after a change."""
+    """Records through ``writer`` and calls ``on_change`` (the pager's nudge) after a change, and
+    ``on_suspicion`` with a suspected failure and its incident's id once recorded."""
 
-    def __init__(self, writer: BatchWriter, on_change: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        writer: BatchWriter,
+        on_change: Callable[[], None] | None = None,
+        on_suspicion: Callable[[PendingResult, int], object] | None = None,
+    ):
         self.writer = writer
         self.on_change = on_change
+        self.on_suspicion = on_suspicion
 
     @property
     def recorder(self) -> Recorder:
@@ -33,6 +41,8 @@ class RecordingPort:
         outcome = await self.writer.submit(item)
         if outcome is not None and outcome.change is not None and self.on_change is not None:
             self.on_change()
+        if outcome is not None and outcome.incident_id is not None and item.suspected and self.on_suspicion:
+            self.on_suspicion(item, outcome.incident_id)
         return outcome
 
     def enqueue(self, item: PendingResult) -> None:

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from kvcanary.monitor.storage.models import Incident, IncidentEvent, ProbeResultRow, Target
 from kvcanary.monitor.storage.result_rows import incident_title
 
-Change = Literal["opened", "escalated", "attached", "resolved"]
+Change = Literal["opened", "escalated", "proven", "attached", "resolved"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,9 @@ class RecordOutcome:
     """What recording one result did.
 
     ``incident_id`` is the incident the result was linked to (None: none was open).
-    ``change`` is what happened to it: ``opened``, ``escalated``, ``attached`` (a failure counted),
-    ``resolved``, or None (nothing: a pass while none is open, a pass or error that only counted).
+    ``change`` is what happened to it: ``opened``, ``escalated``, ``proven`` (a certain failure
+    joined a suspected incident), ``attached`` (a failure counted), ``resolved``, or None
+    (nothing: a pass while none is open, a pass or error that only counted).
     ``severity`` is the incident's severity afterwards, None without an incident.
     """
 
@@ -65,6 +66,11 @@ class Recording:
     @property
     def started_at(self) -> datetime:
         return self.row.started_at
+
+    @property
+    def certainty(self) -> str:
+        """How the failure is known; an error (a warning incident's) is a fact: ``certain``."""
+        return self.row.certainty or "certain"
 
     def outcome(self, incident_id: int | None, change: Change | None, severity: str | None) -> RecordOutcome:
         self.row.incident_id = incident_id
@@ -119,6 +125,7 @@ def open_incident(session: Session, rec: Recording) -> Row[Any] | None:
         Incident.consecutive_passes,
         Incident.last_verdict,
         Incident.last_reason,
+        Incident.certainty,
     ).where(
         Incident.target_id == rec.target_id,
         Incident.probe == rec.probe,
@@ -139,19 +146,22 @@ def open_incident_keys(session: Session, target_ids: Iterable[int]) -> set[tuple
     return {(t, p, n) for t, p, n in session.execute(query)}
 
 
-def open_incident_counts(session: Session) -> list[tuple[str, str, str, str, int]]:
-    """Return ``(target_name, probe, node, severity, count)`` for every open incident group.
+def open_incident_counts(session: Session) -> list[tuple[str, str, str, str, str, int]]:
+    """Return ``(target_name, probe, node, severity, certainty, count)`` for every open incident group.
 
     Groups with nothing open are absent; the metrics collector exports them as 0.
     """
+    columns = (Target.name, Incident.probe, Incident.node, Incident.severity, Incident.certainty)
     query = (
-        select(Target.name, Incident.probe, Incident.node, Incident.severity, func.count())
+        select(*columns, func.count())
         .join(Target, Target.id == Incident.target_id)
         .where(Incident.state == "open")
-        .group_by(Target.name, Incident.probe, Incident.node, Incident.severity)
-        .order_by(Target.name, Incident.probe, Incident.node, Incident.severity)
+        .group_by(*columns)
+        .order_by(*columns)
     )
-    return [(name, probe, node, sev, int(count)) for name, probe, node, sev, count in session.execute(query)]
+    return [
+        (name, probe, node, sev, how, int(n)) for name, probe, node, sev, how, n in session.execute(query)
+    ]
 
 
 def try_open(
@@ -177,6 +187,7 @@ def try_open(
         consecutive_passes=0,
         last_verdict=rec.verdict,
         last_reason=rec.reason,
+        certainty=rec.certainty,
     )
     try:
         with session.begin_nested():
@@ -233,6 +244,20 @@ def escalate(session: Session, rec: Recording, incident_id: int, old: str, new: 
     if session.execute(stmt).rowcount != 1:  # type: ignore[attr-defined]
         return False
     event(session, rec, incident_id, "escalated", old=old, new=new)
+    return True
+
+
+def prove(session: Session, rec: Recording, incident_id: int, severity: str) -> bool:
+    """Mark a suspected incident ``certain`` by compare-and-set, ``rec`` (a certain failure) its proof;
+    write the ``proven`` event if we did (it pages: the alert's certainty changes)."""
+    stmt = (
+        update(Incident)
+        .where(Incident.id == incident_id, Incident.state == "open", Incident.certainty == "suspected")
+        .values(certainty="certain")
+    )
+    if session.execute(stmt).rowcount != 1:  # type: ignore[attr-defined]
+        return False
+    event(session, rec, incident_id, "proven", old=severity, new=severity)
     return True
 
 

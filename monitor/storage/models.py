@@ -42,7 +42,15 @@ Verdict = Literal["pass", "leak", "mismatch", "error"]
 TrafficVerdict = Literal["pass", "leak", "mismatch", "error", "refused"]
 Severity = Literal["critical", "high", "warning"]
 State = Literal["open", "resolved"]
-EventKind = Literal["opened", "escalated", "resolved", "failure", "config_changed"]
+#: ``proven``: a certain finding joined a suspected incident; ``confirmed`` and ``dismissed``: an
+#: operator's word on a suspected one; ``verification``: the probes run to check a suspicion ended.
+EventKind = Literal[
+    "opened", "escalated", "resolved", "failure", "config_changed",
+    "proven", "confirmed", "dismissed", "verification",
+]  # fmt: skip
+#: How a failure is known (``probes/base.py``); an incident may also be ``confirmed`` by an operator.
+ResultCertainty = Literal["certain", "suspected"]
+IncidentCertainty = Literal["certain", "suspected", "confirmed"]
 #: Who or what changed a target's quarantine: an incident, its lifting rule, or an operator.
 QuarantineCause = Literal["incident", "recovered", "operator"]
 
@@ -53,6 +61,8 @@ SEVERITIES: tuple[str, ...] = get_args(Severity)
 STATES: tuple[str, ...] = get_args(State)
 EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
 QUARANTINE_CAUSES: tuple[str, ...] = get_args(QuarantineCause)
+RESULT_CERTAINTIES: tuple[str, ...] = get_args(ResultCertainty)
+INCIDENT_CERTAINTIES: tuple[str, ...] = get_args(IncidentCertainty)
 
 
 def _one_of(column: str, values: tuple[str, ...]) -> str:
@@ -100,6 +110,7 @@ class ProbeResultRow(Base):
     __tablename__ = "probe_result"
     __table_args__ = (
         CheckConstraint(_one_of("verdict", VERDICTS), name="verdict"),
+        CheckConstraint(_one_of("certainty", RESULT_CERTAINTIES), name="certainty"),
         # The results list is newest first with id breaking ties, paged by keyset on (started_at, id).
         # Each index below leads with the equality filters of one kind of page and ends in
         # (started_at, id), so such a page is an ordered index range that stops after `limit` rows
@@ -142,6 +153,8 @@ class ProbeResultRow(Base):
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
     # When the excerpts in ``evidence`` (another customer's text, perhaps) are purged; NULL: none held.
     excerpts_until: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # How a leak or mismatch is known (certain, suspected); NULL for a pass or an error.
+    certainty: Mapped[str | None] = mapped_column(String(16))
 
     target: Mapped[Target] = relationship(lazy="raise")
 
@@ -157,6 +170,7 @@ class Incident(Base):
     __table_args__ = (
         CheckConstraint(_one_of("severity", SEVERITIES), name="severity"),
         CheckConstraint(_one_of("state", STATES), name="state"),
+        CheckConstraint(_one_of("certainty", INCIDENT_CERTAINTIES), name="certainty"),
         # At most one open incident per (target, probe, node), enforced by the database so that it
         # also holds across monitor replicas. monitor.storage.incident_rows.try_open relies on it: the replica
         # whose INSERT fails with IntegrityError rolls back to its SAVEPOINT and attaches instead.
@@ -195,6 +209,9 @@ class Incident(Base):
     consecutive_passes: Mapped[int] = mapped_column(Integer)
     last_verdict: Mapped[str] = mapped_column(String(16))
     last_reason: Mapped[str] = mapped_column(String(64))
+    # How its failures are known: ``certain`` once any is (containment acts on it), ``suspected``
+    # while none is, ``confirmed`` where an operator said a suspected one is real. Only moves up.
+    certainty: Mapped[str] = mapped_column(String(16), server_default="certain")
 
     target: Mapped[Target] = relationship(lazy="raise")
     events: Mapped[list[IncidentEvent]] = relationship(
@@ -247,6 +264,8 @@ class IncidentEvent(Base):
     claimed_until: Mapped[datetime | None] = mapped_column(UTCDateTime())
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     last_error: Mapped[str | None] = mapped_column(String(200))
+    # What an operator said (a confirmation, a dismissal) or what a verification ran and found.
+    note: Mapped[str | None] = mapped_column(String(300))
 
     incident: Mapped[Incident] = relationship(lazy="raise", back_populates="events")
 

@@ -40,6 +40,8 @@ class IncidentView:
     result: dict[str, Any] = field(default_factory=dict)
     #: What the incident's target's quarantine has been since the incident opened, in words ("" none).
     containment: str = ""
+    #: How its failures are known: certain, suspected, or confirmed by an operator.
+    certainty: str = "certain"
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,7 @@ def incident_views(session: Session, incident_ids: list[int]) -> dict[int, Incid
             last_reason=incident.last_reason,
             result=latest.get(incident.id, {}),
             containment=_quarantine_words(quarantine.get(incident.target_id), incident.opened_at),
+            certainty=incident.certainty,
         )
         for incident, name in rows
     }

@@ -75,6 +75,7 @@ def probe_result_values(
         detail=storable_text(result.detail)[:DETAIL_CHARS],
         started_at=started_at,
         duration_seconds=float(duration_seconds),
+        certainty=result.certainty if verdict in ("leak", "mismatch") else None,
         evidence=evidence,
         incident_id=None,
         expires_at=started_at + timedelta(days=days),

@@ -357,7 +357,7 @@ class TrafficJudge:
         out = []
         for node, check, group in sorted(found, key=lambda each: (each[0], each[1].name)):
             if group.flagged:
-                result = _flagged_result(check.name, group, gateway)
+                result = _flagged_result(check, group, gateway)
             elif now - deployment.last_pass.get((node, check.name), float("-inf")) >= due:
                 detail = f"{group.passed} gateway records passed the {check.name} check"
                 result = ProbeResult(
@@ -378,7 +378,7 @@ def _minute(index: int) -> datetime:
     return datetime.fromtimestamp(index * 60, UTC)
 
 
-def _flagged_result(check: str, group: _Group, gateway: str) -> ProbeResult:
+def _flagged_result(check: TrafficCheck, group: _Group, gateway: str) -> ProbeResult:
     worst = Verdict.LEAK if any(f.verdict is Verdict.LEAK for _, f in group.flagged) else Verdict.MISMATCH
     first_record, first = group.flagged[0]
     named = [
@@ -387,13 +387,13 @@ def _flagged_result(check: str, group: _Group, gateway: str) -> ProbeResult:
     ]
     callers = sorted({r.caller for r, _ in group.flagged})
     detail = (
-        f"{len(group.flagged)} gateway record(s) of {len(callers)} caller(s) failed the {check} check "
+        f"{len(group.flagged)} gateway record(s) of {len(callers)} caller(s) failed the {check.name} check "
         f"({first.reason}); first: request {first_record.upstream or first_record.id} of "
         f"{first_record.caller or 'an unnamed caller'}"
     )
     evidence = {"gateway": gateway, "flagged": len(group.flagged), "passed": group.passed, "records": named}
     measurements = {"records": float(len(group.flagged) + group.passed), "flagged": float(len(group.flagged))}
-    return ProbeResult(worst, first.reason, detail, evidence, measurements)
+    return ProbeResult(worst, first.reason, detail, evidence, measurements, certainty=check.certainty)
 
 
 def _row(

@@ -21,7 +21,7 @@ from kvcanary.monitor.storage.models import (
     TrafficMinute,
     TrafficRecordRow,
 )
-from kvcanary.probes.base import ProbeResult, Verdict
+from kvcanary.probes.base import Certainty, ProbeResult, Verdict
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 POLICY = IncidentConfig(resolve_after_passes=3, error_warning_after_seconds=300)
@@ -47,7 +47,9 @@ def empty_tables(engine: Engine) -> None:
             conn.execute(delete(model))
 
 
-def outcome(verdict: str, reason: str = "", detail: str = "", **measurements: float) -> ProbeResult:
+def outcome(
+    verdict: str, reason: str = "", detail: str = "", certainty: Certainty = "certain", **measurements: float
+) -> ProbeResult:
     """A probe's result with ``verdict``; ``reason`` defaults to a plausible token per verdict."""
     default = {"pass": "ok", "leak": "foreign_marker", "mismatch": "wrong_answer", "error": "timeout"}
     return ProbeResult(
@@ -56,6 +58,7 @@ def outcome(verdict: str, reason: str = "", detail: str = "", **measurements: fl
         detail or f"{verdict} seen",
         evidence={"marker_ids": ["m-1"]} if verdict == "leak" else {},
         measurements=dict(measurements),
+        certainty=certainty,
     )
 
 
@@ -70,6 +73,7 @@ def record(
     reason: str = "",
     detail: str = "",
     node: str = "",
+    certainty: Certainty = "certain",
     **measurements: float,
 ) -> RecordOutcome:
     """Record one result (of ``node``: empty for the whole target) in its own committed transaction,
@@ -82,7 +86,7 @@ def record(
             base_url="http://127.0.0.1:30000/v1",
             model="glm-5.3",
             probe=probe,
-            result=outcome(verdict, reason, detail, **measurements),
+            result=outcome(verdict, reason, detail, certainty, **measurements),
             started_at=at,
             duration_seconds=0.5,
             policy=policy,

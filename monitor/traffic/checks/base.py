@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
 from kvcanary.monitor.traffic.overlap import OverlapWindow
 from kvcanary.monitor.traffic.schema import TrafficRecord
-from kvcanary.probes.base import Verdict
+from kvcanary.probes.base import Certainty, Verdict
 from kvcanary.probes.markers import MarkerBook
 
 
@@ -84,6 +84,10 @@ class TrafficCheck(ABC):
     #: Its findings are about a node's KV pool (as a probe's ``judges_pool``): a blast radius then
     #: counts the requests over the pool rather than the flagged records.
     judges_pool: ClassVar[bool] = False
+    #: How its failures are known (``probes/base.py``): ``suspected`` where a benign cause can
+    #: produce one too (two customers holding the same public text), which then pages and is
+    #: verified by probes before anything moves traffic.
+    certainty: ClassVar[Certainty] = "certain"
     result_kind: ClassVar[str]
     passed: ClassVar[Finding]
 

@@ -85,6 +85,8 @@ def overlap_check(
 
 class OverlapCheck(TrafficCheck):
     name = "overlap"
+    #: A text two customers both hold (a licence, a famous speech) overlaps too: a hint, not proof.
+    certainty = "suspected"
     needs = frozenset({"window", "now", "min_run", "min_prompt_run"})
 
     def judge(self, record: TrafficRecord, context: CheckContext) -> Finding | None:

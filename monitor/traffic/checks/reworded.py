@@ -51,6 +51,8 @@ def reworded_check(
 
 class RewordedCheck(TrafficCheck):
     name = "reworded"
+    #: A text two customers both hold (a licence, a famous speech) overlaps too: a hint, not proof.
+    certainty = "suspected"
     needs = frozenset({"distinctive", "now", "reworded_min_tokens", "leaked"})
 
     def judge(self, record: TrafficRecord, context: CheckContext) -> Finding | None:

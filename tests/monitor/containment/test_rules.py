@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.containment.rules import QuarantineRules, UnknownTarget
+from kvcanary.monitor.incidents import confirm, dismiss
 from kvcanary.monitor.storage.models import QuarantineChange
 from tests.support.monitor_db import record
 
@@ -117,3 +118,65 @@ def test_a_policy_changed_to_observe_tells_the_gateways_and_by_hand_is_always_en
     assert {(q.target, q.enforced) for q in observing.current()} == {(TARGET, False), ("vllm-b", True)}
     with pytest.raises(UnknownTarget):
         observing.put("nope", "typo")
+
+
+# --- certain and suspected ----------------------------------------------------------------------------
+
+
+def suspected(factory: Factory, at: datetime) -> int:
+    """Record a fingerprint check's suspected leak; return its incident's id."""
+    opened = record(factory, "leak", at=at, probe="traffic_overlap", certainty="suspected")
+    assert opened.incident_id is not None
+    return opened.incident_id
+
+
+def test_a_suspected_leak_quarantines_nothing_until_an_operator_confirms_it(session_factory: Factory) -> None:
+    containment = watch(session_factory, settings())
+    incident_id = suspected(session_factory, now(-5))
+    assert containment.sync() == [] and containment.current() == []
+    with session_factory() as s, s.begin():
+        confirm(s, incident_id=incident_id, note="a private contract, confirmed", now=now())
+    made = containment.sync()
+    assert [(q.cause, q.incident_id, q.enforced) for q in made] == [("incident", incident_id, True)]
+    assert made[0].reason.endswith("(confirmed)")
+
+
+def test_a_target_whose_policy_says_suspected_quarantine_acts_on_a_hint(session_factory: Factory) -> None:
+    strict = settings(containment={"suspected": "quarantine"})
+    incident_id = suspected(session_factory, now(-5))
+    made = watch(session_factory, strict).sync()
+    assert [(q.target, q.incident_id) for q in made] == [(TARGET, incident_id)]
+    assert made[0].reason.endswith("(suspected)")
+
+
+def test_a_certain_leak_beside_a_suspected_one_quarantines_at_once(session_factory: Factory) -> None:
+    containment = watch(session_factory, settings())
+    suspected(session_factory, now(-5))
+    proof = record(session_factory, "leak", at=now(-1), probe="cross_tenant")
+    assert [q.incident_id for q in containment.sync()] == [proof.incident_id]
+
+
+def test_a_confirmation_after_an_operators_lift_quarantines_again(session_factory: Factory) -> None:
+    containment = watch(session_factory, settings(containment={"suspected": "quarantine"}))
+    incident_id = suspected(session_factory, now(-10))
+    containment.sync()
+    assert containment.lift(TARGET, "looks like a licence text") is not None
+    assert containment.sync() == []  # the lift holds over the hint
+    with session_factory() as s, s.begin():
+        confirm(s, incident_id=incident_id, note="it is not: confirmed", now=now(1))
+    assert [q.incident_id for q in containment.sync()] == [incident_id]
+
+
+def test_a_suspicion_keeps_a_quarantine_on_but_a_dismissed_one_lets_recovery_lift_it(
+    session_factory: Factory,
+) -> None:
+    containment = watch(session_factory, settings(lift_after_seconds=30))
+    record(session_factory, "leak", at=now(-120))
+    assert len(containment.sync()) == 1
+    for i in range(3):  # the certain incident resolves
+        record(session_factory, "pass", at=now(-110 + i))
+    incident_id = suspected(session_factory, now(-100))
+    assert containment.sync() == [] and len(containment.current()) == 1  # still suspect: kept out
+    with session_factory() as s, s.begin():
+        dismiss(s, incident_id=incident_id, note="a public text", now=now(-50))
+    assert [q.cause for q in containment.sync()] == ["recovered"]

@@ -33,7 +33,7 @@ def populated() -> MonitorMetrics:
     metrics = MonitorMetrics(CollectorRegistry())
     odd = 'we"ird\\tar\nget'  # names are validated by the config; the writer must not rely on it
     pairs = [("a", "canary", ""), ("a", "capacity", "prefill-0"), (odd, "canary", "")]
-    metrics.watch_incidents(lambda: [("a", "canary", "", "critical", 2)], lambda: pairs)
+    metrics.watch_incidents(lambda: [("a", "canary", "", "critical", "certain", 2)], lambda: pairs)
     metrics.watch_spool(Spool(None))
     metrics.watch_replicas(lambda: (3, 7))
     metrics.declare("a", {"canary": 30.0, "capacity": 60.0})
@@ -68,7 +68,13 @@ def test_it_holds_the_values_observed() -> None:
         page[("kvcanary_probe_runs_total", (("probe", "late"), ("target", "b"), ("verdict", "mismatch")))]
         == 1
     )
-    open_ = (("node", ""), ("probe", "canary"), ("severity", "critical"), ("target", "a"))
+    open_ = (
+        ("certainty", "certain"),
+        ("node", ""),
+        ("probe", "canary"),
+        ("severity", "critical"),
+        ("target", "a"),
+    )
     assert page[("kvcanary_incidents_open", open_)] == 2
     assert page[("kvcanary_probe_duration_seconds_count", (("probe", "canary"),))] == 3
 

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kvcanary.monitor.api.runbooks import RUNBOOKS_DIR
 from kvcanary.monitor.config.settings import Settings, parse_settings
+from kvcanary.monitor.incidents import confirm, dismiss
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.paging.links import link_signature
 from kvcanary.monitor.paging.pager import ALERTNAMES, Delivery, Pager
@@ -85,7 +86,8 @@ def test_a_leak_becomes_an_alert_with_its_figures_and_links(
     assert drain(pager) == 1
     (alert,) = alertmanager.alerts(alertname="KVCanaryLeak")
     assert alert["labels"] == {
-        "alertname": "KVCanaryLeak", "target": "glm-prod", "probe": "cross_tenant", "severity": "critical"
+        "alertname": "KVCanaryLeak", "target": "glm-prod", "probe": "cross_tenant", "severity": "critical",
+        "certainty": "certain",
     }  # fmt: skip
     notes = alert["annotations"]
     signature = link_signature(LINK_KEY, opened.incident_id, minutes(0) + timedelta(seconds=1))
@@ -134,6 +136,32 @@ def test_an_escalation_fires_the_new_alert_and_ends_the_old(
     assert drain(pager) == 2
     assert alertmanager.alerts(alertname="KVCanaryLeak")
     assert alertmanager.alerts(alertname="KVCanaryMismatch") == []
+
+
+def test_a_suspected_leak_pages_as_suspected_and_its_proof_moves_the_alert_to_certain(
+    session_factory: Factory, alertmanager: Alertmanager
+) -> None:
+    record(session_factory, "leak", at=minutes(0), probe="traffic_overlap", certainty="suspected")
+    pager, _ = pager_for(session_factory, alertmanager.url)
+    assert drain(pager) == 1
+    (alert,) = alertmanager.alerts(alertname="KVCanaryLeak")
+    assert (alert["labels"]["certainty"], alert["labels"]["check"]) == ("suspected", "overlap")
+    record(session_factory, "leak", at=minutes(1), probe="traffic_overlap", reason="foreign_marker")
+    assert drain(pager) == 1  # the proven event: the certain alert fires, the suspected one ends
+    assert [a["labels"]["certainty"] for a in alertmanager.alerts(alertname="KVCanaryLeak")] == ["certain"]
+
+
+@pytest.mark.parametrize(("act", "left"), [(confirm, ["confirmed"]), (dismiss, [])])
+def test_an_operators_word_on_a_suspected_leak_changes_or_ends_its_alert(
+    session_factory: Factory, alertmanager: Alertmanager, act: Any, left: list[str]
+) -> None:
+    opened = record(session_factory, "leak", at=minutes(0), probe="traffic_reworded", certainty="suspected")
+    pager, _ = pager_for(session_factory, alertmanager.url)
+    drain(pager)
+    with session_factory() as s, s.begin():
+        act(s, incident_id=opened.incident_id, note="on-call read the records", now=minutes(1))
+    assert drain(pager) == 1
+    assert [a["labels"]["certainty"] for a in alertmanager.alerts(alertname="KVCanaryLeak")] == left
 
 
 def test_an_alertmanager_outage_loses_nothing_and_doubles_nothing(

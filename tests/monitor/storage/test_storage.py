@@ -156,8 +156,8 @@ def test_open_incident_counts_group_the_open_ones(session_factory: Factory) -> N
         counts = open_incident_counts(s)
 
     assert counts == [
-        ("glm-prod", "cross_tenant", "", "critical", 1),
-        ("llama-dev", "cross_tenant", "", "critical", 1),
+        ("glm-prod", "cross_tenant", "", "critical", "certain", 1),
+        ("llama-dev", "cross_tenant", "", "critical", "certain", 1),
     ]
 
 
