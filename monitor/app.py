@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from kvcanary.monitor.api.main import build_http_app
 from kvcanary.monitor.api.state import ApiState
 from kvcanary.monitor.config.secrets import (
+    TenantKeys,
     alertmanager_headers,
     api_token,
     ingest_token,
@@ -295,9 +296,10 @@ class Monitor:
             report["traffic_stream"] = self.stream.report()
         return report
 
-    def client_of(self, target: TargetConfig, keys: dict[tuple[str, str], str | None]) -> OpenAIHttpTarget:
+    def client_of(self, target: TargetConfig, keys: TenantKeys) -> OpenAIHttpTarget:
         tenants = {tn.name: keys[(target.name, tn.name)] for tn in target.tenants}
-        return OpenAIHttpTarget(target, tenants, limits=self._limits, client=self.http)
+        worker = keys.workers.get(target.name)
+        return OpenAIHttpTarget(target, tenants, limits=self._limits, client=self.http, worker_key=worker)
 
     async def reload(self, why: str) -> str | None:
         """Read the config file again and take it up; return None, or why it was refused (logged,

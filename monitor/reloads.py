@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from apscheduler.jobstores.base import JobLookupError
 
 from kvcanary.monitor.config.reload import ReloadPlan, plan, restart_needed
-from kvcanary.monitor.config.secrets import tenant_keys
+from kvcanary.monitor.config.secrets import TenantKeys, tenant_keys
 from kvcanary.monitor.config.settings import ConfigError, Settings, load_settings
 from kvcanary.monitor.runs.scheduler import add_probe_jobs, probe_job_id, run_now
 from kvcanary.monitor.traffic.judge import own_key_digests
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcanary")
 
-Keys = dict[tuple[str, str], str | None]
+Keys = TenantKeys
 
 
 async def take_up_file(monitor: Monitor, why: str) -> str | None:
@@ -68,7 +68,9 @@ async def take_up_nodes(monitor: Monitor) -> None:
 async def _apply(monitor: Monitor, new: Settings, keys: Keys, why: str) -> None:
     new = monitor.discovery.take_up(new)
     old_keys = monitor.tenant_keys
+    # A rotated key file (a tenant's or the workers') replaces the target's client.
     rekeyed = frozenset(t for (t, tenant), key in keys.items() if old_keys.get((t, tenant), key) != key)
+    rekeyed |= {t for t, key in keys.workers.items() if old_keys.workers.get(t, key) != key}
     change = plan(monitor.settings, new, rekeyed)
     monitor.tenant_keys = keys
     old_clients = _swap_clients(monitor, new, keys, change)

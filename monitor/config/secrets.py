@@ -1,4 +1,5 @@
-"""Secrets: tenant API keys, the REST token and the marker key, read from environment variables or files.
+"""Secrets: tenant API keys, worker credentials, the REST token and the marker key, read from
+environment variables or files.
 
 Never from the config file itself, never logged, stored or returned. Each function raises
 :class:`~monitor.config.settings.ConfigError` naming the key when a named secret is missing or unusable.
@@ -13,6 +14,7 @@ import os
 from pathlib import Path
 
 from kvcanary.monitor.config.settings import ConfigError, Settings
+from kvcanary.monitor.config.targets import TargetConfig
 
 # The REST token must not be a placeholder someone forgot to change.
 WEAK_TOKENS = {"", "changeme", "change-me", "secret", "token", "password", "kvcanary"}
@@ -39,15 +41,30 @@ def read_secret(*, env: str | None, file: Path | None, key: str) -> str | None:
     return None
 
 
-def tenant_keys(settings: Settings, only: list[str] | None = None) -> dict[tuple[str, str], str | None]:
-    """Return every tenant's API key by (target, tenant), of the targets named in ``only`` when given.
-    A named but unset variable is an error.
+class TenantKeys(dict[tuple[str, str], str | None]):
+    """Every tenant's API key by (target, tenant), and in ``workers`` each target's worker
+    credential by target name (None: it states none). The mapping itself holds tenants' keys only
+    (what the traffic judge knows the monitor's own requests by); a worker credential goes only
+    where ``monitor/targets/credentials.py`` lets it."""
+
+    def __init__(
+        self, tenants: dict[tuple[str, str], str | None], workers: dict[str, str | None] | None = None
+    ):
+        super().__init__(tenants)
+        self.workers: dict[str, str | None] = dict(workers or {})
+
+
+def tenant_keys(settings: Settings, only: list[str] | None = None) -> TenantKeys:
+    """Return every tenant's API key by (target, tenant), and each target's worker credential, of
+    the targets named in ``only`` when given. A named but unset variable is an error.
 
     A tenant with neither ``api_key_env`` nor ``api_key_file`` gets None (an engine without auth).
     Two tenants of one target with the same key are an error naming both: the engine sees one
-    tenant, so each would read the other's markers as its own and every probe would cry leak.
+    tenant, so each would read the other's markers as its own and every probe would cry leak. A
+    worker credential that is one of its target's tenants' keys is an error naming the key.
     """
     keys: dict[tuple[str, str], str | None] = {}
+    workers: dict[str, str | None] = {}
     for i, target in enumerate(settings.targets):
         if only is not None and target.name not in only:
             continue
@@ -67,7 +84,24 @@ def tenant_keys(settings: Settings, only: list[str] | None = None) -> dict[tuple
             if key is not None:
                 owners[key] = tenant.name
             keys[(target.name, tenant.name)] = key
-    return keys
+        workers[target.name] = _worker_key(target, f"targets[{i}]", owners)
+    return TenantKeys(keys, workers)
+
+
+def _worker_key(target: TargetConfig, where: str, owners: dict[str, str]) -> str | None:
+    """Return ``target``'s worker credential, or None where it states none; raise ConfigError
+    naming the key when a named one is missing or is a tenant's (``owners``: tenant by key)."""
+    key = read_secret(
+        env=target.worker_api_key_env, file=target.worker_api_key_file, key=where + ".worker_api_key_file"
+    )
+    named = where + (".worker_api_key_file" if target.worker_api_key_file else ".worker_api_key_env")
+    if key is None and target.worker_api_key_env:
+        raise ConfigError(f"{named}: environment variable {target.worker_api_key_env} is not set")
+    if key is not None and key in owners:
+        raise ConfigError(
+            f"{named}: the worker credential is tenant {owners[key]}'s API key; give the workers their own"
+        )
+    return key
 
 
 def api_token(settings: Settings) -> str | None:

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvcanary.monitor.targets.credentials import CredentialScope, parse_host_rule
 from kvcanary.probes import REGISTRY
 from kvcanary.probes.target import Node, ServingPath, ranked_name
 from kvcanary.probes.yamlfile import key_path
@@ -66,10 +67,17 @@ def path_name(prefill: str, decode: str) -> str:
     return f"{prefill[:half]}--{decode[:half]}-{digest}"
 
 
+def _host_entry(value: str) -> str:
+    parse_host_rule(value)  # raises ValueError saying what is wrong
+    return value.strip()
+
+
 #: A target, tenant or node name (``NAME_RE``).
 Name = Annotated[str, AfterValidator(_name)]
 #: The name of an environment variable a secret is read from (``ENV_RE``).
 EnvName = Annotated[str, AfterValidator(_env_name)]
+#: A ``credential_hosts`` entry (``monitor/targets/credentials.py``, ``parse_host_rule``).
+HostEntry = Annotated[str, AfterValidator(_host_entry)]
 
 
 class Strict(BaseModel):
@@ -170,6 +178,21 @@ class NodeConfig(Strict):
     # running alerts/mtail/sglang_kv_canary.mtail on an SGLang log (its own KV canary only logs).
     # Default: the target's log_metrics_port on the node's host, else none.
     log_metrics_url: str | None = Field(None, max_length=2048)
+    # Set by the monitor on the nodes an SGLang gateway lists, never in a file (refused there): such
+    # a node's address is the gateway's word, so it is in the target's credential scope only where
+    # credential_hosts cover it (monitor/targets/credentials.py); and whether it refused a request
+    # without a credential when it joined (outside the scope, its pairs are then not probed).
+    discovered: bool = False
+    refuses_without_key: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_from_a_file(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in ("discovered", "refuses_without_key"):
+                if key in data:
+                    raise ValueError(f"{key}: the monitor sets it on the nodes a gateway lists, not a file")
+        return data
 
     @field_validator("role", mode="before")
     @classmethod
@@ -223,6 +246,24 @@ class TargetConfig(Strict):
     path_probes: list[str] = Field(default_factory=lambda: list(PATH_KINDS), max_length=len(REGISTRY))
     # This target's containment policy where it differs from the top-level one.
     containment: TargetContainment = TargetContainment()
+    # Where the tenants' keys (or the worker credential) may go besides base_url's origin and the
+    # URLs this file writes for its nodes: ``host`` (any port), ``host:port``, ``[v6]:port``, a
+    # CIDR (addresses written in a URL) or a DNS suffix (``.svc.cluster.local``: names under it).
+    # A node the gateway lists outside them is sent no credential (monitor/targets/credentials.py).
+    credential_hosts: list[HostEntry] = Field(default_factory=list, max_length=256)
+    # A credential the workers behind the gateway take, sent in place of the tenants' keys to every
+    # origin in scope but base_url's; read like a tenant's key, never logged, stored or returned.
+    worker_api_key_env: EnvName | None = None
+    worker_api_key_file: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_literal_worker_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "worker_api_key" in data:
+            raise ValueError(
+                "worker_api_key: literal keys are refused; use worker_api_key_env or worker_api_key_file"
+            )
+        return data
 
     @field_validator("base_url")
     @classmethod
@@ -290,6 +331,7 @@ class TargetConfig(Strict):
         if len(set(names)) != len(names):
             raise ValueError("tenants: names must be unique")
         _no_shared_key_source(self.tenants)
+        _worker_key_apart(self)
         nodes = [n.name for n in self.nodes]
         if len(set(nodes)) != len(nodes):
             raise ValueError("nodes: names must be unique")
@@ -310,13 +352,37 @@ class TargetConfig(Strict):
         """Return the kinds this target runs down each of its paths: ``path_probes`` it runs at all."""
         return [kind for kind in self.path_probes if kind in self.probes]
 
+    def credential_scope(self) -> CredentialScope:
+        """Return where this target's credentials may go: base_url's origin, the origins of the URLs
+        the file writes for its nodes (never a node the gateway listed), and ``credential_hosts``."""
+        named = [
+            url
+            for node in self.nodes
+            if not node.discovered
+            for url in (node.info_url, node.metrics_url, node.log_metrics_url)
+            if url is not None
+        ]
+        return CredentialScope(self.base_url, named, self.credential_hosts)
+
+    def shut_out(self) -> set[str]:
+        """Return the names of the nodes no probe can go down: listed by the gateway outside the
+        credential scope (so sent no credential), they refused a request without one."""
+        refusing = [node for node in self.nodes if node.discovered and node.refuses_without_key]
+        if not refusing:
+            return set()
+        scope = self.credential_scope()
+        return {node.name for node in refusing if not scope.allows(node.info_url or self.base_url)}
+
     def paths(self) -> list[ServingPath]:
         """Return every (prefill, decode) pair of the target's nodes, at most ``MAX_PATHS``: prefill
-        nodes whose bootstrap port is known (the gateway lists it) times decode nodes. The pairs
-        left out are counted by :meth:`unprobed_paths`."""
+        nodes whose bootstrap port is known (the gateway lists it) times decode nodes, neither of
+        them :meth:`shut_out`. The pairs left out are counted by :meth:`unprobed_paths`."""
         nodes = self.node_list()
-        prefills = [n for n in nodes if n.role == "prefill" and n.bootstrap_port is not None]
-        decodes = [n for n in nodes if n.role == "decode"]
+        shut = self.shut_out()
+        prefills = [
+            n for n in nodes if n.role == "prefill" and n.bootstrap_port is not None and n.name not in shut
+        ]
+        decodes = [n for n in nodes if n.role == "decode" and n.name not in shut]
         pairs = [
             ServingPath(p, d, path_name(ranked_name(p.name, pr), ranked_name(d.name, dr)), pr, dr)
             for p in prefills
@@ -328,22 +394,32 @@ class TargetConfig(Strict):
 
     def unprobed_paths(self) -> dict[str, int]:
         """Return how many (rank) pairs of the target's nodes no run goes down, by why: a prefill
-        node whose bootstrap port is unknown (a request cannot be sent the gateway's way), or past
+        node whose bootstrap port is unknown (a request cannot be sent the gateway's way); on a
+        gateway target, a node :meth:`shut_out` (``credential_out_of_scope``); or past
         ``MAX_PATHS``. The gateway may still send customers down them. Empty where the target
         probes no pair at all: no gateway named and no prefill node's bootstrap port stated (a
         file's way to leave its pairs to the probes sent through the gateway)."""
         nodes = self.node_list()
+        shut = self.shut_out()
         decode_ranks = sum(len(_ranks(n)) for n in nodes if n.role == "decode")
+        open_decodes = sum(len(_ranks(n)) for n in nodes if n.role == "decode" and n.name not in shut)
         prefills = [n for n in nodes if n.role == "prefill"]
-        known = sum(len(_ranks(n)) for n in prefills if n.bootstrap_port is not None)
+        known = [n for n in prefills if n.bootstrap_port is not None]
+        open_known = sum(len(_ranks(n)) for n in known if n.name not in shut)
+        shut_known = sum(len(_ranks(n)) for n in known if n.name in shut)
         blind = sum(len(_ranks(n)) for n in prefills if n.bootstrap_port is None)
-        probing = known > 0 or self.sglang_router is not None
+        probing = bool(known) or self.sglang_router is not None
         if not (prefills and decode_ranks and probing):
             return {}
-        return {
+        counts = {
             "no_bootstrap_port": blind * decode_ranks,
-            "over_max_paths": max(0, known * decode_ranks - MAX_PATHS),
+            "over_max_paths": max(0, open_known * open_decodes - MAX_PATHS),
         }
+        if self.sglang_router is not None:  # only a gateway lists nodes outside the scope
+            counts["credential_out_of_scope"] = shut_known * decode_ranks + open_known * (
+                decode_ranks - open_decodes
+            )
+        return counts
 
     def node_list(self) -> list[Node]:
         """Return the target's nodes with every URL filled in; one unnamed node at base_url by default
@@ -388,6 +464,20 @@ def _no_shared_key_source(tenants: list[TenantConfig]) -> None:
                     f"{source[1]}; one key is one tenant to the engine"
                 )
             seen[key] = tenant.name
+
+
+def _worker_key_apart(target: TargetConfig) -> None:
+    """Refuse a worker credential read from a tenant's variable or file: it would be that tenant's
+    key, sent where only the worker credential may go."""
+    for tenant in target.tenants:
+        for key, mine, theirs in (
+            ("worker_api_key_env", target.worker_api_key_env, tenant.api_key_env),
+            ("worker_api_key_file", target.worker_api_key_file, tenant.api_key_file),
+        ):
+            if mine is not None and str(mine) == str(theirs):
+                raise ValueError(
+                    f"{key}: tenant {tenant.name}'s key comes from {mine}; workers need their own"
+                )
 
 
 def _known(kinds: dict[str, Any]) -> None:

@@ -105,7 +105,9 @@ class UnprobedPaths(Collector):
         family = GaugeMetricFamily(
             "kvcanary_paths_unprobed",
             "Prefill x decode pairs (rank pairs) of the target's nodes that kvcanary does not probe, "
-            "by why: no_bootstrap_port (a prefill node's is unknown), over_max_paths (past 256).",
+            "by why: no_bootstrap_port (a prefill node's is unknown), over_max_paths (past 256), "
+            "credential_out_of_scope (a node the gateway lists outside the credential scope refuses "
+            "requests without a key).",
             labels=["target", "reason"],
         )
         for target, counts in self._counts.items():

@@ -10,6 +10,10 @@ is replaced, its runs keep going, and node-scoped kinds run at once on a node th
 A gateway that cannot be read is a logged error and its last known nodes stay: a gateway restart or
 a network blip must not make every node vanish from the audits (and come back as "joined"). A
 gateway that answers with an empty list is believed: it routes to nobody.
+
+A node the gateway lists is asked once, when it joins and without a credential, whether it takes
+requests without one (``refuses_without_key``): outside the target's credential scope it is sent
+no credential, so a node that refuses cannot be probed, and its pairs are counted as such.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kvcanary.monitor.targets.sglang_gateway import (
     read_circuits,
     read_dp_size,
     read_workers,
+    refuses_without_key,
 )
 from kvcanary.monitor.targets.wire import Limits
 
@@ -123,6 +128,7 @@ class GatewayDiscovery:
         await self._read_circuits(target, listed.nodes)
         before = {node.name: node for node in self.found.get(target.name, [])}
         after = await self._with_ranks(target, before, listed.nodes)
+        after = await self._with_refusals(target, before, after)
         if before == after and target.name in self.found:
             return None
         self.found[target.name] = list(after.values())
@@ -149,6 +155,34 @@ class GatewayDiscovery:
         except GatewayUnreadable as exc:
             if self.circuits.pop(target.name, None) is not None or target.name not in self.found:
                 log.warning("%s: the gateway's metrics page is unreadable: %s", target.name, exc)
+
+    async def _with_refusals(
+        self, target: TargetConfig, before: dict[str, NodeConfig], after: dict[str, NodeConfig]
+    ) -> dict[str, NodeConfig]:
+        """Return ``after`` with whether each prefill and decode node refuses a request without a
+        credential: as a node seen before did, else asked of a new one (once, when it joins). A node
+        outside the target's credential scope that refuses is logged: its pairs are not probed."""
+        new = [
+            node for name, node in after.items() if name not in before and node.role in ("prefill", "decode")
+        ]
+        answers = await asyncio.gather(
+            *(refuses_without_key(self._http, node, target.timeout_seconds, self._limits) for node in new)
+        )
+        out = {
+            name: node.model_copy(update={"refuses_without_key": before[name].refuses_without_key})
+            if name in before
+            else node
+            for name, node in after.items()
+        }
+        scope = target.credential_scope()
+        for node, refuses in zip(new, answers, strict=True):
+            out[node.name] = node.model_copy(update={"refuses_without_key": refuses})
+            if refuses and not scope.allows(node.info_url or ""):
+                log.warning("%s: node %s, listed by gateway %s outside the credential scope, refuses "
+                            "requests without a key: its pairs are not probed (credential_hosts names the "
+                            "hosts that may have one)",
+                            target.name, node.name, target.sglang_router)  # fmt: skip
+        return out
 
     async def _with_ranks(
         self, target: TargetConfig, before: dict[str, NodeConfig], listed: list[NodeConfig]

@@ -10,18 +10,21 @@ hosted OpenAI-compatible APIs and the reference worker. Its contract:
   a 200 stream) or ``http`` (a non-2xx answer). Lookups return None fields instead.
 - A non-2xx answer keeps its raw body, bounded to :data:`ERROR_BODY_BYTES`, in ``text``: an error
   body is output a tenant sees, so probes scan it for foreign markers like any other output.
-- A tenant's API key goes into its own ``Authorization`` header and nowhere else: every string this
-  module returns passes through :meth:`OpenAIHttpTarget._scrub` first.
+- Every request it makes goes through :meth:`OpenAIHttpTarget.request`, which alone sets
+  ``Authorization``, as :class:`~monitor.targets.credentials.Credentials` decides for the URL (a
+  tenant's key at the base URL's origin, the worker credential or the tenant's key elsewhere in the
+  target's credential scope, nothing outside it), and never follows a redirect. No key appears in
+  what it returns: every string passes through :meth:`OpenAIHttpTarget._scrub` first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 from yarl import URL
@@ -29,6 +32,7 @@ from yarl import URL
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.targets.calibration import TokenCalibration
 from kvcanary.monitor.targets.capacity import apply_overrides, read_capacity
+from kvcanary.monitor.targets.credentials import Credentials
 from kvcanary.monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
 from kvcanary.monitor.targets.paths import PathTarget
 from kvcanary.monitor.targets.scrape import parse_samples
@@ -63,6 +67,10 @@ __all__ = ["ERROR_BODY_BYTES", "OpenAIHttpTarget"]
 _MIN_SCRUB_LEN = 8
 
 
+#: What every JSON request carries besides its credential (shared: never changed).
+_JSON = {"Content-Type": "application/json"}
+_NO_HEADERS: dict[str, str] = {}
+
 #: Engines that take SGLang's ``rid`` (a client request id) in the body.
 RID_ENGINES = frozenset({"sglang", "reference"})
 
@@ -79,9 +87,11 @@ class HungUp(Exception):
 class OpenAIHttpTarget:
     """A serving endpoint reached over HTTP; call :meth:`aclose`.
 
-    ``api_keys`` maps each tenant name to its key, or None for an engine without authentication.
-    ``client`` is the HTTP client shared with other targets (closing the target does not close it);
-    without one the target makes its own.
+    ``api_keys`` maps each tenant name to its key, or None for an engine without authentication;
+    ``worker_key`` is the target's worker credential (``worker_api_key_env``), or None. Where each
+    goes is the target's credential scope's to say (:meth:`request`). ``client`` is the HTTP client
+    shared with other targets (closing the target does not close it); without one the target
+    makes its own.
     """
 
     def __init__(
@@ -90,26 +100,25 @@ class OpenAIHttpTarget:
         api_keys: dict[str, str | None],
         limits: Limits = DEFAULT_LIMITS,
         client: HttpClient | None = None,
+        worker_key: str | None = None,
     ):
         self.name = config.name
         self.tenants = [t.name for t in config.tenants]
         self.engine: str = config.engine
         self.nodes = config.node_list()
         self._config = config
-        self._keys = dict(api_keys)
-        secrets = {k for k in self._keys.values() if k and len(k) >= _MIN_SCRUB_LEN}
+        self._credentials = Credentials(config.credential_scope(), api_keys, worker_key)
+        secrets = {k for k in self._credentials.secrets if len(k) >= _MIN_SCRUB_LEN}
         # Longest first, so a key that contains another is replaced whole.
         self._secrets = sorted(secrets, key=len, reverse=True)
         self._timeout = config.timeout_seconds
         self._limits = limits
         # Paths below start at /v1; a base URL written with its /v1 would double it.
         self._base = config.base_url.removesuffix("/v1")
-        self._origin = _origin(self._base)
         self._own_client = client is None
         self._client = client or HttpClient(max_connections=16)
         # Parsed once: a URL string is parsed again on every request.
         self._urls: dict[str, URL] = {}
-        self._headers = {tenant: self._request_headers(tenant) for tenant in self.tenants}
         # The last capacity reading and when it was taken (monotonic), for callers that allow reuse.
         self._capacity: tuple[float, ServerCapacity] | None = None
         #: Characters per token of this target's tokenizer, from what it counted of the probes' texts.
@@ -175,27 +184,40 @@ class OpenAIHttpTarget:
                 raise
             raise HungUp(f"hung up after {request.hang_up_after_seconds:g}s, as the probe asked") from None
 
-    async def http_session(self) -> aiohttp.ClientSession:
-        """The shared HTTP session (no cookie jar), for a request this class does not make itself."""
-        return await self._client.session()
+    @contextlib.asynccontextmanager
+    async def request(
+        self,
+        method: str,
+        url: URL,
+        *,
+        tenant: str | None,
+        headers: Mapping[str, str] = _NO_HEADERS,
+        data: bytes | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """Send one request of this target's to ``url`` as ``tenant`` (None: a lookup) and yield the
+        response; raise what aiohttp raises. The one way this target reaches the network: the
+        ``Authorization`` header is the credentials' word for ``url`` alone (``headers`` carry no
+        credential of their own), and a redirect is answered, never followed (it would carry the
+        request's headers to wherever it points)."""
+        session = await self._client.session()
+        sent = {name: value for name, value in headers.items() if name.lower() != "authorization"}
+        sent.update(self._credentials.authorization(url, tenant))
+        async with session.request(method, url, headers=sent, data=data, allow_redirects=False) as response:
+            yield response
 
-    def headers_for(self, tenant: str, request: CompletionRequest) -> dict[str, str]:
-        """The headers a completion of ``tenant`` carries: its key, and the request's own id."""
-        headers = self._headers.get(tenant) or self._request_headers(tenant)
-        if request.request_id is not None:
-            headers = {**headers, "X-Request-Id": request.request_id}
-        return headers
+    @staticmethod
+    def headers_for(request: CompletionRequest) -> dict[str, str]:
+        """The headers a completion carries besides its credential: its type, and the request's own id."""
+        if request.request_id is None:
+            return _JSON
+        return {**_JSON, "X-Request-Id": request.request_id}
 
     async def exchange(
         self, tenant: str, url: URL, body: dict[str, Any], request: CompletionRequest, state: StreamState
     ) -> None:
         """POST ``body`` to ``url`` as ``tenant`` and read the answer, streamed or not, into ``state``."""
-        session = await self._client.session()
-        async with session.post(
-            url,
-            data=json.dumps(body).encode(),
-            headers=self.headers_for(tenant, request),
-            allow_redirects=False,
+        async with self.request(
+            "POST", url, tenant=tenant, headers=self.headers_for(request), data=json.dumps(body).encode()
         ) as response:
             state.status = response.status
             if not 200 <= response.status < 300:
@@ -234,20 +256,6 @@ class OpenAIHttpTarget:
             url = self._urls[path] = URL(self._base + path)
         return url
 
-    def _auth(self, tenant: str) -> dict[str, str]:
-        key = self._keys.get(tenant)
-        return {"Authorization": f"Bearer {key}"} if key else {}
-
-    def _request_headers(self, tenant: str) -> dict[str, str]:
-        return {**self._auth(tenant), "Content-Type": "application/json"}
-
-    def _any_auth(self) -> dict[str, str]:
-        """Headers for lookups: the first tenant that has a key (many engines guard /v1/models)."""
-        for tenant in self.tenants:
-            if self._keys.get(tenant):
-                return self._auth(tenant)
-        return {}
-
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
             if secret in text:
@@ -258,16 +266,11 @@ class OpenAIHttpTarget:
 
     async def fetch(self, url: str) -> Fetched:
         """GET an absolute ``url`` (a node's metrics or info) and return its body, bounded; never raise.
-
-        The tenants' credentials go only to the target's own origin: a node URL on another host gets
-        no Authorization header.
-        """
-        headers = self._any_auth() if _origin(url) == self._origin else {}
+        It carries a credential only where the target's credential scope lets it (:meth:`request`)."""
         limit = self._limits.lookup_bytes
         try:
             async with asyncio.timeout(self._timeout):
-                session = await self._client.session()
-                async with session.get(url, headers=headers, allow_redirects=False) as response:
+                async with self.request("GET", URL(url), tenant=None) as response:
                     status = response.status
                     if not 200 <= response.status < 300:
                         return Fetched(None, f"HTTP {status} from {url}", status)
@@ -365,9 +368,8 @@ class OpenAIHttpTarget:
     async def _tokenize(self, url: str, body: dict[str, Any]) -> int | None:
         try:
             async with asyncio.timeout(self._timeout):
-                session = await self._client.session()
-                async with session.post(
-                    url, json=body, headers=self._any_auth(), allow_redirects=False
+                async with self.request(
+                    "POST", URL(url), tenant=None, headers=_JSON, data=json.dumps(body).encode()
                 ) as response:
                     raw, complete = await read_limited(
                         chunks(response), self._limits.lookup_bytes, response.content_length
@@ -412,10 +414,3 @@ class NodeLookups:
         except ValueError:
             self.failures.append(f"{self._base + path} is not JSON")
             return None
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    """Return (scheme, host, port) with the scheme's default port filled in."""
-    parts = urlsplit(url)
-    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
-    return parts.scheme, (parts.hostname or "").lower(), port

@@ -8,6 +8,9 @@ the gateway sends it (``OpenAIHttpTarget.complete(via=...)``: both nodes at once
 fields, a new room), its capacity read from that pair's prefill node (the pool admission must
 respect there) and its prompts counted by that node's tokenizer. A probe kind run on it judges that
 path and no other; the runner runs the target's ``path_probes`` on every path.
+
+Both legs go through the target's one request path (``OpenAIHttpTarget.request``): a node the
+gateway listed outside the target's credential scope is sent no key, and is probed without one.
 """
 
 from __future__ import annotations
@@ -92,12 +95,12 @@ class PathTarget:
     ) -> tuple[int, str] | None:
         """Send the prefill node its copy (never streamed: it answers once the K/V is handed over);
         return its status and error body when it did not answer 2xx, else None."""
-        session = await self._target.http_session()
-        async with session.post(
+        async with self._target.request(
+            "POST",
             URL(node_base(self.path.prefill) + route),
+            tenant=tenant,
+            headers=self._target.headers_for(request),
             data=json.dumps({**body, "stream": False}).encode(),
-            headers=self._target.headers_for(tenant, request),
-            allow_redirects=False,
         ) as response:
             raw = await read_bounded(chunks(response), ERROR_BODY_BYTES)
             return None if 200 <= response.status < 300 else (response.status, raw)

@@ -9,7 +9,10 @@ runs. Its answer (``tests/fixtures/engines/sglang-router-0.3.2-pd-workers.json``
 What the gateway writes is read like an engine's answer: bounded in size (``Limits.lookup_bytes``),
 at most :data:`MAX_WORKERS` workers, and each name made from the role and the URL's host and port
 only, so that nothing it sends reaches a metric label or a log line raw. A worker whose URL or type
-cannot be read is left out and counted, never guessed at.
+cannot be read is left out and counted, never guessed at. Every node made here is marked
+``discovered``: its address is the gateway's word, not the operator's, and no credential goes
+there unless the target's credential scope covers it (``monitor/targets/credentials.py``). Nothing
+here sends a credential: the gateway and its nodes are read without one.
 """
 
 from __future__ import annotations
@@ -85,13 +88,15 @@ def worker_node(worker: Any) -> NodeConfig | None:
         return None
     port = worker.get("bootstrap_port")
     bootstrap = port if role == "prefill" and type(port) is int and 0 < port < 65536 else None
-    return NodeConfig(
+    node = NodeConfig(
         name=node_name(role, url),
         role=role,
         info_url=url,
         metrics_url=f"{url}/metrics",
         bootstrap_port=bootstrap,
     )
+    # Marked after validation, which refuses the mark from a file: only a gateway's listing has it.
+    return node.model_copy(update={"discovered": True})
 
 
 def parse_workers(payload: Any) -> WorkerList:
@@ -147,6 +152,22 @@ async def read_dp_size(http: HttpClient, node: NodeConfig, timeout: float, limit
             return 1
         return size if type(size) is int and 1 <= size <= 64 else 1
     return 1
+
+
+#: What a node answers a request without a credential with when it wants one.
+REFUSALS = frozenset({401, 403})
+
+
+async def refuses_without_key(http: HttpClient, node: NodeConfig, timeout: float, limits: Limits) -> bool:
+    """Return whether a node refuses a request that carries no credential: ``GET /v1/models`` (which
+    SGLang, vLLM and the reference worker guard whenever they take keys) answered 401 or 403. Any
+    other answer, or none, is no refusal: the node is probed without a key, and what its probes
+    meet is theirs to say."""
+    try:
+        status, _, _ = await _get(http, f"{node.info_url}/v1/models", timeout, limits)
+    except (TimeoutError, aiohttp.ClientError, *CONNECT_ERRORS):
+        return False
+    return status in REFUSALS
 
 
 async def read_workers(http: HttpClient, gateway: str, timeout: float, limits: Limits) -> WorkerList:

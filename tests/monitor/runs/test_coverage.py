@@ -100,4 +100,5 @@ def test_a_target_that_leaves_its_pairs_to_the_gateway_has_no_unprobed_series(
     assert series(metrics, "kvcanary_paths_unprobed") == {
         'kvcanary_paths_unprobed{reason="no_bootstrap_port",target="glm"}': 4.0,
         'kvcanary_paths_unprobed{reason="over_max_paths",target="glm"}': 0.0,
+        'kvcanary_paths_unprobed{reason="credential_out_of_scope",target="glm"}': 0.0,
     }

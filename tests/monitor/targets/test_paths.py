@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.config.targets import NodeConfig, TargetConfig
 from kvcanary.monitor.targets.capacity import _sglang_node
 from kvcanary.monitor.targets.paths import bootstrap_fields, of_rank, rank_fields
 from kvcanary.probes.target import Node, ServingPath
@@ -73,3 +73,44 @@ def test_a_target_has_a_path_per_rank_pair() -> None:
     )
     names = [path.name for path in target.paths()]
     assert names == ["p.dp0--d.dp0", "p.dp0--d.dp1", "p.dp1--d.dp0", "p.dp1--d.dp1", "q--d.dp0", "q--d.dp1"]
+
+
+def test_pairs_of_a_node_outside_the_scope_that_refuses_without_a_key_are_counted_not_probed() -> None:
+    """Two prefill and two decode nodes the gateway lists: one of each on an allowed host, one of
+    each elsewhere. Those elsewhere are sent no key: the decode one that refused without a key
+    takes its pairs out; the prefill one that answers without a key is probed without one."""
+
+    def found(name: str, role: str, host: str, refuses: bool, **more: int) -> NodeConfig:
+        # As discovery makes them: the marks are the monitor's, which a file may not state.
+        node = NodeConfig.model_validate(
+            {"name": name, "role": role, "info_url": f"http://{host}:30000", **more}
+        )
+        return node.model_copy(update={"discovered": True, "refuses_without_key": refuses})
+
+    target = TargetConfig.model_validate(
+        {
+            "name": "glm",
+            "base_url": "http://10.0.0.1:30000",
+            "sglang_router": "http://10.0.0.1:30000",
+            "tenants": [{"name": "a", "api_key_env": "KEY_A"}],
+            "probes": ["canary"],
+            "credential_hosts": ["10.0.0.0/24"],
+        }
+    )
+    nodes = [
+        found("p-in", "prefill", "10.0.0.7", True, bootstrap_port=8998),  # refuses, but gets a key
+        found("p-out", "prefill", "192.0.2.7", False, bootstrap_port=8998, dp_size=2),
+        found("d-in", "decode", "10.0.0.8", True),
+        found("d-out", "decode", "192.0.2.8", True),
+    ]
+    target = target.model_copy(update={"nodes": nodes})
+    assert target.shut_out() == {"d-out"}
+    assert [path.name for path in target.paths()] == ["p-in--d-in", "p-out.dp0--d-in", "p-out.dp1--d-in"]
+    assert target.unprobed_paths() == {
+        "no_bootstrap_port": 0,
+        "over_max_paths": 0,
+        "credential_out_of_scope": 3,
+    }
+    opened = target.model_copy(update={"credential_hosts": ["10.0.0.0/24", "192.0.2.8"]})
+    assert opened.shut_out() == set() and len(opened.paths()) == 6
+    assert opened.unprobed_paths()["credential_out_of_scope"] == 0
