@@ -90,6 +90,7 @@ def watch(served: Callable[..., Served], gateway_url: str, gateway_metrics: str 
         sglang_router=gateway_url,
         sglang_router_metrics=gateway_metrics,
         discovery_interval_seconds=1.0,
+        credential_hosts=["127.0.0.1"],  # the servers the gateway lists: the tests' own, which take keys
         probes=["canary", "boundary"],
         probe_intervals={"canary": INTERVAL, "boundary": INTERVAL},
         timeout_seconds=INTERVAL,
@@ -192,7 +193,11 @@ def test_every_path_is_probed_the_leaking_pair_named_and_the_healthy_pairs_pass(
         assert len(judged) == 4 and all(time.time() - v < 3 * INTERVAL for v in judged.values()), judged
         # The gateway lists each prefill node's bootstrap port: no pair is left unprobed.
         unprobed = {labels["reason"]: v for labels, v in monitor.samples("kvcanary_paths_unprobed")}
-        assert unprobed == {"no_bootstrap_port": 0.0, "over_max_paths": 0.0}, unprobed
+        assert unprobed == {
+            "no_bootstrap_port": 0.0,
+            "over_max_paths": 0.0,
+            "credential_out_of_scope": 0.0,
+        }, unprobed
     finally:
         stop_processes([gateway.proc])
 

@@ -11,6 +11,7 @@ of their own can reach it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ import aiohttp
 from aiohttp import web
 
 ROGUE_HOST = "127.0.0.2"
+#: The server's own errors: sglang-router tries HTTP/2 on a worker first (a preface aiohttp refuses
+#: to parse) before it speaks HTTP/1.1, and each try would print a traceback.
+_QUIET = logging.getLogger("tests.recording_host")
+_QUIET.setLevel(logging.CRITICAL)
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
 
 
@@ -67,7 +72,7 @@ class RecordingHost:
         asyncio.set_event_loop(self._loop)
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._serve)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, logger=_QUIET)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, self._host, self._port)
         self._loop.run_until_complete(site.start())
