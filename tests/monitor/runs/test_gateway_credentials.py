@@ -131,6 +131,8 @@ class Listed:
 
 @dataclass
 class Fleet:
+    """The two gateways and the recording hosts, by name."""
+
     #: The base URL: a gateway in front of the operator's two servers themselves.
     base: str
     #: The gateway kvcanary reads its nodes from: every recording host.
@@ -138,7 +140,6 @@ class Fleet:
     #: Recording hosts by name: own-p, own-d (127.0.0.1), rogue-p, rogue-d (sound, 127.0.0.2),
     #: refusing-p, refusing-d (127.0.0.2).
     hosts: dict[str, RecordingHost]
-    bootstrap: dict[str, int]
 
     def node(self, name: str) -> str:
         role = "prefill" if name.endswith("-p") else "decode"
@@ -156,17 +157,8 @@ def launch_rogue(flags: list[str], logs: Path) -> WorkerProcess:
     """Start a reference server bound to 127.0.0.2 (its bootstrap listener too) with ``flags``."""
     port = free_port()
     log = logs / f"rogue-{port}.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "kvcanary.workers",
-        "--host",
-        ROGUE_HOST,
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-    ]
+    argv = [sys.executable, "-m", "kvcanary.workers", "--host", ROGUE_HOST, "--port", str(port),
+            "--device", "cpu"]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*argv, *flags], stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
@@ -214,7 +206,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             [Listed(hosts[name].url) for name in ("own-d", "rogue-d", "refusing-d")],
         )
         gateways.append(listing.proc)
-        yield Fleet(base.url, listing.url, hosts, bootstrap)
+        yield Fleet(base.url, listing.url, hosts)
     finally:
         stop_processes([*gateways, rogue_p.proc, rogue_d.proc])
         stop_servers(prefills, decodes)
