@@ -12,7 +12,7 @@ import json
 
 import typer
 
-from kvcanary.monitor.config.secrets import tenant_keys
+from kvcanary.monitor.config.secrets import TenantKeys, tenant_keys
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.runs.coverage import Where, bound_to, nodes_of_run
@@ -26,9 +26,10 @@ EXIT_OK, EXIT_FAILED, EXIT_UNJUDGED = 0, 1, 3
 
 
 async def _check_target(
-    target: TargetConfig, keys: dict[str, str | None], markers: MarkerBook, limits: Limits
+    target: TargetConfig, keys: TenantKeys, markers: MarkerBook, limits: Limits
 ) -> list[tuple[str, str, ProbeResult]]:
-    client = OpenAIHttpTarget(target, keys, limits=limits)
+    tenants = {tn.name: keys[(target.name, tn.name)] for tn in target.tenants}
+    client = OpenAIHttpTarget(target, tenants, limits=limits, worker_key=keys.workers.get(target.name))
     try:
         rows = []
         for kind in target.probes:
@@ -50,12 +51,7 @@ async def _check_all(settings: Settings, only: list[str] | None) -> list[tuple[s
     markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds)
     targets = [t for t in settings.targets if only is None or t.name in only]
     limits = Limits(**settings.limits.model_dump())
-    per_target = await asyncio.gather(
-        *(
-            _check_target(t, {tn.name: keys[(t.name, tn.name)] for tn in t.tenants}, markers, limits)
-            for t in targets
-        )
-    )
+    per_target = await asyncio.gather(*(_check_target(t, keys, markers, limits) for t in targets))
     return [row for rows in per_target for row in rows]
 
 

@@ -128,6 +128,9 @@ def pd_settings(workdir: Path, gateway: str, port: int) -> Settings:
                     "name": "incident",
                     "base_url": gateway,
                     "sglang_router": gateway,
+                    # The demo's servers are all on loopback: the nodes the gateway lists are the
+                    # operator's own, so the tenants' keys may go to them (docs/operating.md).
+                    "credential_hosts": ["127.0.0.1"],
                     "discovery_interval_seconds": 2.0,
                     "engine": "reference",
                     "model": "kvcanary-reference",
