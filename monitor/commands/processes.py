@@ -9,19 +9,51 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 
+#: Where a listening port is drawn from when the kernel's ephemeral range cannot be read.
+LISTEN_PORTS = range(20000, 32768)
+#: Draws before falling back to a port the kernel picks.
+PORT_DRAWS = 64
+
 
 def free_port() -> int:
-    """Return a TCP port that is free on 127.0.0.1 right now."""
+    """Return a TCP port that is free on 127.0.0.1 right now, outside the kernel's ephemeral range.
+
+    A port the kernel picks for ``bind(0)`` comes from the range it also gives outgoing connections
+    their local ports from: between this call and the server's own bind, any of the thousands of
+    client connections a test run opens may take it ("Address already in use", seen in CI). A port
+    below that range is only ever taken by a listener, so the window closes to the few servers that
+    draw at the same moment."""
+    low, _ = _ephemeral_range()
+    ports = range(LISTEN_PORTS.start, min(LISTEN_PORTS.stop, low)) or LISTEN_PORTS
+    for _ in range(PORT_DRAWS):
+        port = random.choice(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """Return the kernel's range of local ports for outgoing connections (Linux; else the IANA one)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def wait_http(

@@ -112,6 +112,8 @@ def monitor_config(gateway_url: str) -> dict[str, Any]:
         TARGET,
         gateway_url,
         sglang_router=gateway_url,
+        # Its servers take the tenants' keys and are the operator's own, on loopback.
+        credential_hosts=["127.0.0.1"],
         discovery_interval_seconds=1.0,
         probes=["canary", "capacity"],
         interval_seconds=2.0,
