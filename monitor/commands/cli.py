@@ -32,6 +32,11 @@ quarantine_app = typer.Typer(
     help="The targets the gateways are told to stop sending customers to.", no_args_is_help=True
 )
 app.add_typer(quarantine_app, name="quarantine")
+incidents_app = typer.Typer(
+    help="An operator's word on a suspected incident: confirm it, or dismiss it as benign.",
+    no_args_is_help=True,
+)
+app.add_typer(incidents_app, name="incidents")
 
 ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="The YAML config file (see kvcanary.example.yml).")
@@ -194,6 +199,36 @@ def _quarantine(config: Path, action: str, target: str | None = None, reason: st
     except DatabaseNotMigrated as exc:
         raise _fail(str(exc)) from None
     raise typer.Exit(code)
+
+
+def _incident_word(config: Path, action: str, incident_id: int, note: str) -> None:
+    from kvcanary.monitor.commands.incidents import run_incident_word
+    from kvcanary.monitor.storage.db import DatabaseNotMigrated
+
+    settings = _settings(config)
+    _logging("warning")
+    try:
+        with _database_errors(settings.database_url):
+            code = run_incident_word(settings, action, incident_id, note)
+    except DatabaseNotMigrated as exc:
+        raise _fail(str(exc)) from None
+    raise typer.Exit(code)
+
+
+IncidentArg = Annotated[int, typer.Argument(min=1, help="The incident's id (its page's URL, or the API's).")]
+NoteOpt = Annotated[str, typer.Option(min=1, max=300, help="Why, in one line: kept in its timeline.")]
+
+
+@incidents_app.command("confirm")
+def incidents_confirm(config: ConfigOpt, incident_id: IncidentArg, note: NoteOpt) -> None:
+    """Confirm a suspected incident as a real leak: containment then acts on it as on a certain one."""
+    _incident_word(config, "confirm", incident_id, note)
+
+
+@incidents_app.command("dismiss")
+def incidents_dismiss(config: ConfigOpt, incident_id: IncidentArg, note: NoteOpt) -> None:
+    """Dismiss a suspected incident as benign (a text the callers share): it resolves."""
+    _incident_word(config, "dismiss", incident_id, note)
 
 
 TargetArg = Annotated[str, typer.Argument(help="The target's name, as in the config.")]
