@@ -1,7 +1,7 @@
 """What the gateway tap and the monitor must compute alike: a deployment's ``api_base`` key and its
-partition, and the bounds both hold a batch to. Standard library only: the tap imports it into a
-gateway's process, and the monitor imports it too (never the other way: the tap imports nothing of
-``monitor/``).
+partition, and the bounds both hold a batch to (its records, drops and bytes). Standard library
+only: the tap imports it into a gateway's process, and the monitor imports it too (never the other
+way: the tap imports nothing of ``monitor/``).
 
 The key is the one routing rule. The judge routes a record to a target by it
 (``monitor/traffic/judge.py``), the blast radius's DuckDB and PostgreSQL sources compare the keys
@@ -43,6 +43,16 @@ RECORDS_HEADER = "Kvcanary-Records"
 #: Records one batch may report dropped (its ``dropped``): one input cannot move the monitor's drop
 #: counter by more; a tap with more to report reports the rest with its next batches.
 MAX_DROPPED = 10**6
+#: Records one batch may carry.
+MAX_RECORDS = 1000
+#: The most bytes a valid record takes written compactly (``json.dumps(record, separators=(",",
+#: ":"))``, non-ASCII escaped): every field at its bound, each name 200 characters that JSON writes
+#: in 12 bytes, each number its longest (``tests/monitor/traffic/test_traffic_wire.py`` builds it).
+MAX_RECORD_BYTES = 62_636
+#: The most bytes a batch's body may take (``POST /api/v1/traffic`` answers 413 past it): a batch of
+#: ``MAX_RECORDS`` records each of ``MAX_RECORD_BYTES`` is 59.7 MiB, and 62.3 MiB written with a
+#: space after each comma and colon (Python's ``json.dumps`` by default).
+MAX_BODY_BYTES = 64 * 1024 * 1024
 #: How many times denser than the densest text the monitor measured on a target (characters per
 #: token) a prompt must seem before its size alone is taken as sure: the traffic tokens check calls a
 #: count below it impossible, and the gateway's admission guard, with no count from the

@@ -4,8 +4,8 @@
 traffic and read nothing. Its valid records go into the one traffic pipeline
 (``monitor/traffic/ingest.py``): judged here, or published to the stream where
 ``traffic.source`` is ``jetstream``; a replica that cannot take them now answers 503, and the tap
-keeps them. The body is read under ``MAX_BODY_BYTES`` (413 past it) and validated
-whole, off the event loop (``read_off_loop``), before anything is judged: a malformed,
+keeps them. The body is read under ``MAX_BODY_BYTES`` (413 past it) and validated, a record at a
+time, off the event loop (``read_off_loop``), before anything is judged: a malformed,
 oversized or hostile batch gets a 4xx naming the field, and nothing of it is kept. A 422 names
 at most ``MAX_ERRORS`` errors (``MAX_ERRORS_PER_RECORD`` a record) and counts the rest in
 ``omitted_errors``: its size is bounded whatever the body held. ``GET`` takes the API token, like
@@ -41,7 +41,14 @@ from kvcanary.monitor.storage.models import TrafficVerdict
 from kvcanary.monitor.traffic.checks import CHECKS
 from kvcanary.monitor.traffic.ingest import NotTakenHere
 from kvcanary.monitor.traffic.pipeline import read_off_loop
-from kvcanary.monitor.traffic.schema import BATCH_SCHEMA, MAX_BODY_BYTES, bounded_errors, read_batch
+from kvcanary.monitor.traffic.schema import (
+    BATCH_SCHEMA,
+    MAX_BODY_BYTES,
+    MAX_ERRORS,
+    MAX_ERRORS_PER_RECORD,
+    bounded_errors,
+    read_batch,
+)
 
 ingest_router = APIRouter(prefix="/api/v1/traffic", tags=["traffic"])
 router = APIRouter(prefix="/traffic", tags=["traffic"])
@@ -60,6 +67,28 @@ class IngestOut(_Out):
     flagged: int = Field(description="Records a check flagged.")
     rejected: int = Field(0, description="Records refused as malformed (a 422 names their fields).")
     duplicates: int = Field(0, description="Records judged already (a resend): not judged again.")
+
+
+class FieldError(_Out):
+    type: str = Field(description="What is wrong, as pydantic names it (`int_parsing`, `missing`, ...).")
+    loc: list[str | int] = Field(description='Where, as a path: `["records", 3, "status"]`.')
+    msg: str
+
+
+class IngestRefusal(_Out):
+    """A 422: the batch's envelope (nothing of it judged) or some of its records (the rest judged,
+    counted as a 200 counts them) are not what the schema allows."""
+
+    detail: list[FieldError] = Field(
+        description=f"The first errors: at most {MAX_ERRORS_PER_RECORD} a record, {MAX_ERRORS} in all."
+    )
+    omitted_errors: int = Field(description="Errors found and not listed (a floor).")
+    accepted: int | None = Field(None, description="With a good envelope: as a 200 says it.")
+    unmatched: int | None = Field(None, description="With a good envelope: as a 200 says it.")
+    own: int | None = Field(None, description="With a good envelope: as a 200 says it.")
+    flagged: int | None = Field(None, description="With a good envelope: as a 200 says it.")
+    rejected: int | None = Field(None, description="With a good envelope: the records refused.")
+    duplicates: int | None = Field(None, description="With a good envelope: as a 200 says it.")
 
 
 class TrafficRecordOut(_Out):
@@ -111,15 +140,18 @@ class TrafficPage(_Out):
 
 
 async def _body(request: Request) -> bytes:
+    """Return the body, read up to ``MAX_BODY_BYTES``; raise 413 past it (declared or sent)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, f"body: over {MAX_BODY_BYTES} bytes")
-    body = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
             raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, f"body: over {MAX_BODY_BYTES} bytes")
-    return bytes(body)
+    return b"".join(chunks)
 
 
 @ingest_router.post(
@@ -127,13 +159,22 @@ async def _body(request: Request) -> bytes:
     summary="Post gateway traffic records to be judged",
     status_code=status.HTTP_200_OK,
     response_model=IngestOut,
-    responses={401: {"model": Problem}, 413: {"model": Problem}, 503: {"model": Problem}},
+    responses={
+        401: {"model": Problem, "description": "Missing or invalid bearer token (ingest or API)."},
+        413: {"model": Problem, "description": f"The body is over {MAX_BODY_BYTES} bytes: split it."},
+        422: {"model": IngestRefusal, "description": "The batch, or some of its records, are not valid."},
+        503: {"model": Problem, "description": "Traffic is not judged here now; send it again later."},
+    },
     openapi_extra={"requestBody": {"content": {"application/json": {"schema": BATCH_SCHEMA}}}},
 )
 async def post_traffic(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
 ) -> Response | IngestOut:
-    """Judge a batch of records from a gateway tap (``kvcanary.tap``): no text, only summaries."""
+    """Judge a batch of records from a gateway tap (``kvcanary.tap``): no text, only summaries.
+    Answer 200 with the counts; 422 naming what is not valid (an envelope: nothing judged; records:
+    the rest judged and counted); 413 for a body over ``MAX_BODY_BYTES``; 401 without the ingest or
+    API token; 503 while this replica does not judge traffic (not running, several replicas over
+    HTTP, the stream away, or the database)."""
     require_ingest(request, credentials)
     ingest = api_state(request).traffic
     if ingest is None:

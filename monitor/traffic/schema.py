@@ -9,19 +9,21 @@ carries no text: sizes, usage, timings, marker-shaped strings and keyed fingerpr
 
 The bounds are written twice, once for each of two readers of one body (``read_batch``):
 
-- msgspec decodes a whole good body straight into :class:`TrafficRecord` structs (the common
-  case: less than half of pydantic's CPU for ``bench/traffic.py``'s bodies, and a struct is
-  cheaper to read in the judge and to keep);
-- the pydantic models (``*Wire``) read any body msgspec refused, and are what names a bad field in
-  a 422, what the API documents, and what :meth:`TrafficRecord.model_validate` validates with.
+- msgspec decodes the envelope, then each good record straight into a :class:`TrafficRecord`
+  struct (the common case: less than half of pydantic's CPU for ``bench/traffic.py``'s bodies, and
+  a struct is cheaper to read in the judge and to keep), one record a call, so that reading a large
+  body never holds the GIL for longer than a record takes;
+- the pydantic models (``*Wire``) read any record (or body) msgspec refused, and are what names a
+  bad field in a 422, what the API documents, and what :meth:`TrafficRecord.model_validate`
+  validates with.
 
 msgspec is written to be at least as strict as pydantic, never laxer (ASCII where pydantic's
 regex folds Unicode case, no lax numbers or booleans, ``\\Z`` where Python's ``$`` passes a
-trailing newline): a body it refuses is read again by pydantic, so what is accepted, refused and
+trailing newline): a record it refuses is read again by pydantic, so what is accepted, refused and
 named is pydantic's decision, as it was, and a body both accept reads the same
 (``tests/monitor/traffic/test_traffic_wire.py`` holds them to that). Two bounds are checked beside the
 decoder rather than by a regex in it (a regex costs a third of the decoding): no string may hold
-a NUL, and JSON writes one only as the escape ``\\u0000`` (a raw one is malformed), so a body with
+a NUL, and JSON writes one only as the escape ``\\u0000`` (a raw one is malformed), so a record with
 that escape anywhere goes to pydantic; and a key hash is 64 lowercase hex digits or empty.
 
 What a refusal costs is bounded too, whatever the body holds: pydantic stops a list at its first
@@ -66,13 +68,15 @@ from pydantic import (
     model_validator,
 )
 from pydantic.json_schema import GenerateJsonSchema
+from pydantic_core import from_json
 
 from kvcanary.probes.untrusted import plain
-from kvcanary.wire import MAX_DROPPED as MAX_DROPPED  # a batch's drop report: the tap holds to it too
 
-MAX_RECORDS = 1000
-#: Bytes a batch's body may take (a full batch of records with every fingerprint a side allows).
-MAX_BODY_BYTES = 32 * 1024 * 1024
+# A batch's bounds the tap holds to too: its records, its drop report, its body's bytes.
+from kvcanary.wire import MAX_BODY_BYTES as MAX_BODY_BYTES
+from kvcanary.wire import MAX_DROPPED as MAX_DROPPED
+from kvcanary.wire import MAX_RECORDS as MAX_RECORDS
+
 MAX_FINGERPRINTS = 1024
 MAX_TOKENS = 256  # distinctive tokens' prints a side
 MAX_MARKERS = 32
@@ -315,14 +319,17 @@ class TrafficRecord(_Struct, frozen=True, kw_only=True):
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
 
 
-class _Batch(_Struct, frozen=True, kw_only=True):
+class _Envelope(_Struct, frozen=True, kw_only=True):
+    """A batch as msgspec reads it first: the envelope checked, each record's JSON found and left
+    unread (``msgspec.Raw``, a view of the body), to be read one at a time."""
+
     batch: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}\Z")] | None = None
     gateway: Annotated[str, Meta(max_length=64, pattern=r"^[A-Za-z0-9_.:-]*\Z")] = ""
     dropped: Annotated[int, Meta(ge=0, le=MAX_DROPPED)] = 0
-    records: Annotated[list[TrafficRecord], Meta(max_length=MAX_RECORDS)]
+    records: Annotated[list[msgspec.Raw], Meta(max_length=MAX_RECORDS)]
 
 
-_BATCH = msgspec.json.Decoder(_Batch)
+_ENVELOPE = msgspec.json.Decoder(_Envelope)
 _RECORD = msgspec.json.Decoder(TrafficRecord)
 #: How JSON writes a NUL in a string (the only way: a raw one is malformed).
 NUL_ESCAPE = b"\\u0000"
@@ -385,20 +392,39 @@ class ValidRecords:
 
 
 def read_batch(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
-    """Return the envelope and its valid records, their names printable. A whole good batch is
-    read in one pass by msgspec (the common case); any other is read by pydantic, whole, then,
-    where a record is bad, one record at a time. Raise ValidationError for a bad envelope (name it
-    with :func:`bounded_errors`)."""
-    whole = _decoded(_BATCH, body)
-    if whole is None or not _fits(whole.records):
+    """Return the envelope and its valid records, their names printable; raise ValidationError for
+    a bad envelope (name it with :func:`bounded_errors`).
+
+    msgspec reads the envelope, finding each record's JSON without reading it; then each record is
+    read on its own, by msgspec (the common case), else by pydantic, which names what is wrong with
+    it. No step reads more than one record at once, so a thread reading a large body lets the event
+    loop run between records (a C call holds the GIL for as long as it runs: one call over a whole
+    body of maximal records held it for a quarter of a second). A body msgspec cannot read as an
+    envelope, or holding JSON that pydantic reads otherwise, is read whole by pydantic, as it was."""
+    try:
+        envelope = _ENVELOPE.decode(body)
+    except msgspec.DecodeError:  # malformed, or a bad envelope: pydantic names it
         return _read_by_pydantic(body)
-    envelope = TrafficBatch.model_construct(
-        batch=whole.batch, gateway=whole.gateway, dropped=whole.dropped, records=[]
+    valid = ValidRecords([], [], 0)
+    for i, raw in enumerate(envelope.records):
+        data = bytes(raw)
+        record = _decoded(_RECORD, data)
+        if record is not None and _fits([record]):
+            valid.records.append(printable(record))
+            continue
+        try:
+            parsed = from_json(data)
+        except ValueError:  # JSON msgspec took and pydantic does not (a lone surrogate, bad UTF-8)
+            return _read_by_pydantic(body)
+        _validate(valid, i, parsed)
+    head = TrafficBatch.model_construct(
+        batch=envelope.batch, gateway=envelope.gateway, dropped=envelope.dropped, records=[]
     )
-    return envelope, ValidRecords([printable(r) for r in whole.records], [], 0)
+    return head, valid
 
 
 def _read_by_pydantic(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
+    """Read ``body`` by pydantic alone, whole (what :func:`read_batch` must agree with)."""
     try:
         whole = _WholeBatch.model_validate_json(body)
     except ValidationError:
@@ -413,19 +439,23 @@ def _read_by_pydantic(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
 def valid_records(batch: TrafficBatch) -> ValidRecords:
     """Validate each record of ``batch`` on its own: the good ones, and the first few things wrong
     with the rest (``ValidRecords``)."""
-    good: list[TrafficRecord] = []
-    errors: list[dict[str, Any]] = []
-    refused = omitted = 0
+    valid = ValidRecords([], [], 0)
     for i, raw in enumerate(batch.records):
-        try:
-            good.append(TrafficRecord.model_validate(_few_unknown_keys(raw, TrafficRecordWire)))
-        except ValidationError as exc:
-            refused += 1
-            room = min(MAX_ERRORS_PER_RECORD, MAX_ERRORS - len(errors))
-            kept, left = bounded_errors(exc, ("records", i), room)
-            errors += kept
-            omitted += left
-    return ValidRecords(good, errors, refused, omitted)
+        _validate(valid, i, raw)
+    return valid
+
+
+def _validate(valid: ValidRecords, index: int, raw: Any) -> None:
+    """Add record ``index`` of a batch (its JSON as Python values) to ``valid``: the record, or its
+    first errors, within the bounds of the record and of the batch."""
+    try:
+        valid.records.append(TrafficRecord.model_validate(_few_unknown_keys(raw, TrafficRecordWire)))
+    except ValidationError as exc:
+        valid.refused += 1
+        room = min(MAX_ERRORS_PER_RECORD, MAX_ERRORS - len(valid.errors))
+        kept, left = bounded_errors(exc, ("records", index), room)
+        valid.errors += kept
+        valid.omitted += left
 
 
 def bounded_errors(

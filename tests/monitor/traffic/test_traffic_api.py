@@ -20,7 +20,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvcanary.monitor.api.main import build_http_app
+from kvcanary.monitor.api.schemas import Problem
 from kvcanary.monitor.api.state import ApiState
+from kvcanary.monitor.api.traffic import IngestOut, IngestRefusal
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.runs.run_now import RunNow
 from kvcanary.monitor.storage.models import TrafficMinute, TrafficRecordRow
@@ -30,6 +32,7 @@ from kvcanary.monitor.traffic.ingest import HttpIngest
 from kvcanary.monitor.traffic.judge import TrafficJudge
 from kvcanary.monitor.traffic.pipeline import TrafficPipeline
 from kvcanary.monitor.traffic.refusals import ROWS_PER_MINUTE
+from kvcanary.monitor.traffic.schema import MAX_BODY_BYTES, MAX_RECORDS
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity
 from tests.support.monitor_app import settings_with_targets
@@ -65,16 +68,17 @@ def client(session_factory: Factory) -> Iterator[TestClient]:
     metrics = MonitorMetrics(CollectorRegistry())
     judge = TrafficJudge(settings, {"glm-prod": Answers(calibrated)}, MarkerBook(), metrics)
 
-    async def no_run(name: str) -> list[dict[str, Any]]:
-        raise KeyError(name)
-
     state = ApiState(
         session_factory=session_factory, api_token=TOKEN, settings=settings,
-        run_now=RunNow(no_run, min_interval=0), health=lambda: {}, metrics_page=metrics.exposition,
+        run_now=RunNow(_no_run, min_interval=0), health=lambda: {}, metrics_page=metrics.exposition,
         ingest_token=INGEST, traffic=HttpIngest(TrafficPipeline(judge, None, session_factory)),
     )  # fmt: skip
     with TestClient(build_http_app(state)) as c:
         yield c
+
+
+async def _no_run(name: str) -> list[dict[str, Any]]:
+    raise KeyError(name)
 
 
 def _now() -> Any:
@@ -195,9 +199,39 @@ def test_malformed_and_oversized_bodies_are_refused(client: TestClient) -> None:
     auth = {"Authorization": f"Bearer {INGEST}", "Content-Type": "application/json"}
     assert client.post("/api/v1/traffic", content=b"{not json", headers=auth).status_code == 422
     assert client.post("/api/v1/traffic", content=b"[]", headers=auth).status_code == 422
-    big = json.dumps({"records": [], "pad": "x" * (33 * 1024 * 1024)}).encode()
+    big = json.dumps({"records": [], "pad": "x" * MAX_BODY_BYTES}).encode()
     assert client.post("/api/v1/traffic", content=big, headers=auth).status_code == 413
-    assert post(client, [record(i) for i in range(1001)]).status_code == 422
+    assert post(client, [record(i) for i in range(MAX_RECORDS + 1)]).status_code == 422
+
+
+def test_every_status_the_ingest_answers_is_in_its_openapi_document_with_its_body(
+    client: TestClient, session_factory: Factory
+) -> None:
+    auth = {"Authorization": f"Bearer {INGEST}", "Content-Type": "application/json"}
+    answers = [
+        post(client, [record(1)]),
+        post(client, [record(2)], token="kvc-wrong-token-0123456789"),
+        client.post("/api/v1/traffic", content=b"{not json", headers=auth),
+        post(client, [record(3), record(4, status=99)]),  # one record refused, the other judged
+        client.post("/api/v1/traffic", content=b" " * (MAX_BODY_BYTES + 1), headers=auth),
+    ]
+    settings = settings_with_targets()
+    off = ApiState(
+        session_factory=session_factory, api_token=TOKEN, settings=settings,
+        run_now=RunNow(_no_run, min_interval=0), health=lambda: {}, metrics_page=lambda: b"",
+        ingest_token=INGEST, traffic=None,
+    )  # fmt: skip
+    with TestClient(build_http_app(off)) as not_judging:
+        answers.append(post(not_judging, [record(5)]))
+    assert [a.status_code for a in answers] == [200, 401, 422, 422, 413, 503]
+    documented = client.get("/openapi.json").json()
+    declared = documented["paths"]["/api/v1/traffic"]["post"]["responses"]
+    models = {"IngestOut": IngestOut, "IngestRefusal": IngestRefusal, "Problem": Problem}
+    for answer in answers:
+        schema = declared[str(answer.status_code)]["content"]["application/json"]["schema"]
+        model = models[schema["$ref"].rsplit("/", 1)[1]]
+        model.model_validate(answer.json(), strict=True)  # every key the model's, of its type
+        assert set(answer.json()) <= set(model.model_fields), answer.json()
 
 
 def test_flagged_and_near_pool_records_are_kept_and_listed_by_check_and_caller(client: TestClient) -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from kvcanary import wire
 from kvcanary.monitor.traffic import schema
 from kvcanary.monitor.traffic.schema import (
     BATCH_SCHEMA,
@@ -52,8 +54,13 @@ def reading(read: Any, raw: bytes) -> tuple[Any, ...]:
 
 
 def fast_reader_takes(raw: bytes) -> bool:
-    whole = schema._decoded(schema._BATCH, raw)
-    return whole is not None and schema._fits(whole.records)
+    """Whether msgspec reads ``raw`` alone: its envelope, and each of its records."""
+    try:
+        envelope = schema._ENVELOPE.decode(raw)
+    except msgspec.DecodeError:
+        return False
+    records = [schema._decoded(schema._RECORD, bytes(r)) for r in envelope.records]
+    return all(r is not None and schema._fits([r]) for r in records)
 
 
 def assert_read_alike(raw: bytes) -> None:
@@ -120,12 +127,13 @@ def test_each_bound_is_refused_by_the_fast_reader_and_named_by_pydantic(change: 
         body(record(), dropped=10**6 + 1),  # one body cannot claim more drops than a tap's queue held
         body(record(), pad="x"),
         b'{"records": [' + json.dumps(record()).encode()[:-1] + b', "model": "m\\ud800"}]}',  # lone surrogate
+        b'{"records": [' + json.dumps(record()).encode()[:-1] + b', "model": "m\xff"}]}',  # not UTF-8
         body(record()) + b" x",
         b"\xef\xbb\xbf" + body(record()),
         b"[]",
         b"{not json",
     ],
-    ids=range(13),
+    ids=range(14),
 )
 def test_a_bad_envelope_or_body_is_refused_whole_as_pydantic_refuses_it(raw: bytes) -> None:
     assert not fast_reader_takes(raw)
@@ -158,6 +166,13 @@ def test_an_odd_good_body_is_read_as_pydantic_reads_it(raw: bytes) -> None:
     assert_read_alike(raw)
     _, valid = read_batch(raw)
     assert valid.refused == 0 and len(valid.records) == 1
+
+
+def test_json_that_pydantic_reads_and_msgspec_does_not_is_read_as_pydantic_reads_it() -> None:
+    raw = b'{"records": [' + json.dumps(record()).encode() + b", NaN]}"
+    assert not fast_reader_takes(raw)
+    assert_read_alike(raw)
+    assert read_batch(raw)[1].refused == 1  # the NaN, under its index; the record beside it taken
 
 
 def test_a_duplicated_key_is_read_by_its_last_value_or_refused_by_it() -> None:
@@ -239,3 +254,38 @@ def test_a_good_body_is_read_by_msgspec_and_an_odd_one_by_pydantic() -> None:
     assert not fast_reader_takes(body(record(status=200.0)))  # pydantic's to take
     assert type(read_batch(body(record()))[1].records[0]) is TrafficRecord
     assert type(read_batch(body(record(status=200.0)))[1].records[0]) is TrafficRecord
+
+
+def largest_record() -> dict[str, Any]:
+    """A valid record at every bound, each value the longest JSON can write it: 200-character names
+    of characters written in 12 bytes (a surrogate pair), numbers at their most digits."""
+    name = "\U0001f600" * schema.NAME_CHARS
+    longest_float = 2.2250738585072014e-308  # 23 characters: no float in range writes longer
+    most, prints, tokens = schema.MAX_COUNT, [schema.FINGERPRINT_END - 1], schema.MAX_TOKENS
+    return {
+        "id": name, "upstream_id": name, "time": longest_float, "caller": name, "caller_kind": "key_alias",
+        "key_hash": HASH, "api_base": name, "model": name, "model_group": name, "stream": False,
+        "status": 503, "finish_reason": name, "latency_seconds": longest_float, "ttft_seconds": longest_float,
+        "prompt": {"chars": most, "bytes": most, "messages": schema.MAX_MESSAGES}, "response_chars": most,
+        "usage": {"prompt_tokens": most, "completion_tokens": most, "cached_tokens": most},
+        "markers": [MARKER] * schema.MAX_MARKERS,
+        "fingerprints": {side: prints * schema.MAX_FINGERPRINTS for side in ("prompt", "response")},
+        "distinctive": {"prompt": prints * tokens, "response": prints * tokens},
+        "truncated": False,
+        "refused": {"by": "quarantine", "tokens": most, "kv_pool_tokens": most, "incident_id": 2**63 - 1},
+    }  # fmt: skip
+
+
+def test_a_batch_at_every_bound_fits_the_body_cap_and_is_read_whole() -> None:
+    largest = largest_record()
+    compact = json.dumps(largest, separators=(",", ":")).encode()
+    assert len(compact) == wire.MAX_RECORD_BYTES
+    spaced = json.dumps(largest).encode()  # Python's default: a space after each comma and colon
+    for encoded in (compact, spaced):
+        envelope = {"batch": "0" * 32, "gateway": "g" * 64, "dropped": schema.MAX_DROPPED}
+        head = json.dumps(envelope).encode()[:-1] + b', "records": ['
+        raw = head + b", ".join([encoded] * schema.MAX_RECORDS) + b"]}"
+        assert len(raw) <= schema.MAX_BODY_BYTES, f"{len(raw) / 2**20:.1f} MiB"
+    _, valid = read_batch(raw)
+    assert len(valid.records) == schema.MAX_RECORDS and valid.refused == 0
+    assert valid.records[0].model_dump() == TrafficRecordWire.model_validate(largest).model_dump(mode="json")
