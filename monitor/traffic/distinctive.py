@@ -32,7 +32,9 @@ exchanges go first). Tokens are keyed prints; nothing of the text reaches the mo
 from __future__ import annotations
 
 import collections
+import math
 import sys
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -203,11 +205,20 @@ class DistinctiveWindow:
             else:
                 held[caller] = None
 
-    def _expire(self, now: float) -> None:
+    def expire(self, now: float, until: float = math.inf) -> bool:
+        """Drop the exchanges past the window at ``now`` (by age, or the oldest over ``max_tokens``),
+        stopping once the ``time.perf_counter()`` ``until`` passes (at least one dropped); return
+        whether none is left to drop. A judge calls it in slices: a window's worth at once is long."""
         horizon = now - self.window_seconds
         entries = self._entries
         while entries and (entries[0].at < horizon or self._held > self.max_tokens):
             self._drop(entries.popleft())
+            if until != math.inf and time.perf_counter() >= until:
+                return not entries or (entries[0].at >= horizon and self._held <= self.max_tokens)
+        return True
+
+    def _expire(self, now: float) -> None:
+        self.expire(now)
 
     def _drop(self, entry: _Entry) -> None:
         serial, caller = entry.serial, entry.caller

@@ -54,9 +54,11 @@ from kvcanary.probes.markers import MarkerBook
 
 #: Flagged records named in one result's evidence (the rest are counted).
 EVIDENCE_RECORDS = 20
-#: Records judged at a time on the event loop before it runs its other work (about 2 ms of CPU:
-#: under the 5 ms a thread holding the GIL would keep it from the loop, without a thread's cost).
-CHUNK_RECORDS = 50
+#: Seconds of judging the event loop does at a stretch before its other work (``/healthz``, the
+#: stream's pulls and partition leases, probes' timing): a slice ends with the record that passes
+#: it, about 40 µs for a 1 KB exchange's record and 2 ms for one with every print a side allows.
+#: Under the 5 ms a thread holding the GIL would keep it from the loop, without a thread's cost.
+SLICE_SECONDS = 0.004
 Record = Callable[[PendingResult], Awaitable[Any]]
 #: A record routed to its target: (node, record, whether it is the monitor's own tenant's).
 Routed = tuple[str, TrafficRecord, bool]
@@ -171,6 +173,10 @@ class TrafficJudge:
         self.facts = TargetFacts(clients, clock)
         self._deployments: dict[str, Deployment] = {}
         self._refusal_rows = RefusalRows()
+        #: One slice of judging at a time in this process, whichever deployment's: the loop's other
+        #: work waits for one slice between its turns, not for one of each batch being judged
+        #: (``_in_slices``).
+        self._turn = asyncio.Lock()
         self.take_up(settings)
 
     def take_up(self, settings: Settings, changed: Iterable[str] = ()) -> None:
@@ -254,26 +260,59 @@ class TrafficJudge:
                     self.settings.traffic.overlap_min_run, self.settings.traffic.overlap_min_prompt_run,
                     deployment.distinctive, self.settings.traffic.reworded_min_tokens,
                 )  # fmt: skip
-                # On the loop, a chunk at a time: a worker thread kept the GIL from the loop as long
-                # (the 5 ms switch interval), and its hand-offs cost the judge about a fifth of its
-                # CPU (bench/traffic.py).
-                for at in range(0, len(records), CHUNK_RECORDS):
-                    if at:
-                        await asyncio.sleep(0)  # probes' timing, pulls and health between chunks
-                    self._judge_records(batch, records[at : at + CHUNK_RECORDS], out, groups)
+                await self._judge_in_slices(batch, records, out, groups)
                 self._count_verdicts(target.name, groups)
                 out.results += self._results(target, deployment, groups, gateway, received)
                 return
 
-    def _judge_records(self, batch: _Batch, records: list[Routed], out: Judged, groups: _Groups) -> None:
-        """Judge one chunk of ``records``: findings into ``groups`` (node -> check), counts and kept
-        rows into ``out``."""
+    async def _judge_in_slices(
+        self, batch: _Batch, records: list[Routed], out: Judged, groups: _Groups
+    ) -> None:
+        """Judge ``records`` on the event loop, a slice at a time: a worker thread kept the GIL from
+        the loop as long (the 5 ms switch interval), and its hand-offs cost the judge about a fifth
+        of its CPU (bench/traffic.py). What a deployment idle for its window still holds expires
+        first, in slices too."""
+        now = self.clock()
+        window, distinctive = batch.window, batch.distinctive
+        await self._in_slices(lambda until: window.expire(now, until) & distinctive.expire(now, until))
+        judged = 0
+
+        def judge_slice(until: float) -> bool:
+            nonlocal judged
+            judged = self._judge_records(batch, records, judged, until, out, groups)
+            return judged == len(records)
+
+        await self._in_slices(judge_slice)
+
+    async def _in_slices(self, step: Callable[[float], bool]) -> None:
+        """Call ``step(until)`` until it returns True (done), each call to stop soon after the
+        ``time.perf_counter()`` ``until`` (``SLICE_SECONDS`` on), one slice at a time in this process
+        and the event loop's other work between them."""
+        while True:
+            async with self._turn:
+                done = step(time.perf_counter() + SLICE_SECONDS)
+                # Probes' timing, pulls, leases and health before the next slice, of any batch's:
+                # the turn is held until then (given up between synchronous slices, nobody would
+                # ever wait for it, and each batch being judged would take a slice a loop's turn).
+                await asyncio.sleep(0)
+            if done:
+                return
+
+    def _judge_records(
+        self, batch: _Batch, records: list[Routed], start: int, until: float, out: Judged, groups: _Groups
+    ) -> int:
+        """Judge ``records`` from ``start`` on until the ``time.perf_counter()`` ``until`` passes (one
+        record at least): findings into ``groups`` (node -> check), counts and kept rows into
+        ``out``; return the index of the first record not judged."""
         target = batch.target.name
         context = CheckContext(
             target, self.markers, batch.cpt, batch.window, self.clock(), batch.min_run, batch.min_prompt_run,
             batch.distinctive, batch.reworded_min_tokens,
         )  # fmt: skip
-        for node, record, own in records:  # every record's: a look-up of its node's groups, one a check
+        for at in range(start, len(records)):  # every record's: a look-up of its node's groups, one a check
+            if at > start and time.perf_counter() >= until:
+                return at
+            node, record, own = records[at]
             pool = batch.pools[node]
             estimate = prompt_estimate(record, batch.cpt)
             if record.refused is not None:
@@ -300,6 +339,7 @@ class TrafficJudge:
             if flagged or near:
                 row = _row(record, node, batch.gateway, batch.received, flagged, estimate, pool)
                 out.kept.append((target, {**row, "own": own, "expires_at": batch.expires}))
+        return len(records)
 
     def _refused(
         self,
