@@ -19,6 +19,7 @@ Where they go depends on ``traffic.source``:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 from kvcanary.monitor.config.settings import JetStreamConfig
 from kvcanary.monitor.runs.replicas import Membership
 from kvcanary.monitor.traffic.judge import TrafficJudge
-from kvcanary.monitor.traffic.pipeline import TrafficPipeline, arrivals
+from kvcanary.monitor.traffic.pipeline import TrafficPipeline, arrivals, read_off_loop
 from kvcanary.monitor.traffic.schema import TrafficBatch, TrafficRecord
 from kvcanary.wire import DROPPED_HEADER
 
@@ -36,6 +37,8 @@ if TYPE_CHECKING:  # nats-py is imported only where the stream is used
     from nats.js import JetStreamContext
 
 log = logging.getLogger("kvcanary.traffic")
+#: A message as the tap's sink makes it: subject, payload, headers, index of its first record.
+Message = tuple[str, bytes, dict[str, str], int]
 
 #: Seconds between two log lines about posts refused for want of the stream.
 REFUSAL_LOG_SECONDS = 60.0
@@ -103,21 +106,16 @@ class StreamPublisher:
     async def publish(self, batch: TrafficBatch, records: list[TrafficRecord]) -> dict[str, int]:
         """Publish ``records`` as the tap would; return the answer once JetStream took them all."""
         # Imported here: the tap's sink imports nats-py, which a monitor without the stream lacks.
-        from kvcanary.tap.jetstream import HEADER_BYTES, MESSAGE_BYTES, messages_of
-        from kvcanary.tap.sender import Batch
+        from kvcanary.tap.jetstream import HEADER_BYTES, MESSAGE_BYTES
 
         answer = dict.fromkeys(ANSWER_KEYS, 0)
         connection = self._connection()
         if connection is None:
             raise NotTakenHere(f"the traffic stream at {self.cfg.url} is not connected; try again")
         js, max_payload = connection
-        # A batch without the tap's id gets one of its own: its messages must not be taken for
-        # another batch's within the stream's duplicate window.
-        tap_batch = Batch(
-            batch.batch or uuid.uuid4().hex, batch.gateway, batch.dropped, [r.model_dump() for r in records]
-        )
         limit = max(1, min(MESSAGE_BYTES, max_payload - HEADER_BYTES))
-        messages = messages_of(tap_batch, self.cfg.partitions, self.cfg.subject_prefix, limit)
+        # Off the loop, with the bodies' readers: a batch of the largest records is 60 MB of JSON.
+        messages = await read_off_loop(functools.partial(self._messages, batch, records), limit)
         if messages and batch.dropped:  # the drop report rides with the first message, as the tap's
             messages[0][2][DROPPED_HEADER] = str(batch.dropped)
         acks = await asyncio.gather(
@@ -129,6 +127,17 @@ class StreamPublisher:
             raise NotTakenHere(f"the traffic stream did not take the records ({_why(failed[0])}); try again")
         answer["accepted"] = len(records)
         return answer
+
+    def _messages(self, batch: TrafficBatch, records: list[TrafficRecord], limit: int) -> list[Message]:
+        """Return ``records`` as the tap's messages (``messages_of``), under ``batch``'s id, or one of
+        their own for a batch without: its messages must not be taken for another batch's within
+        the stream's duplicate window."""
+        from kvcanary.tap.jetstream import messages_of
+        from kvcanary.tap.sender import Batch
+
+        dumped = [r.model_dump() for r in records]
+        tap_batch = Batch(batch.batch or uuid.uuid4().hex, batch.gateway, batch.dropped, dumped)
+        return messages_of(tap_batch, self.cfg.partitions, self.cfg.subject_prefix, limit)
 
 
 def _why(error: BaseException) -> str:

@@ -59,9 +59,9 @@ _readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvcanary-traffic-read
 
 
 async def read_off_loop(read: Callable[[_In], _Out], data: _In) -> _Out:
-    """Return ``read(data)`` (``read_batch`` of a body, ``decode_all`` of pulled messages), run in
-    one of the ``READERS`` threads (the module doc); raise as it does (pydantic's ValidationError
-    for a bad envelope)."""
+    """Return ``read(data)`` (``read_batch`` of a body, ``decode_all`` of pulled messages, posted
+    records written as the stream's messages), run in one of the ``READERS`` threads (the module
+    doc); raise as it does (pydantic's ValidationError for a bad envelope)."""
     return await asyncio.get_running_loop().run_in_executor(_readers, read, data)
 
 
