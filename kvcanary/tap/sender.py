@@ -14,7 +14,8 @@ gateway side and reported to the monitor in the next batch it takes. Each batch 
 one the monitor judged but whose answer was lost is not judged twice when it is sent again.
 
 How a batch leaves is the :class:`Transport`'s: :class:`HttpTransport` posts it to the monitor's
-``/api/v1/traffic`` (taken whole or not at all); ``kvcanary/tap/jetstream.py`` publishes a
+``/api/v1/traffic`` (taken whole or not at all; in halves where the monitor refuses it as too
+large, a record alone too large dropped and counted); ``kvcanary/tap/jetstream.py`` publishes a
 batch's records of each partition as a message to NATS JetStream, where the records up to the first
 whose message was not acknowledged leave the queue and the rest wait. The queue's bounds, the
 backoff and the drop counts are the same for both.
@@ -48,7 +49,7 @@ from typing import Any, Protocol
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.http import HttpTransport
 from kvcanary.tap.record import Exchange, printable_name, summarize
-from kvcanary.wire import MAX_DROPPED
+from kvcanary.wire import MAX_DROPPED, MAX_RECORDS
 
 log = logging.getLogger("kvcanary.tap")
 
@@ -119,7 +120,7 @@ class Sender:
         self.transport = transport or HttpTransport(url, token, timeout_seconds)
         self.fingerprinter = fingerprinter
         self.gateway = printable_name(gateway)
-        self.batch_records = batch_records
+        self.batch_records = min(batch_records, MAX_RECORDS)  # the monitor refuses a larger batch
         self.flush_seconds = flush_seconds
         self.timeout_seconds = timeout_seconds
         self._on_drop = on_drop

@@ -19,6 +19,7 @@ class Monitor:
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.sizes: list[int] = []  # each body's bytes, beside ``bodies``
         self.answer: Callable[[dict[str, Any]], httpx.Response] = lambda body: httpx.Response(
             200, json={"accepted": len(body["records"])}
         )
@@ -29,6 +30,7 @@ class Monitor:
         body = json.loads(request.content)
         with self.lock:
             self.bodies.append(body)
+            self.sizes.append(len(request.content))
         return self.answer(body)
 
     def records(self) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 
@@ -172,3 +173,41 @@ def test_an_unreachable_monitor_is_tried_again_and_the_thread_lives() -> None:
     time.sleep(0.8)
     assert s.alive and s.pending == 1 and s.sent == 0
     s.close(timeout=0.1)
+
+
+def refusing_over(monitor: Monitor, limit: int) -> None:
+    """Script ``monitor`` as a proxy in front of it with a body cap of ``limit`` bytes would answer."""
+
+    def answer(body: dict[str, Any]) -> httpx.Response:
+        if monitor.sizes[-1] > limit:
+            return httpx.Response(413, json={"detail": f"body: over {limit} bytes"})
+        return httpx.Response(200, json={"accepted": len(body["records"])})
+
+    monitor.answer = answer
+
+
+def test_a_batch_refused_as_too_large_is_sent_in_halves_and_a_record_too_large_alone_is_dropped(
+    monitor: Monitor,
+) -> None:
+    text = " ".join(f"word{i}" for i in range(600))  # about 150 prints a side: 5 KB a record
+    big = " ".join(f"other{i}" for i in range(8000))  # every print a side allows: 35 KB, over the cap
+    cap = 20_000
+    refusing_over(monitor, cap)
+    s = sender(monitor.server.url, flush_seconds=0.2, batch_records=20)
+    s._count_drop(3)  # as an outage would have: reported with the first part taken
+    for i in range(20):
+        s.put(exchange(i, big if i == 7 else text))
+    wait_until(lambda: s.pending == 0, timeout=30)
+    taken = [b for b, size in zip(monitor.bodies, monitor.sizes, strict=True) if size <= cap]
+    got = [r["upstream_id"] for b in taken for r in b["records"]]
+    assert sorted(got, key=lambda r: int(r[1:])) == [f"r{i}" for i in range(20) if i != 7]  # each once
+    assert s.sent == 19 and s.rejected == 1 and s.dropped == 4  # the record alone too large, and the 3
+    assert len({b["batch"] for b in monitor.bodies}) == len(monitor.bodies)  # a part: an id of its own
+    assert [int(b["dropped"]) for b in taken] == [3] + [0] * (len(taken) - 1)  # reported once, first
+    # The size refused is remembered: a second batch as large is split before it is posted.
+    refused = len(monitor.bodies) - len(taken)
+    for i in range(20, 40):
+        s.put(exchange(i, text))
+    wait_until(lambda: s.sent == 39, timeout=30)
+    assert len(monitor.bodies) - len([n for n in monitor.sizes if n <= cap]) == refused
+    s.close()
