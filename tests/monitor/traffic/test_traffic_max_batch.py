@@ -1,0 +1,159 @@
+"""A batch at the protocol's bounds, posted to real ``kvcanary serve`` processes on PostgreSQL: 1,000
+records each with every print a side allows (1,024 fingerprints and 256 distinctive tokens a side,
+about 45 MB). It was refused with 413 (over the 32 MiB cap: the tap dropped it for ever), and half
+of it stalled ``/healthz`` for 2.9 s and cost a JetStream replica its partitions' leases. Now it is
+taken and judged while ``/healthz`` keeps answering, over HTTP and through the stream with two
+replicas, neither of which loses a partition.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvcanary.monitor.storage.db import make_engine, make_session_factory
+from kvcanary.monitor.traffic.schema import MAX_BODY_BYTES, MAX_FINGERPRINTS, MAX_RECORDS, MAX_TOKENS
+from tests.monitor.served import Served, reference_target
+from tests.support import free_port, own_database
+from tests.support.jetstream import StreamNames, counted, replica_config, shares, stream_report, wait_until
+
+pytestmark = [pytest.mark.external_service, pytest.mark.slow]
+
+#: What /healthz may take at most while the batch is judged: the bound of a loaded two-core machine
+#: beside a full test run, far under the seconds it stalled for.
+HEALTH_BOUND_SECONDS = 1.5
+
+
+def largest_batch(bases: list[str], seed: int = 1) -> bytes:
+    """A batch of ``MAX_RECORDS`` records of eight callers over ``bases``, each with every print a
+    side allows, random (nobody else's), as the tap writes it."""
+    rng = random.Random(seed)
+
+    def prints(n: int) -> list[int]:
+        return [rng.getrandbits(51) | 1 for _ in range(n)]
+
+    records = [
+        {"id": f"tap-{seed:08x}{i:016x}", "time": time.time(), "caller": f"team-{i % 8}",
+         "caller_kind": "team", "api_base": bases[i % len(bases)], "status": 200,
+         "prompt": {"chars": 9000, "bytes": 9000, "messages": 2},
+         "fingerprints": {"prompt": prints(MAX_FINGERPRINTS), "response": prints(MAX_FINGERPRINTS)},
+         "distinctive": {"prompt": prints(MAX_TOKENS), "response": prints(MAX_TOKENS)}}
+        for i in range(MAX_RECORDS)
+    ]  # fmt: skip
+    body = json.dumps({"batch": f"{seed:032x}", "gateway": "gw-1", "records": records}, separators=(",", ":"))
+    return body.encode()
+
+
+class Health(threading.Thread):
+    """Times each monitor's ``/healthz`` until stopped, and notes each change of the partitions it
+    holds (``traffic_stream.partitions``) from what it held at the start."""
+
+    def __init__(self, monitors: list[Served]):
+        super().__init__(daemon=True)
+        self.monitors = monitors
+        self.held = [stream_report(m).get("partitions") for m in monitors]
+        self.seconds: list[float] = []
+        self.changes: list[tuple[str, Any]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self.done.is_set():
+                for monitor, held in zip(self.monitors, self.held, strict=True):
+                    started = time.perf_counter()
+                    answer = client.get(monitor.url + "/healthz")
+                    self.seconds.append(time.perf_counter() - started)
+                    now = answer.json().get("traffic_stream", {}).get("partitions")
+                    if now != held:
+                        self.changes.append((monitor.url, now))
+                time.sleep(0.02)
+
+    def __enter__(self) -> Health:
+        self.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.2)
+        self.done.set()
+        self.join()
+
+
+def post(monitor: Served, body: bytes) -> httpx.Response:
+    auth = {"Authorization": f"Bearer {monitor.token}", "Content-Type": "application/json"}
+    return httpx.post(monitor.url + "/api/v1/traffic", content=body, headers=auth, timeout=300)
+
+
+@pytest.fixture
+def database_url(postgres_url: str) -> Iterator[str]:
+    yield from own_database("kvcanary_max")
+
+
+def test_a_batch_at_the_bounds_is_taken_and_judged_over_http_while_healthz_answers(
+    served: Callable[[dict[str, Any]], Served], database_url: str
+) -> None:
+    base = "http://10.4.0.1:8000/v1"  # one deployment: the whole batch in one window, one lock
+    body = largest_batch([base])
+    assert 40 * 2**20 < len(body) <= MAX_BODY_BYTES
+    target = reference_target("t", f"http://127.0.0.1:{free_port()}/v1", gateway_api_bases=[base])
+    monitor = served({"database_url": database_url, "targets": [target]}).start()
+    engine = make_engine(database_url)
+    try:
+        with Health([monitor]) as health:
+            answer = post(monitor, body)
+        assert answer.status_code == 200, answer.text[:500]
+        assert answer.json()["accepted"] == MAX_RECORDS
+        assert counted(make_session_factory(engine)) == (MAX_RECORDS, MAX_RECORDS)  # judged, once
+    finally:
+        engine.dispose()
+    assert len(health.seconds) >= 5
+    assert max(health.seconds) < HEALTH_BOUND_SECONDS, f"/healthz took {max(health.seconds):.2f} s"
+
+
+def test_a_batch_at_the_bounds_costs_no_replica_a_partition_on_the_stream(
+    served: Callable[[dict[str, Any]], Served], database_url: str, stream_names: StreamNames
+) -> None:
+    bases = [f"http://10.2.0.{i}:8000/v1" for i in range(1, 25)]  # every partition
+    body = largest_batch(bases)
+    # The stream holds the whole batch at once (its messages are removed as they are judged).
+    config = replica_config(database_url, stream_names, bases, max_bytes=2 * MAX_BODY_BYTES)
+    replicas = [served(config).start(), served(config).start(migrate=False)]
+    engine = make_engine(database_url)
+    factory = make_session_factory(engine)
+
+    def state() -> str:
+        reports = "\n".join(f"{m.url}: {stream_report(m)}" for m in replicas)
+        return f"{reports}\ncounted {counted(factory)}\n" + "\n".join(m.log()[-3000:] for m in replicas)
+
+    try:
+        last: list[Any] = []
+
+        def settled() -> bool:  # the same split of the partitions at two reads a step apart
+            nonlocal last
+            now = [len(stream_report(m).get("partitions", [])) for m in replicas]
+            steady, last = now == last and now in shares(16), now
+            time.sleep(2)
+            return steady
+
+        wait_until("the replicas to share the partitions", settled, timeout=90, state=state)
+        with Health(replicas) as health:
+            answer = post(replicas[0], body)
+            assert answer.status_code == 200, answer.text[:500]
+            wait_until("every record judged", lambda: counted(factory)[0] >= MAX_RECORDS, timeout=240,
+                       state=state)  # fmt: skip
+        assert counted(factory) == (MAX_RECORDS, MAX_RECORDS)  # judged once
+        assert all(stream_report(m)["judged"] for m in replicas)  # by both
+    finally:
+        for monitor in replicas:
+            monitor.stop()
+        engine.dispose()
+    assert not health.changes, health.changes  # no partition lost, none moved
+    assert not [m.url for m in replicas if "lapsed" in m.log()]
+    assert max(health.seconds) < HEALTH_BOUND_SECONDS, f"/healthz took {max(health.seconds):.2f} s"
