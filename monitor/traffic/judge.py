@@ -56,9 +56,10 @@ from kvcanary.probes.markers import MarkerBook
 EVIDENCE_RECORDS = 20
 #: Seconds of judging the event loop does at a stretch before its other work (``/healthz``, the
 #: stream's pulls and partition leases, probes' timing): a slice ends with the record that passes
-#: it, about 40 µs for a 1 KB exchange's record and 2 ms for one with every print a side allows.
-#: Under the 5 ms a thread holding the GIL would keep it from the loop, without a thread's cost.
-SLICE_SECONDS = 0.004
+#: it, about 40 µs for a 1 KB exchange's record and 1 ms for one with every print a side allows.
+#: Under the 5 ms a thread holding the GIL would keep it from the loop, without a thread's cost; a
+#: /healthz takes a dozen turns of the loop (and its thread the GIL back as often), each a slice.
+SLICE_SECONDS = 0.002
 Record = Callable[[PendingResult], Awaitable[Any]]
 #: A record routed to its target: (node, record, whether it is the monitor's own tenant's).
 Routed = tuple[str, TrafficRecord, bool]
