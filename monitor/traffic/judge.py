@@ -57,8 +57,10 @@ EVIDENCE_RECORDS = 20
 #: Seconds of judging the event loop does at a stretch before its other work (``/healthz``, the
 #: stream's pulls and partition leases, probes' timing): a slice ends with the record that passes
 #: it, about 40 µs for a 1 KB exchange's record and 1 ms for one with every print a side allows.
-#: Under the 5 ms a thread holding the GIL would keep it from the loop, without a thread's cost; a
-#: /healthz takes a dozen turns of the loop (and its thread the GIL back as often), each a slice.
+#: Under the 5 ms a thread holding the GIL would keep it from the loop, without a thread's cost.
+#: What waits is multiplied: a /healthz takes 15-18 turns of the loop, a refresh of the stream's
+#: partition leases about 32, each turn a slice (at 50 ms a turn, a refresh took 1.7 s; 50 of the
+#: largest records, what a turn judged before, took 50 to 190 ms).
 SLICE_SECONDS = 0.002
 Record = Callable[[PendingResult], Awaitable[Any]]
 #: A record routed to its target: (node, record, whether it is the monitor's own tenant's).
