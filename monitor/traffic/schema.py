@@ -398,9 +398,10 @@ def read_batch(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
     msgspec reads the envelope, finding each record's JSON without reading it; then each record is
     read on its own, by msgspec (the common case), else by pydantic, which names what is wrong with
     it. No step reads more than one record at once, so a thread reading a large body lets the event
-    loop run between records (a C call holds the GIL for as long as it runs: one call over a whole
-    body of maximal records held it for a quarter of a second). A body msgspec cannot read as an
-    envelope, or holding JSON that pydantic reads otherwise, is read whole by pydantic, as it was."""
+    loop run between records (a C call holds the GIL for as long as it runs: one call over a body of
+    1,000 records with every print a side held it for 177 ms; a record's call takes 0.2 ms). A body
+    msgspec cannot read as an envelope, or holding JSON that pydantic reads otherwise, is read whole
+    by pydantic, as it was."""
     try:
         envelope = _ENVELOPE.decode(body)
     except msgspec.DecodeError:  # malformed, or a bad envelope: pydantic names it
