@@ -23,19 +23,19 @@ ever read or sent, and no marker either.
   either failing is a ``mismatch``. Deterministic as well.
 - **Timing test** (:mod:`probes.prefix_cache.timing`), where no counter is reported (hosted APIs,
   llama.cpp builds behind proxies, vLLM without ``--enable-prompt-tokens-details``): shuffled hit
-  and miss trials of time to first token, a one-sided two-sample KS test (:mod:`probes.stats`) at
-  ``alpha`` (1e-8) on ``ceil(ln(1/alpha)/min_effect^2)`` trials per arm (74 at D = 0.5), with the
-  attacker's own repeats as the control (no visible hits: ``error``, never ``pass``). A false
-  alarm needs p < alpha on exchangeable arms: at most 1e-8 per run by the exact test. Measured
-  against an isolated (per-tenant) reference worker: 0 leaks in 130 runs (100 at 19 trials per arm,
-  30 at the default 74); the cross arm's p was below 0.05 in 3 of 100 runs and never below 0.01,
-  as a valid test's should be (smallest 0.034).
+  and miss trials of time to first token in up to 3 looks of ``ceil(ln(3/alpha)/min_effect^2)``
+  trials per arm each (79 at D = 0.5), one-sided two-sample KS tests (:mod:`probes.stats`) at
+  ``alpha / 3`` per look, stopping at the first look that decides; a pass needs the attacker's own
+  repeats faster than both its misses and its first requests of the victim's prefixes (no visible
+  hits: ``error``, never ``pass``). A false alarm needs the cross arm's p < alpha / 3 at some look
+  on exchangeable arms: at most 1e-8 per run by the exact test and a union bound over the looks.
 
 ``method: auto`` starts the counter test and falls back to timing when no response reported the
 counter. Cost, ``L`` the tokens of one request (~1,033 at the default 1,024-token prefix), ``v`` the
 victim's sends (2), ``T`` the tenants: counter ``(v + T - 1) L`` and salt check ``3 L`` (6,192
 tokens spent for two tenants on the reference worker, 5,839 on vLLM with a 959-token prefix);
-timing ``n (v + 3) L`` (381,840 spent at n = 74), plus the counter attempt (``v L``) under ``auto``.
+timing at most ``looks n (v + 3) L`` (about 1.22 M tokens at 3 looks of n = 79; a run stops at the
+first look that decides), plus the counter attempt (``v L``) under ``auto``.
 A plan over ``max_tokens_per_run`` is an ``error`` before the first request, not a silent skip;
 every result states the tokens it planned and spent. It runs daily by default.
 """
@@ -77,7 +77,8 @@ class PrefixCacheOptions(ProbeOptions):
     max_samples: int = Field(256, ge=5, le=2000)
     #: None: on for the engines in SALT_ENGINES.
     salt_check: bool | None = None
-    max_tokens_per_run: int = Field(500_000, ge=1)
+    #: Room for every look of the default timing plan (about 1.22 M tokens at a 1,024-token prefix).
+    max_tokens_per_run: int = Field(1_500_000, ge=1)
     #: Raw completions by default: their first page is the prompt's own noise, never a template.
     chat: bool = False
 
@@ -88,7 +89,7 @@ class PrefixCacheProbe(Probe):
     kind = "prefix_cache"
     options_model = PrefixCacheOptions
     default_interval_seconds = 86400.0
-    # The timing test sends hundreds of requests one after another (370 at the defaults).
+    # The timing test sends hundreds of requests one after another (up to 1,185 at the defaults).
     budget_timeouts = 40.0
 
     async def probe(self, ctx: ProbeContext) -> ProbeResult:

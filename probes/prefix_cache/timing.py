@@ -1,38 +1,68 @@
 """The timing test of the ``prefix_cache`` probe, for engines that report no cache counter.
 
-Gu et al.'s audit (docs/detection-research.md §1) on time to first token (TTFT), made paired:
+Gu et al.'s audit (docs/detection-research.md §1) on time to first token (TTFT), made paired and
+group-sequential:
 
 - a *hit trial*: the victim sends a fresh prefix ``victim_requests`` times, then the attacker sends
   it (``cross``: a hit only if the cache is shared across tenants), then sends it again
-  (``repeat``: the attacker's own hit, the control);
+  (``repeat``: the attacker's own hit);
 - a *miss trial*: the attacker sends a fresh prefix of the same size (``miss``).
 
-``n`` trials of each kind are shuffled together (``secrets.SystemRandom``) and sent one at a time,
-so drifts in load fall on both arms alike, and the arms are compared with the one-sided two-sample
-KS test of :mod:`probes.stats` (``cross`` faster than ``miss``; ``repeat`` faster than ``miss``).
-Every compared sample is the attacker's own, so a difference between tenants' paths (keys, quotas,
-routes) cannot pass for a hit.
+The plan (:func:`plan_timing`) is fixed before the first request: up to :data:`LOOKS` looks, each
+after ``b = ceil(ln(looks / alpha) / min_effect^2)`` more trials of each kind, so that an effect of
+``min_effect`` can decide at the first look and the later looks reach the smaller contrasts load
+leaves (about ``min_effect / sqrt(k)`` at look ``k``); fewer looks where ``max_samples`` cannot hold
+them. The plan's ``2 * looks * b`` trials are shuffled together once (``secrets.SystemRandom``) and
+sent one at a time, so drifts in load fall on both kinds alike; look ``k`` comes after the first
+``2 k b`` of them. Each look runs three one-sided two-sample KS tests (:mod:`probes.stats`) on
+every trial so far, each at ``alpha / looks``:
 
-Verdicts, at significance ``alpha`` (default 1e-8) and effect ``min_effect`` (default D = 0.5):
+- ``cross`` faster than ``miss``: the attacker's first request of another tenant's prefix was
+  served from cache: ``leak`` (a pass, ``shared_by_policy``, under policy ``shared``);
+- otherwise ``repeat`` faster than ``miss`` (hits are visible on this path) *and* ``repeat`` faster
+  than ``cross`` (the attacker's own prefixes hit where the victim's did not): ``pass``;
+- otherwise the next look. After the last one, ``error``, never a pass: ``cache_unobservable`` when
+  even the repeats were not decisively faster (caching off, or too little prefill for the noise),
+  ``timing_inconclusive`` when they were but the cross arm was neither decisively a hit nor
+  decisively a miss (a cache shared for some requests, or a contrast too small for the plan).
 
-- ``cross`` faster (p < alpha and D >= min_effect): the attacker's first request of another tenant's
-  prefix was served from cache: ``leak`` (or a pass, ``shared_by_policy``);
-- otherwise, ``repeat`` faster: hits are visible on this path and the cross arm showed none: ``pass``;
-- otherwise: hits are not visible at this sample size (caching off, or too little prefill for the
-  noise): ``error``, never a pass.
+A pass needs the repeats to beat the cross arm, not only the misses: under a shared cache the cross
+arm is a hit like the repeat, and with the misses alone a look where the repeat's test crossed its
+threshold before the cross arm's would pass a shared cache (one shared run in ten, in a simulation
+at the loaded reference worker's contrast: docs/detection-research.md §1.5). Every compared sample
+is the attacker's own, so a difference between tenants' paths (keys, quotas, routes) cannot pass
+for a hit.
 
-False alarms: under isolation ``cross`` and ``miss`` requests are both misses of fresh prefixes of
-one size, shuffled, so their times are exchangeable and the exact test's false-alarm rate is at most
-``alpha`` per run (1e-8: once in 270,000 years of daily runs). Measured against an isolated
-reference worker: 0 leaks in 130 runs (100 at 19 trials per arm, 30 at 74), the cross arm's p below
-0.05 in 3 of 100 runs and never below 0.01 (``tests/probes/test_prefix_cache.py`` repeats 10 runs).
+Each decision is p < alpha / looks alone. ``min_effect`` sizes the plan; it is not a second
+threshold: at a single look of ``ceil(ln(1/alpha) / D^2)`` trials an observed D of ``min_effect``
+is where p crosses alpha, give or take one step of 1/n, and demanding both made a sound engine at a
+loaded contrast fail by that step (D = 26/38 = 0.684 had p = 4.5e-9 < 1e-8 but not D >= 0.7).
+With later looks a D threshold would forbid exactly the smaller effects they are there to decide.
 
-Cost: ``n * (victim_requests + 3)`` requests of one prefix each, one completion token each:
-381,840 tokens spent at the defaults (1,024-token prefix, D = 0.5 so n = 74, v = 2).
+False alarms, at most ``alpha`` per run. Under isolation a cross request and a miss are both the
+attacker's misses of fresh prefixes of one size, and which trials are hits is set by one shuffle of
+the whole plan, drawn apart from the engine's times: the trials of any one look are fixed before
+the first request, their labels are a uniformly random arrangement given their counts, and the
+exact test of that look's cross arm alarms with probability at most ``alpha / looks``. The run
+stops early by a rule that reads the miss arm the cross test shares, so the arms of the look where
+it stopped are not exchangeable given that it stopped there; no such conditioning is needed. A run
+says ``leak`` only if the cross test of *some* look of the plan, taken or not, is significant, so
+P(leak) <= sum over the looks of P(that look's cross test significant) <= looks * alpha / looks =
+alpha, whatever the stopping rule (a union bound). The same bound holds for a pass on a path whose
+hits never show: it needs the repeats' test at some look. Measured against an isolated reference
+worker: see ``docs/detection-research.md`` §1.5 (``tests/probes/test_prefix_cache.py`` repeats 10
+runs of three looks each).
+
+Cost, bounded before the first request: at most ``looks * b * (victim_requests + 3)`` requests of
+one prefix each, one completion token each (the plan's ``requests_planned`` and ``tokens_planned``);
+a run stops at the first look that decides and states the looks, requests and tokens it spent. At
+the defaults (1,024-token prefix, D = 0.5, v = 2): 3 looks of 79 trials, at most 1,185 requests
+(about 1.22 M tokens), 395 of them when the first look decides.
 
 Power: hits must cost visibly less than misses. On the reference worker a 64 Ki-token prefix
-(miss ~0.18 s, hit ~0.04 s) gives D = 0.9 to 1; at 1,024 tokens the medians differ by 1 to 3 ms in
-~10 ms of noise and the control mostly fails, so the verdict is ``error``, not a false ``pass``.
+(miss ~0.1 to 0.18 s, hit ~0.03 s) gives D = 0.9 to 1 on an idle machine and about 0.7 on a
+loaded one; at 1,024 tokens the medians differ by 1 to 3 ms in ~10 ms of noise and the repeats
+mostly fail, so the verdict is ``error``, not a false ``pass``.
 """
 
 from __future__ import annotations
@@ -53,27 +83,43 @@ from kvcanary.probes.prefix_cache.prompts import PromptSize, cache_request, fail
 from kvcanary.probes.stats import KsResult, ks_greater, median, min_detectable_effect, samples_per_arm
 from kvcanary.probes.target import Completion
 
-#: Above this share of failed trials the arms may be biased by what failed: no verdict.
+#: The most looks a plan takes: each adds a batch of trials and splits alpha once more.
+LOOKS = 3
+#: Above this share of failed trials of either kind the arms may be biased by what failed: no verdict.
 MAX_FAILED_SHARE = 0.1
 #: Requests of a hit trial beyond the victim's: the attacker's cross request and its repeat.
 _ATTACKER_REQUESTS = 2
+#: The reason of a run whose repeats hit but whose cross arm was neither decisively a hit nor a miss.
+INCONCLUSIVE = "timing_inconclusive"
 
 
 @dataclass(frozen=True)
 class TimingPlan:
-    """How many trials of each kind a timing run makes, and what that costs and can detect."""
+    """How a timing run samples, fixed before its first request: up to ``looks`` looks, each after
+    ``trials_per_look`` more trials of each kind and at ``alpha / looks``; what it costs at most and
+    what it can detect."""
 
+    #: The most trials of each kind: ``looks * trials_per_look``.
     samples_per_arm: int
+    #: What :data:`LOOKS` looks would have taken before ``max_samples`` capped the plan.
     wanted_per_arm: int
     victim_requests: int
     request_tokens: int
     alpha: float
     min_effect: float
-    #: The smallest D+ whose exact p reaches ``alpha`` with these arms; None: unreachable.
+    #: The smallest D+ whose exact p reaches ``alpha_per_look`` at the first look, with equal arms;
+    #: None: unreachable.
     detectable_effect: float | None
+    looks: int
+    trials_per_look: int
+
+    @property
+    def alpha_per_look(self) -> float:
+        return self.alpha / self.looks
 
     @property
     def requests(self) -> int:
+        """Return the requests of every look: the most a run sends."""
         return self.samples_per_arm * (self.victim_requests + _ATTACKER_REQUESTS + 1)
 
     @property
@@ -81,45 +127,130 @@ class TimingPlan:
         return self.requests * self.request_tokens
 
     def evidence(self) -> dict[str, Any]:
+        detectable = [
+            min_detectable_effect(self.alpha_per_look, k * self.trials_per_look)
+            for k in range(1, self.looks + 1)
+        ]
         return {
             "samples_per_arm": self.samples_per_arm,
             "samples_per_arm_wanted": self.wanted_per_arm,
+            "looks": self.looks,
+            "trials_per_look": self.trials_per_look,
             "victim_requests": self.victim_requests,
             "requests_planned": self.requests,
             "tokens_planned": self.tokens,
             "alpha": self.alpha,
+            "alpha_per_look": self.alpha_per_look,
             "min_effect": self.min_effect,
             "detectable_effect": self.detectable_effect,
+            "detectable_effect_by_look": detectable,
         }
 
 
 def plan_timing(
-    size: PromptSize, *, alpha: float, min_effect: float, max_samples: int, victim_requests: int
+    size: PromptSize,
+    *,
+    alpha: float,
+    min_effect: float,
+    max_samples: int,
+    victim_requests: int,
+    looks: int = LOOKS,
 ) -> TimingPlan:
-    """Return the plan: ``ceil(ln(1/alpha) / min_effect^2)`` trials per arm, at most ``max_samples``."""
-    wanted = samples_per_arm(alpha, min_effect)
-    n = min(wanted, max_samples)
+    """Return the plan: the most looks, up to ``looks``, whose trials fit ``max_samples`` per arm,
+    each after ``ceil(ln(kept / alpha) / min_effect^2)`` more trials of each kind (``kept``: the looks
+    kept); one look of ``max_samples`` trials when not even one full look fits."""
+    wanted = looks * samples_per_arm(alpha / looks, min_effect)
+    kept, batch = 1, max_samples
+    for k in range(looks, 0, -1):
+        if k * samples_per_arm(alpha / k, min_effect) <= max_samples:
+            kept, batch = k, samples_per_arm(alpha / k, min_effect)
+            break
     return TimingPlan(
-        n, wanted, victim_requests, size.request_tokens, alpha, min_effect, min_detectable_effect(alpha, n)
+        samples_per_arm=kept * batch,
+        wanted_per_arm=wanted,
+        victim_requests=victim_requests,
+        request_tokens=size.request_tokens,
+        alpha=alpha,
+        min_effect=min_effect,
+        detectable_effect=min_detectable_effect(alpha / kept, batch),
+        looks=kept,
+        trials_per_look=batch,
     )
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look of a run: its three tests on every trial gathered so far, at ``alpha`` each.
+
+    ``cross``: the cross arm faster than the misses; ``control``: the repeats faster than the misses;
+    ``separation``: the repeats faster than the cross arm.
+    """
+
+    number: int
+    hit_trials: int
+    miss_trials: int
+    alpha: float
+    cross: KsResult
+    control: KsResult
+    separation: KsResult
+
+    @property
+    def leak(self) -> bool:
+        """Return True when the cross arm was decisively faster than the misses."""
+        return self.cross.pvalue < self.alpha
+
+    @property
+    def isolated(self) -> bool:
+        """Return True when the repeats were decisively faster than both the misses and the cross arm."""
+        return self.control.pvalue < self.alpha and self.separation.pvalue < self.alpha
+
+    @property
+    def decided(self) -> bool:
+        return self.leak or self.isolated
+
+    def evidence(self) -> dict[str, Any]:
+        decision = "cross_faster" if self.leak else "isolated" if self.isolated else None
+        return {
+            "look": self.number,
+            "trials": {"hit": self.hit_trials, "miss": self.miss_trials},
+            "alpha": self.alpha,
+            "cross": _ks_evidence(self.cross),
+            "control": _ks_evidence(self.control),
+            "separation": _ks_evidence(self.separation),
+            "decided": decision,
+        }
 
 
 @dataclass
 class TimingRun:
-    """The seconds each arm measured (TTFT, or the whole latency of a one-token answer when the
-    stream showed no first token), and the trials lost to failed requests."""
+    """What a run measured: the seconds of each arm (TTFT, or the whole latency of a one-token answer
+    when the stream showed no first token), the trials begun of each kind and those lost to failed
+    requests, the requests sent and tokens spent, and the looks taken."""
 
     cross: list[float] = field(default_factory=list)
     repeat: list[float] = field(default_factory=list)
     miss: list[float] = field(default_factory=list)
+    hit_trials: int = 0
+    miss_trials: int = 0
     failed: dict[str, int] = field(default_factory=dict)
     ttft_missing: int = 0
+    requests: int = 0
+    tokens: int = 0
+    looks: list[Look] = field(default_factory=list)
     seconds: float = 0.0
+
+    def unfair(self) -> str | None:
+        """Return which arm lost more than :data:`MAX_FAILED_SHARE` of its trials (a phrase), or None."""
+        arms = (("hit", len(self.cross), self.hit_trials), ("miss", len(self.miss), self.miss_trials))
+        for arm, kept, begun in arms:
+            if not kept or begun - kept > MAX_FAILED_SHARE * begun:
+                return f"{begun - kept} of {begun} {arm} trials"
+        return None
 
 
 def _seconds(run: TimingRun, c: Completion) -> float | None:
-    if failure(c) is not None:
-        run.failed[failure(c) or ""] = run.failed.get(failure(c) or "", 0) + 1
+    if (why := failure(c)) is not None:
+        run.failed[why] = run.failed.get(why, 0) + 1
         return None
     if c.ttft_seconds is None:
         run.ttft_missing += 1
@@ -127,6 +258,7 @@ def _seconds(run: TimingRun, c: Completion) -> float | None:
 
 
 async def _timed(ctx: ProbeContext, run: TimingRun, tenant: str, prompt: str, chat: bool) -> float | None:
+    run.requests += 1
     return _seconds(run, await ctx.complete(tenant, cache_request(prompt, chat=chat, stream=True)))
 
 
@@ -139,6 +271,7 @@ async def _hit_trial(
     size: PromptSize,
     chat: bool,
 ) -> None:
+    run.hit_trials += 1
     prefix = fresh_text(size.letters)
     for _ in range(plan.victim_requests):
         if await _timed(ctx, run, victim, with_tail(prefix), chat) is None:
@@ -150,26 +283,49 @@ async def _hit_trial(
         run.repeat.append(repeat)
 
 
+async def _miss_trial(ctx: ProbeContext, run: TimingRun, attacker: str, size: PromptSize, chat: bool) -> None:
+    run.miss_trials += 1
+    if (seconds := await _timed(ctx, run, attacker, with_tail(fresh_text(size.letters)), chat)) is not None:
+        run.miss.append(seconds)
+
+
+def take_look(run: TimingRun, plan: TimingPlan, number: int) -> Look:
+    """Return look ``number``'s tests on every trial of ``run`` so far (both arms must hold values)."""
+    return Look(
+        number,
+        run.hit_trials,
+        run.miss_trials,
+        plan.alpha_per_look,
+        cross=ks_greater(run.cross, run.miss),
+        control=ks_greater(run.repeat, run.miss),
+        separation=ks_greater(run.repeat, run.cross),
+    )
+
+
 async def run_timing(
     ctx: ProbeContext, plan: TimingPlan, victim: str, attacker: str, size: PromptSize, *, chat: bool
 ) -> TimingRun:
-    """Run the plan's trials, shuffled, one request at a time; return the arms' seconds."""
+    """Run the plan's trials, shuffled once as a whole, one request at a time, taking a look after
+    each look's share; stop at the first look that decides, or once an arm lost too many trials."""
     trials = ["hit"] * plan.samples_per_arm + ["miss"] * plan.samples_per_arm
     secrets.SystemRandom().shuffle(trials)
     run, started = TimingRun(), time.monotonic()
-    for trial in trials:
-        if trial == "hit":
-            await _hit_trial(ctx, run, plan, victim, attacker, size, chat)
-        elif (
-            seconds := await _timed(ctx, run, attacker, with_tail(fresh_text(size.letters)), chat)
-        ) is not None:
-            run.miss.append(seconds)
+    spent_before = ctx.tokens["prompt"] + ctx.tokens["completion"]
+    share = 2 * plan.trials_per_look
+    for number in range(1, plan.looks + 1):
+        for trial in trials[(number - 1) * share : number * share]:
+            if trial == "hit":
+                await _hit_trial(ctx, run, plan, victim, attacker, size, chat)
+            else:
+                await _miss_trial(ctx, run, attacker, size, chat)
+        if run.unfair() is not None:
+            break
+        run.looks.append(take_look(run, plan, number))
+        if run.looks[-1].decided:
+            break
     run.seconds = time.monotonic() - started
+    run.tokens = ctx.tokens["prompt"] + ctx.tokens["completion"] - spent_before
     return run
-
-
-def _significant(result: KsResult, plan: TimingPlan) -> bool:
-    return result.pvalue < plan.alpha and result.statistic >= plan.min_effect
 
 
 def _ks_evidence(result: KsResult) -> dict[str, Any]:
@@ -181,58 +337,111 @@ def _ks_evidence(result: KsResult) -> dict[str, Any]:
     }
 
 
-def judge_timing(run: TimingRun, plan: TimingPlan, victim: str, attacker: str, policy: str) -> ProbeResult:
-    """Return the timing test's verdict (see the module docstring) with D, p, n and the arms' medians."""
-    lost = plan.samples_per_arm - min(len(run.cross), len(run.miss))
-    evidence: dict[str, Any] = {
+def _num(value: float) -> str:
+    """Return ``value`` to two significant digits, exponents unpadded (4.5e-9, not 4.5e-09)."""
+    return f"{value:.2g}".replace("e-0", "e-").replace("e+0", "e+")
+
+
+def _said(result: KsResult) -> str:
+    return f"D = {result.statistic:.3f}, p = {_num(result.pvalue)}, n = {result.n_first}/{result.n_second}"
+
+
+def _short_of(result: KsResult, alpha: float) -> str:
+    """Return the failed threshold of one test in plain words: its p, what it needed, its D and n."""
+    return (
+        f"p = {_num(result.pvalue)}, needs < {_num(alpha)} "
+        f"(D = {result.statistic:.3f}, n = {result.n_first}/{result.n_second})"
+    )
+
+
+def _evidence(run: TimingRun, plan: TimingPlan, victim: str, attacker: str) -> dict[str, Any]:
+    """Return the run's evidence: the plan, every look taken, what was spent and lost, the raw arms."""
+    return {
         "victim": victim,
         "attacker": attacker,
         "plan": plan.evidence(),
+        "looks_taken": len(run.looks),
+        "looks": [look.evidence() for look in run.looks],
+        "trials": {"hit": run.hit_trials, "miss": run.miss_trials},
+        "requests_sent": run.requests,
+        "tokens_spent": run.tokens,
         "failed_requests": run.failed,
         "ttft_missing": run.ttft_missing,
+        # The raw arms, to the 0.1 ms: enough to recompute any statistic later, small enough to keep.
+        "samples_ms": {
+            arm: [round(1000 * v, 1) for v in values]
+            for arm, values in (("cross", run.cross), ("repeat", run.repeat), ("miss", run.miss))
+        },
     }
-    if lost > MAX_FAILED_SHARE * plan.samples_per_arm or not run.cross or not run.miss:
-        detail = f"{lost} of {plan.samples_per_arm} trials per arm failed ({run.failed}): no fair comparison"
-        return ProbeResult(Verdict.ERROR, "requests_failed", detail, evidence)
-    cross, control = ks_greater(run.cross, run.miss), ks_greater(run.repeat, run.miss)
-    evidence.update(cross=_ks_evidence(cross), control=_ks_evidence(control))
-    medians = {"cross": median(run.cross), "repeat": median(run.repeat), "miss": median(run.miss)}
-    evidence["median_seconds"] = medians
-    # The raw arms, to the 0.1 ms: enough to recompute any statistic later, small enough to keep.
-    evidence["samples_ms"] = {
-        arm: [round(1000 * v, 1) for v in values]
-        for arm, values in (("cross", run.cross), ("repeat", run.repeat), ("miss", run.miss))
-    }
-    measurements = {
-        "ks_d": cross.statistic,
-        "ks_p": cross.pvalue,
-        "samples_per_arm": float(min(cross.n_first, cross.n_second)),
-        "control_ks_d": control.statistic,
-        "control_ks_p": control.pvalue,
-        "ttft_cross_median_seconds": medians["cross"],
-        "ttft_repeat_median_seconds": medians["repeat"],
-        "ttft_miss_median_seconds": medians["miss"],
+
+
+def _measurements(run: TimingRun, look: Look) -> dict[str, float]:
+    return {
+        "ks_d": look.cross.statistic,
+        "ks_p": look.cross.pvalue,
+        "samples_per_arm": float(min(look.cross.n_first, look.cross.n_second)),
+        "control_ks_d": look.control.statistic,
+        "control_ks_p": look.control.pvalue,
+        "separation_ks_d": look.separation.statistic,
+        "separation_ks_p": look.separation.pvalue,
+        "timing_looks": float(look.number),
+        "timing_requests": float(run.requests),
+        "ttft_cross_median_seconds": median(run.cross),
+        "ttft_repeat_median_seconds": median(run.repeat),
+        "ttft_miss_median_seconds": median(run.miss),
         "timing_seconds": run.seconds,
     }
-    said = f"D = {cross.statistic:.3f}, p = {cross.pvalue:.3g}, n = {cross.n_first}/{cross.n_second}"
-    if _significant(cross, plan):
+
+
+def judge_timing(run: TimingRun, plan: TimingPlan, victim: str, attacker: str, policy: str) -> ProbeResult:
+    """Return the timing test's verdict from the run's last look (see the module docstring), with
+    every look's D, p and n, the arms' medians and what the run spent."""
+    evidence = _evidence(run, plan, victim, attacker)
+    if (lost := run.unfair()) is not None:
+        detail = f"{lost} failed by look {len(run.looks) + 1} ({run.failed}): no fair comparison"
+        return ProbeResult(Verdict.ERROR, "requests_failed", detail, evidence)
+    look = run.looks[-1]
+    evidence.update(cross=_ks_evidence(look.cross), control=_ks_evidence(look.control))
+    evidence["median_seconds"] = {
+        "cross": median(run.cross),
+        "repeat": median(run.repeat),
+        "miss": median(run.miss),
+    }
+    verdict, reason, detail = _verdict(look, plan, victim, attacker, policy)
+    return ProbeResult(verdict, reason, detail, evidence, _measurements(run, look))
+
+
+def _verdict(
+    look: Look, plan: TimingPlan, victim: str, attacker: str, policy: str
+) -> tuple[Verdict, str, str]:
+    """Return the verdict, reason and detail of a run whose last look was ``look``."""
+    at = f"look {look.number} of {plan.looks}"
+    if look.leak:
         detail = (
-            f"{attacker}'s first request of {victim}'s fresh prefixes came back faster than its misses "
-            f"({said}; medians {medians['cross']:.4f} s vs {medians['miss']:.4f} s)"
+            f"{attacker}'s first requests of {victim}'s fresh prefixes came back faster than its misses "
+            f"({_said(look.cross)} < {_num(look.alpha)} at {at})"
         )
         if policy == "shared":
-            return ProbeResult(
-                Verdict.PASS, SHARED_BY_POLICY, f"{detail} (shared by policy)", evidence, measurements
-            )
-        return ProbeResult(Verdict.LEAK, LEAK_REASON, detail, evidence, measurements)
-    if _significant(control, plan):
+            return Verdict.PASS, SHARED_BY_POLICY, f"{detail} (shared by policy)"
+        return Verdict.LEAK, LEAK_REASON, detail
+    if look.isolated:
         detail = (
-            f"{attacker}'s own repeats hit (D = {control.statistic:.3f}, p = {control.pvalue:.3g}) "
-            f"but {victim}'s prefixes did not ({said})"
+            f"{attacker}'s own repeats came back faster than its misses ({_said(look.control)}) and than "
+            f"its first requests of {victim}'s prefixes ({_said(look.separation)}), which were no faster "
+            f"than its misses ({_said(look.cross)}) at {at}"
         )
-        return ProbeResult(Verdict.PASS, "prefix_cache_isolated", detail, evidence, measurements)
+        return Verdict.PASS, "prefix_cache_isolated", detail
+    if look.control.pvalue >= look.alpha:
+        detail = (
+            f"{UNOBSERVABLE_DETAIL}: {attacker}'s own repeats were not decisively faster than its misses: "
+            f"{_short_of(look.control, look.alpha)} after {at}; cross arm {_said(look.cross)}"
+        )
+        return Verdict.ERROR, UNOBSERVABLE, detail
     detail = (
-        f"{UNOBSERVABLE_DETAIL}: even {attacker}'s own repeats were not faster "
-        f"(D = {control.statistic:.3f}, p = {control.pvalue:.3g}; cross {said})"
+        f"cannot judge: {attacker}'s own repeats were faster than its misses ({_said(look.control)}), but "
+        f"its first requests of {victim}'s prefixes were neither decisively faster than its misses "
+        f"({_short_of(look.cross, look.alpha)}) nor decisively slower than its repeats "
+        f"({_short_of(look.separation, look.alpha)}) after {at}: a cache shared for some requests, "
+        "or too little contrast for the plan"
     )
-    return ProbeResult(Verdict.ERROR, UNOBSERVABLE, detail, evidence, measurements)
+    return Verdict.ERROR, INCONCLUSIVE, detail

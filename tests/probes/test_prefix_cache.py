@@ -20,7 +20,10 @@ from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
 from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
 from kvcanary.probes.markers import MARKER_RE, MarkerBook
 from kvcanary.probes.prefix_cache import PrefixCacheOptions, PrefixCacheProbe
-from tests.probes.probe_harness import Call, FakeEngine, Reference, error
+from kvcanary.probes.prefix_cache.prompts import PromptSize
+from kvcanary.probes.prefix_cache.timing import plan_timing
+from kvcanary.probes.stats import exact_pvalue
+from tests.probes.probe_harness import Call, FakeEngine, Reference, answer, error
 from tests.support import WorkerProcess, launch_worker, wait_worker
 from tests.support.worker_keys import KEY_FLAGS
 
@@ -30,7 +33,8 @@ UNOBSERVABLE = "cannot judge: caching off or not reported"
 # hit of ~0.04 s on a busy two-core machine (at 1,024 tokens the two are lost in the noise).
 LONG = ("--kv-pool-tokens", "524288", "--context-window", "140000")
 LONG_PREFIX = 65536
-# alpha stays at the default 1e-8; D = 0.7 needs 38 trials per arm (20 to 30 s per run here).
+# alpha stays at the default 1e-8: D = 0.7 at alpha / 3 sizes 3 looks of 40 trials per arm; an idle
+# machine decides at the first (10 to 15 s), a loaded one, whose contrast shrinks to D ~ 0.7, later.
 TIMING = {"method": "timing", "prefix_tokens": LONG_PREFIX, "min_effect": 0.7, "victim_requests": 1}
 UNBUDGETED = 100_000_000
 FALSE_ALARM_RUNS = 10
@@ -82,7 +86,10 @@ def test_it_falls_back_to_timing_and_still_says_error_when_no_hit_shows(
     result = run_prefix(workers("off").target, prefix_tokens=1024, min_effect=1.0, victim_requests=1)
     assert (result.verdict, result.reason) == (Verdict.ERROR, "cache_unobservable"), result.detail
     assert result.evidence["method"] == "timing"
-    assert result.measurements["samples_per_arm"] == 19
+    timing = result.evidence["timing"]
+    assert (timing["plan"]["looks"], timing["plan"]["trials_per_look"], timing["looks_taken"]) == (3, 20, 3)
+    assert timing["requests_sent"] == timing["plan"]["requests_planned"] == 240
+    assert "not decisively faster than its misses" in result.detail and "after look 3 of 3" in result.detail
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -137,15 +144,25 @@ def test_its_timing_test_tells_a_shared_cache_from_an_isolated_one(
 ) -> None:
     result = run_prefix(workers(mode).target, **TIMING, max_tokens_per_run=UNBUDGETED)
     timing, m = result.evidence["timing"], result.measurements
+    looks = " ".join(
+        f"[{look['look']}: cross D={look['cross']['d']:.3f} p={look['cross']['p']:.2g}, "
+        f"control D={look['control']['d']:.3f} p={look['control']['p']:.2g}, "
+        f"separation D={look['separation']['d']:.3f} p={look['separation']['p']:.2g}]"
+        for look in timing["looks"]
+    )
     print(
-        f"timing on {mode}: D={m['ks_d']:.3f} p={m['ks_p']:.3g} control D={m['control_ks_d']:.3f} "
-        f"n={m['samples_per_arm']:.0f}; medians cross {m['ttft_cross_median_seconds']:.4f} s, "
-        f"repeat {m['ttft_repeat_median_seconds']:.4f} s, miss {m['ttft_miss_median_seconds']:.4f} s; "
+        f"timing on {mode}: {result.verdict} after {timing['looks_taken']} of 3 looks {looks}; medians "
+        f"cross {m['ttft_cross_median_seconds']:.4f} s, repeat {m['ttft_repeat_median_seconds']:.4f} s, "
+        f"miss {m['ttft_miss_median_seconds']:.4f} s; {timing['requests_sent']} requests, "
         f"{m['tokens_spent']:.0f} tokens in {m['timing_seconds']:.1f} s"
     )
     assert (result.verdict, result.reason) == (verdict, reason), result.detail
-    assert timing["plan"]["samples_per_arm"] == 38 and timing["cross"]["method"] == "exact"
-    assert len(timing["samples_ms"]["miss"]) == 38
+    plan, last = timing["plan"], timing["looks"][-1]
+    assert (plan["looks"], plan["trials_per_look"], plan["alpha_per_look"]) == (3, 40, 1e-8 / 3)
+    assert last["look"] == timing["looks_taken"] and last["decided"] is not None
+    assert sum(last["trials"].values()) == 80 * timing["looks_taken"]
+    assert len(timing["samples_ms"]["miss"]) == last["trials"]["miss"] and last["cross"]["method"] == "exact"
+    assert timing["requests_sent"] <= plan["requests_planned"]
     assert m["ttft_repeat_median_seconds"] < m["ttft_miss_median_seconds"]
 
 
@@ -153,21 +170,26 @@ def test_its_timing_test_tells_a_shared_cache_from_an_isolated_one(
 def test_its_timing_test_raises_no_false_alarm_against_an_isolated_worker(
     workers: Callable[[str], Reference],
 ) -> None:
-    # Small runs (19 trials per arm, 1,024-token prefixes): the control rarely shows hits at this
-    # size, so most runs are errors; what counts is that none is a leak, and how small p ever got.
+    # Small runs (3 looks of 20 trials per arm, 1,024-token prefixes): the repeats rarely show hits at
+    # this size, so most runs take every look and say error. Every look is a chance of a false alarm
+    # (alpha / 3 each); what counts is that none is a leak, and how small the cross arm's p ever got.
     target = workers("per-tenant").target
     results = [
         run_prefix(target, method="timing", prefix_tokens=1024, min_effect=1.0, victim_requests=1)
         for _ in range(FALSE_ALARM_RUNS)
     ]
     alarms = [r for r in results if r.verdict is Verdict.LEAK]
-    pvalues = sorted(r.measurements["ks_p"] for r in results)
+    looks = [look for r in results for look in r.evidence["timing"]["looks"]]
+    pvalues = sorted(look["cross"]["p"] for look in looks)
     print(
-        f"false alarms: {len(alarms)}/{len(results)} runs (alpha 1e-8); cross-arm p from {pvalues[0]:.3g} "
-        f"to {pvalues[-1]:.3g}; verdicts {sorted(r.verdict.value for r in results)}"
+        f"false alarms: {len(alarms)}/{len(results)} runs, {len(looks)} looks (alpha 1e-8, 3.3e-9 a look); "
+        f"cross-arm p from {pvalues[0]:.3g} to {pvalues[-1]:.3g}, below 0.05 in "
+        f"{sum(p < 0.05 for p in pvalues)}; verdicts {sorted(r.verdict.value for r in results)}"
     )
     assert not alarms
     assert all(r.evidence["method"] == "timing" for r in results)
+    assert len(looks) == sum(r.evidence["timing"]["looks_taken"] for r in results) >= FALSE_ALARM_RUNS
+    assert all(look["cross"]["p"] >= look["alpha"] for look in looks)
 
 
 # --- scripted caches at the seam --------------------------------------------------------------------------
@@ -295,6 +317,138 @@ def test_it_needs_two_tenants() -> None:
 def test_it_refuses_options_it_does_not_know_as_an_error() -> None:
     result = fake_run(FakeEngine(reply=ScriptedCache()), policy="sometimes")
     assert (result.verdict, result.reason) == (Verdict.ERROR, "bad_options")
+
+
+# --- the timing test's plan, looks and stops, against caches that answer by the clock -----------------
+
+#: Small prefixes for the clock's caches: their misses wait, so the prefix's size is not what is timed.
+CLOCKED = {"method": "timing", "prefix_tokens": 64, "victim_requests": 1, "max_tokens_per_run": UNBUDGETED}
+
+
+@dataclass
+class ClockedCache:
+    """A prefix cache whose hits answer at once and whose misses wait ``miss_seconds``. ``sharing``:
+    ``off`` (nothing hits), ``per-tenant`` (a tenant's own prefixes), ``shared`` (anyone's), or
+    ``mostly`` (anyone's, but every 4th request of a prefix another tenant sent misses: a cache shared
+    for three in four cross requests); ``fail_every`` answers every n-th request with a 500."""
+
+    sharing: str
+    miss_seconds: float = 0.05
+    fail_every: int = 0
+    senders: dict[str, set[str]] = field(default_factory=dict)
+    crossings: int = 0
+    answered: int = 0
+
+    async def __call__(self, call: Call) -> httpx.Response:
+        self.answered += 1
+        if self.fail_every and self.answered % self.fail_every == 0:
+            return error(500, "scripted failure")
+        senders = self.senders.setdefault(call.prompt[:-8], set())  # the tail is 4 fresh letters
+        hit = call.tenant in senders and self.sharing != "off"
+        if senders and call.tenant not in senders:
+            self.crossings += 1
+            hit = self.sharing == "shared" or (self.sharing == "mostly" and self.crossings % 4 != 0)
+        senders.add(call.tenant)
+        if not hit:
+            await asyncio.sleep(self.miss_seconds)
+        return answer(call, call.prompt[:1])
+
+
+def clocked_run(cache: ClockedCache, **options: Any) -> ProbeResult:
+    return fake_run(FakeEngine(reply=cache, hold_seconds=0), **{**CLOCKED, **options})
+
+
+def size_of(tokens: int) -> PromptSize:
+    return PromptSize(tokens, tokens, True, 1.0, 16, None, tokens)
+
+
+def test_its_timing_plan_splits_alpha_over_looks_fixed_before_the_first_request() -> None:
+    plan = plan_timing(size_of(1024), alpha=1e-8, min_effect=0.7, max_samples=256, victim_requests=1)
+    assert (plan.looks, plan.trials_per_look, plan.samples_per_arm) == (3, 40, 120)
+    assert plan.alpha_per_look == pytest.approx(1e-8 / 3)
+    assert plan.requests == 120 * 4 and plan.tokens == 480 * 1030
+    # The first look decides an effect of min_effect: its threshold is the exact one at alpha / 3.
+    assert plan.detectable_effect == 27 / 40
+    assert exact_pvalue(40, 40, 27 * 40) < 1e-8 / 3 <= exact_pvalue(40, 40, 26 * 40)
+    assert plan.evidence()["detectable_effect_by_look"] == [27 / 40, 39 / 80, 48 / 120]
+    # Fewer looks where max_samples cannot hold three, alpha split among those kept; one capped look
+    # where it cannot hold even one.
+    two = plan_timing(size_of(1024), alpha=1e-8, min_effect=0.7, max_samples=100, victim_requests=1)
+    assert (two.looks, two.trials_per_look, two.alpha_per_look) == (2, 40, 5e-9)
+    one = plan_timing(size_of(1024), alpha=1e-8, min_effect=0.7, max_samples=30, victim_requests=1)
+    assert (one.looks, one.trials_per_look, one.samples_per_arm, one.wanted_per_arm) == (1, 30, 30, 120)
+
+
+def test_its_default_timing_plan_fits_the_default_budget_with_every_look() -> None:
+    opts = PrefixCacheOptions()
+    plan = plan_timing(
+        size_of(opts.prefix_tokens),
+        alpha=opts.alpha,
+        min_effect=opts.min_effect,
+        max_samples=opts.max_samples,
+        victim_requests=opts.victim_requests,
+    )
+    assert (plan.looks, plan.trials_per_look) == (3, 79)
+    counter_attempt = opts.victim_requests * size_of(opts.prefix_tokens).request_tokens
+    assert plan.tokens + counter_attempt <= opts.max_tokens_per_run
+
+
+@pytest.mark.parametrize(
+    ("sharing", "policy", "verdict", "reason"),
+    [
+        ("shared", "isolated", Verdict.LEAK, "prefix_cache_shared_across_tenants"),
+        ("shared", "shared", Verdict.PASS, "shared_by_policy"),
+        ("per-tenant", "isolated", Verdict.PASS, "prefix_cache_isolated"),
+    ],
+)
+def test_its_timing_test_stops_at_the_first_look_that_decides(
+    sharing: str, policy: str, verdict: Verdict, reason: str
+) -> None:
+    result = clocked_run(ClockedCache(sharing), min_effect=0.7, policy=policy)
+    assert (result.verdict, result.reason) == (verdict, reason), result.detail
+    timing = result.evidence["timing"]
+    [look] = timing["looks"]
+    assert (timing["looks_taken"], look["look"], look["alpha"]) == (1, 1, 1e-8 / 3)
+    assert look["trials"]["hit"] + look["trials"]["miss"] == 80 and "at look 1 of 3" in result.detail
+    assert timing["requests_sent"] == 2 * look["trials"]["hit"] + 80 < timing["plan"]["requests_planned"]
+    assert 0 < timing["tokens_spent"] < timing["plan"]["tokens_planned"]
+
+
+def test_its_timing_test_takes_every_look_then_names_the_threshold_that_failed() -> None:
+    # No cache at all: nothing hits, so no look decides and the run spends its whole plan.
+    result = clocked_run(ClockedCache("off", miss_seconds=0.002), min_effect=1.0)
+    assert (result.verdict, result.reason) == (Verdict.ERROR, "cache_unobservable"), result.detail
+    timing = result.evidence["timing"]
+    assert [look["look"] for look in timing["looks"]] == [1, 2, 3]
+    assert [sum(look["trials"].values()) for look in timing["looks"]] == [40, 80, 120]
+    assert all(look["decided"] is None and look["alpha"] == 1e-8 / 3 for look in timing["looks"])
+    assert timing["requests_sent"] == timing["plan"]["requests_planned"] == 240
+    control = timing["looks"][-1]["control"]
+    assert re.search(
+        rf"own repeats were not decisively faster than its misses: p = \S+, needs < 3.3e-9 "
+        rf"\(D = {control['d']:.3f}, n = {control['n'][0]}/{control['n'][1]}\) after look 3 of 3",
+        result.detail,
+    ), result.detail
+
+
+def test_its_timing_test_does_not_pass_a_cache_shared_for_most_cross_requests() -> None:
+    # The repeats beat the misses from the first look; the cross arm, three in four of them hits,
+    # needs more trials. A pass on the repeats alone would race the cross arm and pass this cache.
+    result = clocked_run(ClockedCache("mostly"), min_effect=1.0)
+    assert (result.verdict, result.reason) == (Verdict.LEAK, "prefix_cache_shared_across_tenants"), (
+        result.detail
+    )
+    looks = result.evidence["timing"]["looks"]
+    assert all(look["decided"] != "isolated" for look in looks)
+    assert any(look["control"]["p"] < look["alpha"] <= look["cross"]["p"] for look in looks[:-1])
+
+
+def test_its_timing_test_stops_without_a_verdict_once_an_arm_lost_a_tenth_of_its_trials() -> None:
+    result = clocked_run(ClockedCache("per-tenant", miss_seconds=0.002, fail_every=5), min_effect=1.0)
+    assert (result.verdict, result.reason) == (Verdict.ERROR, "requests_failed"), result.detail
+    timing = result.evidence["timing"]
+    assert timing["looks_taken"] == 0 and "by look 1" in result.detail
+    assert timing["failed_requests"] and sum(timing["trials"].values()) == 40
 
 
 def test_its_defaults_are_a_daily_isolated_audit_at_alpha_1e_8() -> None:
