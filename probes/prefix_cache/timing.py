@@ -40,18 +40,18 @@ loaded contrast fail by that step (D = 26/38 = 0.684 had p = 4.5e-9 < 1e-8 but n
 With later looks a D threshold would forbid exactly the smaller effects they are there to decide.
 
 False alarms, at most ``alpha`` per run. Under isolation a cross request and a miss are both the
-attacker's misses of fresh prefixes of one size, and which trials are hits is set by one shuffle of
-the whole plan, drawn apart from the engine's times: the trials of any one look are fixed before
+attacker's misses of fresh prefixes of one size (the premise: nothing but a shared cache makes a
+request faster for following another tenant's), and which trials are hits is set by one shuffle of
+the whole plan, drawn apart from the engine's times. The trials of any one look are fixed before
 the first request, their labels are a uniformly random arrangement given their counts, and the
 exact test of that look's cross arm alarms with probability at most ``alpha / looks``. The run
-stops early by a rule that reads the miss arm the cross test shares, so the arms of the look where
-it stopped are not exchangeable given that it stopped there; no such conditioning is needed. A run
+stops early by a rule that reads the miss arm the cross test shares, so given where it stopped, the
+arms of that look are no longer such an arrangement; the bound needs no such conditioning. A run
 says ``leak`` only if the cross test of *some* look of the plan, taken or not, is significant, so
 P(leak) <= sum over the looks of P(that look's cross test significant) <= looks * alpha / looks =
 alpha, whatever the stopping rule (a union bound). The same bound holds for a pass on a path whose
 hits never show: it needs the repeats' test at some look. Measured against an isolated reference
-worker: see ``docs/detection-research.md`` §1.5 (``tests/probes/test_prefix_cache.py`` repeats 10
-runs of three looks each).
+worker: ``docs/detection-research.md`` §1.5 (``tests/probes/test_prefix_cache.py`` repeats 10 runs).
 
 Cost, bounded before the first request: at most ``looks * b * (victim_requests + 3)`` requests of
 one prefix each, one completion token each (the plan's ``requests_planned`` and ``tokens_planned``);
@@ -59,10 +59,11 @@ a run stops at the first look that decides and states the looks, requests and to
 the defaults (1,024-token prefix, D = 0.5, v = 2): 3 looks of 79 trials, at most 1,185 requests
 (about 1.22 M tokens), 395 of them when the first look decides.
 
-Power: hits must cost visibly less than misses. On the reference worker a 64 Ki-token prefix
-(miss ~0.1 to 0.18 s, hit ~0.03 s) gives D = 0.9 to 1 on an idle machine and about 0.7 on a
-loaded one; at 1,024 tokens the medians differ by 1 to 3 ms in ~10 ms of noise and the repeats
-mostly fail, so the verdict is ``error``, not a false ``pass``.
+Power: hits must cost visibly less than misses. On this project's 2-core CI machine the reference
+worker's 64 Ki-token prefix (miss 0.1 to 0.5 s, hit 0.02 to 0.1 s, as load goes) gives D = 0.85 to
+1 at the first look; at 1,024 tokens (medians 1 to 3 ms apart in ~10 ms of noise) the hits show on
+a quiet machine and are lost in a loaded one's noise, and the verdict is ``error``, not a false
+``pass``.
 """
 
 from __future__ import annotations

@@ -80,7 +80,10 @@ def test_it_finds_recorded_hits_faster_and_the_isolated_arms_alike() -> None:
     assert float(less.pvalue) == pytest.approx(slower.pvalue)
 
 
-@pytest.mark.parametrize(("m", "n"), [(5, 5), (19, 19), (74, 74), (253, 253), (30, 41), (50, 37), (7, 300)])
+# (37, 43) and (118, 122): the unequal arms of a timing run's looks (one shuffle of the whole plan).
+@pytest.mark.parametrize(
+    ("m", "n"), [(5, 5), (19, 19), (74, 74), (253, 253), (30, 41), (50, 37), (7, 300), (37, 43), (118, 122)]
+)
 @pytest.mark.parametrize("shift", [0.0, 0.4, 1.0, 3.0])
 def test_its_exact_pvalues_match_scipys_exact_mode_on_seeded_samples(m: int, n: int, shift: float) -> None:
     hits, misses = seeded(m * 1000 + n, m, n, shift)
@@ -147,6 +150,28 @@ def test_it_sizes_arms_as_the_detection_research_table_says(effect: float, n: in
     detectable = min_detectable_effect(1e-8, n)
     assert detectable is not None and detectable <= effect + 1 / n
     assert exact_pvalue(n, n, round(detectable * n) * n) < 1e-8
+
+
+@pytest.mark.parametrize(
+    ("effect", "per_look", "thresholds"),
+    [(0.5, 79, [39, 56, 68]), (0.7, 40, [27, 39, 48]), (1.0, 20, [19, 27, 34])],
+)
+def test_it_sizes_three_looks_at_alpha_over_three_as_the_detection_research_table_says(
+    effect: float, per_look: int, thresholds: list[int]
+) -> None:
+    alpha = 1e-8 / 3
+    assert samples_per_arm(alpha, effect) == per_look
+    for look, k in enumerate(thresholds, start=1):
+        n = look * per_look
+        assert min_detectable_effect(alpha, n) == k / n
+        # scipy agrees: D+ = k/n reaches alpha at this look, one step less does not. The first sample
+        # is the second moved k places to the left, which makes D+ exactly k/n.
+        for steps, reaches in ((k, True), (k - 1, False)):
+            misses = [float(i) for i in range(n)]
+            hits = [i - steps + 0.5 for i in range(n)]
+            theirs = ks_2samp(hits, misses, alternative="greater", method="exact")
+            assert float(theirs.statistic) == pytest.approx(steps / n)
+            assert (float(theirs.pvalue) < alpha) is reaches
 
 
 def test_it_says_when_no_effect_can_reach_alpha() -> None:
