@@ -86,6 +86,12 @@ class Strict(BaseModel):
 
 
 Containment = Literal["observe", "quarantine"]
+#: What a target that states no ``probes`` runs: three kinds that judge answers, and, on an engine
+#: that publishes its pools, version and counters (every one but a hosted API), the three audits that
+#: read them and send no request.
+DEFAULT_PROBES = ("canary", "cross_tenant", "boundary")
+AUDITS = ("capacity", "version", "counters")
+AUDITED_ENGINES = frozenset({"sglang", "vllm", "llamacpp", "reference"})
 
 
 def _off_as_written(value: Any) -> Any:
@@ -217,7 +223,8 @@ class TargetConfig(Strict):
     tenants: list[TenantConfig] = Field(min_length=1)
     interval_seconds: float = Field(30.0, gt=0, le=7 * DAY)
     timeout_seconds: float = Field(30.0, gt=0, le=3600)
-    probes: list[str] = Field(default_factory=lambda: ["canary", "cross_tenant", "boundary"], min_length=1)
+    # Unstated: DEFAULT_PROBES, and AUDITS where the engine publishes what they read (_default_probes).
+    probes: list[str] = Field(default_factory=lambda: list(DEFAULT_PROBES), min_length=1)
     # Per-kind interval override. Without one a kind runs at interval_seconds, or at its own default
     # when that is longer: large or costly kinds (boundary, version, needle, prefix_cache) run less often.
     probe_intervals: dict[str, float] = Field(default_factory=dict)
@@ -255,6 +262,17 @@ class TargetConfig(Strict):
     # origin in scope but base_url's; read like a tenant's key, never logged, stored or returned.
     worker_api_key_env: EnvName | None = None
     worker_api_key_file: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_probes(cls, data: Any) -> Any:
+        """A target that states no ``probes`` gets the canary kinds, and the audits that send no
+        request where its engine publishes what they read: given only a URL, the monitor compares
+        every node's pool with its window (the audit that would have caught the incident)."""
+        if isinstance(data, dict) and "probes" not in data:
+            audits = AUDITS if data.get("engine", "reference") in AUDITED_ENGINES else ()
+            return {**data, "probes": [*DEFAULT_PROBES, *audits]}
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -55,18 +55,24 @@ def test_check_passes_a_healthy_node_and_fails_a_defective_one(
     defective = start_worker(*DEFECTIVE, *POOLS)
     config = write_config(tmp_path, {"healthy": healthy.url, "defective": defective.url})
 
+    # A target that states only its URL and tenants is audited too: its pools against its window,
+    # its version and its counters, with no request sent.
     code, lines = check(config, "--target", "healthy")
     assert code == 0, lines
     assert {(line["probe"], line["verdict"]) for line in lines} == {
         ("canary", "pass"),
         ("cross_tenant", "pass"),
         ("boundary", "pass"),
+        ("capacity", "pass"),
+        ("version", "pass"),
+        ("counters", "pass"),
     }
 
     code, lines = check(config)
     assert code == 1
     verdicts = {(line["target"], line["probe"]): line["verdict"] for line in lines}
     assert verdicts[("defective", "boundary")] in ("leak", "mismatch")
+    assert verdicts[("defective", "capacity")] == "mismatch"  # the incident's pool under its window
     assert verdicts[("healthy", "boundary")] == "pass"
 
 
