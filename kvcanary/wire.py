@@ -26,6 +26,7 @@ land on the partition the older rule chose, which another monitor replica may ow
 
 from __future__ import annotations
 
+import hashlib
 import string
 import zlib
 
@@ -37,7 +38,14 @@ PARTITIONS = 16
 #: ``traffic.jetstream.quarantine_bucket``, the taps' ``KVCANARY_TAP_QUARANTINE_BUCKET``) and its key.
 QUARANTINE_BUCKET = "kvcanary_quarantine"
 QUARANTINE_KEY = "set"
+#: The quarantine set travels signed (``docs/tap-protocol.md``, "Quarantine"): a DSSE envelope of
+#: this payload type, its Ed25519 signature over ``envelope_pae(type, payload)``, its key named by
+#: ``key_id``. A tap on NATS acknowledges the set it holds on ``applied_subject(bucket, gateway)``.
+QUARANTINE_PAYLOAD_TYPE = "application/vnd.kvcanary.quarantine+json"
+APPLIED_TOKEN = "applied"
 GATEWAY_HEADER = "Kvcanary-Gateway"
+#: A gateway's name (``KVCANARY_TAP_GATEWAY``): a metric label, a header and a subject's tail.
+GATEWAY_PATTERN = r"[A-Za-z0-9_.:-]{1,64}"
 DROPPED_HEADER = "Kvcanary-Dropped"
 RECORDS_HEADER = "Kvcanary-Records"
 #: Records one batch may report dropped (its ``dropped``): one input cannot move the monitor's drop
@@ -79,3 +87,23 @@ def partition_of(api_base: str, partitions: int) -> int:
     every tap process and language, unlike Python's salted ``hash``)."""
     # A lone surrogate (a JSON escape can make one) is hashed as its code point, never raised on.
     return zlib.crc32(api_base_key(api_base).encode("utf-8", "surrogatepass")) % partitions
+
+
+def envelope_pae(payload_type: str, payload: bytes) -> bytes:
+    """Return the bytes a quarantine set's signature covers: DSSE v1's pre-authentication encoding,
+    ``DSSEv1 <len(type)> <type> <len(payload)> <payload>`` (lengths in ASCII decimal bytes, one
+    space between parts), so that the payload is signed exactly as sent, never re-encoded."""
+    kind = payload_type.encode("utf-8")
+    return b"DSSEv1 %d %s %d %s" % (len(kind), kind, len(payload), payload)
+
+
+def key_id(public_key: bytes) -> str:
+    """Return the id of an Ed25519 public key (its 32 raw bytes): the first 16 hex digits of their
+    SHA-256, what an envelope's signature names and the logs show."""
+    return hashlib.sha256(public_key).hexdigest()[:16]
+
+
+def applied_subject(bucket: str, gateway: str) -> str:
+    """Return the subject a tap watching ``bucket`` acknowledges the set it holds on:
+    ``<bucket>.applied.<gateway>`` (the monitors listen on ``<bucket>.applied.>``)."""
+    return f"{bucket}.{APPLIED_TOKEN}.{gateway}"

@@ -186,6 +186,7 @@ class Monitor:
         self.metrics.watch_containment(
             lambda: [t.name for t in self.settings.targets],
             lambda: [(q.target, q.enforced) for q in self.containment.known],
+            self.containment.report,
         )
         # Nodes found from SGLang gateways (monitor/runs/discovery.py), taken up as a reload would.
         self.discovery = GatewayDiscovery(settings, self.http, limits)

@@ -26,6 +26,7 @@ from apscheduler.jobstores.base import JobLookupError
 from kvcanary.monitor.config.reload import ReloadPlan, plan, restart_needed
 from kvcanary.monitor.config.secrets import TenantKeys, tenant_keys
 from kvcanary.monitor.config.settings import ConfigError, Settings, load_settings
+from kvcanary.monitor.containment.signing import signer_of
 from kvcanary.monitor.runs.scheduler import add_probe_jobs, probe_job_id, run_now
 from kvcanary.monitor.traffic.judge import own_key_digests
 from kvcanary.probes import REGISTRY
@@ -50,6 +51,7 @@ async def take_up_file(monitor: Monitor, why: str) -> str | None:
         if restart:
             raise ConfigError(f"{monitor.config_path}: {restart[0]}: cannot change on reload; restart")
         keys = tenant_keys(new)
+        signer_of(new)  # a signing key the new settings need is readable, or the reload is refused
     except ConfigError as exc:
         monitor.metrics.reload_ok.set(0)
         log.error("reload (%s) refused, the configuration in force stays: %s", why, exc)

@@ -28,9 +28,15 @@ monitor's. Configured from the environment by :meth:`Tap.from_env`:
   documentation, the company's own boilerplate. A model reciting one that a single customer had
   pasted is then no leak (``public.py``); e.g. ``/usr/share/common-licenses``;
 - ``KVCANARY_TAP_QUARANTINE=1``: the LiteLLM callback also keeps the deployments the monitor
-  quarantined out of routing (``containment/``), reading the set every
-  ``KVCANARY_TAP_QUARANTINE_POLL_SECONDS`` (default 1) from the monitor at ``KVCANARY_TAP_URL``, or
-  at ``KVCANARY_TAP_QUARANTINE_URL`` with ``KVCANARY_TAP_QUARANTINE_TOKEN`` where records go to NATS.
+  quarantined out of routing, and prompts off deployments that cannot hold them (``containment/``),
+  reading the set every ``KVCANARY_TAP_QUARANTINE_POLL_SECONDS`` (default 1) from the monitor at
+  ``KVCANARY_TAP_URL``, or at ``KVCANARY_TAP_QUARANTINE_URL`` with
+  ``KVCANARY_TAP_QUARANTINE_TOKEN``, or, where records go to NATS, watching the monitors' KV bucket
+  (``KVCANARY_TAP_QUARANTINE_BUCKET``). It takes only a set the monitors signed:
+  ``KVCANARY_TAP_QUARANTINE_PUBLIC_KEYS`` or ``KVCANARY_TAP_QUARANTINE_PUBLIC_KEYS_FILE`` holds
+  their public key(s) (required with the switch; two while keys rotate), and
+  ``KVCANARY_TAP_QUARANTINE_STALE_SECONDS`` (default 300) is how long a set may go without a newer
+  one before the gateway says it is stale (``docs/tap-protocol.md``, "Quarantine").
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from kvcanary.tap.gateway_metrics import gateway_counter
 from kvcanary.tap.public import PublicPrints, files_of, public_prints, tell
 from kvcanary.tap.record import Exchange, summarize
 from kvcanary.tap.sender import Sender, Transport
+from kvcanary.wire import GATEWAY_PATTERN
 
 __all__ = ["Exchange", "Tap", "TapConfigError", "summarize"]
 
@@ -130,17 +137,14 @@ class Tap:
             raise TapConfigError("KVCANARY_TAP_KEY: the fingerprint key needs at least 16 bytes")
         else:
             key = key_text.encode()
-        gateway = os.environ.get("KVCANARY_TAP_GATEWAY", "").strip()
-        if gateway and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", gateway):
-            raise TapConfigError("KVCANARY_TAP_GATEWAY: up to 64 letters, digits and _.:- only")
-        host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:64]
+        gateway = gateway_env()
         partitions, prefix = _nats_env()
         user = os.environ.get("KVCANARY_TAP_NATS_USER", "").strip() or None
         sender.setdefault("flush_seconds", _flush_env())
         # Read before the tap starts: a bad path stops the gateway with nothing left running.
         public = _public_env(key)
         tap = cls(
-            url, token, key, gateway=gateway or host, partitions=partitions, subject_prefix=prefix,
+            url, token, key, gateway=gateway, partitions=partitions, subject_prefix=prefix,
             nats_user=user, **sender,
         )  # fmt: skip
         if public is not None:
@@ -197,6 +201,15 @@ def _public_env(key: bytes) -> PublicPrints | None:
         return public_prints((f.read_text(errors="replace") for f in files), Fingerprinter(key))
     except (OSError, ValueError) as exc:
         raise TapConfigError(f"KVCANARY_TAP_PUBLIC_TEXTS: {exc}") from None
+
+
+def gateway_env() -> str:
+    """Return ``KVCANARY_TAP_GATEWAY``, else the host's name made fit: the gateway's name in the
+    monitor's metrics, its records and its reads of the quarantine set; raise TapConfigError."""
+    gateway = os.environ.get("KVCANARY_TAP_GATEWAY", "").strip()
+    if gateway and not re.fullmatch(GATEWAY_PATTERN, gateway):
+        raise TapConfigError("KVCANARY_TAP_GATEWAY: up to 64 letters, digits and _.:- only")
+    return gateway or re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:64]
 
 
 def _nats_env() -> tuple[int, str]:

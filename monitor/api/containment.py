@@ -1,5 +1,6 @@
 """The quarantine set: ``GET /api/v1/quarantine`` for the gateways' taps (the ingest token may read
-it, and nothing else), and a quarantine put on or lifted by hand
+it, and nothing else), signed by the monitors' key and each read counted by the gateway its
+``Kvcanary-Gateway`` header names; and a quarantine put on or lifted by hand
 (``POST``/``DELETE /api/v1/targets/{name}/quarantine``, the API token). What the rules are:
 ``monitor/containment/rules.py``; what a tap does with the answer: ``docs/tap-protocol.md``."""
 
@@ -9,7 +10,7 @@ import asyncio
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Request, Security, status
+from fastapi import APIRouter, HTTPException, Path, Request, Response, Security, status
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import Field
 
@@ -18,6 +19,7 @@ from kvcanary.monitor.api.schemas import Problem, _Out
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.containment import Containment, Quarantine, UnknownTarget
 from kvcanary.monitor.containment.document import api_bases
+from kvcanary.wire import GATEWAY_HEADER, QUARANTINE_PAYLOAD_TYPE
 
 set_router = APIRouter(prefix="/api/v1/quarantine", tags=["containment"])
 router = APIRouter(prefix="/targets", tags=["containment"])
@@ -46,14 +48,29 @@ class GuardOut(_Out):
 
 
 class QuarantineSet(_Out):
-    version: int
-    revision: int = Field(0, description="The newest quarantine change the set was read at: it only grows.")
+    """The signed payload: what a tap reads once the signature is checked."""
+
+    version: int = Field(description="2: the set signed, with revision, generated_at and expires_at.")
+    revision: int = Field(description="The newest quarantine change the set was read at: it only grows.")
     generated_at: datetime
+    expires_at: datetime = Field(description="A tap refuses the set past this (a frozen set replayed).")
     deployments: list[QuarantineOut]
     guards: list[GuardOut] = Field(
-        default_factory=list,
-        description="The admission guard's facts (monitor/containment/guards.py); absent to an older tap.",
+        default_factory=list, description="The admission guard's facts (monitor/containment/guards.py)."
     )
+
+
+class Signature(_Out):
+    keyid: str = Field(description="kvcanary.wire.key_id of the Ed25519 public key that verifies it.")
+    sig: str = Field(description="Base64 Ed25519 signature of envelope_pae(payloadType, payload).")
+
+
+class SignedSet(_Out):
+    """A DSSE envelope: the set's exact bytes and the monitors' signature over them."""
+
+    payloadType: str = Field(QUARANTINE_PAYLOAD_TYPE, description="What the payload is.")
+    payload: str = Field(description="Base64 of the set's JSON (QuarantineSet), the bytes signed.")
+    signatures: list[Signature]
 
 
 class QuarantineBody(_Out):
@@ -77,17 +94,26 @@ def _out(request: Request, entry: Quarantine) -> QuarantineOut:
 
 @set_router.get(
     "",
-    summary="The deployments the gateways are to stop sending customers to",
+    summary="The deployments the gateways are to stop sending customers to, signed",
+    response_model=SignedSet,
     responses={401: {"model": Problem}, 503: {"model": Problem}},
 )
 async def quarantine_set(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
-) -> QuarantineSet:
-    """Return every quarantined target with the api_base keys a tap compares its deployments' with
+) -> Response:
+    """Return the set, signed by the monitors' key (``docs/tap-protocol.md``, "Quarantine"): every
+    quarantined target with the api_base keys a tap compares its deployments' with
     (``enforced: false`` entries are the observe policy's: count, do not filter), and the admission
-    guard's facts of the guarded targets."""
+    guard's facts of the guarded targets. The read is counted by the ``Kvcanary-Gateway`` header's
+    gateway. 503 where this monitor has no signing key (``containment_signing.key_env``)."""
     require_ingest(request, credentials)
-    return QuarantineSet.model_validate(await _containment(request).document())
+    body = await _containment(request).signed(request.headers.get(GATEWAY_HEADER))
+    if body is None:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            "no key to sign the quarantine set with: set containment_signing.key_env or key_file",
+        )
+    return Response(body, media_type="application/json")
 
 
 Name = Annotated[str, Path(pattern=NAME_PATTERN)]

@@ -17,6 +17,7 @@ from typing import Annotated
 
 import typer
 
+from kvcanary.monitor.commands import containment_keys
 from kvcanary.monitor.config.settings import ConfigError, Settings, load_settings
 
 app = typer.Typer(
@@ -37,6 +38,7 @@ incidents_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(incidents_app, name="incidents")
+app.add_typer(containment_keys.app, name="containment")
 
 ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="The YAML config file (see kvcanary.example.yml).")

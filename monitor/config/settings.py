@@ -304,6 +304,35 @@ class BlastRadiusConfig(Strict):
     litellm_db_url_file: Path | None = None
 
 
+class ContainmentSigningConfig(Strict):
+    """How the monitors sign the quarantine set the gateways read (``monitor/containment/signing.py``):
+    a tap takes only a set signed by a key it holds, so whoever else can write the bucket or answer
+    in a monitor's place moves no gateway. The private key (``kvcanary containment keygen``) comes
+    from ``key_file`` or the variable ``key_env``, never this file; it is required while any target's
+    containment mode is ``quarantine`` or its admission guard is on."""
+
+    key_env: EnvName = "KVCANARY_QUARANTINE_SIGNING_KEY"
+    key_file: Path | None = None
+    # Public keys besides this monitor's own whose sets are the monitors' (another replica's while
+    # keys rotate): what the bucket may hold without being put back (docs/operating.md).
+    public_keys_env: EnvName = "KVCANARY_QUARANTINE_PUBLIC_KEYS"
+    public_keys_file: Path | None = None
+    # A set expires this long after it was signed: a tap refuses one past it (a frozen set replayed),
+    # and one starting while every monitor was away longer has no set to apply.
+    expires_seconds: float = Field(3600, ge=10, le=30 * DAY)
+    # The set is signed anew this often though it did not change, so a tap sees it move forward and
+    # says when it stops (KVCANARY_TAP_QUARANTINE_STALE_SECONDS, several of these).
+    renew_seconds: float = Field(60, ge=1, le=DAY)
+
+    @model_validator(mode="after")
+    def _renewed_before_expiry(self) -> ContainmentSigningConfig:
+        if self.renew_seconds * 2 > self.expires_seconds:
+            raise ValueError(
+                "renew_seconds: at most half of expires_seconds (a set is renewed before it expires)"
+            )
+        return self
+
+
 class Settings(Strict):
     database_url: str = "sqlite:///kvcanary.db"
     api: ApiConfig = ApiConfig()
@@ -319,6 +348,7 @@ class Settings(Strict):
     traffic: TrafficConfig = TrafficConfig()
     blast_radius: BlastRadiusConfig = BlastRadiusConfig()
     containment: ContainmentPolicy = ContainmentPolicy()
+    containment_signing: ContainmentSigningConfig = ContainmentSigningConfig()
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
     # The secret that seals markers, so replicas and a restarted monitor recognise each other's;
     # without one it is derived from the API token (see monitor/config/secrets.py: marker_key).

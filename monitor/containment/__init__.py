@@ -6,7 +6,10 @@ The room's parts:
   lifts it), each change a ``quarantine_change`` row;
 - ``guards.py``: the admission guard's facts, each guarded target's smallest admitting KV pool;
 - ``document.py``: the one set the gateways read, the quarantines and the guards;
-- ``bucket.py``: that set put in the JetStream KV bucket the taps of gateways on NATS watch.
+- ``signing.py``: that set signed with the monitors' key, so that no one else can move a gateway;
+- ``bucket.py``: that set put in the JetStream KV bucket the taps of gateways on NATS watch, and
+  put back over any value the monitors did not put;
+- ``reads.py``: which gateways read the set, and when last.
 
 :class:`Containment` is the one interface the composition root (``monitor/app.py``), the API
 (``api/containment.py``) and the CLI call. The gateway's half is ``kvcanary/tap/containment/``.
@@ -26,7 +29,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.containment.document import quarantine_set
 from kvcanary.monitor.containment.guards import REFRESH_SECONDS, AdmissionFacts, GuardFacts
+from kvcanary.monitor.containment.reads import SetReads
 from kvcanary.monitor.containment.rules import Quarantine, QuarantineRules, UnknownTarget
+from kvcanary.monitor.containment.signing import SetSigner, signer_of
+from kvcanary.monitor.metrics.containment import ContainmentReport
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -55,6 +61,9 @@ class Containment:
     up to date by reloads) and ``facts`` the traffic judge's, which read and keep each node's pool;
     ``on_change`` is called (from a worker thread) after the set changed; ``connection`` returns
     the replica's JetStream context while connected, where the set is put in a bucket.
+
+    Raises ``ConfigError`` naming the key where the set must be signed and no key is readable
+    (``containment/signing.py``).
     """
 
     def __init__(
@@ -68,13 +77,22 @@ class Containment:
         connection: Callable[[], tuple[JetStreamContext, int] | None] | None = None,
     ):
         self.settings = settings
+        #: Signs the set (None: no key, and none needed: no set is served or put).
+        self.signer: SetSigner | None = signer_of(settings())
+        if self.signer is None:
+            log.info("containment: no signing key (containment_signing.key_env): the gateways read no "
+                     "quarantine set until one is set")  # fmt: skip
         self.rules = QuarantineRules(session_factory, settings, on_change)
         self.guards = AdmissionFacts(settings, clients, facts)
+        self.reads = SetReads()
         self.bucket: QuarantineBucket | None = None
         if connection is not None:
             from kvcanary.monitor.containment.bucket import QuarantineBucket  # nats-py only when used
 
-            self.bucket = QuarantineBucket(settings().traffic.jetstream, connection)
+            self.bucket = QuarantineBucket(
+                settings().traffic.jetstream, connection, lambda: self.signer,
+                signing=lambda: self.settings().containment_signing, reads=self.reads,
+            )  # fmt: skip
         self._round: asyncio.Task[None] | None = None
 
     @property
@@ -111,13 +129,41 @@ class Containment:
             await self.bucket.publish(self.published(self.rules.known))
 
     async def take_up(self) -> None:
-        """Take up new settings now (a policy or guard that changed), not at the next round."""
+        """Take up new settings now (a policy or guard that changed, a signing key replaced), not
+        at the next round; raise ``ConfigError`` where the new settings' key is not readable (the
+        last key stays)."""
+        signer = signer_of(self.settings())
+        if signer is not None and (self.signer is None or signer.key_id != self.signer.key_id):
+            log.warning("containment: the quarantine set is signed with key %s from now on", signer.key_id)
+        self.signer = signer
         await self.guards.refresh()
         await self.round()
 
     async def document(self) -> dict[str, Any]:
         """Return the set as the gateways read it, from the rows as they are now."""
         return self.published(await asyncio.to_thread(self.rules.current))
+
+    async def signed(self, gateway: str | None) -> bytes | None:
+        """Return the set, signed, as ``GET /api/v1/quarantine`` serves it to ``gateway`` (a read
+        counted), or None where there is no key to sign it with."""
+        signer = self.signer
+        if signer is None:
+            return None
+        body = signer.sign(await self.document())
+        self.reads.note(gateway, "http", signer.key_id)
+        return body
+
+    def report(self) -> ContainmentReport:
+        """Return what ``/metrics`` exports of the containment besides the set: each target's mode,
+        the reads by gateway, the foreign values found in the bucket, the signing key."""
+        settings = self.settings()
+        return ContainmentReport(
+            modes={t.name: settings.containment_of(t).mode for t in settings.targets},
+            reads=self.reads.counts(),
+            last_reads=self.reads.last(),
+            foreign=dict(self.bucket.foreign) if self.bucket is not None else {},
+            key_id=self.signer.key_id if self.signer is not None else None,
+        )
 
     def published(self, quarantines: list[Quarantine]) -> dict[str, Any]:
         """Return the set of ``quarantines`` with the guards' facts, at the rules' revision."""

@@ -1,6 +1,7 @@
 """The quarantine set as the gateways read it (``docs/tap-protocol.md``, "Quarantine"): one document,
-served at ``GET /api/v1/quarantine`` (``api/containment.py``) and, where the traffic stream is used,
-put in the JetStream KV bucket the taps watch (``containment/bucket.py``).
+signed (``containment/signing.py``) and served at ``GET /api/v1/quarantine`` (``api/containment.py``)
+and, where the traffic stream is used, put in the JetStream KV bucket the taps watch
+(``containment/bucket.py``).
 
 Each entry names the api_base keys (``kvcanary.wire.api_base_key``) routed to its target, so a tap
 compares its deployments' own with no knowledge of the monitor's targets."""
@@ -8,7 +9,7 @@ compares its deployments' own with no knowledge of the monitor's targets."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from kvcanary.monitor.config.settings import Settings
@@ -17,7 +18,7 @@ from kvcanary.monitor.containment.rules import Quarantine
 from kvcanary.monitor.traffic.judge import routes_of
 
 #: The document's shape; a tap refuses a version it does not know and keeps its last set.
-SET_VERSION = 1
+SET_VERSION = 2
 
 
 def quarantine_set(
@@ -25,13 +26,16 @@ def quarantine_set(
     revision: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Return the set as JSON-ready data: every quarantined target (``enforced: false``: the
-    observe policy's, counted and not filtered), the guarded targets' admission facts, and the
-    ``revision`` it was read at (the newest quarantine change row: it only grows)."""
+    observe policy's, counted and not filtered), the guarded targets' admission facts, the
+    ``revision`` it was read at (the newest quarantine change row: it only grows), when it was
+    generated (``now``) and when it expires (``containment_signing.expires_seconds`` later)."""
     bases = api_bases(settings)
+    expires = now + timedelta(seconds=settings.containment_signing.expires_seconds)
     return {
         "version": SET_VERSION,
         "revision": revision,
         "generated_at": now.isoformat(),
+        "expires_at": expires.isoformat(),
         "deployments": [
             {
                 "target": q.target, "api_bases": bases.get(q.target, []), "enforced": q.enforced,

@@ -23,7 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvcanary.monitor.metrics.containment import QuarantineCollector, Quarantined
+from kvcanary.monitor.metrics.containment import ContainmentReport, QuarantineCollector, Quarantined
 from kvcanary.monitor.metrics.coverage import UnprobedPaths, node_coverage, path_coverage
 from kvcanary.monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
 from kvcanary.monitor.metrics.gateway import GatewayCircuits, GatewayHealth, GatewayHealthCollector
@@ -384,8 +384,15 @@ class MonitorMetrics:
     def watch_outbox(self, backlog: Callable[[], tuple[int, float]]) -> None:
         self._general.register(OutboxCollector(backlog))
 
-    def watch_containment(self, targets: Callable[[], Iterable[str]], quarantined: Quarantined) -> None:
-        self._general.register(QuarantineCollector(targets, quarantined))
+    def watch_containment(
+        self,
+        targets: Callable[[], Iterable[str]],
+        quarantined: Quarantined,
+        report: Callable[[], ContainmentReport] = ContainmentReport,
+    ) -> None:
+        """Export the quarantine set and, from ``report``, the reads, modes, foreign values and key
+        (``monitor/metrics/containment.py``)."""
+        self._general.register(QuarantineCollector(targets, quarantined, report))
 
     def watch_gateways(self, health: GatewayHealth, circuits: GatewayCircuits) -> None:
         self._general.register(GatewayHealthCollector(health, circuits))

@@ -3,15 +3,18 @@
 
 Two reference workers are two deployments of one model group. The monitor's
 ``GET /api/v1/quarantine`` is served by a loopback server holding the contract
-(``docs/tap-protocol.md``, "Quarantine") until the monitor's endpoint lands: the network seam. Which
-deployment answered a request is read from the proxy's ``x-litellm-model-api-base`` header and
-checked against the workers' own request counters.
+(``docs/tap-protocol.md``, "Quarantine"), each set signed with a key made for the test: the network
+seam. Which deployment answered a request is read from the proxy's ``x-litellm-model-api-base``
+header and checked against the workers' own request counters.
 
 - nothing quarantined: both deployments serve;
 - one quarantined: within 2 s of the set changing no answer comes from it, and no request fails;
 - both quarantined: a 503 at once, naming the quarantine, the target and the incident;
 - the monitor stalled, then gone: the last set holds, requests are not slowed, one log line each way;
 - observe mode: nothing filtered, one log line;
+- the monitor's place taken by a forger (an unsigned lift at revision 1e12, a set signed by another
+  key one revision above): no answer comes from the quarantined deployment while it forges, the
+  gateway says what it refused, and the next set the monitors sign reaches it within 2 s;
 - and the watch alone: unreadable answers keep the last set, a forked child polls on its own.
 
 What the filter adds to a request is measured by ``bench/tap_litellm.py`` (``proxy+tap+q`` beside
@@ -43,6 +46,7 @@ from kvcanary.wire import api_base_key
 from tests.support import WorkerProcess, launch_worker, stop_process, wait_worker
 from tests.support.litellm import Proxy, launch_proxy, write_proxy_config
 from tests.support.loopback import Loopback
+from tests.support.signing import SigningKeys, document, make_keys
 from tests.tap.test_fork import fork_child, reap
 
 GROUP = "shop"
@@ -63,15 +67,20 @@ CONTAINMENT_SECONDS = 2.0
 
 
 class QuarantineMonitor:
-    """The monitor's side of the contract on loopback: the set the test puts, to the ingest token
-    only; traffic posts are taken and their records kept (``records``). ``stall`` seconds delay
-    every quarantine answer."""
+    """The monitor's side of the contract on loopback: the set the test puts, signed with ``keys``,
+    to the ingest token only; traffic posts are taken and their records kept (``records``).
+    ``stall`` seconds delay every quarantine answer; ``forged`` is served instead of the set while
+    it is set (a forger in the monitor's place)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: SigningKeys) -> None:
+        self.signer = keys.signer
         self.deployments: list[dict[str, Any]] = []
+        self.revision = 1
         self.records: list[dict[str, Any]] = []
         self.stall = 0.0
         self.reads = 0
+        self.gateways: set[str] = set()
+        self.forged: bytes | None = None
         self.closed = False
         self.server = Loopback(self._answer)
         self.url = self.server.url
@@ -87,12 +96,19 @@ class QuarantineMonitor:
         if self.stall:
             await asyncio.sleep(self.stall)
         self.reads += 1
-        body = {"version": 1, "generated_at": "2026-12-01T12:00:00Z", "deployments": self.deployments}
-        return httpx.Response(200, json=body)
+        self.gateways.add(request.headers.get("kvcanary-gateway", ""))
+        if self.forged is not None:
+            return httpx.Response(200, content=self.forged)
+        return httpx.Response(200, content=self.signer.sign(self.document()))
+
+    def document(self) -> dict[str, Any]:
+        """The set as the monitor signs it now."""
+        return {**document(revision=self.revision), "deployments": self.deployments}
 
     def put(self, *entries: dict[str, Any]) -> float:
-        """Replace the set; return the moment (monotonic) it changed."""
+        """Replace the set (a new revision); return the moment (monotonic) it changed."""
         self.deployments = list(entries)
+        self.revision += 1
         return time.monotonic()
 
     def close(self) -> None:
@@ -133,11 +149,11 @@ def start_gateway(folder: Path, workers: list[WorkerProcess], env: dict[str, str
     return launch_proxy(config, env)
 
 
-def gateway_env(monitor: QuarantineMonitor, quarantine: bool) -> dict[str, str]:
+def gateway_env(monitor: QuarantineMonitor, quarantine: bool, keys: SigningKeys) -> dict[str, str]:
     env = {"KVCANARY_TAP_URL": monitor.url, "KVCANARY_TAP_TOKEN": TOKEN, "KVCANARY_TAP_GATEWAY": "gw-test",
            "KVCANARY_TAP_KEY": "a-fingerprint-key-the-monitor-never-sees"}  # fmt: skip
     if quarantine:
-        env["KVCANARY_TAP_QUARANTINE"] = "1"
+        env |= {"KVCANARY_TAP_QUARANTINE": "1", **keys.tap_env()}
     return env
 
 
@@ -203,6 +219,7 @@ class Stack:
     workers: list[WorkerProcess]
     monitor: QuarantineMonitor
     gateway: Proxy  # the tap with the quarantine
+    keys: SigningKeys
 
     def settled(self, *entries: dict[str, Any]) -> None:
         """Put ``entries`` as the set and wait until the gateway has surely taken it: the second
@@ -216,14 +233,16 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     folder = tmp_path_factory.mktemp("quarantine")
+    keys = make_keys(folder / "keys")
     workers = [launch_worker(list(WORKER_ARGS), folder) for _ in range(2)]
-    monitor = QuarantineMonitor()
+    monitor = QuarantineMonitor(keys)
     proxies: list[Proxy] = []
     try:
         for worker in workers:
             wait_worker(worker)
-        proxies.append(start_gateway(folder / "gateway", workers, gateway_env(monitor, quarantine=True)))
-        yield Stack(workers, monitor, proxies[0])
+        env = gateway_env(monitor, quarantine=True, keys=keys)
+        proxies.append(start_gateway(folder / "gateway", workers, env))
+        yield Stack(workers, monitor, proxies[0], keys)
     finally:
         for proc in [*(p.proc for p in proxies), *(w.proc for w in workers)]:
             stop_process(proc)
@@ -345,8 +364,13 @@ def test_a_stalled_then_gone_monitor_keeps_the_last_set_and_slows_no_request(sta
 
 
 @pytest.fixture
-def monitor() -> Iterator[QuarantineMonitor]:
-    served = QuarantineMonitor()
+def keys(tmp_path: Path) -> SigningKeys:
+    return make_keys(tmp_path / "keys")
+
+
+@pytest.fixture
+def monitor(keys: SigningKeys) -> Iterator[QuarantineMonitor]:
+    served = QuarantineMonitor(keys)
     yield served
     served.close()
 
@@ -356,10 +380,10 @@ def deployments(*urls: str) -> list[dict[str, Any]]:
 
 
 def test_unreadable_answers_keep_the_last_set_and_are_logged_once(
-    monitor: QuarantineMonitor, caplog: pytest.LogCaptureFixture
+    monitor: QuarantineMonitor, keys: SigningKeys, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, "kvcanary.tap")
-    watch = QuarantineWatch(monitor.url, TOKEN, start=False)
+    watch = QuarantineWatch(monitor.url, TOKEN, keys=keys.public_keys, start=False)
 
     def held(api_base: str) -> object:
         """The set's entry as the polls left it: ``quarantined()``, a lookup, would start the
@@ -369,41 +393,45 @@ def test_unreadable_answers_keep_the_last_set_and_are_logged_once(
     monitor.put(entry("shared", ["http://10.0.0.1:8000/v1"], 42))
     assert watch.poll_once() and held("HTTP://10.0.0.1:8000/v1/") is not None
     read_at = watch.last_read_at
-    monitor.put({"target": "t", "api_bases": ["x"], "enforced": "yes"})  # not the contract's
+    monitor.put({"target": "t", "api_bases": ["x"], "enforced": "yes"})  # signed, but not the contract's
     for _ in range(3):
         assert not watch.poll_once()
-    assert watch.failing and watch.last_read_at == read_at
+    assert watch.refused["malformed"] == 3 and watch.last_read_at == read_at
     assert held("http://10.0.0.1:8000") is not None  # the last known set holds
-    stranger = QuarantineWatch(monitor.url, "not-the-token", start=False)
+    stranger = QuarantineWatch(monitor.url, "not-the-token", keys=keys.public_keys, start=False)
     assert not stranger.poll_once() and not stranger.poll_once() and stranger.failing
     failures = [r.getMessage() for r in caplog.records if "cannot read the quarantine" in r.getMessage()]
-    assert len(failures) == 2 and "401" in failures[1], failures  # once per watch, not once a poll
+    assert len(failures) == 1 and "401" in failures[0], failures  # once per watch, not once a poll
+    refusals = [r.getMessage() for r in caplog.records if "refused a quarantine set" in r.getMessage()]
+    assert len(refusals) == 1 and "malformed" in refusals[0], refusals  # once a minute a reason
     monitor.put()
     assert watch.poll_once() and not watch.failing and held("http://10.0.0.1:8000") is None
-    assert sum("again" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize(
-    "body",
+    "change",
     [
-        {"version": 2, "deployments": []},
-        {"version": 1, "deployments": {}},
-        {"version": 1, "deployments": [{"target": "t", "api_bases": "x", "enforced": True}]},
-        {"version": 1, "deployments": [{"target": "", "api_bases": ["x"], "enforced": True}]},
-        {"version": 1, "deployments": [{"target": "t", "api_bases": ["x"], "enforced": "yes"}]},
-        {
-            "version": 1,
-            "deployments": [{"target": "t", "api_bases": ["x"], "incident_id": True, "enforced": True}],
-        },
+        {"version": 1},
+        {"version": 3},
+        {"deployments": {}},
+        {"deployments": [{"target": "t", "api_bases": "x", "enforced": True}]},
+        {"deployments": [{"target": "", "api_bases": ["x"], "enforced": True}]},
+        {"deployments": [{"target": "t", "api_bases": ["x"], "enforced": "yes"}]},
+        {"deployments": [{"target": "t", "api_bases": ["x"], "incident_id": True, "enforced": True}]},
+        {"revision": -1},
+        {"revision": "7"},
+        {"generated_at": "yesterday"},
+        {"expires_at": "2026-12-05T07:00:00"},  # no offset
+        {"expires_at": "2000-01-01T00:00:00+00:00"},  # before it was generated
     ],
 )
-def test_an_answer_not_the_contracts_is_refused_whole(body: dict[str, Any]) -> None:
+def test_an_answer_not_the_contracts_is_refused_whole(change: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
-        parse_quarantine(json.dumps(body).encode())
+        parse_quarantine(json.dumps({**document(), **change}).encode())
 
 
-def test_an_answer_over_the_bound_is_refused(monitor: QuarantineMonitor) -> None:
-    watch = QuarantineWatch(monitor.url, TOKEN, start=False)
+def test_an_answer_over_the_bound_is_refused(monitor: QuarantineMonitor, keys: SigningKeys) -> None:
+    watch = QuarantineWatch(monitor.url, TOKEN, keys=keys.public_keys, start=False)
     many = [f"http://host-{i:07d}.example:8000" for i in range(MAX_BODY_BYTES // 30)]
     monitor.put(entry("shared", many, 1))
     assert len(json.dumps(monitor.deployments)) > MAX_BODY_BYTES
@@ -412,10 +440,10 @@ def test_an_answer_over_the_bound_is_refused(monitor: QuarantineMonitor) -> None
     assert watch.poll_once() and len(watch.current.enforced) == len(many) // 2
 
 
-def test_a_forked_child_polls_on_its_own(monitor: QuarantineMonitor) -> None:
+def test_a_forked_child_polls_on_its_own(monitor: QuarantineMonitor, keys: SigningKeys) -> None:
     """The parent's poller is not in the child: without one of its own, the child would hold the set
     it was forked with for ever."""
-    watch = QuarantineWatch(monitor.url, TOKEN, poll_seconds=0.1)
+    watch = QuarantineWatch(monitor.url, TOKEN, keys=keys.public_keys, poll_seconds=0.1)
     wait_for("a first read", lambda: watch.last_read_at)
 
     def child() -> int:
@@ -429,9 +457,9 @@ def test_a_forked_child_polls_on_its_own(monitor: QuarantineMonitor) -> None:
 
 
 def test_the_filter_removes_quarantined_deployments_and_refuses_when_none_is_left(
-    monitor: QuarantineMonitor,
+    monitor: QuarantineMonitor, keys: SigningKeys
 ) -> None:
-    watch = QuarantineWatch(monitor.url, TOKEN, start=False)
+    watch = QuarantineWatch(monitor.url, TOKEN, keys=keys.public_keys, start=False)
     monitor.put(entry("shared", ["http://a:1"], 42), entry("watched", ["http://b:1"], 7, enforced=False))
     assert watch.poll_once()
     quarantine = QuarantineFilter(watch, count=lambda target, mode: None)

@@ -1,17 +1,21 @@
 """The quarantine set as a tap reads it: the monitor's document (``docs/tap-protocol.md``,
-"Quarantine") parsed whole or refused whole, into what a request's lookup reads. Standard library
-only: this runs inside the gateway's process."""
+"Quarantine"), the payload of the signed envelope ``signed.py`` opens, parsed whole or refused
+whole into what a request's lookup reads, with what orders it among the sets the monitors signed
+(its ``revision``, when it was generated, when it expires). Standard library only: this runs inside
+the gateway's process."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from kvcanary.tap.record import printable_name
 
 #: The one version of the document this tap reads; another is refused (the last set is kept).
-VERSION = 1
+VERSION = 2
 #: What a reason may keep of its characters (it reaches logs and customers' error messages).
 MAX_REASON_CHARS = 200
 
@@ -52,18 +56,31 @@ class QuarantineSet:
     observed: dict[str, QuarantineEntry] = field(default_factory=dict)
     generated_at: str = ""
     guards: dict[str, GuardEntry] = field(default_factory=dict)
+    #: The newest quarantine change the monitor read it at (-1: no set read yet), and when it was
+    #: generated and expires (epoch seconds): what orders it among the monitors' sets.
+    revision: int = -1
+    generated: float = 0.0
+    expires: float = math.inf
+    expires_at: str = ""
+    #: The id of the key that signed it ("" before a signed set was read).
+    key_id: str = ""
 
     @property
     def empty(self) -> bool:
         return not self.enforced and not self.observed and not self.guards
+
+    def same_content(self, other: QuarantineSet) -> bool:
+        """Whether ``other`` quarantines, observes and guards exactly what this set does."""
+        return (self.enforced, self.observed, self.guards) == (other.enforced, other.observed, other.guards)
 
 
 EMPTY = QuarantineSet()
 
 
 def parse_quarantine(body: bytes) -> QuarantineSet:
-    """Return the set a 200 answer's body holds; raise ValueError for anything not the contract's
-    (a whole answer or none: a set read in part would lift the quarantine of what it left out)."""
+    """Return the set a signed envelope's payload holds (``signed.py`` checked the signature); raise
+    ValueError for anything not the contract's (a whole set or none: a set read in part would lift
+    the quarantine of what it left out)."""
     document = json.loads(body)
     if not isinstance(document, dict) or document.get("version") != VERSION:
         raise ValueError(f"not a version {VERSION} quarantine answer")
@@ -79,7 +96,28 @@ def parse_quarantine(body: bytes) -> QuarantineSet:
     for key in enforced:  # a deployment both enforced and observed is enforced
         observed.pop(key, None)
     guards = _guards_of(document.get("guards", []))
-    return QuarantineSet(enforced, observed, printable_name(document.get("generated_at", "")), guards)
+    revision = document.get("revision")
+    if not isinstance(revision, int) or isinstance(revision, bool) or revision < 0:
+        raise ValueError("'revision' is not a whole number")
+    generated_at, expires_at = document.get("generated_at"), document.get("expires_at")
+    generated, expires = _instant(generated_at, "generated_at"), _instant(expires_at, "expires_at")
+    if expires <= generated:
+        raise ValueError("'expires_at' is not after 'generated_at'")
+    return QuarantineSet(
+        enforced, observed, printable_name(generated_at), guards,
+        revision=revision, generated=generated, expires=expires, expires_at=printable_name(expires_at),
+    )  # fmt: skip
+
+
+def _instant(value: Any, name: str) -> float:
+    """Return an ISO-8601 time with its offset as epoch seconds; raise ValueError."""
+    try:
+        when = datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise ValueError(f"'{name}' is not an ISO-8601 time with its offset")
+    return when.timestamp()
 
 
 def _guards_of(items: Any) -> dict[str, GuardEntry]:

@@ -2,7 +2,8 @@
 started from that file: a real tap logged in as ``tap`` publishes records that a real monitor
 consumer logged in as ``monitor`` judges, and the tap's credentials can neither write the
 partitions' KV bucket (where a writer could starve every replica) nor read anything but its inbox;
-they watch the quarantine set the monitors put in its bucket, and cannot write it.
+they watch the quarantine set the monitors put in its bucket, and cannot write it, and the monitor
+hears each tap's acknowledgement of the set it applies.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvcanary.tap.containment.bucket import BucketWatch
 from kvcanary.wire import QUARANTINE_KEY
 from tests.support import free_port
 from tests.support.jetstream import KEY, NATS_SERVER, TEST_MAX_BYTES, counted, exchange, in_process, until
+from tests.support.signing import SHARED, document, make_keys
 
 pytestmark = pytest.mark.external_service
 
@@ -172,16 +174,20 @@ async def _value(bucket: KeyValue, key: str) -> bytes | None:
         return None
 
 
-def test_the_taps_credentials_watch_the_quarantine_the_monitors_put_and_cannot_write_it(
-    permitted_nats: Server,
+def test_the_taps_credentials_watch_the_quarantine_the_monitors_put_acknowledge_it_and_cannot_write_it(
+    permitted_nats: Server, tmp_path: Path
 ) -> None:
     cfg = permitted_nats.monitor_config()
+    keys = make_keys(tmp_path / "keys")
     watch = BucketWatch(permitted_nats.url, TAP_PASSWORD, user="tap", bucket=cfg.quarantine_bucket,
-                        poll_seconds=0.2)  # fmt: skip
+                        keys=keys.public_keys, gateway="gw-1", poll_seconds=0.2)  # fmt: skip
 
-    async def run() -> list[str]:
+    async def run() -> tuple[list[str], dict[tuple[str, str], int]]:
         monitor = await connect(cfg, MONITOR_PASSWORD, keep_trying=False)
-        publisher = QuarantineBucket(cfg, lambda: (monitor.jetstream(timeout=5), monitor.max_payload))
+        signer = keys.signer
+        publisher = QuarantineBucket(
+            cfg, lambda: (monitor.jetstream(timeout=5), monitor.max_payload), lambda: signer
+        )
         refused: list[str] = []
 
         async def note(error: Exception) -> None:
@@ -189,8 +195,10 @@ def test_the_taps_credentials_watch_the_quarantine_the_monitors_put_and_cannot_w
 
         tap = await nats.connect(permitted_nats.tap_url(), error_cb=note, allow_reconnect=False)
         try:
-            assert await publisher.publish(SET)
-            await until("the tap's watch to read the set", lambda: watch.quarantined(QUARANTINED) is not None)
+            assert await publisher.publish(document("shared"))
+            await until("the tap's watch to read the set", lambda: watch.quarantined(SHARED) is not None)
+            # The tap's acknowledgement reaches the monitor: the one subject of its own it publishes on.
+            await until("the tap's acknowledgement", lambda: publisher.reads.counts().get(("gw-1", "nats")))
             with pytest.raises(nats.errors.TimeoutError):  # a forged lift: no PubAck comes
                 await (await tap.jetstream(timeout=1).key_value(cfg.quarantine_bucket)).put(
                     QUARANTINE_KEY, b"{}"
@@ -199,24 +207,17 @@ def test_the_taps_credentials_watch_the_quarantine_the_monitors_put_and_cannot_w
             kept = await (await monitor.jetstream(timeout=5).key_value(cfg.quarantine_bucket)).get(
                 QUARANTINE_KEY
             )
-            assert kept.value is not None and b"shared" in kept.value
-            return refused
+            assert kept.value is not None and signer.open(kept.value)[1].enforced
+            return refused, publisher.reads.counts()
         finally:
             await tap.close()
             await monitor.close()
 
     try:
-        refused = asyncio.run(asyncio.wait_for(run(), 60))
+        refused, reads = asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         watch.close()
     bucket = cfg.quarantine_bucket.lower()
     assert any(f'permissions violation for publish to "$kv.{bucket}.set"' in r for r in refused), refused
-    assert not watch.failing and watch.quarantined(QUARANTINED) is not None
-
-
-QUARANTINED = "http://10.0.0.7:8000"
-SET = {
-    "version": 1, "generated_at": "2026-12-05T07:00:00+00:00", "guards": [],
-    "deployments": [{"target": "shared", "api_bases": [QUARANTINED], "enforced": True, "cause": "incident",
-                     "incident_id": 1, "reason": "a leak", "since": "2026-12-05T07:00:00+00:00"}],
-}  # fmt: skip
+    assert not watch.failing and watch.quarantined(SHARED) is not None
+    assert reads[("gw-1", "nats")] >= 1

@@ -23,6 +23,7 @@ from kvcanary.tap.containment.guard import AdmissionGuard, AdmissionRefused, pro
 from kvcanary.tap.containment.watch import QuarantineWatch
 from kvcanary.wire import api_base_key
 from tests.support import WorkerProcess, launch_worker, stop_process, wait_worker
+from tests.support.signing import document
 
 GROUP = "shop"
 WORKER = ["--mode", "aggregated", "--kv-pool-tokens", "8192", "--context-window", "8192"]
@@ -44,8 +45,8 @@ def deployment(api_base: str, model: str = "openai/tiny") -> dict[str, Any]:
 def guard_of(*guards: dict[str, Any], calls: list[str] | None = None) -> AdmissionGuard:
     """A guard reading ``guards`` as a monitor's answer publishes them; ``calls`` notes every
     tokenize URL asked."""
-    watch = QuarantineWatch("http://127.0.0.1:9", "token", start=False)
-    body = {"version": 1, "generated_at": "", "deployments": [], "guards": list(guards)}
+    watch = QuarantineWatch("http://127.0.0.1:9", "token", keys={}, start=False)
+    body = {**document(), "guards": list(guards)}
     watch.current = parse_quarantine(json.dumps(body).encode())
 
     def tokenize(url: str, body: dict[str, Any], api_key: str | None) -> int | None:
@@ -176,10 +177,11 @@ def test_prompts_are_read_from_chat_parts_and_nothing_else() -> None:
     ],
 )
 def test_guards_not_the_contracts_refuse_the_whole_answer(guards: Any) -> None:
-    body = {"version": 1, "deployments": [], "guards": guards}
+    body = {**document(), "guards": guards}
     with pytest.raises(ValueError):
         parse_quarantine(json.dumps(body).encode())
 
 
 def test_an_answer_without_guards_is_a_monitor_that_publishes_none() -> None:
-    assert parse_quarantine(json.dumps({"version": 1, "deployments": []}).encode()).guards == {}
+    body = {k: v for k, v in document().items() if k != "guards"}
+    assert parse_quarantine(json.dumps(body).encode()).guards == {}

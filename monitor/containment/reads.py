@@ -1,0 +1,74 @@
+"""Which gateways read the quarantine set: a quarantine no gateway applies protects no customer.
+
+Over HTTP each ``GET /api/v1/quarantine`` is a read by the gateway its ``Kvcanary-Gateway`` header
+names; over NATS the monitors cannot see a watch of the bucket, so each tap acknowledges the set it
+applies on ``<bucket>.applied.<gateway>`` (``kvcanary/tap/containment/bucket.py``), which every
+replica hears. :class:`SetReads` keeps, per gateway, how many reads this replica saw (by
+transport) and when it last saw one (by the key that signed the set read: during a rotation, which
+gateways read sets of the new key). Each replica sees only its own HTTP reads: a rule over them
+takes ``max`` across replicas (``KVCanaryContainmentUnapplied``).
+
+At most ``MAX_GATEWAYS`` names are kept; reads under any other count as ``OVERFLOW``, so a caller
+naming a new gateway each time cannot grow the monitor's series without bound.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+from kvcanary.wire import GATEWAY_PATTERN
+
+MAX_GATEWAYS = 256
+#: The gateway reads are counted under past ``MAX_GATEWAYS`` names, and under without a valid name.
+OVERFLOW = "(more)"
+UNNAMED = "(unnamed)"
+
+
+@dataclass(frozen=True)
+class Read:
+    """How many reads of a (gateway, transport, key id) this replica saw, and the last one's time."""
+
+    count: int
+    last_at: float
+
+
+class SetReads:
+    """Reads of the quarantine set by gateway (module doc); thread-safe."""
+
+    def __init__(self) -> None:
+        self._reads: dict[tuple[str, str, str], Read] = {}
+        self._gateways: set[str] = set()
+        self._lock = threading.Lock()
+
+    def note(self, gateway: str | None, via: str, key_id: str) -> None:
+        """Count a read of the set signed by ``key_id`` by ``gateway`` over ``via`` (http, nats)."""
+        name = gateway if gateway and re.fullmatch(GATEWAY_PATTERN, gateway) else UNNAMED
+        with self._lock:
+            if name not in self._gateways:
+                if len(self._gateways) >= MAX_GATEWAYS:
+                    name = OVERFLOW
+                self._gateways.add(name)
+            key = (name, via, key_id)
+            found = self._reads.get(key)
+            self._reads[key] = Read((found.count if found else 0) + 1, time.time())
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Return the reads by (gateway, transport)."""
+        with self._lock:
+            reads = list(self._reads.items())
+        found: dict[tuple[str, str], int] = {}
+        for (gateway, via, _), read in reads:
+            found[gateway, via] = found.get((gateway, via), 0) + read.count
+        return found
+
+    def last(self) -> dict[tuple[str, str], float]:
+        """Return when each gateway last read a set signed by each key (epoch seconds)."""
+        with self._lock:
+            reads = list(self._reads.items())
+        found: dict[tuple[str, str], float] = {}
+        for (gateway, _, key), read in reads:
+            found[gateway, key] = max(found.get((gateway, key), 0.0), read.last_at)
+        return found
