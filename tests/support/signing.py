@@ -4,14 +4,18 @@ environment name of it, and sets signed with it (or with another key: a forger's
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from kvcanary.monitor.commands.containment_keys import write_key_pair
 from kvcanary.monitor.containment.signing import SetSigner, private_key
-from kvcanary.tap.containment.signed import PublicKeys, parse_public_keys
+from kvcanary.tap.containment.signed import PublicKeys, open_envelope, parse_public_keys
+from kvcanary.wire import GATEWAY_HEADER
 
 SHARED = "http://10.0.0.7:8000"
 
@@ -69,3 +73,16 @@ def document(
         ],
         "guards": [],
     }  # fmt: skip
+
+
+def served_set(url: str, token: str, keys: SigningKeys, gateway: str = "tests") -> dict[str, Any]:
+    """The set a monitor at ``url`` serves at ``GET /api/v1/quarantine`` to ``gateway``, its
+    signature checked with ``keys`` as a tap checks it (raises if it is not theirs)."""
+    answer = httpx.get(
+        url + "/api/v1/quarantine", headers={"Authorization": f"Bearer {token}", GATEWAY_HEADER: gateway}
+    )
+    assert answer.status_code == 200, answer.text
+    payload, signer = open_envelope(answer.content, keys.public_keys)
+    assert signer == keys.key_id
+    found: dict[str, Any] = json.loads(payload)
+    return found

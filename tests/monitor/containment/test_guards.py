@@ -8,6 +8,7 @@ real LiteLLM proxy, ``tests/litellm/test_admission_litellm.py``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ import httpx
 from kvcanary.wire import api_base_key
 from tests.monitor.served import Served, reference_target
 from tests.support import WorkerProcess
+from tests.support.signing import SigningKeys, make_keys, served_set
 from tests.support.worker_keys import KEY_FLAGS
 
 POOL = ["--mode", "disaggregated", "--context-window", "8192", "--decode-pool-tokens", "16384"]
@@ -23,15 +25,14 @@ ROOMY = [*POOL, "--prefill-pool-tokens", "12288", "--admission", "reject"]
 INGEST = "admission-test-ingest-token-0123456789"
 
 
-def guards(monitor: Served) -> list[dict[str, Any]]:
-    answer = httpx.get(monitor.url + "/api/v1/quarantine", headers={"Authorization": f"Bearer {INGEST}"})
-    assert answer.status_code == 200, answer.text
-    return list(answer.json()["guards"])
+def guards(monitor: Served, keys: SigningKeys) -> list[dict[str, Any]]:
+    return list(served_set(monitor.url, INGEST, keys)["guards"])
 
 
 def test_each_guarded_target_publishes_its_smallest_admitting_pool_under_its_own_policy(
-    served: Callable[..., Served], start_worker: Callable[..., WorkerProcess]
+    served: Callable[..., Served], start_worker: Callable[..., WorkerProcess], tmp_path: Path
 ) -> None:
+    keys = make_keys(tmp_path / "keys")  # a guard moves customers: the set must be signed
     small, roomy, unguarded = (start_worker(*args, *KEY_FLAGS) for args in (SMALL, ROOMY, ROOMY))
     probes = {"probes": ["canary"], "probe_intervals": {"canary": 60.0}}
     monitor = served({
@@ -41,12 +42,13 @@ def test_each_guarded_target_publishes_its_smallest_admitting_pool_under_its_own
             reference_target("plain", unguarded.url, containment={"admission_guard": "off"}, **probes),
         ],
         "containment": {"mode": "observe", "admission_guard": "observe"},
+        "containment_signing": keys.monitor_config(),
         "traffic": {"ingest_token_env": "KVC_TEST_INGEST"},
     })  # fmt: skip
     monitor.env["KVC_TEST_INGEST"] = INGEST
     monitor.start()
     published = monitor.wait_for(
-        "both guards published", lambda: (g := guards(monitor)) and len(g) == 2 and g, 30
+        "both guards published", lambda: (g := guards(monitor, keys)) and len(g) == 2 and g, 30
     )
     by_target = {g["target"]: g for g in published}
     assert set(by_target) == {"glm", "vllm-b"}  # "plain" turned its guard off

@@ -3,9 +3,11 @@
 Two reference workers: ``glm`` has the incident's defect (a prefill pool below the window and the
 placeholder admission: the boundary probe reads other tenants' markers back), ``vllm-b`` is sound.
 With ``containment.mode: quarantine`` the leak's incident puts ``glm`` in the set the taps read
-(``GET /api/v1/quarantine``, the ingest token) within a second of the verdict, with its api_base
-key and the incident; ``vllm-b`` stays out. The metric says so; an operator's lift holds while the
-same incident stays open; a quarantine put on by hand is served at once; bad requests get 4xx.
+(``GET /api/v1/quarantine``, the ingest token, signed with the monitors' key) within a second of the
+verdict, with its api_base key and the incident; ``vllm-b`` stays out. The metric says so; an
+operator's lift holds while the same incident stays open; a quarantine put on by hand is served at
+once; bad requests get 4xx. The signing key, its checks at start and reload, a rotation, and the
+gateways' reads: ``tests/monitor/containment/test_signing_served.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvcanary.wire import api_base_key
 from tests.monitor.served import Served, reference_target
 from tests.support import WorkerProcess
 from tests.support.services import Alertmanager, start_alertmanager
+from tests.support.signing import SigningKeys, make_keys, served_set
 from tests.support.worker_keys import KEY_FLAGS
 
 POOL = ["--mode", "disaggregated", "--context-window", "8192", "--decode-pool-tokens", "16384"]
@@ -30,11 +33,10 @@ SOUND = [*POOL, "--prefill-pool-tokens", "16384", "--admission", "reject"]
 INGEST = "quarantine-test-ingest-token-0123456789"
 
 
-def quarantine_set(monitor: Served, token: str = INGEST) -> list[dict[str, object]]:
-    answer = httpx.get(monitor.url + "/api/v1/quarantine", headers={"Authorization": f"Bearer {token}"})
-    assert answer.status_code == 200, answer.text
-    body = answer.json()
-    assert body["version"] == 1
+def quarantine_set(monitor: Served, keys: SigningKeys, token: str = INGEST) -> list[dict[str, object]]:
+    """The set as a tap takes it: signed with the test's key, checked as a tap checks it."""
+    body = served_set(monitor.url, token, keys)
+    assert body["version"] == 2
     return list(body["deployments"])
 
 
@@ -46,8 +48,16 @@ def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
 
 
 @pytest.fixture
+def keys(tmp_path: Path) -> SigningKeys:
+    return make_keys(tmp_path / "keys")
+
+
+@pytest.fixture
 def monitor(
-    served: Callable[..., Served], start_worker: Callable[..., WorkerProcess], alertmanager: Alertmanager
+    served: Callable[..., Served],
+    start_worker: Callable[..., WorkerProcess],
+    alertmanager: Alertmanager,
+    keys: SigningKeys,
 ) -> Served:
     defective, sound = start_worker(*DEFECTIVE, *KEY_FLAGS), start_worker(*SOUND, *KEY_FLAGS)
     boundary = {"probes": ["boundary"], "probe_intervals": {"boundary": 2.0}, "timeout_seconds": 15}
@@ -57,6 +67,7 @@ def monitor(
             reference_target("vllm-b", sound.url, **boundary),
         ],
         "containment": {"mode": "quarantine"},
+        "containment_signing": keys.monitor_config(),
         "scheduler": {"jitter_seconds": 0.1},
         "traffic": {"ingest_token_env": "KVC_TEST_INGEST"},
         "alertmanagers": [{"url": alertmanager.url}],
@@ -73,14 +84,14 @@ def containment_said(alertmanager: Alertmanager) -> str:
 
 
 def test_a_leak_quarantines_its_deployment_within_a_second_and_a_lift_holds(
-    monitor: Served, alertmanager: Alertmanager
+    monitor: Served, alertmanager: Alertmanager, keys: SigningKeys
 ) -> None:
     def first_leak() -> dict[str, object] | None:
         rows = monitor.get("/api/v1/probe-results", target="glm", verdict="leak").json()["items"]
         return rows[-1] if rows else None
 
     leak = monitor.wait_for("the defective deployment's first leak", first_leak, timeout=60)
-    listed = monitor.wait_for("glm in the quarantine set", lambda: quarantine_set(monitor), timeout=10)
+    listed = monitor.wait_for("glm in the quarantine set", lambda: quarantine_set(monitor, keys), timeout=10)
     seen_at = time.time()
     verdict_at = datetime.fromisoformat(str(leak["started_at"])).timestamp() + float(leak["duration_seconds"])
     print(f"in the set {seen_at - verdict_at:.2f}s after the verdict")
@@ -108,9 +119,9 @@ def test_a_leak_quarantines_its_deployment_within_a_second_and_a_lift_holds(
         headers={"Authorization": f"Bearer {monitor.token}"},
     )
     assert lifted.status_code == 200 and lifted.json()["cause"] == "operator", lifted.text
-    assert quarantine_set(monitor) == []
+    assert quarantine_set(monitor, keys) == []
     time.sleep(4)  # two more leaking runs: the same open incident does not put it back
-    assert quarantine_set(monitor) == []
+    assert quarantine_set(monitor, keys) == []
     monitor.wait_for(
         "the metric to say 0", lambda: monitor.value("kvcanary_target_quarantined", target="glm") == 0
     )
@@ -126,13 +137,15 @@ def test_a_leak_quarantines_its_deployment_within_a_second_and_a_lift_holds(
     assert "verified: a test&#39;s own markers" in containment and "<td>operator</td>" in containment
 
 
-def test_a_quarantine_by_hand_is_served_at_once_and_bad_requests_are_refused(monitor: Served) -> None:
+def test_a_quarantine_by_hand_is_served_at_once_and_bad_requests_are_refused(
+    monitor: Served, keys: SigningKeys
+) -> None:
     auth = {"Authorization": f"Bearer {monitor.token}"}
     put = httpx.post(
         monitor.url + "/api/v1/targets/vllm-b/quarantine", json={"reason": "draining"}, headers=auth
     )
     assert put.status_code == 201, put.text
-    mine = [(e["cause"], e["enforced"]) for e in quarantine_set(monitor) if e["target"] == "vllm-b"]
+    mine = [(e["cause"], e["enforced"]) for e in quarantine_set(monitor, keys) if e["target"] == "vllm-b"]
     assert mine == [("operator", True)]
     unknown = httpx.post(monitor.url + "/api/v1/targets/nope/quarantine", json={"reason": "x"}, headers=auth)
     assert unknown.status_code == 404
