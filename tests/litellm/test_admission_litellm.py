@@ -27,6 +27,7 @@ from kvcanary.wire import api_base_key
 from tests.monitor.served import Served, reference_target
 from tests.support import WorkerProcess, launch_worker, stop_process, wait_worker
 from tests.support.litellm import Proxy, launch_proxy, write_proxy_config
+from tests.support.signing import SigningKeys, make_keys, served_set
 
 POOL = ["--mode", "disaggregated", "--context-window", "8192", "--decode-pool-tokens", "16384"]
 POOL += ["--page-size", "16"]
@@ -46,6 +47,7 @@ class Stack:
     proxy: Proxy
     leaky: WorkerProcess
     sound: WorkerProcess
+    keys: SigningKeys
 
 
 def write_gateway(folder: Path, leaky: WorkerProcess, sound: WorkerProcess) -> Path:
@@ -69,6 +71,7 @@ def write_gateway(folder: Path, leaky: WorkerProcess, sound: WorkerProcess) -> P
 @pytest.fixture
 def stack(served: Callable[..., Served], tmp_path: Path) -> Iterator[Stack]:
     leaky, sound = launch_worker(DEFECTIVE, tmp_path), launch_worker(SOUND, tmp_path)
+    keys = make_keys(tmp_path / "keys")  # the guard's facts reach the gateway signed
     proxy = None
     try:
         wait_worker(leaky), wait_worker(sound)
@@ -79,6 +82,7 @@ def stack(served: Callable[..., Served], tmp_path: Path) -> Iterator[Stack]:
                 reference_target("calm", sound.url, **probes),
             ],
             "containment": {"mode": "observe", "admission_guard": "enforce"},
+            "containment_signing": keys.monitor_config(),
             "traffic": {"ingest_token_env": "KVC_TEST_INGEST"},
         })  # fmt: skip
         monitor.env["KVC_TEST_INGEST"] = INGEST
@@ -89,10 +93,11 @@ def stack(served: Callable[..., Served], tmp_path: Path) -> Iterator[Stack]:
             "KVCANARY_TAP_GATEWAY": "gw-guard",
             "KVCANARY_TAP_KEY": "a-fingerprint-key-the-monitor-never-sees",
             "KVCANARY_TAP_QUARANTINE": "1",
+            **keys.tap_env(),
             "KVCANARY_TAP_QUARANTINE_POLL_SECONDS": "0.5",
         }
         proxy = launch_proxy(write_gateway(tmp_path / "gateway", leaky, sound), env)
-        yield Stack(monitor, proxy, leaky, sound)
+        yield Stack(monitor, proxy, leaky, sound, keys)
     finally:
         for proc in [*([proxy.proc] if proxy else []), leaky.proc, sound.proc]:
             stop_process(proc)
@@ -119,13 +124,12 @@ def substitutions(worker: WorkerProcess) -> float:
                if line.startswith("kvcanary_placeholder_substitutions_total"))  # fmt: skip
 
 
-def guards_published(monitor: Served) -> bool:
-    answer = httpx.get(monitor.url + "/api/v1/quarantine", headers={"Authorization": f"Bearer {INGEST}"})
-    return answer.status_code == 200 and len(answer.json()["guards"]) == 2
+def guards_published(stack: Stack) -> bool:
+    return len(served_set(stack.monitor.url, INGEST, stack.keys)["guards"]) == 2
 
 
 def test_no_over_pool_prompt_reaches_the_small_pool_and_no_benign_request_is_refused(stack: Stack) -> None:
-    stack.monitor.wait_for("the guards published", lambda: guards_published(stack.monitor), 30)
+    stack.monitor.wait_for("the guards published", lambda: guards_published(stack), 30)
     leaky, sound = api_base_key(f"{stack.leaky.url}/v1"), api_base_key(f"{stack.sound.url}/v1")
     with httpx.Client(timeout=60) as client:
         # The gateway reads the set every 0.5 s: a long prompt routed by it shows it has it.

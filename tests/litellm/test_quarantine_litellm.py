@@ -334,6 +334,58 @@ def test_observe_mode_filters_nothing_and_says_so_once(stack: Stack) -> None:
 
 
 @pytest.mark.external_service
+def test_a_forger_in_the_monitors_place_moves_no_request_and_the_next_signed_set_reaches_the_gateway(
+    stack: Stack, tmp_path: Path
+) -> None:
+    leaking, healthy = stack.workers
+    stack.settled(entry("shared", [base(leaking)], incident=42))
+    forger = make_keys(tmp_path / "forger")
+    answers: list[Answer] = []
+    stop = threading.Event()
+
+    def customers() -> None:
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                answers.append(ask(stack.gateway, client))
+
+    callers = [threading.Thread(target=customers) for _ in range(3)]
+    for caller in callers:
+        caller.start()
+    try:
+        forging_from = time.monotonic()
+        # An unsigned lift of everything at a revision no monitor reaches, then a set signed by
+        # another key one revision above the real one, keeping the healthy deployment off instead.
+        stack.monitor.forged = json.dumps(document(revision=10**12)).encode()
+        time.sleep(3 * CONTAINMENT_SECONDS)
+        above = {
+            **document(revision=stack.monitor.revision + 1),
+            "deployments": [entry("healthy", [base(healthy)], 7)],
+        }
+        stack.monitor.forged = forger.signer.sign(above)
+        time.sleep(3 * CONTAINMENT_SECONDS)
+        forging_until = time.monotonic()
+        stack.monitor.forged = None
+        lifted_at = stack.monitor.put()  # the monitors' next set, signed: the quarantine lifted
+        again = lambda: any(a.api_base == key_of(leaking) and a.finished > lifted_at for a in answers)  # noqa: E731
+        wait_for("the leaking deployment to serve again", again, timeout=15)
+    finally:
+        stop.set()
+        for caller in callers:
+            caller.join(30)
+    forging = [a for a in answers if forging_from < a.started and a.finished < forging_until]
+    back = min(a.finished for a in answers if a.api_base == key_of(leaking) and a.finished > lifted_at)
+    print(
+        f"\n{len(forging)} answers while the monitor's place was a forger's, all from the healthy "
+        f"deployment; the next signed set reached the gateway {back - lifted_at:.2f} s after it was served"
+    )
+    assert len(forging) >= 20 and {(a.status, a.api_base) for a in forging} == {(200, key_of(healthy))}
+    assert back - lifted_at < CONTAINMENT_SECONDS
+    said = stack.gateway.output()
+    assert "refused a quarantine set" in said and "no signature" in said and "signed by no key" in said
+    assert stack.monitor.gateways == {"gw-test"}  # every read named the gateway
+
+
+@pytest.mark.external_service
 def test_a_stalled_then_gone_monitor_keeps_the_last_set_and_slows_no_request(stack: Stack) -> None:
     """Run last: it stops the loopback monitor."""
     leaking, healthy = stack.workers

@@ -69,10 +69,11 @@ class Replica:
 
 
 class Sampler:
-    """Reads the tap's set as a request would, every few milliseconds, and keeps what was wrong."""
+    """Reads the tap's set as a request would, every few milliseconds, and keeps what was wrong:
+    ``off`` routed to, or ``on`` kept off (api_bases as the gateway spells them)."""
 
-    def __init__(self, watch: BucketWatch):
-        self.watch = watch
+    def __init__(self, watch: BucketWatch, off: str = SHARED, on: str = HEALTHY):
+        self.watch, self.off, self.on = watch, off, on
         self.samples = 0
         self.wrong: list[str] = []
         self._stop = threading.Event()
@@ -81,9 +82,9 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self.watch.quarantined(SHARED) is None:
+            if self.watch.quarantined(self.off) is None:
                 self.wrong.append(f"the quarantined deployment routed to ({self.watch.current.revision})")
-            if self.watch.quarantined(HEALTHY) is not None:
+            if self.watch.quarantined(self.on) is not None:
                 self.wrong.append(f"the healthy deployment kept off ({self.watch.current.revision})")
             self.samples += 1
             time.sleep(0.002)
@@ -91,6 +92,53 @@ class Sampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+class Rogue:
+    """A plain NATS client with the rights to write the bucket, putting ``values`` in turn every
+    50 ms from a thread of its own until :meth:`stop`, which puts ``last`` as its last word."""
+
+    def __init__(self, url: str, bucket: str, values: list[bytes]):
+        self.url, self.bucket, self.values = url, bucket, values
+        self.puts = 0
+        self._stop = threading.Event()
+        self._last = b""
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> Rogue:
+        self._thread.start()
+        return self
+
+    async def _run(self) -> None:
+        client = await nats.connect(self.url)
+        kv = await client.jetstream(timeout=5).key_value(self.bucket)
+        while not self._stop.is_set():
+            await kv.put(QUARANTINE_KEY, self.values[self.puts % len(self.values)])
+            self.puts += 1
+            await asyncio.sleep(0.05)
+        await kv.put(QUARANTINE_KEY, self._last)
+        self.puts += 1
+        await client.close()
+
+    def stop(self, last: bytes) -> int:
+        """Stop, the bucket left holding ``last``; return how many values were put."""
+        self._last = last
+        self._stop.set()
+        self._thread.join(10)
+        return self.puts
+
+
+def held(url: str, bucket: str) -> bytes:
+    """The bucket's value now, read as any client with the rights to."""
+
+    async def read() -> bytes:
+        client = await nats.connect(url)
+        kv = await client.jetstream(timeout=5).key_value(bucket)
+        value = bytes((await kv.get(QUARANTINE_KEY)).value or b"")
+        await client.close()
+        return value
+
+    return asyncio.run(read())
 
 
 @pytest.fixture
@@ -103,10 +151,6 @@ def replica(stream_names: StreamNames, keys: SigningKeys) -> Iterator[Replica]:
     made = Replica(stream_names, keys)
     yield made
     made.close()
-
-
-async def _value(kv: Any) -> bytes:
-    return bytes((await kv.get(QUARANTINE_KEY)).value or b"")
 
 
 def test_a_rogue_writer_moves_no_tap_for_a_moment_and_the_monitors_next_change_reaches_it(
@@ -124,14 +168,7 @@ def test_a_rogue_writer_moves_no_tap_for_a_moment_and_the_monitors_next_change_r
     try:
         wait_until("the first set taken", lambda: watch.current.revision == 1, timeout=10)
 
-        async def before_the_quarantine() -> bytes:
-            client = await nats.connect(NATS_URL)
-            kv = await client.jetstream(timeout=5).key_value(stream_names.quarantine_bucket)
-            value = await _value(kv)
-            await client.close()
-            return value
-
-        replayed = asyncio.run(before_the_quarantine())  # the monitors' own, soon superseded
+        replayed = held(NATS_URL, stream_names.quarantine_bucket)  # the monitors' own, soon superseded
         replica.set = document("shared", revision=2)  # a leak's quarantine
         wait_until("the quarantine taken", lambda: watch.quarantined(SHARED), timeout=10)
         sampler = Sampler(watch)
@@ -140,20 +177,9 @@ def test_a_rogue_writer_moves_no_tap_for_a_moment_and_the_monitors_next_change_r
             forger.signer.sign(document("healthy", revision=3)),  # (b)
             replayed,  # (c)
         ]
-
-        async def rogue(seconds: float) -> int:
-            client = await nats.connect(NATS_URL)
-            kv = await client.jetstream(timeout=5).key_value(stream_names.quarantine_bucket)
-            puts, deadline = 0, time.monotonic() + seconds
-            while time.monotonic() < deadline:
-                await kv.put(QUARANTINE_KEY, forged[puts % len(forged)])
-                puts += 1
-                await asyncio.sleep(0.05)
-            await kv.put(QUARANTINE_KEY, forged[0])  # the last word a forgery
-            await client.close()
-            return puts + 1
-
-        puts = asyncio.run(rogue(6.0))
+        rogue = Rogue(NATS_URL, stream_names.quarantine_bucket, forged).start()
+        time.sleep(6.0)
+        puts = rogue.stop(last=forged[0])  # the last word a forgery
         # The monitor's next change, with a forgery in the bucket: an operator's quarantine of another.
         changed = time.monotonic()
         replica.set = document("shared", "other", revision=3)
