@@ -37,19 +37,21 @@ import httpx
 
 from tests.support import stop_process
 from tests.support.litellm import CALLERS, litellm_ready, start_proxy
+from tests.support.signing import SigningKeys, document, make_keys
 
 NOOP = "from litellm.integrations.custom_logger import CustomLogger\n\nnoop = CustomLogger()\n"
 SIZES = {"1KB": 1024, "16KB": 16 * 1024, "1MB": 1024 * 1024}
 #: 50 quarantined deployments on other hosts: the filter looks each of the group's up and keeps it.
 QUARANTINE_SET: dict[str, object] = {
-    "version": 1,
-    "generated_at": "2026-12-03T12:00:00Z",
+    **document(expires_seconds=86400),
     "deployments": [
         {"target": f"t{i}", "api_bases": [f"http://10.9.0.{i}:8000"], "enforced": True, "incident_id": i,
          "reason": "bench", "since": "2026-12-03T12:00:00Z"}
         for i in range(50)
     ],
 }  # fmt: skip
+#: The set is served signed, as a monitor serves it: the taps check it (set in main).
+SIGNING: list[SigningKeys] = []
 TEXT = Path("/usr/share/common-licenses/GPL-3").read_text() * 40
 
 
@@ -61,7 +63,7 @@ class Backend(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # /v1/models, /health; the monitor's quarantine set
         if self.path.startswith("/api/v1/quarantine"):
-            self._send(QUARANTINE_SET)
+            self._send_bytes(SIGNING[0].signer.sign(QUARANTINE_SET))
             return
         self._send({"data": [{"id": "m"}]})
 
@@ -80,7 +82,9 @@ class Backend(http.server.BaseHTTPRequestHandler):
         })  # fmt: skip
 
     def _send(self, obj: object) -> None:
-        data = json.dumps(obj).encode()
+        self._send_bytes(json.dumps(obj).encode())
+
+    def _send_bytes(self, data: bytes) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -131,7 +135,7 @@ def guard_cost(backend: str, size: int, n: int = 20_000) -> tuple[float, float]:
     from kvcanary.tap.containment.guard import AdmissionGuard
     from kvcanary.tap.containment.watch import QuarantineWatch
 
-    watch = QuarantineWatch(backend, "bench-token-0123456789", start=False)
+    watch = QuarantineWatch(backend, "bench-token-0123456789", keys=SIGNING[0].public_keys, start=False)
     assert watch.poll_once() and watch.current.guards, "the backend's guards were not read"
     guard = AdmissionGuard(watch, count=lambda target, mode: None)
     group = [{"model_name": "shop", "litellm_params": {"api_base": f"{backend}/v1"}}]
@@ -155,7 +159,7 @@ def filter_cost(backend: str, n: int = 20_000) -> tuple[float, float]:
     from kvcanary.tap.containment.litellm_filter import QuarantineFilter
     from kvcanary.tap.containment.watch import QuarantineWatch
 
-    watch = QuarantineWatch(backend, "bench-token-0123456789", start=False)
+    watch = QuarantineWatch(backend, "bench-token-0123456789", keys=SIGNING[0].public_keys, start=False)
     assert watch.poll_once(), "the backend's quarantine set was not read"
     keep = QuarantineFilter(watch, count=lambda target, mode: None).keep
     group = [
@@ -184,6 +188,7 @@ def main() -> None:
     tap_env = {"KVCANARY_TAP_URL": backend, "KVCANARY_TAP_TOKEN": "bench-token-0123456789",
                "KVCANARY_TAP_KEY": "bench-fingerprint-key-0123456789"}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
+        SIGNING.append(make_keys(Path(tmp) / "keys"))
         noop = Path(tmp) / "noop"
         noop.mkdir()
         (noop / "noop_logger.py").write_text(NOOP)
@@ -192,7 +197,9 @@ def main() -> None:
             "proxy+noop": start_proxy(noop, {"shop": backend}, tap_env, callback="noop_logger.noop"),
             "proxy+tap": start_proxy(Path(tmp) / "tap", {"shop": backend}, tap_env),
             "proxy+tap+q": start_proxy(
-                Path(tmp) / "quarantine", {"shop": backend}, {**tap_env, "KVCANARY_TAP_QUARANTINE": "1"}
+                Path(tmp) / "quarantine",
+                {"shop": backend},
+                {**tap_env, "KVCANARY_TAP_QUARANTINE": "1", **SIGNING[0].tap_env()},
             ),
         }
         try:

@@ -21,7 +21,11 @@ from typing import Any
 import yaml
 
 from kvcanary.monitor.app import Monitor, create_app
-from kvcanary.monitor.commands.demo_containment import contain_and_send_again, report_containment
+from kvcanary.monitor.commands.demo_containment import (
+    contain_and_send_again,
+    report_containment,
+    signing_keys,
+)
 from kvcanary.monitor.commands.demo_gateway import (
     Gateway,
     maybe_start_gateway,
@@ -92,7 +96,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 90.0) 
 
 
 def demo_config(
-    workdir: Path, urls: dict[str, str], port: int, alertmanager: str | None = None
+    workdir: Path, urls: dict[str, str], port: int, signing_key: Path, alertmanager: str | None = None
 ) -> dict[str, Any]:
     """The demo's configuration, as ``kvcanary.yml`` in the workdir holds it."""
     base = f"http://127.0.0.1:{port}"
@@ -123,6 +127,8 @@ def demo_config(
         # Recorded, not acted on, until the demo turns it on for the defective target
         # (demo_gateway.contain_and_send_again: kvcanary.yml rewritten and reloaded).
         "containment": {"mode": "observe", "admission_guard": "observe"},
+        # The monitor's half signs the set the gateway's tap takes (demo_containment.signing_keys).
+        "containment_signing": {"key_file": str(signing_key)},
         "spool": {"path": str(workdir / "spool")},
         "traffic": {"ingest_token_file": str(workdir / "ingest-token"), "pass_interval_seconds": 10},
     }
@@ -236,12 +242,13 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         for (name, url), proc in zip(urls.items(), procs, strict=True):
             _wait_ready(url, proc)
             print(f"  worker {name:<9} {url}  {' '.join(WORKERS[name])}", flush=True)
-        gateway = maybe_start_gateway(workdir, urls, gateway_key, port, ingest_token)
+        signing = signing_keys(workdir)
+        gateway = maybe_start_gateway(workdir, urls, gateway_key, port, ingest_token, signing.public)
         STOP.children.extend([gateway.proc] if gateway is not None else [])
         obs = _observability(workdir, port, urls)
         STOP.children.extend(obs.procs if obs is not None else [])
         config_path = workdir / "kvcanary.yml"
-        config = demo_config(workdir, urls, port, obs.alertmanager_url if obs else None)
+        config = demo_config(workdir, urls, port, signing.private, obs.alertmanager_url if obs else None)
         settings = write_config(config_path, config)
         upgrade(settings.database_url)
         printer = DemoPrinter(INTERVALS)

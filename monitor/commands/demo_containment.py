@@ -1,6 +1,9 @@
-"""The demo's containment: what the ``observe`` policy would have done, then quarantine and the
-admission guard turned on for the defective target (its ``containment`` in the demo's kvcanary.yml,
-reloaded as SIGHUP would) and the customers sent again through the gateway
+"""The demo's containment: both halves, as an operator sets them up. The monitor signs the set with
+the demo's key pair (``containment_signing.key_file``, made in the workdir as ``kvcanary containment
+keygen`` makes it) and the gateway's tap holds the public key (``KVCANARY_TAP_QUARANTINE=1``,
+``KVCANARY_TAP_QUARANTINE_PUBLIC_KEYS_FILE``). What the ``observe`` policy would have done, then
+quarantine and the admission guard turned on for the defective target (its ``containment`` in the
+demo's kvcanary.yml, reloaded as SIGHUP would) and the customers sent again through the gateway
 (``demo_gateway.py``): every later request to ``shop`` is the healthy worker's, and the blast
 radius stops growing."""
 
@@ -14,10 +17,24 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from kvcanary.monitor.commands.containment_keys import PRIVATE_NAME, PUBLIC_NAME, KeyPair, write_key_pair
 from kvcanary.monitor.commands.demo_gateway import Gateway, blast_radii, clock_time, customers, wait_delivered
+from kvcanary.tap.containment.signed import parse_public_keys
 
 if TYPE_CHECKING:
     from kvcanary.monitor.app import Monitor
+
+
+def signing_keys(workdir: Path) -> KeyPair:
+    """Return the demo's key pair for the quarantine set: made in ``workdir`` the first time, the
+    one there after (a workdir used again: its gateway and monitor keep agreeing)."""
+    private, public = workdir / PRIVATE_NAME, workdir / PUBLIC_NAME
+    if private.exists() and public.exists():
+        (key_id,) = parse_public_keys(public.read_text())
+        return KeyPair(private, public, key_id)
+    private.unlink(missing_ok=True)
+    public.unlink(missing_ok=True)
+    return write_key_pair(workdir)
 
 
 def report_containment(monitor: Monitor, gateway: Gateway | None) -> None:
@@ -88,6 +105,11 @@ async def contain_and_send_again(monitor: Monitor, gateway: Gateway) -> None:
             print(f"  guard     : prompts over {guard.kv_pool_tokens} tokens kept off {guard.target!r}")
     print(f"  gateway   : took it up {took:.1f}s after the reload" if took is not None
           else "  gateway   : did not say it took it up (see gateway.log)", flush=True)  # fmt: skip
+    reads = sum(n for (_, via), n in monitor.containment.reads.counts().items() if via == "http")
+    signer = monitor.containment.signer
+    print(f"  signed    : with key {signer.key_id if signer else '(none)'} (containment_signing.key_file), "
+          f"checked by the gateway's public key: {reads} reads so far "
+          "(kvcanary_quarantine_set_reads_total)", flush=True)  # fmt: skip
     before = gateway.over_pool_answered.total()
     counted_before = await asyncio.to_thread(_affected, monitor)
     await customers(gateway, SECOND_WAVE, pace=0.2, seed=2027)

@@ -93,10 +93,15 @@ class Gateway:
 
 
 def start_gateway(
-    workdir: Path, urls: dict[str, str], worker_key: str, monitor_url: str, ingest_token: str
+    workdir: Path,
+    urls: dict[str, str],
+    worker_key: str,
+    monitor_url: str,
+    ingest_token: str,
+    public_keys: Path,
 ) -> Gateway:
     """Start the proxy: model ``shop`` on both workers (LiteLLM picks one a request), ``shop-eu``
-    on the healthy one alone."""
+    on the healthy one alone; its tap takes only a quarantine set signed by ``public_keys``' key."""
     venv = litellm_venv()
     assert venv is not None
     folder = workdir / "gateway"
@@ -138,9 +143,10 @@ def start_gateway(
         "LITELLM_OFFLINE_MODE": "true", "LITELLM_LOG": "ERROR", "PYTHONPATH": str(path),
         "KVCANARY_TAP_URL": monitor_url, "KVCANARY_TAP_TOKEN": ingest_token,
         "KVCANARY_TAP_KEY": secrets.token_urlsafe(24), "KVCANARY_TAP_GATEWAY": "demo-litellm",
-        # The quarantine set and the admission guard's facts, read from the monitor (observe: the
-        # gateway routes as before and logs once what it would have kept off).
-        "KVCANARY_TAP_QUARANTINE": "1",
+        # The gateway's half of containment: the quarantine set and the admission guard's facts, read
+        # from the monitor (observe: routes as before and logs once what it would have kept off),
+        # taken only when the monitor's key signed them.
+        "KVCANARY_TAP_QUARANTINE": "1", "KVCANARY_TAP_QUARANTINE_PUBLIC_KEYS_FILE": str(public_keys),
     }  # fmt: skip
     log_path = workdir / "gateway.log"
     log = log_path.open("wb")
@@ -199,15 +205,16 @@ async def customers(gateway: Gateway, requests: int = REQUESTS, pace: float = 0.
 
 
 def maybe_start_gateway(
-    workdir: Path, urls: dict[str, str], key: str, port: int, ingest_token: str
+    workdir: Path, urls: dict[str, str], key: str, port: int, ingest_token: str, public_keys: Path
 ) -> Gateway | None:
     """Start the LiteLLM gateway with the tap when a LiteLLM venv is set up; otherwise say so."""
     if litellm_venv() is None:
         print("  (skipped the gateway: no LiteLLM venv — no customer traffic, no blast radius; "
               "scripts/demo.sh sets one up with scripts/setup-litellm.sh)", flush=True)  # fmt: skip
         return None
-    gateway = start_gateway(workdir, urls, key, f"http://127.0.0.1:{port}", ingest_token)
-    print(f"  gateway   {gateway.url}  LiteLLM with the kvcanary tap (starting)", flush=True)
+    gateway = start_gateway(workdir, urls, key, f"http://127.0.0.1:{port}", ingest_token, public_keys)
+    print(f"  gateway   {gateway.url}  LiteLLM with the kvcanary tap (starting), KVCANARY_TAP_QUARANTINE=1 "
+          f"with the monitor's public key {public_keys.name}", flush=True)  # fmt: skip
     return gateway
 
 

@@ -56,6 +56,9 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
     assert "/#/alerts" in out
     keys = [(tmp_path / f"key-{t}").read_text() for t in ("tenant-a", "tenant-b")]
     assert all(k not in out for k in keys)
+    # The quarantine set's signing key, made in the workdir: its private half is never shown.
+    private = (tmp_path / "quarantine-signing.key").read_text().splitlines()[1]
+    assert private not in out and (tmp_path / "quarantine-signing.pub").exists()
     # Containment under the demo's observe policy: recorded and said by the gateway, then turned on.
     assert "=== CONTAINMENT: defective would have quarantined (containment.mode: observe)" in out
     if litellm_venv() is not None:  # the gateway ran: the blast radius matches the customers' count
@@ -64,6 +67,8 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
         assert any("quarantined by kvcanary, target 'defective'" in line for line in said), out[-3000:]
         assert any("whose smallest KV pool is 2048 tokens" in line for line in said), out[-3000:]
         assert_contained(out)
+        signed = r"  signed    : with key [0-9a-f]{16} .*, checked by the gateway's public key: [1-9]\d* "
+        assert re.search(signed, out), out[-3000:]
 
 
 def summary(target: str, kind: str, verdict: Verdict) -> RunSummary:
