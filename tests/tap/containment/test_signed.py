@@ -19,10 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import REGISTRY
 
+from kvcanary.monitor.containment.signing import SetSigner
 from kvcanary.tap.containment.document import EMPTY
-from kvcanary.tap.containment.signed import Refused, open_set
+from kvcanary.tap.containment.signed import Refused, open_envelope, open_set, parse_public_keys
 from kvcanary.tap.containment.watch import QuarantineWatch
 from tests.support.loopback import Loopback
 from tests.support.signing import SHARED, SigningKeys, document, make_keys
@@ -169,3 +171,29 @@ def test_a_set_that_expires_in_the_tap_stays_applied_and_a_fresh_tap_refuses_it(
     assert not watch.poll_once() and watch.refused["expired"] == 1  # the same bytes again: now refused
     fresh = QuarantineWatch(answers.url, "token", keys=keys.public_keys, start=False)
     assert not fresh.poll_once() and fresh.current.empty and fresh.refused["expired"] == 1
+
+
+GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "quarantine_envelope.json"
+
+
+def test_the_golden_envelope_is_made_and_opened_byte_for_byte() -> None:
+    """What a tap or monitor in another language is checked against (``docs/tap-protocol.md``)."""
+    vector = json.loads(GOLDEN.read_text())
+    signer = SetSigner(Ed25519PrivateKey.from_private_bytes(bytes.fromhex(vector["seed_hex"])))
+    assert (signer.public_key, signer.key_id) == (vector["public_key"], vector["key_id"])
+    assert signer.sign(json.loads(vector["payload"])).decode() == vector["envelope"]
+    # The bytes signed, spelled out as the protocol does: no library's DSSE in between.
+    payload = vector["payload"].encode()
+    pae = b"DSSEv1 %d %s %d %s" % (
+        len(vector["payload_type"]),
+        vector["payload_type"].encode(),
+        len(payload),
+        payload,
+    )
+    assert base64.b64decode(vector["pae_base64"]) == pae
+    keys = parse_public_keys(vector["public_key"])
+    keys[vector["key_id"]].verify(base64.b64decode(vector["signature"]), pae)  # raises if it does not verify
+    assert open_envelope(vector["envelope"].encode(), keys) == (payload, vector["key_id"])
+    forged = vector["envelope"].replace(vector["signature"][:8], "AAAAAAAA")
+    with pytest.raises(Refused, match="bad_signature"):
+        open_envelope(forged.encode(), keys)
