@@ -37,29 +37,6 @@ class QuarantineOut(_Out):
     since: datetime
 
 
-class GuardOut(_Out):
-    target: str
-    api_bases: list[str] = Field(description="The api_base keys (kvcanary.wire.api_base_key) routed to it.")
-    mode: str = Field(description="observe: count what would be refused; enforce: refuse it.")
-    kv_pool_tokens: int = Field(description="The smallest KV pool of the nodes that admit its requests.")
-    chars_per_token: float | None = Field(
-        description="The most characters a token of its tokenizer held in the monitor's probes."
-    )
-
-
-class QuarantineSet(_Out):
-    """The signed payload: what a tap reads once the signature is checked."""
-
-    version: int = Field(description="2: the set signed, with revision, generated_at and expires_at.")
-    revision: int = Field(description="The newest quarantine change the set was read at: it only grows.")
-    generated_at: datetime
-    expires_at: datetime = Field(description="A tap refuses the set past this (a frozen set replayed).")
-    deployments: list[QuarantineOut]
-    guards: list[GuardOut] = Field(
-        default_factory=list, description="The admission guard's facts (monitor/containment/guards.py)."
-    )
-
-
 class Signature(_Out):
     keyid: str = Field(description="kvcanary.wire.key_id of the Ed25519 public key that verifies it.")
     sig: str = Field(description="Base64 Ed25519 signature of envelope_pae(payloadType, payload).")
@@ -69,7 +46,10 @@ class SignedSet(_Out):
     """A DSSE envelope: the set's exact bytes and the monitors' signature over them."""
 
     payloadType: str = Field(QUARANTINE_PAYLOAD_TYPE, description="What the payload is.")
-    payload: str = Field(description="Base64 of the set's JSON (QuarantineSet), the bytes signed.")
+    payload: str = Field(
+        description="Base64 of the set's JSON, the bytes signed: version 2, revision, generated_at, "
+        "expires_at, deployments and guards (docs/tap-protocol.md, Quarantine)."
+    )
     signatures: list[Signature]
 
 

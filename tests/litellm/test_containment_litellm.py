@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvcanary.monitor.containment.bucket import RECHECK_SECONDS
 from kvcanary.monitor.storage.db import make_engine, make_session_factory
 from kvcanary.tap.containment.bucket import BucketWatch
 from tests.litellm.test_quarantine_litellm import ask, entry, key_of, start_gateway
@@ -366,7 +367,7 @@ def test_a_forged_set_moves_no_gateway_for_a_moment_and_operator_changes_still_r
     forged_stack: ForgedStack, tmp_path: Path
 ) -> None:
     """An operator quarantines glm; then a rogue NATS client with the rights to write the bucket puts
-    the three forgeries 20 times a second for 8 s: no customer gets an answer from glm, none is
+    the three forgeries 20 times a second, each for 3 s: no customer gets an answer from glm, none is
     refused, the sampled tap never moves; after the forgery (the bucket's last value a forged one) an
     operator's lift, then (over another) a quarantine of calm, each reach both taps within 2 s."""
     stack, (first, second) = forged_stack, forged_stack.replicas
@@ -382,8 +383,8 @@ def test_a_forged_set_moves_no_gateway_for_a_moment_and_operator_changes_still_r
         first.wait_for("glm quarantined at the sampled tap", lambda: stack.sampled.quarantined(glm), 10)
         time.sleep(CONTAINMENT_SECONDS)
         sampler = Sampler(stack.sampled, off=glm, on=calm)
-        rogue = Rogue(NATS_URL, stack.bucket, forged).start()
-        time.sleep(8.0)
+        rogue = Rogue(NATS_URL, stack.bucket, forged, hold=RECHECK_SECONDS + 1).start()
+        time.sleep(len(forged) * (RECHECK_SECONDS + 1))
         puts = rogue.stop(last=forged[0])
         sampler.stop()
         lifted_at = by_hand("DELETE", "glm", second)

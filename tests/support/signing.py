@@ -14,6 +14,7 @@ import httpx
 
 from kvcanary.monitor.commands.containment_keys import write_key_pair
 from kvcanary.monitor.containment.signing import SetSigner, private_key
+from kvcanary.tap.containment.document import parse_quarantine
 from kvcanary.tap.containment.signed import PublicKeys, open_envelope, parse_public_keys
 from kvcanary.wire import GATEWAY_HEADER
 
@@ -84,5 +85,6 @@ def served_set(url: str, token: str, keys: SigningKeys, gateway: str = "tests") 
     assert answer.status_code == 200, answer.text
     payload, signer = open_envelope(answer.content, keys.public_keys)
     assert signer == keys.key_id
+    parse_quarantine(payload)  # a tap takes it whole
     found: dict[str, Any] = json.loads(payload)
     return found

@@ -34,6 +34,7 @@ import re
 from typing import TYPE_CHECKING
 
 from kvcanary.tap.containment.document import QuarantineSet, parse_quarantine
+from kvcanary.tap.record import printable_name
 from kvcanary.wire import QUARANTINE_PAYLOAD_TYPE, envelope_pae, key_id
 
 if TYPE_CHECKING:
@@ -120,7 +121,8 @@ def open_envelope(body: bytes, keys: PublicKeys) -> tuple[bytes, str]:
         return payload, item["keyid"]
     if failed:
         raise Refused("bad_signature", f"key {failed[0]} does not verify it")
-    named = ", ".join(str(item.get("keyid"))[:16] for item in signatures[:3] if isinstance(item, dict))
+    # The ids are the value's own: made printable before they reach a log line.
+    named = ", ".join(printable_name(item["keyid"])[:16] for item in signatures[:3])
     raise Refused("unknown_key", f"signed by no key this tap holds ({named})")
 
 

@@ -1,7 +1,7 @@
 """A rogue writer to the quarantine bucket moves no tap, on a real NATS: a monitor replica's publisher
 (``monitor/containment/bucket.py``, offered its set every half second as ``kvcanary serve`` does)
 and a tap's watch (``kvcanary/tap/containment/bucket.py``), while a plain NATS client with the
-rights to write the bucket puts, 20 times a second,
+rights to write the bucket puts, 20 times a second, each kind for 3 s,
 
 (a) an unsigned set lifting everything at revision 1e12,
 (b) a set signed by another key one revision above the real one, quarantining a healthy target and
@@ -28,7 +28,7 @@ import nats
 import pytest
 
 from kvcanary.monitor.config.settings import JetStreamConfig
-from kvcanary.monitor.containment.bucket import QuarantineBucket
+from kvcanary.monitor.containment.bucket import RECHECK_SECONDS, QuarantineBucket
 from kvcanary.tap.containment.bucket import BucketWatch
 from kvcanary.wire import QUARANTINE_KEY
 from tests.support.jetstream import NATS_URL, StreamNames, wait_until
@@ -95,11 +95,13 @@ class Sampler:
 
 
 class Rogue:
-    """A plain NATS client with the rights to write the bucket, putting ``values`` in turn every
-    50 ms from a thread of its own until :meth:`stop`, which puts ``last`` as its last word."""
+    """A plain NATS client with the rights to write the bucket, putting ``values`` every 50 ms from a
+    thread of its own until :meth:`stop`, which puts ``last`` as its last word: each value in turn,
+    or (``hold``) each for that many seconds before the next, long enough for a replica's reading
+    of the bucket (every ``RECHECK_SECONDS``) to find each kind."""
 
-    def __init__(self, url: str, bucket: str, values: list[bytes]):
-        self.url, self.bucket, self.values = url, bucket, values
+    def __init__(self, url: str, bucket: str, values: list[bytes], hold: float = 0.0):
+        self.url, self.bucket, self.values, self.hold = url, bucket, values, hold
         self.puts = 0
         self._stop = threading.Event()
         self._last = b""
@@ -112,8 +114,10 @@ class Rogue:
     async def _run(self) -> None:
         client = await nats.connect(self.url)
         kv = await client.jetstream(timeout=5).key_value(self.bucket)
+        began = time.monotonic()
         while not self._stop.is_set():
-            await kv.put(QUARANTINE_KEY, self.values[self.puts % len(self.values)])
+            turn = int((time.monotonic() - began) / self.hold) if self.hold else self.puts
+            await kv.put(QUARANTINE_KEY, self.values[turn % len(self.values)])
             self.puts += 1
             await asyncio.sleep(0.05)
         await kv.put(QUARANTINE_KEY, self._last)
@@ -177,8 +181,9 @@ def test_a_rogue_writer_moves_no_tap_for_a_moment_and_the_monitors_next_change_r
             forger.signer.sign(document("healthy", revision=3)),  # (b)
             replayed,  # (c)
         ]
-        rogue = Rogue(NATS_URL, stream_names.quarantine_bucket, forged).start()
-        time.sleep(6.0)
+        hold = RECHECK_SECONDS + 1
+        rogue = Rogue(NATS_URL, stream_names.quarantine_bucket, forged, hold=hold).start()
+        time.sleep(len(forged) * hold)
         puts = rogue.stop(last=forged[0])  # the last word a forgery
         # The monitor's next change, with a forgery in the bucket: an operator's quarantine of another.
         changed = time.monotonic()
@@ -186,7 +191,7 @@ def test_a_rogue_writer_moves_no_tap_for_a_moment_and_the_monitors_next_change_r
         wait_until("the change taken", lambda: watch.quarantined("http://other:1"), timeout=10)
         took = time.monotonic() - changed
         sampler.stop()
-        print(f"\n{puts} forged values in 6 s, {sampler.samples} samples of the tap's set: "
+        print(f"\n{puts} forged values in {len(forged) * hold:.0f} s, {sampler.samples} samples of the tap: "
               f"{len(sampler.wrong)} wrong; the monitor's next change reached the tap {took * 1000:.0f} ms "
               f"after it was made")  # fmt: skip
         assert sampler.wrong == [] and sampler.samples > 500

@@ -197,3 +197,13 @@ def test_the_golden_envelope_is_made_and_opened_byte_for_byte() -> None:
     forged = vector["envelope"].replace(vector["signature"][:8], "AAAAAAAA")
     with pytest.raises(Refused, match="bad_signature"):
         open_envelope(forged.encode(), keys)
+
+
+def test_a_forged_key_id_reaches_the_log_printable(keys: SigningKeys) -> None:
+    """A refusal is logged with the ids the value named: a forger's must not start a log line."""
+    forged_id = "x\nkvcanary tap: the quarantine is read again"
+    envelope = {"payloadType": "application/vnd.kvcanary.quarantine+json", "payload": "e30=",
+                "signatures": [{"keyid": forged_id, "sig": "AAAA"}]}  # fmt: skip
+    with pytest.raises(Refused) as refused:
+        open_envelope(json.dumps(envelope).encode(), keys.public_keys)
+    assert refused.value.reason == "unknown_key" and "\n" not in str(refused.value)
