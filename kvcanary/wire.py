@@ -46,6 +46,8 @@ APPLIED_TOKEN = "applied"
 GATEWAY_HEADER = "Kvcanary-Gateway"
 #: A gateway's name (``KVCANARY_TAP_GATEWAY``): a metric label, a header and a subject's tail.
 GATEWAY_PATTERN = r"[A-Za-z0-9_.:-]{1,64}"
+#: What a tap polling the quarantine set holds, sent with each read: ``<revision> <key id>``.
+QUARANTINE_HELD_HEADER = "Kvcanary-Quarantine-Held"
 DROPPED_HEADER = "Kvcanary-Dropped"
 RECORDS_HEADER = "Kvcanary-Records"
 #: Records one batch may report dropped (its ``dropped``): one input cannot move the monitor's drop

@@ -7,6 +7,7 @@ it, and nothing else), signed by the monitors' key and each read counted by the 
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -19,7 +20,7 @@ from kvcanary.monitor.api.schemas import Problem, _Out
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.containment import Containment, Quarantine, UnknownTarget
 from kvcanary.monitor.containment.document import api_bases
-from kvcanary.wire import GATEWAY_HEADER, QUARANTINE_PAYLOAD_TYPE
+from kvcanary.wire import GATEWAY_HEADER, QUARANTINE_HELD_HEADER, QUARANTINE_PAYLOAD_TYPE
 
 set_router = APIRouter(prefix="/api/v1/quarantine", tags=["containment"])
 router = APIRouter(prefix="/targets", tags=["containment"])
@@ -85,9 +86,13 @@ async def quarantine_set(
     quarantined target with the api_base keys a tap compares its deployments' with
     (``enforced: false`` entries are the observe policy's: count, do not filter), and the admission
     guard's facts of the guarded targets. The read is counted by the ``Kvcanary-Gateway`` header's
-    gateway. 503 where this monitor has no signing key (``containment_signing.key_env``)."""
+    gateway and the key of the set it says it holds (``Kvcanary-Quarantine-Held: <revision> <key
+    id>``, none before its first). 503 where this monitor has no signing key
+    (``containment_signing.key_env``)."""
     require_ingest(request, credentials)
-    body = await _containment(request).signed(request.headers.get(GATEWAY_HEADER))
+    held = request.headers.get(QUARANTINE_HELD_HEADER, "")
+    key = held.split(" ")[-1] if re.fullmatch(r"\d{1,19} [0-9a-f]{16}", held) else ""
+    body = await _containment(request).signed(request.headers.get(GATEWAY_HEADER), key)
     if body is None:
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE,

@@ -143,14 +143,15 @@ class Containment:
         """Return the set as the gateways read it, from the rows as they are now."""
         return self.published(await asyncio.to_thread(self.rules.current))
 
-    async def signed(self, gateway: str | None) -> bytes | None:
-        """Return the set, signed, as ``GET /api/v1/quarantine`` serves it to ``gateway`` (a read
-        counted), or None where there is no key to sign it with."""
+    async def signed(self, gateway: str | None, held_key: str = "") -> bytes | None:
+        """Return the set, signed, as ``GET /api/v1/quarantine`` serves it to ``gateway``, which
+        holds a set signed by ``held_key`` ("": none yet), a read counted; None where there is no
+        key to sign it with."""
         signer = self.signer
         if signer is None:
             return None
         body = signer.sign(await self.document())
-        self.reads.note(gateway, "http", signer.key_id)
+        self.reads.note(gateway, "http", held_key)
         return body
 
     def report(self) -> ContainmentReport:

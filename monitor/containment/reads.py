@@ -3,10 +3,12 @@
 Over HTTP each ``GET /api/v1/quarantine`` is a read by the gateway its ``Kvcanary-Gateway`` header
 names; over NATS the monitors cannot see a watch of the bucket, so each tap acknowledges the set it
 applies on ``<bucket>.applied.<gateway>`` (``kvcanary/tap/containment/bucket.py``), which every
-replica hears. :class:`SetReads` keeps, per gateway, how many reads this replica saw (by
-transport) and when it last saw one (by the key that signed the set read: during a rotation, which
-gateways read sets of the new key). Each replica sees only its own HTTP reads: a rule over them
-takes ``max`` across replicas (``KVCanaryContainmentUnapplied``).
+replica hears. Both say which set the gateway holds (over HTTP the ``Kvcanary-Quarantine-Held``
+header of each read). :class:`SetReads` keeps, per gateway, how many reads this replica saw (by
+transport) and when it last saw one, by the key of the set the gateway held (after a key rotation,
+which gateways follow the new key: one without it keeps the old key's set). Each replica sees
+only its own HTTP reads: a rule over them takes ``max`` across replicas
+(``KVCanaryContainmentUnapplied``).
 
 At most ``MAX_GATEWAYS`` names are kept; reads under any other count as ``OVERFLOW``, so a caller
 naming a new gateway each time cannot grow the monitor's series without bound.
@@ -44,7 +46,8 @@ class SetReads:
         self._lock = threading.Lock()
 
     def note(self, gateway: str | None, via: str, key_id: str) -> None:
-        """Count a read of the set signed by ``key_id`` by ``gateway`` over ``via`` (http, nats)."""
+        """Count a read by ``gateway`` over ``via`` (http, nats), which held a set signed by
+        ``key_id`` ("": none yet)."""
         name = gateway if gateway and re.fullmatch(GATEWAY_PATTERN, gateway) else UNNAMED
         with self._lock:
             if name not in self._gateways:

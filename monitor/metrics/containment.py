@@ -9,7 +9,8 @@ set and the replica's own counts left:
 - ``kvcanary_quarantine_set_reads_total{gateway,via}`` and
   ``kvcanary_quarantine_set_last_read_timestamp_seconds{gateway,key_id}``: the gateways' reads of
   the set this replica saw (``via`` http: its GETs; nats: the taps' acknowledgements), and when
-  each last read a set signed by each key;
+  each last read it, by the key of the set it held then (what it applies: after a key rotation,
+  which gateways follow the new key);
 - ``kvcanary_quarantine_bucket_foreign_total{reason}``: values the monitors did not put, found in
   the bucket and put right;
 - ``kvcanary_quarantine_signing_key_info{key_id}``: 1 for the key this replica signs with (none
@@ -88,8 +89,8 @@ def _of(report: ContainmentReport) -> Iterator[Metric]:
         reads.add_metric([gateway, via], count)
     last = GaugeMetricFamily(
         "kvcanary_quarantine_set_last_read_timestamp_seconds",
-        "When each gateway last read (or acknowledged) a quarantine set signed by each key, as this "
-        "replica saw it.",
+        "When each gateway last read (or acknowledged) the quarantine set, by the key of the set it held "
+        "then, as this replica saw it.",
         labels=["gateway", "key_id"],
     )
     for (gateway, key), at in sorted(report.last_reads.items()):

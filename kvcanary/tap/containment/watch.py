@@ -2,10 +2,11 @@
 which every replica of the gateway stops routing customers to within two seconds.
 
 :class:`QuarantineWatch` reads ``GET {monitor}/api/v1/quarantine`` (``docs/tap-protocol.md``,
-"Quarantine") every ``poll_seconds`` on a daemon thread of its own, naming its gateway
-(``Kvcanary-Gateway``: the monitor counts each gateway's reads), and swaps in whole a set the
-monitors signed that is newer than the one it holds (``signed.py``): a request's lookup
-(:meth:`QuarantineWatch.snapshot`) reads memory only and never waits for the monitor.
+"Quarantine") every ``poll_seconds`` on a daemon thread of its own, naming its gateway and the set it
+holds (``Kvcanary-Gateway``, ``Kvcanary-Quarantine-Held``: the monitor counts each gateway's reads
+by the key of the set it applies), and swaps in whole a set the monitors signed that is newer than
+the one it holds (``signed.py``): a request's lookup (:meth:`QuarantineWatch.snapshot`) reads memory
+only and never waits for the monitor.
 
 What it does not take keeps the last set taken, and is said:
 
@@ -50,7 +51,7 @@ from kvcanary.tap.containment.document import (
 from kvcanary.tap.containment.signed import PublicKeys, Refused, describe, open_set
 from kvcanary.tap.gateway_metrics import gateway_counter, gateway_gauge
 from kvcanary.tap.http import _OPENER
-from kvcanary.wire import GATEWAY_HEADER, api_base_key
+from kvcanary.wire import GATEWAY_HEADER, QUARANTINE_HELD_HEADER, api_base_key
 
 log = logging.getLogger("kvcanary.tap")
 
@@ -244,7 +245,10 @@ class QuarantineWatch:
     def _read(self) -> bytes:
         """Return a 200 answer's body; raise OSError (no answer) or ValueError (another status, or
         a body over ``MAX_BODY_BYTES``)."""
-        request = urllib.request.Request(self.url, headers=self._headers, method="GET")
+        headers = dict(self._headers)
+        if (held := self.current).revision >= 0:  # which set this gateway applies, for the monitor's count
+            headers[QUARANTINE_HELD_HEADER] = f"{held.revision} {held.key_id}"
+        request = urllib.request.Request(self.url, headers=headers, method="GET")
         try:
             with _OPENER.open(request, timeout=self.timeout_seconds) as answer:
                 if answer.status != 200:

@@ -30,7 +30,7 @@ from kvcanary.wire import api_base_key
 from tests.monitor.served import Served, reference_target
 from tests.support.jetstream import NATS_URL, StreamNames
 from tests.support.services import start_prometheus
-from tests.support.signing import make_keys, served_set
+from tests.support.signing import SigningKeys, make_keys, served_set
 
 INGEST = "signing-test-ingest-token-0123456789"
 RULES = Path(__file__).resolve().parents[3] / "alerts" / "kvcanary.rules.yml"
@@ -135,9 +135,17 @@ def test_a_key_rotation_walked_end_to_end(
     both = tmp_path / "old-and-new.pub"  # the gateways' and the monitors' public keys while rotating
     both.write_text(old.public.read_text() + new.public.read_text())
 
-    def tap(*holding: Path) -> BucketWatch:
-        text = "".join(path.read_text() for path in holding)
-        return BucketWatch(NATS_URL, bucket=bucket, keys=parse_public_keys(text), poll_seconds=0.2)
+    def tap(gateway: str, *holding: Path, http: bool = False) -> QuarantineWatch:
+        """A gateway's tap holding the public keys of ``holding``: watching the bucket, or polling."""
+        keys = parse_public_keys("".join(path.read_text() for path in holding))
+        if http:
+            return QuarantineWatch(monitor.url, INGEST, keys=keys, gateway=gateway, poll_seconds=0.2)
+        return BucketWatch(NATS_URL, bucket=bucket, keys=keys, gateway=gateway, poll_seconds=0.2)
+
+    def applies(gateway: str, key: SigningKeys) -> float | None:
+        """When the monitor last heard ``gateway`` read the set holding one ``key`` signed."""
+        return monitor.value("kvcanary_quarantine_set_last_read_timestamp_seconds", gateway=gateway,
+                             key_id=key.key_id)  # fmt: skip
 
     def reload(**change: Any) -> float:
         """Change the monitor's containment_signing and SIGHUP it; return the reload clock before."""
@@ -152,7 +160,7 @@ def test_a_key_rotation_walked_end_to_end(
         return (monitor.value("kvcanary_config_last_reload_success_timestamp_seconds") or 0.0) > before
 
     glm = api_base_key(NOWHERE)
-    watches = [tap(old.public)]
+    watches = [tap("gw-old", old.public), tap("gw-http-old", old.public, http=True)]
     try:
         put = httpx.post(
             f"{monitor.url}/api/v1/targets/glm/quarantine", json={"reason": "drain"}, headers=auth
@@ -162,26 +170,39 @@ def test_a_key_rotation_walked_end_to_end(
             "the old key's tap to take the quarantine", lambda: watches[0].current.enforced.get(glm)
         )
         # 1. Every gateway gets the new public key beside the old one (a restart of each).
-        watches.append(tap(both))
-        monitor.wait_for("the rotating tap to take the set", lambda: watches[1].current.enforced.get(glm))
+        watches += [tap("gw-both", both), tap("gw-http-both", both, http=True)]
+        rotating = watches[2:]
+        taken = lambda: all(w.current.enforced.get(glm) for w in rotating)  # noqa: E731
+        monitor.wait_for("the rotating taps to take the set", taken)
         # 2. The monitors: the new private key, the old public key still theirs; reloaded.
         before = reload(key_file=str(new.private), public_keys_file=str(old.public))
         monitor.wait_for("the reload taken", lambda: reloaded(before))
         in_force = lambda: monitor.value("kvcanary_quarantine_signing_key_info", key_id=new.key_id)  # noqa: E731
         monitor.wait_for("the new key in force", in_force)
         assert served_set(monitor.url, INGEST, new)["deployments"]  # HTTP: signed with the new key at once
-        # The bucket's set is signed anew within renew_seconds: the rotating tap follows.
-        monitor.wait_for("the bucket's set re-signed", lambda: watches[1].current.key_id == new.key_id, 15)
+        # The bucket's set is signed anew within renew_seconds: the rotating taps follow, and the
+        # monitor sees that they do, by the key of the set each says it applies.
+        followed = lambda: all(w.current.key_id == new.key_id for w in rotating)  # noqa: E731
+        monitor.wait_for("the new key's set taken", followed, 15)
+        monitor.wait_for("the rotating gateways seen applying it",
+                         lambda: applies("gw-both", new) and applies("gw-http-both", new), 15)  # fmt: skip
         lifted = httpx.delete(f"{monitor.url}/api/v1/targets/glm/quarantine", headers=auth)
         assert lifted.status_code == 200, lifted.text
-        monitor.wait_for("the lift at the rotating tap", lambda: not watches[1].current.enforced, 10)
-        # A tap left with the old key alone refuses the new key's sets and keeps its last: the
-        # reason the gateways get the new key first.
-        assert watches[0].current.enforced.get(glm) and watches[0].refused["unknown_key"] >= 1
+        monitor.wait_for(
+            "the lift at the rotating taps", lambda: not any(w.current.enforced for w in rotating)
+        )
+        # A gateway left with the old key alone refuses the new key's sets and keeps its last (the
+        # reason the gateways get the new key first), and the monitor sees it still on the old key.
+        for watch in watches[:2]:
+            assert watch.current.enforced.get(glm) and watch.refused["unknown_key"] >= 1
+        assert applies("gw-old", old) and applies("gw-http-old", old)
+        assert applies("gw-old", new) is None and applies("gw-http-old", new) is None
         # 3. The old key leaves: the gateways hold the new one alone, the monitors trust only theirs.
-        watches.append(tap(new.public))
-        monitor.wait_for("the new key's tap to take the set", lambda: watches[2].current.key_id == new.key_id)
-        assert not watches[2].current.enforced
+        watches.append(tap("gw-new", new.public))
+        monitor.wait_for(
+            "the new key's tap to take the set", lambda: watches[-1].current.key_id == new.key_id
+        )
+        assert not watches[-1].current.enforced
         before = reload(public_keys_file=None)
         monitor.wait_for("the reload taken", lambda: reloaded(before))
         assert monitor.value("kvcanary_config_last_reload_successful") == 1
