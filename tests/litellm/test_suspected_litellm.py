@@ -36,6 +36,7 @@ from tests.monitor.served import Served, reference_target
 from tests.support import WorkerProcess, launch_worker, stop_process, wait_worker
 from tests.support.benign_engine import BenignEngine, BenignServer
 from tests.support.litellm import Proxy, start_proxy
+from tests.support.signing import SigningKeys, make_keys, served_set
 
 pytestmark = pytest.mark.external_service
 
@@ -91,10 +92,12 @@ class Scene:
     proxy: Proxy
     healthy: RecitingServer
     defective: WorkerProcess
+    keys: SigningKeys
 
 
 @pytest.fixture
 def scene(served: Any, tmp_path: Path) -> Iterator[Scene]:
+    keys = make_keys(tmp_path / "keys")
     healthy = RecitingServer()
     defective = launch_worker(DEFECTIVE, tmp_path)
     proxy = None
@@ -104,6 +107,7 @@ def scene(served: Any, tmp_path: Path) -> Iterator[Scene]:
             "targets": [reference_target("shop", healthy.url, **PROBES),
                         reference_target("lab", defective.url, **PROBES)],
             "containment": {"mode": "quarantine"},
+            "containment_signing": keys.monitor_config(),
             "traffic": {"ingest_token_env": "KVC_TEST_INGEST", "pass_interval_seconds": 5},
         })  # fmt: skip
         monitor.env["KVC_TEST_INGEST"] = INGEST
@@ -112,9 +116,10 @@ def scene(served: Any, tmp_path: Path) -> Iterator[Scene]:
             "KVCANARY_TAP_URL": monitor.url, "KVCANARY_TAP_TOKEN": INGEST, "KVCANARY_TAP_GATEWAY": "gw-trust",
             "KVCANARY_TAP_KEY": "a-fingerprint-key-the-monitor-never-sees", "KVCANARY_TAP_QUARANTINE": "1",
             "KVCANARY_TAP_QUARANTINE_POLL_SECONDS": "0.5", "KVCANARY_TAP_FLUSH_SECONDS": "0.2",
+            **keys.tap_env(),
         }  # fmt: skip
         proxy = start_proxy(tmp_path / "gateway", {"shop": healthy.url, "lab": defective.url}, env)
-        yield Scene(monitor, proxy, healthy, defective)
+        yield Scene(monitor, proxy, healthy, defective, keys)
     finally:
         if proxy is not None:
             stop_process(proxy.proc)
@@ -153,9 +158,13 @@ def timeline(monitor: Served, incident_id: int) -> list[IncidentEvent]:
         engine.dispose()
 
 
-def quarantined(monitor: Served) -> set[str]:
-    answer = monitor.get("/api/v1/quarantine", token=INGEST).json()
-    return {entry["target"] for entry in answer["deployments"] if entry["enforced"]}
+def deployments(scene: Scene) -> list[dict[str, Any]]:
+    """The deployments of the set the monitor serves the gateways, its signature checked."""
+    return list(served_set(scene.monitor.url, INGEST, scene.keys)["deployments"])
+
+
+def quarantined(scene: Scene) -> set[str]:
+    return {entry["target"] for entry in deployments(scene) if entry["enforced"]}
 
 
 def proven_leak(monitor: Served, target: str) -> Incident | None:
@@ -187,7 +196,7 @@ def test_customers_sharing_a_public_text_quarantine_nothing_and_a_real_leak_is_p
     assert checked.reason == "none_found", checked.note
     assert {"canary", "cross_tenant", "boundary"} <= {run.split(":")[0] for run in checked.note.split("; ")}
     time.sleep(2)  # two rounds of the rules and four polls of the tap after the verification
-    assert quarantined(monitor) == set()
+    assert quarantined(scene) == set()
     assert {i.certainty for i in incidents(monitor, "shop")} == {"suspected"}  # hints, and no proof
     served = [ask(scene, INITECH, "shop", "Say OK", 4).status_code for _ in range(5)]
     assert served.count(200) >= 4, served  # the benign engine's own rare 503 aside
@@ -203,7 +212,7 @@ def test_customers_sharing_a_public_text_quarantine_nothing_and_a_real_leak_is_p
     # The over-pool 2xx itself is certain too (the capacity check), but a mismatch: it pages only.
     suspicion_to_proof = (proof.opened_at - hints[0].opened_at).total_seconds()
     assert proof.probe in ("boundary", "cross_tenant", "canary"), proof.probe
-    monitor.wait_for("lab quarantined", lambda: "lab" in quarantined(monitor), timeout=10)
+    monitor.wait_for("lab quarantined", lambda: "lab" in quarantined(scene), timeout=10)
     refused_at = monitor.wait_for(
         "the gateway refusing lab",
         lambda: time.time() if ask(scene, INITECH, "lab", "Say OK", 4).status_code == 503 else None,
@@ -211,8 +220,8 @@ def test_customers_sharing_a_public_text_quarantine_nothing_and_a_real_leak_is_p
     )
     proven_to_refused = refused_at - proof.opened_at.timestamp()
     assert proven_to_refused < 2.0 + 1.0, proven_to_refused  # the 2 s promise, and a request's own time
-    assert "shop" not in quarantined(monitor)
+    assert "shop" not in quarantined(scene)
     print(f"suspicion to proof {suspicion_to_proof:.2f} s; proof to refusal {proven_to_refused:.2f} s")
-    with_quarantine = monitor.get("/api/v1/quarantine", token=INGEST).json()["deployments"]
+    with_quarantine = deployments(scene)
     assert [(e["target"], e["cause"]) for e in with_quarantine] == [("lab", "incident")]
     assert datetime.fromisoformat(with_quarantine[0]["since"]) >= proof.opened_at
