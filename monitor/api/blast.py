@@ -18,6 +18,7 @@ from fastapi.encoders import jsonable_encoder
 from pydantic import StringConstraints
 from sqlalchemy.orm import Session
 
+from kvcanary.monitor.api import statuses
 from kvcanary.monitor.api.deps import MAX_ID, SessionDep
 from kvcanary.monitor.api.schemas import Problem
 from kvcanary.monitor.api.state import api_state
@@ -27,7 +28,7 @@ from kvcanary.monitor.config.secrets import tenant_keys
 from kvcanary.monitor.config.settings import ConfigError, Settings
 from kvcanary.monitor.traffic.judge import TrafficJudge, own_key_digests
 
-router = APIRouter(prefix="/incidents", tags=["incidents"])
+router = APIRouter(prefix="/incidents", tags=["incidents"], responses=statuses.UNAVAILABLE)
 
 Caller = Annotated[str, StringConstraints(max_length=200)]
 

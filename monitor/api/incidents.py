@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query
 
+from kvcanary.monitor.api import statuses
 from kvcanary.monitor.api.deps import (
     MAX_ID,
     NAME_PATTERN,
@@ -27,7 +28,7 @@ from kvcanary.monitor.api.schemas import (
 from kvcanary.monitor.storage import queries
 from kvcanary.monitor.storage.models import Severity, State
 
-router = APIRouter(prefix="/incidents", tags=["incidents"])
+router = APIRouter(prefix="/incidents", tags=["incidents"], responses=statuses.UNAVAILABLE)
 
 
 @router.get("", summary="List incidents, newest opened first", description=PAGING_HELP)

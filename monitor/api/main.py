@@ -17,18 +17,19 @@ from kvcanary.monitor.api import (
     pages,
     probe_results,
     runbooks,
+    statuses,
     targets,
     traffic,
 )
 from kvcanary.monitor.api.deps import require_token
 from kvcanary.monitor.api.docs import serve_docs
-from kvcanary.monitor.api.schemas import Problem
+from kvcanary.monitor.api.schemas import Problem, ReloadOut
 from kvcanary.monitor.api.state import ApiState, api_state
 
 api_router = APIRouter(
     prefix="/api/v1",
     dependencies=[Depends(require_token)],
-    responses={401: {"model": Problem, "description": "Missing or invalid bearer token."}},
+    responses=statuses.UNAUTHORIZED,
 )
 api_router.include_router(incidents.router)
 api_router.include_router(blast.router)
@@ -69,16 +70,23 @@ def build_http_app(
         "/-/reload",
         dependencies=[Depends(require_token)],
         summary="Reload the configuration file (as SIGHUP does)",
-        responses={400: {"model": Problem, "description": "The file was refused; the one in force stays."}},
+        response_model=ReloadOut,
+        responses={
+            400: {"model": Problem, "description": "The file was refused; the one in force stays."},
+            **statuses.UNAUTHORIZED,
+            # A reload writes the targets it names.
+            **statuses.UNAVAILABLE,
+        },
         tags=["health"],
     )
-    async def reload(request: Request) -> JSONResponse:
+    async def reload(request: Request) -> ReloadOut | JSONResponse:
         run = api_state(request).reload
         refused = (
             "this app has no configuration file to reload" if run is None else await run("POST /-/reload")
         )
         if refused:
             return JSONResponse({"detail": refused}, status_code=400)
-        return JSONResponse({"status": "reloaded"})
+        return ReloadOut(status="reloaded")
 
+    statuses.install(app)
     return app

@@ -32,6 +32,7 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from kvcanary.monitor.api import statuses
 from kvcanary.monitor.api.blast import page_radius
 from kvcanary.monitor.api.deps import MAX_ID, SessionDep, token_matches
 from kvcanary.monitor.api.state import api_state
@@ -59,7 +60,10 @@ _HEADERS = {
     "/{incident_id}",
     summary="The incident page an alert links to (HTML)",
     response_class=HTMLResponse,
-    responses={403: {"description": "The link does not open this incident (or there is none)."}},
+    responses={
+        403: statuses.problem_as_json("The link does not open this incident (or there is none)."),
+        **statuses.UNAVAILABLE_AS_JSON,
+    },
 )
 def incident_page(
     request: Request,

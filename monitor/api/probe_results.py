@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from kvcanary.monitor.api import statuses
 from kvcanary.monitor.api.deps import (
     NAME_PATTERN,
     PAGING_HELP,
@@ -19,7 +20,7 @@ from kvcanary.monitor.api.schemas import ProbeResultOut, ProbeResultPage
 from kvcanary.monitor.storage import queries
 from kvcanary.monitor.storage.models import Verdict
 
-router = APIRouter(prefix="/probe-results", tags=["probe results"])
+router = APIRouter(prefix="/probe-results", tags=["probe results"], responses=statuses.UNAVAILABLE)
 
 
 @router.get("", summary="List probe results, newest first", description=PAGING_HELP)

@@ -15,11 +15,18 @@ from fastapi import Path as PathParam
 from fastapi.responses import PlainTextResponse
 
 from kvcanary import monitor
+from kvcanary.monitor.api import statuses
 
 #: The repository's runbooks. They sit beside the ``monitor`` package, like ``migrations/``.
 RUNBOOKS_DIR = Path(monitor.__file__).resolve().parent.parent / "alerts" / "runbooks"
 
 router = APIRouter(prefix="/runbooks", tags=["runbooks"])
+
+
+class MarkdownResponse(PlainTextResponse):
+    """A runbook as written: Markdown, in UTF-8."""
+
+    media_type = "text/markdown"
 
 
 @router.get("", summary="The runbooks there are, one per alert", response_class=PlainTextResponse)
@@ -31,11 +38,11 @@ def list_runbooks() -> PlainTextResponse:
 @router.get(
     "/{name}",
     summary="One alert's runbook (Markdown)",
-    response_class=PlainTextResponse,
-    responses={404: {"description": "No runbook has this name."}},
+    response_class=MarkdownResponse,
+    responses={404: statuses.problem_as_json("No runbook has this name.")},
 )
-def get_runbook(name: Annotated[str, PathParam(pattern=r"^[A-Za-z0-9]{1,80}$")]) -> PlainTextResponse:
+def get_runbook(name: Annotated[str, PathParam(pattern=r"^[A-Za-z0-9]{1,80}$")]) -> MarkdownResponse:
     path = RUNBOOKS_DIR / f"{name}.md"
     if not path.is_file():
         raise HTTPException(status_code=404, detail=f"no runbook named {name!r}")
-    return PlainTextResponse(path.read_text(encoding="utf-8"), media_type="text/markdown; charset=utf-8")
+    return MarkdownResponse(path.read_text(encoding="utf-8"))

@@ -17,7 +17,8 @@ class _Out(BaseModel):
 
 
 class Problem(_Out):
-    """An error answer (401, 404, 503)."""
+    """An error answer: what was refused and why (every error status but 422, whose ``detail``
+    lists each parameter at fault)."""
 
     detail: str
 
@@ -171,6 +172,10 @@ class RunOut(_Out):
     status: Literal["running", "done", "failed"]
     results: list[ProbeRunOut] = Field(description="Each probe's verdict once the run is done; [] before.")
     error: str | None = None
+
+
+class ReloadOut(_Out):
+    status: Literal["reloaded"]
 
 
 class HealthOut(BaseModel):

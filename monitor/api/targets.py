@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 
+from kvcanary.monitor.api import statuses
 from kvcanary.monitor.api.deps import SessionDep
 from kvcanary.monitor.api.schemas import (
     LastVerdictOut,
@@ -29,7 +30,7 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.get("", summary="Configured targets and each probe's latest verdict")
+@router.get("", summary="Configured targets and each probe's latest verdict", responses=statuses.UNAVAILABLE)
 def list_targets(request: Request, session: SessionDep) -> TargetList:
     """Return every configured target, in order, with the latest verdict of each probe judged so far
     (and the node or path it ran on) and its open incidents, each naming the node or path it came from."""
@@ -71,8 +72,16 @@ def list_targets(request: Request, session: SessionDep) -> TargetList:
     status_code=200,
     responses={
         **_NOT_FOUND,
-        202: {"model": RunOut, "description": "Still running after `wait` seconds: read it at its URL."},
-        429: {"model": Problem, "description": "Run on request too recently; see Retry-After."},
+        202: {
+            "model": RunOut,
+            "description": "Still running after `wait` seconds: read it at its URL.",
+            "headers": {"Location": statuses.header("The run's URL: `GET` it for the verdicts.")},
+        },
+        429: {
+            "model": Problem,
+            "description": "Run on request too recently; see Retry-After.",
+            "headers": {"Retry-After": statuses.header("Seconds until the target may be run on request.")},
+        },
     },
 )
 async def run_target(
