@@ -19,7 +19,7 @@ from pydantic import StringConstraints
 from sqlalchemy.orm import Session
 
 from kvcanary.monitor.api import statuses
-from kvcanary.monitor.api.deps import MAX_ID, SessionDep
+from kvcanary.monitor.api.deps import MAX_ID, NO_NUL_PATTERN, SessionDep
 from kvcanary.monitor.api.schemas import Problem
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.blast.compute import BlastSources, blast_radius, configured_sources
@@ -30,7 +30,7 @@ from kvcanary.monitor.traffic.judge import TrafficJudge, own_key_digests
 
 router = APIRouter(prefix="/incidents", tags=["incidents"], responses=statuses.UNAVAILABLE)
 
-Caller = Annotated[str, StringConstraints(max_length=200)]
+Caller = Annotated[str, StringConstraints(max_length=200, pattern=NO_NUL_PATTERN)]
 
 
 def sources_of(settings: Settings, judge: TrafficJudge | None, exclude: Sequence[str] = ()) -> BlastSources:

@@ -16,11 +16,14 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from fastapi import Depends, HTTPException, Query, Request, Security, status
+from fastapi.dependencies.models import Dependant
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import TypeAdapter, ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvcanary.monitor.api.state import api_state
@@ -81,10 +84,61 @@ def require_ingest(request: Request, credentials: HTTPAuthorizationCredentials |
     )
 
 
+def known_query(request: Request) -> None:
+    """Raise 422 naming each query parameter the operation does not take, each it takes one value
+    of but was given several, and each that holds a NUL character.
+
+    ``?severty=critical`` or ``?target=a&target=b`` would otherwise list what the caller did not
+    ask for. A NUL is refused whatever the parameter's own rules: PostgreSQL text cannot hold one,
+    so no stored name does, and a value holding one would fail the query (a 500) instead of
+    matching nothing. An operation that takes no query parameter ignores them.
+    """
+    dependant: Dependant | None = getattr(request.scope.get("route"), "dependant", None)
+    taken = _query_parameters(dependant) if dependant is not None else {}
+    if not taken:
+        return
+    errors = []
+    for name in dict.fromkeys(request.query_params.keys()):
+        values = request.query_params.getlist(name)
+        if name not in taken:
+            message = f"unknown parameter; this operation takes {', '.join(sorted(taken))}"
+        elif len(values) > 1 and not taken[name]:
+            message = f"given {len(values)} times; this operation takes one"
+        elif any("\x00" in value for value in values):
+            message = "holds a NUL character, which no stored value holds"
+        else:
+            continue
+        given = values[0] if len(values) == 1 else values
+        errors.append({"type": "value_error", "loc": ("query", name), "msg": message, "input": given})
+    if errors:
+        raise RequestValidationError(errors)
+
+
+def _query_parameters(dependant: Dependant) -> dict[str, bool]:
+    """Return the query parameters of ``dependant`` and of what it depends on, each with whether
+    it takes several values (a list)."""
+    taken: dict[str, bool] = {}
+    todo = [dependant]
+    while todo:
+        current = todo.pop()
+        for field in current.query_params:
+            taken[field.alias] = _is_list(field.field_info.annotation)
+        todo.extend(current.dependencies)
+    return taken
+
+
+def _is_list(annotation: Any) -> bool:
+    if get_origin(annotation) in (Union, UnionType):  # Optional[list[str]]
+        return any(_is_list(arg) for arg in get_args(annotation))
+    return get_origin(annotation) in (list, set, tuple, frozenset)
+
+
 #: Ids fit PostgreSQL's integer column; larger values are refused with 422, not a 500.
 MAX_ID = 2**31 - 1
 #: Target names and probe kinds as the config allows them (no NUL, which PostgreSQL refuses).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+#: Any other text a parameter takes: no NUL (``known_query`` says why).
+NO_NUL_PATTERN = r"^[^\x00]*$"
 
 
 #: Offsets above this are refused: skipped rows are still read (their index entries, or the rows
@@ -219,28 +273,47 @@ class TimeRange:
     until: datetime | None
 
 
-_TIME_HELP = "ISO-8601 time, e.g. 2026-11-29T17:00:00Z (no offset: UTC; encode '+' as %2B)."
+#: The times ``since`` and ``until`` take, as the OpenAPI document states them: an ISO-8601 date,
+#: or date and time to the minute or finer, with or without an offset. A bare number is refused:
+#: read as Unix seconds, ``since=2026`` would mean 33 minutes past the epoch, not the year.
+TIME_PATTERN = (
+    r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+    r"([Tt ]([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9](\.[0-9]{1,9})?)?"
+    r"([Zz]|[+-]([01][0-9]|2[0-3]):?[0-5][0-9])?)?$"
+)
+_TIME_HELP = (
+    "ISO-8601 time, e.g. 2026-11-29T17:00:00Z or 2026-11-29 (no offset: UTC; a date alone: its "
+    "midnight; encode '+' as %2B)."
+)
+_TIME = TypeAdapter(datetime)
 
 
 def time_range(
-    since: Annotated[datetime | None, Query(description="From this time, inclusive. " + _TIME_HELP)] = None,
-    until: Annotated[datetime | None, Query(description="Before this time, exclusive. " + _TIME_HELP)] = None,
+    since: Annotated[
+        str | None, Query(pattern=TIME_PATTERN, description="From this time, inclusive. " + _TIME_HELP)
+    ] = None,
+    until: Annotated[
+        str | None, Query(pattern=TIME_PATTERN, description="Before this time, exclusive. " + _TIME_HELP)
+    ] = None,
 ) -> TimeRange:
-    """Return the range in UTC; raise 422 naming the parameter that is out of range or reversed."""
-    since = _utc_or_422("since", since)
-    until = _utc_or_422("until", until)
-    if since is not None and until is not None and since > until:
-        raise _invalid("since", since.isoformat(), "since must not be later than until")
-    return TimeRange(since, until)
+    """Return the range in UTC; raise 422 naming the parameter that is no date (2026-02-30), is out
+    of range in UTC, or is later than ``until``."""
+    start = _utc_or_422("since", since)
+    end = _utc_or_422("until", until)
+    if start is not None and end is not None and start > end:
+        raise _invalid("since", start.isoformat(), "since must not be later than until")
+    return TimeRange(start, end)
 
 
 TimeRangeDep = Annotated[TimeRange, Depends(time_range)]
 
 
-def _utc_or_422(name: str, value: datetime | None) -> datetime | None:
+def _utc_or_422(name: str, value: str | None) -> datetime | None:
     if value is None:
         return None
     try:
-        return as_utc(value)
+        return as_utc(_TIME.validate_python(value))
+    except ValidationError as exc:
+        raise _invalid(name, value, exc.errors()[0]["msg"]) from None
     except OverflowError:  # year 1 at +14:00 or year 9999 at -14:00 has no UTC value
         raise _invalid(name, value, "out of range in UTC") from None

@@ -21,14 +21,14 @@ from kvcanary.monitor.api import (
     targets,
     traffic,
 )
-from kvcanary.monitor.api.deps import require_token
+from kvcanary.monitor.api.deps import known_query, require_token
 from kvcanary.monitor.api.docs import serve_docs
 from kvcanary.monitor.api.schemas import Problem, ReloadOut
 from kvcanary.monitor.api.state import ApiState, api_state
 
 api_router = APIRouter(
     prefix="/api/v1",
-    dependencies=[Depends(require_token)],
+    dependencies=[Depends(require_token), Depends(known_query)],
     responses=statuses.UNAUTHORIZED,
 )
 api_router.include_router(incidents.router)
