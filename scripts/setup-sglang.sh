@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Install the SGLang engine itself (not only its gateway) into its own venv, for the opt-in tests in
+# Install the SGLang engine itself (not only its gateway) into its own venv, for the tests in
 # tests/sglang: $KVCANARY_SGLANG_VENV, or $XDG_CACHE_HOME/kvcanary/venv-sglang (~/.cache by default),
-# outside the clone, so fresh clones on one machine share one 2.8 GB install. Not part of
-# scripts/test.sh: the suite runs without it (docs/sglang-engine.md says what it shows and costs).
+# outside the clone, so fresh clones on one machine share one 2.8 GB install. scripts/test.sh runs it
+# beside the other engines' setups (docs/sglang-engine.md says what it shows and costs).
 #
 #   bash scripts/setup-sglang.sh          # idempotent: a second run only checks the stamp
 #   FORCE=1 bash scripts/setup-sglang.sh  # rebuild from scratch

@@ -2,7 +2,7 @@
 # Set up everything the test suite needs on a fresh Debian machine, then run every test.
 # Real services only: PostgreSQL (127.0.0.1:5432, started when down), Prometheus and Alertmanager
 # (Debian packages; the tests start their own on free ports), mtail (reads SGLang's canary log), a vLLM CPU
-# server and a llama.cpp server.
+# server, a llama.cpp server, and SGLang's engine itself on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -39,16 +39,17 @@ export KVCANARY_LLAMACPP_WHEELS="${KVCANARY_LLAMACPP_WHEELS:-$CACHE/wheels}"
 export KVCANARY_LLAMACPP_VENV="${KVCANARY_LLAMACPP_VENV:-$CACHE/venv-llamacpp}"
 export KVCANARY_LITELLM_VENV="${KVCANARY_LITELLM_VENV:-$CACHE/venv-litellm}"
 export KVCANARY_SGLANG_ROUTER_VENV="${KVCANARY_SGLANG_ROUTER_VENV:-$CACHE/venv-sglang-router}"
+export KVCANARY_SGLANG_VENV="${KVCANARY_SGLANG_VENV:-$CACHE/venv-sglang}"
 mkdir -p "$CACHE"
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"; [ -z "${nats_pid:-}" ] || { kill "$nats_pid"; rm -rf "$nats_dir"; }' EXIT
 declare -A setups=()
-for name in vllm llamacpp litellm sglang-router; do
+for name in vllm llamacpp litellm sglang-router sglang; do
   bash "scripts/setup-$name.sh" >"$logs/$name.log" 2>&1 &
   setups[$name]=$!
 done
 failed=0
-for name in vllm llamacpp litellm sglang-router; do
+for name in vllm llamacpp litellm sglang-router sglang; do
   if wait "${setups[$name]}"; then
     grep "^setup-$name:" "$logs/$name.log" | tail -n 1
   else
@@ -59,6 +60,8 @@ for name in vllm llamacpp litellm sglang-router; do
 done
 [ "$failed" = 0 ] || exit 1
 export KVCANARY_REQUIRE_VLLM=1 KVCANARY_REQUIRE_LLAMACPP=1 KVCANARY_REQUIRE_LITELLM=1 KVCANARY_REQUIRE_SGLANG_ROUTER=1
+# The incident's own engine: SGLang 0.5.23 on this CPU serving a tiny model (tests/sglang).
+export KVCANARY_REQUIRE_SGLANG=1
 export KVCANARY_REQUIRE_PROMETHEUS=1
 
 # Tests run on parallel workers (pytest-xdist): most of the suite's time is spent waiting on real
