@@ -34,8 +34,7 @@ from kvcanary.monitor.config.secrets import (
 )
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
-from kvcanary.monitor.containment import Containment
-from kvcanary.monitor.containment.verification import Verifier
+from kvcanary.monitor.containment import Containment, Verifier
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.paging.pager import Delivery, Pager, paging_health
 from kvcanary.monitor.recording.pending import PendingResult
@@ -139,10 +138,6 @@ class Monitor:
         self.runner = ProbeRunner(
             settings, self.clients, self.markers, self.metrics, self.port, self.on_summary
         )
-        # A suspected leak is verified at once by the probes that can prove it (containment/verification.py).
-        self.verifier = Verifier(
-            lambda: self.settings, self.runner.run, self.session_factory, self.metrics.suspicion_verifications
-        )
         self.runner.on_config_change = self._reaudit
         shared = self.engine.dialect.name == "postgresql"
         self.membership = Membership(self.session_factory, shared=shared, url=settings.api.base_url)
@@ -180,6 +175,11 @@ class Monitor:
             self.session_factory, lambda: self.settings, self.clients, self.traffic.judge.facts,
             on_change=self._quarantine_changed,
             connection=self.stream.connection if self.stream is not None else None,
+            # A suspected leak is verified at once by the probes that can prove it.
+            verifier=Verifier(
+                lambda: self.settings, self.runner.run, self.session_factory,
+                self.metrics.suspicion_verifications,
+            ),
         )  # fmt: skip
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
         self._guards_read: asyncio.Task[None] | None = None
@@ -212,7 +212,7 @@ class Monitor:
         self.containment.round_now()
 
     def _verify(self, item: PendingResult, incident_id: int) -> None:
-        self.verifier.suspect(item, incident_id)
+        self.containment.suspect(item, incident_id)
 
     def _quarantine_changed(self) -> None:
         """A target's quarantine changed (called from a thread): its alerts say so now."""

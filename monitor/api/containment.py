@@ -11,7 +11,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Request, Response, Security, status
+from fastapi import APIRouter, HTTPException, Path, Query, Request, Response, Security, status
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import Field
 
@@ -55,7 +55,9 @@ class SignedSet(_Out):
 
 
 class QuarantineBody(_Out):
-    reason: str = Field(min_length=1, max_length=300, description="Why, in one line: shown to on-call.")
+    reason: str = Field(
+        min_length=1, max_length=300, pattern=r"^[^\x00]*$", description="Why, in one line: shown to on-call."
+    )
 
 
 def _containment(request: Request) -> Containment:
@@ -126,7 +128,9 @@ async def put_quarantine(request: Request, name: Name, body: QuarantineBody) -> 
     responses={**_NOT_FOUND, 503: {"model": Problem}},
 )
 async def lift_quarantine(
-    request: Request, name: Name, reason: str = "lifted by an operator"
+    request: Request,
+    name: Name,
+    reason: Annotated[str, Query(max_length=300, pattern=r"^[^\x00]*$")] = "lifted by an operator",
 ) -> QuarantineOut:
     """Lift ``name``'s quarantine; it holds until a new incident (the one that put it on does not
     put it on again). 404 when the target is not quarantined."""

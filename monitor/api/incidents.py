@@ -1,10 +1,13 @@
-"""``/api/v1/incidents``: list incidents and read one incident's timeline and evidence."""
+"""``/api/v1/incidents``: list incidents, read one incident's timeline and evidence, and give an
+operator's word on a suspected one (confirm it: containment acts; dismiss it as benign: it
+resolves), which the containment applies at once (``monitor/containment/``)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 
 from kvcanary.monitor.api import statuses
 from kvcanary.monitor.api.deps import (
@@ -22,9 +25,12 @@ from kvcanary.monitor.api.schemas import (
     IncidentEventOut,
     IncidentOut,
     IncidentPage,
+    IncidentWordIn,
     ProbeResultOut,
     Problem,
 )
+from kvcanary.monitor.api.state import api_state
+from kvcanary.monitor.containment import NotSuspected
 from kvcanary.monitor.storage import queries
 from kvcanary.monitor.storage.models import Severity, State
 
@@ -85,3 +91,56 @@ def get_incident(
         events=[IncidentEventOut.of(e) for e in detail.events],
         results=[ProbeResultOut.of(r) for r in detail.results],
     )
+
+
+_WORD_RESPONSES: dict[int | str, dict[str, object]] = {
+    404: {"model": Problem, "description": "No incident has this id."},
+    409: {"model": Problem, "description": "It is not an open suspected incident (certain, or resolved)."},
+    503: {"model": Problem, "description": "Containment is not running here, or the database is away."},
+}
+
+
+async def _word(request: Request, incident_id: int, body: IncidentWordIn, act: str) -> IncidentOut:
+    containment = api_state(request).containment
+    if containment is None:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "containment is not running here")
+    try:
+        await (containment.confirm if act == "confirm" else containment.dismiss)(incident_id, body.note)
+    except NotSuspected as exc:
+        code = status.HTTP_404_NOT_FOUND if exc.state is None else status.HTTP_409_CONFLICT
+        raise HTTPException(code, str(exc)) from None
+    session_factory = api_state(request).session_factory
+
+    def read() -> IncidentOut:
+        with session_factory() as session:
+            detail = queries.get_incident(session, incident_id=incident_id, results_limit=1)
+            assert detail is not None  # it was just changed
+            return IncidentOut.of(detail.incident)
+
+    return await asyncio.to_thread(read)
+
+
+IncidentId = Annotated[int, Path(ge=1, le=MAX_ID)]
+
+
+@router.post(
+    "/{incident_id}/confirm",
+    summary="Confirm a suspected incident as a real leak: containment acts on it",
+    responses=_WORD_RESPONSES,
+)
+async def confirm_incident(request: Request, incident_id: IncidentId, body: IncidentWordIn) -> IncidentOut:
+    """Make an open ``suspected`` incident ``confirmed``: the quarantine rules act on it as on a
+    certain one from this round (an operator's earlier lift notwithstanding); its alert is re-sent
+    with the new certainty. A ``confirmed`` event with ``note`` goes in its timeline."""
+    return await _word(request, incident_id, body, "confirm")
+
+
+@router.post(
+    "/{incident_id}/dismiss",
+    summary="Dismiss a suspected incident as benign: it resolves",
+    responses=_WORD_RESPONSES,
+)
+async def dismiss_incident(request: Request, incident_id: IncidentId, body: IncidentWordIn) -> IncidentOut:
+    """Resolve an open ``suspected`` incident as benign (a text the callers share, not a leak); its
+    alert ends. A ``dismissed`` event with ``note`` goes in its timeline."""
+    return await _word(request, incident_id, body, "dismiss")

@@ -136,12 +136,19 @@ def render(
         i=i,
         where=_where(i, detail.results),
         runbooks=runbooks,
-        runbook=ALERTNAMES.get(i.severity),
+        runbook=_runbook(i),
         events=detail.events,
         results=[_shown(r) for r in detail.results],
         page_results=PAGE_RESULTS,
         quarantine=quarantine,
     )
+
+
+def _runbook(i: Any) -> str | None:
+    """The runbook of the alert the incident sends; a suspected leak's says how to verify it."""
+    if i.severity == "critical" and i.certainty == "suspected":
+        return "KVCanaryLeakSuspected"
+    return ALERTNAMES.get(i.severity)
 
 
 def _where(i: Any, results: Sequence[Any]) -> str:

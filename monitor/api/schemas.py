@@ -9,7 +9,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Row
 
-from kvcanary.monitor.storage.models import EventKind, IncidentEvent, Severity, State, Verdict
+from kvcanary.monitor.storage.models import (
+    EventKind,
+    IncidentCertainty,
+    IncidentEvent,
+    ResultCertainty,
+    Severity,
+    State,
+    Verdict,
+)
 
 
 class _Out(BaseModel):
@@ -41,6 +49,10 @@ class IncidentOut(_Out):
     consecutive_passes: int
     last_verdict: Verdict
     last_reason: str
+    certainty: IncidentCertainty = Field(
+        description="How its failures are known: certain (proof), suspected (a traffic check's hint, "
+        "verified by probes at once; moves no traffic), or confirmed by an operator."
+    )
 
     @classmethod
     def of(cls, row: Row[Any]) -> IncidentOut:
@@ -74,6 +86,9 @@ class IncidentEventOut(_Out):
     probe_result_id: int | None = Field(description="The result that caused it; null once pruned.")
     processed_at: datetime | None = Field(description="When an Alertmanager accepted it; null: not yet.")
     attempts: int = Field(description="Delivery attempts so far.")
+    note: str | None = Field(
+        description="What an operator said (confirmed, dismissed) or what a verification ran and found."
+    )
 
     @classmethod
     def of(cls, row: IncidentEvent) -> IncidentEventOut:
@@ -98,6 +113,9 @@ class ProbeResultOut(_Out):
     evidence: dict[str, Any] = Field(description="Redacted by the probe: marker ids, hashes, excerpts.")
     incident_id: int | None
     expires_at: datetime
+    certainty: ResultCertainty | None = Field(
+        description="How a leak or mismatch is known: certain or suspected; null for a pass or an error."
+    )
 
     @classmethod
     def of(cls, row: Row[Any]) -> ProbeResultOut:
@@ -132,6 +150,14 @@ class OpenIncidentOut(_Out):
     node: str = Field(description=NODE_HELP + " A path is named 'prefill--decode': the pair it came from.")
     severity: str
     opened_at: datetime
+    certainty: IncidentCertainty
+
+
+class IncidentWordIn(_Out):
+    note: str = Field(
+        min_length=1, max_length=300, pattern=r"^[^\x00]*$",
+        description="Why, in one line: kept in the incident's timeline and shown to on-call.",
+    )  # fmt: skip
 
 
 class TargetOut(_Out):

@@ -49,8 +49,8 @@ def list_targets(request: Request, session: SessionDep) -> TargetList:
             if probe in seen
         }
         incidents = [
-            OpenIncidentOut(id=i, probe=probe, node=node, severity=severity, opened_at=opened)
-            for i, probe, node, severity, opened in open_incidents.get(target.name, [])
+            OpenIncidentOut(id=i, probe=probe, node=node, severity=severity, opened_at=at, certainty=how)
+            for i, probe, node, severity, at, how in open_incidents.get(target.name, [])
         ]
         items.append(
             TargetOut(

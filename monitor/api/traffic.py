@@ -154,6 +154,25 @@ async def _body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """Return ``schema`` with every ``#/$defs/...`` reference replaced by what it names: in the
+    OpenAPI document a ``$ref`` resolves from the document's root, where those defs are not."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {key: walk(value) for key, value in node.items() if key != "$defs"}
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        return node
+
+    inlined: dict[str, Any] = walk(schema)
+    return inlined
+
+
 @ingest_router.post(
     "",
     summary="Post gateway traffic records to be judged",
@@ -165,7 +184,9 @@ async def _body(request: Request) -> bytes:
         422: {"model": IngestRefusal, "description": "The batch, or some of its records, are not valid."},
         503: {"model": Problem, "description": "Traffic is not judged here now; send it again later."},
     },
-    openapi_extra={"requestBody": {"content": {"application/json": {"schema": BATCH_SCHEMA}}}},
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _inlined(BATCH_SCHEMA)}}}
+    },
 )
 async def post_traffic(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
@@ -204,7 +225,8 @@ def list_traffic(
     when: TimeRangeDep,
     target: Annotated[str | None, Query(description="Target name.", pattern=NAME_PATTERN)] = None,
     caller: Annotated[
-        str | None, Query(description="Caller, as the gateway named it.", max_length=200)
+        str | None,
+        Query(description="Caller, as the gateway named it.", max_length=200, pattern=r"^[^\x00]*$"),
     ] = None,
     check: CheckName | None = None,
     verdict: Annotated[TrafficVerdict | None, Query()] = None,

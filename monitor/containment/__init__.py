@@ -9,7 +9,10 @@ The room's parts:
 - ``signing.py``: that set signed with the monitors' key, so that no one else can move a gateway;
 - ``bucket.py``: that set put in the JetStream KV bucket the taps of gateways on NATS watch, and
   put back over any value the monitors did not put;
-- ``reads.py``: which gateways read the set, and when last.
+- ``reads.py``: which gateways read the set, and when last;
+- ``verification.py``: a suspected leak checked at once by the probes that can prove it; with an
+  operator's word on one (:meth:`Containment.confirm`, :meth:`Containment.dismiss`), what decides
+  whether a suspicion moves traffic.
 
 :class:`Containment` is the one interface the composition root (``monitor/app.py``), the API
 (``api/containment.py``) and the CLI call. The gateway's half is ``kvcanary/tap/containment/``.
@@ -32,15 +35,18 @@ from kvcanary.monitor.containment.guards import REFRESH_SECONDS, AdmissionFacts,
 from kvcanary.monitor.containment.reads import SetReads
 from kvcanary.monitor.containment.rules import Quarantine, QuarantineRules, UnknownTarget
 from kvcanary.monitor.containment.signing import SetSigner, signer_of
+from kvcanary.monitor.containment.verification import Verifier
+from kvcanary.monitor.incidents import NotSuspected, confirm, dismiss
 from kvcanary.monitor.metrics.containment import ContainmentReport
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
     from kvcanary.monitor.containment.bucket import QuarantineBucket
+    from kvcanary.monitor.recording.pending import PendingResult
     from kvcanary.monitor.traffic.facts import TargetFacts
 
-__all__ = ["Containment", "GuardFacts", "Quarantine", "UnknownTarget"]
+__all__ = ["Containment", "GuardFacts", "NotSuspected", "Quarantine", "UnknownTarget", "Verifier"]
 
 log = logging.getLogger("kvcanary.containment")
 
@@ -75,8 +81,12 @@ class Containment:
         *,
         on_change: Callable[[], None] | None = None,
         connection: Callable[[], tuple[JetStreamContext, int] | None] | None = None,
+        verifier: Verifier | None = None,
     ):
         self.settings = settings
+        self.session_factory = session_factory
+        #: Runs the proving probes when a suspicion is recorded (``containment/verification.py``).
+        self.verifier = verifier
         #: Signs the set (None: no key, and none needed: no set is served or put).
         self.signer: SetSigner | None = signer_of(settings())
         if self.signer is None:
@@ -127,6 +137,27 @@ class Containment:
         # Not before the pools were read once: a set without guards would lift every gateway's.
         if self.bucket is not None and self.guards.refreshed:
             await self.bucket.publish(self.published(self.rules.known))
+
+    def suspect(self, item: PendingResult, incident_id: int) -> None:
+        """A suspected failure was recorded on ``incident_id``: verify it by the target's proving
+        probes now (``containment/verification.py``); nothing moves traffic until one proves it."""
+        if self.verifier is not None:
+            self.verifier.suspect(item, incident_id)
+
+    async def confirm(self, incident_id: int, note: str) -> None:
+        """An operator confirms a suspected incident: the rules act on it from this round, at once.
+        Raise ``NotSuspected`` where it is not an open suspected one."""
+        await asyncio.to_thread(self._word, confirm, incident_id, note)
+        self.round_now()
+
+    async def dismiss(self, incident_id: int, note: str) -> None:
+        """An operator dismisses a suspected incident as benign: it resolves. Raise ``NotSuspected``."""
+        await asyncio.to_thread(self._word, dismiss, incident_id, note)
+        self.round_now()
+
+    def _word(self, act: Callable[..., None], incident_id: int, note: str) -> None:
+        with self.session_factory() as session, session.begin():
+            act(session, incident_id=incident_id, note=note, now=datetime.now(UTC))
 
     async def take_up(self) -> None:
         """Take up new settings now (a policy or guard that changed, a signing key replaced), not

@@ -210,22 +210,23 @@ OPEN_INCIDENTS_LISTED = 50
 
 def open_incidents_by_target(
     session: Session, *, targets: Iterable[str]
-) -> dict[str, list[tuple[int, str, str, str, datetime]]]:
-    """Return ``{target_name: [(id, probe, node, severity, opened_at), ...]}`` of the open incidents
-    of these targets, newest first, at most ``OPEN_INCIDENTS_LISTED`` each; a target with none is
-    absent. One range of ``ix_incident_target_state_opened_id`` per target."""
-    out: dict[str, list[tuple[int, str, str, str, datetime]]] = {}
+) -> dict[str, list[tuple[int, str, str, str, datetime, str]]]:
+    """Return ``{target_name: [(id, probe, node, severity, opened_at, certainty), ...]}`` of the open
+    incidents of these targets, newest first, at most ``OPEN_INCIDENTS_LISTED`` each; a target with
+    none is absent. One range of ``ix_incident_target_state_opened_id`` per target."""
+    out: dict[str, list[tuple[int, str, str, str, datetime, str]]] = {}
     for name in sorted(set(targets)):
+        columns = (Incident.id, Incident.probe, Incident.node, Incident.severity, Incident.opened_at)
         query = (
-            select(Incident.id, Incident.probe, Incident.node, Incident.severity, Incident.opened_at)
+            select(*columns, Incident.certainty)
             .join(Target, Target.id == Incident.target_id)
             .where(Target.name == name, Incident.state == "open")
             .order_by(Incident.opened_at.desc(), Incident.id.desc())
             .limit(OPEN_INCIDENTS_LISTED)
         )
         rows = [
-            (i, probe, node or "", severity, opened)
-            for i, probe, node, severity, opened in session.execute(query)
+            (i, probe, node or "", severity, opened, certainty)
+            for i, probe, node, severity, opened, certainty in session.execute(query)
         ]
         if rows:
             out[name] = rows

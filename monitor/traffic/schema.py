@@ -60,6 +60,7 @@ import msgspec
 from msgspec import Meta
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     FailFast,
     Field,
@@ -100,21 +101,32 @@ _T = TypeVar("_T")
 # --- what pydantic reads: the models the API documents and names refusals by ----------------------
 
 Name = Annotated[str, StringConstraints(max_length=NAME_CHARS, pattern=r"^[^\x00]*$")]
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+
+
+def _integral(value: Any) -> Any:
+    """A JSON number with no fraction (``2.0``) is the integer JSON Schema says it is; a boolean is
+    no integer (the wire models are strict: lax pydantic reads ``true`` as 1)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integral = BeforeValidator(_integral)
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT), Integral]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
-Fingerprint = Annotated[int, Field(ge=0, lt=FINGERPRINT_END)]
-TokenPrint = Annotated[int, Field(ge=1, lt=FINGERPRINT_END)]
+Fingerprint = Annotated[int, Field(ge=0, lt=FINGERPRINT_END), Integral]
+TokenPrint = Annotated[int, Field(ge=1, lt=FINGERPRINT_END), Integral]
 Marker = Annotated[str, StringConstraints(pattern=r"^(?i:KVC-[0-9a-f]{8}-[0-9a-f]{32})$")]
 
 
 class Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict, as msgspec reads a good batch: a JSON true or 2.0 where the wire says integer is not
+    # one (lax pydantic would take them as 1 and 2, and a record's fate would hang on its batch).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class PromptSizeWire(Wire, title="PromptSize"):
     chars: Count = 0
     bytes: Count = 0
-    messages: Annotated[int, Field(ge=0, le=MAX_MESSAGES)] = 0
+    messages: Annotated[int, Field(ge=0, le=MAX_MESSAGES), Integral] = 0
 
 
 class UsageWire(Wire, title="Usage"):
@@ -143,7 +155,7 @@ class RefusedWire(Wire, title="Refused"):
     by: Literal["admission", "quarantine"]
     tokens: Count | None = None  # admission: the sure lower bound of the prompt's tokens
     kv_pool_tokens: Count | None = None  # admission: the pool that bound was over
-    incident_id: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None  # quarantine: its incident
+    incident_id: Annotated[int, Field(ge=0, le=2**63 - 1), Integral] | None = None  # quarantine
 
 
 class TrafficRecordWire(Wire, title="TrafficRecord"):
@@ -161,7 +173,7 @@ class TrafficRecordWire(Wire, title="TrafficRecord"):
     model: Name = ""
     model_group: Name = ""
     stream: bool = False
-    status: Annotated[int, Field(ge=100, le=599)]
+    status: Annotated[int, Field(ge=100, le=599), Integral]
     finish_reason: Name | None = None
     latency_seconds: Seconds | None = None
     ttft_seconds: Seconds | None = None
@@ -193,7 +205,7 @@ class TrafficBatch(Wire):
     gateway: Gateway = ""
     #: Records the tap dropped since its last accepted batch (the monitor was down or slow), at most
     #: ``MAX_DROPPED``: a tap with more to report reports the rest with its next batches.
-    dropped: Annotated[int, Field(ge=0, le=MAX_DROPPED)] = 0
+    dropped: Annotated[int, Field(ge=0, le=MAX_DROPPED), Integral] = 0
     #: Anything, read one by one when the whole fails (valid_records): a ``null`` among them costs
     #: only itself, refused under its own index.
     records: Annotated[list[Any], Field(max_length=MAX_RECORDS)]

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from kvcanary.monitor.incidents import record_result
+from kvcanary.monitor.incidents import confirm, record_result
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.paging.links import incident_url, link_signature
 from kvcanary.monitor.paging.pager import Delivery, Pager
@@ -116,6 +116,23 @@ def test_a_leak_down_a_path_names_its_prefill_and_decode_nodes(
         "(prefill-10.0.0.7-30000--decode-10.0.0.9-30000.dp1)"
     )
     assert where in page.text, page.text[:2000]
+
+
+def test_a_suspected_leak_says_so_links_its_runbook_and_shows_the_operators_word(
+    client: TestClient, session_factory: Factory
+) -> None:
+    opened = record(session_factory, "leak", at=minutes(0), probe="traffic_overlap", certainty="suspected")
+    incident = opened.incident_id
+    assert incident is not None
+    page = client.get(f"/incidents/{incident}", params=signed(session_factory, incident)).text
+    assert '<span class="badge suspected">suspected</span>' in page
+    assert "Suspected, not proven" in page and f"/api/v1/incidents/{incident}/confirm" in page
+    assert "/runbooks/KVCanaryLeakSuspected" in page
+    with session_factory() as s, s.begin():
+        confirm(s, incident_id=incident, note="a contract draft <not> public", now=minutes(1))
+    page = client.get(f"/incidents/{incident}", params=signed(session_factory, incident)).text
+    assert '<span class="badge confirmed">confirmed</span>' in page
+    assert "a contract draft &lt;not&gt; public" in page and '/runbooks/KVCanaryLeak"' in page
 
 
 def test_the_page_never_shows_what_a_target_answered(client: TestClient, session_factory: Factory) -> None:
