@@ -68,6 +68,11 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 #: count below it impossible, and the gateway's admission guard, with no count from the
 #: deployment's tokenizer, refuses only a prompt over the pool at that density.
 SURE_DENSITY_MARGIN = 8.0
+#: The most UTF-8 bytes one token holds in any tokenizer kvcanary knows: OpenAI's cl100k and o200k
+#: and DeepSeek's stop at 128 (runs of spaces), the vocabulary LiteLLM ships as Anthropic's has one
+#: of 1,024. A count under a prompt's bytes over it (zero for any prompt) is no tokenizer's: the
+#: admission guard takes it as no count, and the monitor a density denser than it as no calibration.
+MAX_TOKEN_BYTES = 1024
 #: The characters stripped around an ``api_base`` (ASCII whitespace; not Python's wider ``strip()``).
 BLANKS = " \t\n\v\f\r"
 #: The path suffix of an OpenAI-compatible API, stripped once after trailing slashes.

@@ -41,7 +41,7 @@ from kvcanary.tap.containment.watch import QuarantineWatch
 from kvcanary.tap.gateway_metrics import gateway_counter
 from kvcanary.tap.http import _OPENER
 from kvcanary.tap.record import Refusal
-from kvcanary.wire import SURE_DENSITY_MARGIN
+from kvcanary.wire import MAX_TOKEN_BYTES, SURE_DENSITY_MARGIN
 
 log = logging.getLogger("kvcanary.tap")
 
@@ -123,6 +123,7 @@ class AdmissionGuard:
         #: Requests per (target, mode), as ``count`` was told.
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
         self._logged: set[str] = set()
+        self._doubted: set[str] = set()  # deployments whose tokenizer's impossible count was logged
         self._key_of = DeploymentKeys()
 
     async def admit(
@@ -168,9 +169,25 @@ class AdmissionGuard:
             body, api_key = _tokenize_body(prompt), api_key_of(deployment)
             counted[url] = await asyncio.to_thread(self._tokenize, url, body, api_key)
         tokens = counted[url]
+        if tokens is not None and tokens < (least := least_tokens(prompt, guard.chars_per_token)):
+            self._doubt(url, tokens, least)
+            tokens = None
         if tokens is None and guard.chars_per_token:
             tokens = int(chars / (guard.chars_per_token * SURE_DENSITY_MARGIN))
         return tokens if tokens is not None and tokens > pool else None
+
+    def _doubt(self, url: str, tokens: int, least: int) -> None:
+        """Log, once per tokenizer, a count its prompt rules out."""
+        if url in self._doubted:
+            return
+        if len(self._doubted) >= MAX_LOGGED:
+            self._doubted.clear()
+        self._doubted.add(url)
+        log.warning(
+            "kvcanary tap: the tokenizer at %s counted %d tokens for a prompt of at least %d tokens: no "
+            "tokenizer makes that count, so it is not taken as one (the calibration's bound applies)",
+            url, tokens, least,
+        )  # fmt: skip
 
     def _refuse(self, model_group: str, guard: GuardEntry, tokens: int) -> bool:
         """Count a prompt over ``guard``'s pool; return whether it is kept off (enforced)."""
@@ -207,6 +224,16 @@ def prompt_of(messages: Any, request: dict[str, Any] | None) -> Prompt | None:
     if isinstance(text, str):
         return Prompt([text], None, text)
     return None
+
+
+def least_tokens(prompt: Prompt, chars_per_token: float | None) -> int:
+    """Return the fewest tokens any count of ``prompt`` may be: its UTF-8 bytes over
+    ``MAX_TOKEN_BYTES``, rounded up (at least 1 for a prompt of any text), and, where the monitor
+    measured the target's densest text, its characters over ``SURE_DENSITY_MARGIN`` times that."""
+    least = -(-_utf8_bytes(prompt) // MAX_TOKEN_BYTES)
+    if chars_per_token:
+        least = max(least, int(prompt.chars / (chars_per_token * SURE_DENSITY_MARGIN)))
+    return least
 
 
 def _utf8_bytes(prompt: Prompt) -> int:

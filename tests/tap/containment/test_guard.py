@@ -16,13 +16,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvcanary.tap.containment.document import parse_quarantine
-from kvcanary.tap.containment.guard import AdmissionGuard, AdmissionRefused, prompt_of, tokenize_over_http
+from kvcanary.tap.containment.guard import (
+    AdmissionGuard,
+    AdmissionRefused,
+    least_tokens,
+    prompt_of,
+    tokenize_over_http,
+)
 from kvcanary.tap.containment.watch import QuarantineWatch
 from kvcanary.wire import api_base_key
 from tests.support import WorkerProcess, launch_worker, stop_process, wait_worker
+from tests.support.loopback import Loopback
 from tests.support.signing import document
 
 GROUP = "shop"
@@ -185,3 +193,48 @@ def test_guards_not_the_contracts_refuse_the_whole_answer(guards: Any) -> None:
 def test_an_answer_without_guards_is_a_monitor_that_publishes_none() -> None:
     body = {k: v for k, v in document().items() if k != "guards"}
     assert parse_quarantine(json.dumps(body).encode()).guards == {}
+
+
+# --- a count no tokenizer makes is no count ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("said", [{"count": 1}, {"count": 0}, {"tokens": [7]}])
+def test_a_count_the_prompts_size_rules_out_is_no_count(
+    said: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deployment's tokenizer (an attacker's host, or an engine with the incident's bug) counts
+    one token, or none, for a prompt of 40,000 characters: no tokenizer makes that count. Taken at
+    its word, the guard would send the prompt to a pool of 1,024 tokens; it is no count instead,
+    and the calibration's bound refuses it, as it would with no tokenizer at all."""
+    liar = Loopback(lambda request: httpx.Response(200, json=said))
+    try:
+        base = f"{liar.url}/v1"
+        calibrated = guard_of(guard("t", base, 1024, cpt=4.0))
+        with pytest.raises(AdmissionRefused) as refused:
+            admit(calibrated, [deployment(base)], chat(40_000))
+        assert refused.value.tokens == 40_014 // 32  # the characters at 8 times the densest text
+        with pytest.raises(AdmissionRefused):
+            admit(calibrated, [deployment(base)], None, {"prompt": "z" * 40_000})
+        said_so = [
+            r.getMessage() for r in caplog.records if "no tokenizer makes that count" in r.getMessage()
+        ]
+        assert len(said_so) == 1 and liar.url in said_so[0]  # once per tokenizer, not per request
+        # Without a calibration nothing sure is left: admitted, as with no count (never a guess).
+        uncalibrated = guard_of(guard("t", base, 1024))
+        assert admit(uncalibrated, [deployment(base)], chat(40_000)) == [deployment(base)]
+    finally:
+        liar.close()
+
+
+def test_a_count_the_size_allows_is_taken_however_dense() -> None:
+    """The bound rules out only what no tokenizer makes: a count of a prompt's bytes over 1,024 (a
+    run of spaces, which some tokenizers pack that densely) is still a count, and fits."""
+    loose = Loopback(lambda request: httpx.Response(200, json={"count": 40}))
+    try:
+        base = f"{loose.url}/v1"
+        g = guard_of(guard("t", base, 1024))
+        spaces = [{"role": "user", "content": " " * 40_000}]
+        assert least_tokens(prompt_of(spaces, None), None) == 40  # type: ignore[arg-type]
+        assert admit(g, [deployment(base)], spaces) == [deployment(base)]
+    finally:
+        loose.close()
