@@ -4,14 +4,27 @@ lacked, enforced from what kvcanary measured).
 
 For each target whose containment policy sets ``admission_guard`` to ``observe`` or ``enforce``
 (``config/targets.py``), the monitor publishes beside the quarantine set (``GET /api/v1/quarantine``,
-its ``guards``; ``docs/tap-protocol.md``):
+its ``guards``; ``docs/tap-protocol.md``) one guard per deployment, each naming its api_base keys
+(``traffic/judge.py``'s ``routes_of``: the target's ``base_url`` and ``gateway_api_bases``, and
+each node's URL):
 
-- ``kv_pool_tokens``: the smallest KV pool of the nodes that admit the target's requests (its
-  prefill and aggregated nodes; a target without named nodes, its own reading). A request may land
-  on any of them, so the smallest is the one that must hold it. While one of them has no reading,
-  the target has no guard: a bound that leaves a node out is no bound;
+- ``kv_pool_tokens``: for a node's own deployment (its api_base is a prefill or aggregated node's
+  URL), that node's smallest KV pool; for the target's (its ``base_url``, a gateway routing to any of
+  its nodes, and a decode node's URL, which admits nothing itself), the smallest pool of the nodes
+  that admit its requests (prefill and aggregated; a target without named nodes, its own reading).
+  A request may land on any of them, so the smallest is the one that must hold it. While one of
+  them has no reading, the target's deployment has no guard: a bound that leaves a node out
+  unread is no bound. A reading the monitor does not trust (``traffic/facts.py``: a pool below any
+  real engine's, below the node's own input limit, or moved without a configuration change) guards
+  nothing: that node's deployment has none, and the target's leaves it out, so one node reporting
+  16 tokens cannot make every gateway refuse every prompt over 16. Leaving it out weakens the
+  target's bound only towards what no guard at all would do: a prompt over the untrusted node's
+  real pool but within the others' is admitted, as it would be with no guard, while a prompt over
+  the smallest trusted pool is still refused (a node that surely cannot hold it may get it); the
+  untrusted reading itself is reported (``kvcanary_node_pool_untrusted``, ``KVCanaryNodePoolUntrusted``);
 - ``chars_per_token``: the most characters a token of the target's tokenizer held in the monitor's
-  own probes (``targets/calibration.py``), None until it was measured.
+  own probes (``targets/calibration.py``), None until it was measured or where no tokenizer could
+  have measured it.
 
 What a gateway does with them is the tap's (``kvcanary/tap/containment/guard.py``): only a sure count
 refuses. Both come from the traffic judge's facts (``traffic/facts.py``), so each node's pool is read
@@ -30,7 +43,8 @@ from typing import Any
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
-from kvcanary.monitor.traffic.facts import TargetFacts
+from kvcanary.monitor.traffic.facts import PoolReading, TargetFacts
+from kvcanary.monitor.traffic.judge import routes_of
 
 log = logging.getLogger("kvcanary.containment")
 
@@ -41,12 +55,14 @@ REFRESH_SECONDS = 15.0
 
 @dataclass(frozen=True)
 class GuardFacts:
-    """One guarded target's facts, as the gateways get them."""
+    """One guarded deployment's facts, as the gateways get them: ``api_bases`` are the keys it
+    covers (a node's own, or the target's)."""
 
     target: str
     mode: str  # observe | enforce
     kv_pool_tokens: int
     chars_per_token: float | None
+    api_bases: tuple[str, ...] = ()
 
 
 class AdmissionFacts:
@@ -58,40 +74,56 @@ class AdmissionFacts:
         self.settings = settings
         self.clients = clients
         self.facts = facts
-        self._facts: dict[str, GuardFacts] = {}
+        self._facts: dict[str, list[GuardFacts]] = {}
         #: Whether the pools were read once: before, no guard is known, which is not "none".
         self.refreshed = False
 
     def current(self) -> list[GuardFacts]:
-        """Return the facts of every guarded target with a known pool, by name."""
-        return [self._facts[name] for name in sorted(self._facts)]
+        """Return the guard of every guarded deployment with a known, trusted pool, by target and
+        then by api_base."""
+        return [guard for name in sorted(self._facts) for guard in self._facts[name]]
 
     async def refresh(self) -> None:
-        """Read every guarded target's pools again (all at once); a target whose reading failed
-        keeps no guard until one succeeds."""
+        """Read every guarded target's pools again (all at once); a deployment whose reading
+        failed, or is not trusted, keeps no guard until one succeeds."""
         settings = self.settings()
+        routes = routes_of(settings)
         guarded = [(t, settings.containment_of(t).admission_guard) for t in settings.targets]
         guarded = [(t, mode) for t, mode in guarded if mode != "off" and t.name in self.clients]
-        found = await asyncio.gather(*(self._read(t, mode) for t, mode in guarded))
-        self._facts = {facts.target: facts for facts in found if facts is not None}
+        found = await asyncio.gather(*(self._read(t, mode, routes) for t, mode in guarded))
+        self._facts = {target.name: guards for (target, _), guards in zip(guarded, found, strict=True)}
         self.refreshed = True
 
-    async def _read(self, target: TargetConfig, mode: str) -> GuardFacts | None:
+    async def _read(
+        self, target: TargetConfig, mode: str, routes: Mapping[str, tuple[str, str]]
+    ) -> list[GuardFacts]:
         try:
-            pool = await self.admitting_pool(target.name)
+            pools = await self.pools(target.name)
             chars_per_token = await self.facts.chars_per_token(target.name)
         except Exception as exc:  # a node that does not answer: no guard, said once a refresh
             log.info("admission guard of %s: no pool reading (%s)", target.name, type(exc).__name__)
-            return None
-        return None if pool is None else GuardFacts(target.name, mode, pool, chars_per_token)
+            return []
+        bases: dict[int, list[str]] = {}  # api_base keys by the pool that guards them
+        for key, (name, node) in routes.items():
+            if name == target.name and (pool := pools.get(node, pools.get(""))) is not None:
+                bases.setdefault(pool, []).append(key)
+        return [
+            GuardFacts(target.name, mode, pool, chars_per_token, tuple(sorted(keys)))
+            for pool, keys in sorted(bases.items(), key=lambda item: sorted(item[1]))
+        ]
 
-    async def admitting_pool(self, target: str) -> int | None:
-        """Return the smallest KV pool of the nodes that admit ``target``'s requests (module doc),
-        or None where one of them has none known."""
+    async def pools(self, target: str) -> dict[str, int | None]:
+        """Return the pool guarding each of ``target``'s admitting nodes' deployments, by node name,
+        and its own deployment's under ``""`` (module doc); None where there is none."""
         nodes = getattr(self.clients[target], "nodes", [])
         admitting = [n.name for n in nodes if n.name and n.role != "decode"]
         if not admitting:  # the target's own reading
-            return await self.facts.pool(target, "")
-        pools = await asyncio.gather(*(self.facts.pool(target, name) for name in admitting))
-        known = [pool for pool in pools if pool is not None]
-        return min(known) if len(known) == len(pools) else None
+            own = await self.facts.reading(target, "")
+            return {"": None if own is None else own.trusted}
+        read = await asyncio.gather(*(self.facts.reading(target, name) for name in admitting))
+        readings: dict[str, PoolReading | None] = dict(zip(admitting, read, strict=True))
+        pools: dict[str, int | None] = {name: r.trusted if r else None for name, r in readings.items()}
+        trusted = [pool for pool in pools.values() if pool is not None]
+        unread = any(reading is None for reading in readings.values())
+        pools[""] = min(trusted) if trusted and not unread else None
+        return pools

@@ -7,15 +7,23 @@ real LiteLLM proxy, ``tests/litellm/test_admission_litellm.py``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.containment.guards import AdmissionFacts, GuardFacts
+from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+from kvcanary.monitor.traffic.facts import MIN_CHARS_PER_TOKEN, TargetFacts
 from kvcanary.wire import api_base_key
 from tests.monitor.served import Served, reference_target
+from tests.probes.probe_harness import KEYS, FakeEngine
 from tests.support import WorkerProcess
+from tests.support.loopback import Loopback
 from tests.support.signing import SigningKeys, make_keys, served_set
 from tests.support.worker_keys import KEY_FLAGS
 
@@ -59,3 +67,108 @@ def test_each_guarded_target_publishes_its_smallest_admitting_pool_under_its_own
     # Only the ingest token and the API token read it; nobody else.
     stranger = httpx.get(monitor.url + "/api/v1/quarantine", headers={"Authorization": "Bearer nope"})
     assert stranger.status_code == 401
+
+
+# --- one node cannot poison the guards ---------------------------------------------------------------
+
+
+def info(pool: int, admits: int | None = None) -> dict[str, Any]:
+    """A prefill node's server info, SGLang-shaped: its pool and the longest prompt it admits."""
+    admits = min(8192, pool) - 1 if admits is None else admits
+    return {"context_length": 8192, "max_total_num_tokens": pool, "max_req_input_len": admits,
+            "page_size": 16, "disaggregation_mode": "prefill"}  # fmt: skip
+
+
+def test_each_node_guards_its_own_deployment_and_a_reading_not_to_trust_guards_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A gateway target of four prefill nodes and a decode node, each an engine on loopback: a sound
+    one (16,384 tokens), one that says 16 (an attacker's, or broken), one whose pool is below the
+    longest prompt it says it admits, and one whose pool later falls to a sixteenth with no
+    configuration change seen. Its tokenizer counts a billion tokens for any text. Each node's
+    deployment is guarded by its own pool; the untrusted ones by none, and the target's own
+    deployment (the gateway, the decode node's URL) by the smallest trusted pool; the calibration
+    no tokenizer could have made is none."""
+    engines = {
+        "sound": FakeEngine(info=info(16384)),
+        "tiny": FakeEngine(info=info(16)),
+        "liar": FakeEngine(info=info(2048, admits=8191)),
+        "shifty": FakeEngine(info=info(16384)),
+        "d0": FakeEngine(info={**info(4096), "disaggregation_mode": "decode"}),
+        "gateway": FakeEngine(info=None, count=lambda text: 10**9),
+    }
+    served = {name: Loopback(engine) for name, engine in engines.items()}
+    now = [0.0]
+    try:
+        nodes = [
+            {"name": n, "role": "prefill", "info_url": served[n].url}
+            for n in ("sound", "tiny", "liar", "shifty")
+        ]
+        nodes.append({"name": "d0", "role": "decode", "info_url": served["d0"].url})
+        target = reference_target("glm", served["gateway"].url, nodes=nodes, probes=["canary"])
+        settings = Settings.model_validate(
+            {
+                "database_url": "sqlite:///unused.db",
+                "targets": [target],
+                "containment": {"admission_guard": "enforce"},
+            }
+        )
+        glm = settings.target("glm")
+        assert glm is not None
+
+        async def run() -> list[dict[str, tuple[int, float | None]]]:
+            client = OpenAIHttpTarget(glm, {"alice": KEYS["alice"], "bob": KEYS["bob"]})
+            facts = TargetFacts({"glm": client}, clock=lambda: now[0])
+            guards = AdmissionFacts(lambda: settings, {"glm": client}, facts)
+            seen = []
+            try:
+                await guards.refresh()
+                seen.append(by_base(guards.current()))
+                counted = client.calibration.chars_per_token  # the count landed: 1e9 tokens for a text
+                assert counted is not None and counted < MIN_CHARS_PER_TOKEN
+                assert facts.untrusted == {
+                    ("glm", "tiny"): "below_floor",
+                    ("glm", "liar"): "below_own_input_limit",
+                }
+                engines["shifty"].info = info(1024)  # restarted smaller; no audit said so yet
+                now[0] += 601  # the pools are read again
+                await guards.refresh()
+                seen.append(by_base(guards.current()))
+                assert facts.untrusted[("glm", "shifty")] == "moved"
+                facts.forget_pools("glm")  # the capacity audit saw its configuration change
+                await guards.refresh()
+                seen.append(by_base(guards.current()))
+                assert ("glm", "shifty") not in facts.untrusted
+            finally:
+                await client.aclose()
+            return seen
+
+        first, moved, confirmed = asyncio.run(run())
+        key = {name: api_base_key(server.url) for name, server in served.items()}
+        own = {key["gateway"], key["d0"]}  # the target's deployment: any admitting node may take it
+        assert first == {
+            key["sound"]: (16384, None),
+            key["shifty"]: (16384, None),
+            **dict.fromkeys(own, (16384, None)),
+        }
+        assert moved == {key["sound"]: (16384, None), **dict.fromkeys(own, (16384, None))}
+        assert confirmed == {
+            key["sound"]: (16384, None),
+            key["shifty"]: (1024, None),
+            **dict.fromkeys(own, (1024, None)),
+        }
+        said = [r.getMessage() for r in caplog.records if "is not trusted" in r.getMessage()]
+        assert len(said) == 3 and all("guards and judges nothing" in line for line in said), said
+    finally:
+        for server in served.values():
+            server.close()
+
+
+def by_base(guards: list[GuardFacts]) -> dict[str, tuple[int, float | None]]:
+    """Each api_base key's guard: (pool, calibration); a key no guard names is not there."""
+    found: dict[str, tuple[int, float | None]] = {}
+    for guard in guards:
+        for base in guard.api_bases:
+            assert base not in found, f"{base} guarded twice"
+            found[base] = (guard.kv_pool_tokens, guard.chars_per_token)
+    return found
