@@ -26,7 +26,13 @@ from prometheus_client.registry import Collector
 from kvcanary.monitor.metrics.containment import ContainmentReport, QuarantineCollector, Quarantined
 from kvcanary.monitor.metrics.coverage import UnprobedPaths, node_coverage, path_coverage
 from kvcanary.monitor.metrics.exposition import TOKEN_KINDS, PairSeries, escape, render_gauge
-from kvcanary.monitor.metrics.gateway import GatewayCircuits, GatewayHealth, GatewayHealthCollector
+from kvcanary.monitor.metrics.gateway import (
+    GatewayCircuits,
+    GatewayHealth,
+    GatewayHealthCollector,
+    GatewayReads,
+)
+from kvcanary.monitor.metrics.pool_trust import UntrustedPools, UntrustedPoolsCollector
 from kvcanary.monitor.metrics.stream import StreamCollector
 from kvcanary.monitor.recording.health import WriteHealth
 from kvcanary.probes.base import ProbeResult, Verdict
@@ -394,8 +400,15 @@ class MonitorMetrics:
         (``monitor/metrics/containment.py``)."""
         self._general.register(QuarantineCollector(targets, quarantined, report))
 
-    def watch_gateways(self, health: GatewayHealth, circuits: GatewayCircuits) -> None:
-        self._general.register(GatewayHealthCollector(health, circuits))
+    def watch_gateways(
+        self,
+        health: GatewayHealth,
+        circuits: GatewayCircuits,
+        reads: Callable[[], GatewayReads | None] = lambda: None,
+        untrusted: UntrustedPools = dict,
+    ) -> None:
+        self._general.register(GatewayHealthCollector(health, circuits, reads))
+        self._general.register(UntrustedPoolsCollector(untrusted))
 
     def watch_stream(self, report: Callable[[], dict[str, Any]]) -> None:
         self._general.register(StreamCollector(report))

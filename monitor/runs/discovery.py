@@ -14,6 +14,23 @@ gateway that answers with an empty list is believed: it routes to nobody.
 A node the gateway lists is asked once, when it joins and without a credential, whether it takes
 requests without one (``refuses_without_key``): outside the target's credential scope it is sent
 no credential, so a node that refuses cannot be probed, and its pairs are counted as such.
+
+No gateway and no node can hold up or break another's discovery:
+
+- each gateway is read by a reading of its own (a task), at most one at a time; :meth:`refresh`
+  starts those that are due, waits for them at most ``ROUND_WAIT_SECONDS`` and takes up those that
+  finished, the rest at a later call: the discovery tick never waits out one slow gateway;
+- each read is time-boxed on its own (the worker list, the metrics page, each node's server info
+  and join-time question: ``READ_SECONDS``, or the target's ``timeout_seconds`` if shorter); the
+  metrics page is read beside the listing, never before a node may join; a node whose join-time
+  reads are still under way after ``JOIN_WAIT_SECONDS`` joins at a later reading, so a slow node
+  holds back no other;
+- every exception a read raises is caught where it was raised, counted per target, node and read
+  (:class:`ReadTrouble`, ``kvcanary_gateway_read_errors_total``) and logged once an episode; a
+  node whose join-time read failed joins with what is known (one rank, no refusal);
+- what the gateway lists is bounded (``targets/sglang_gateway.py``: at most 1,000 workers, URLs
+  no engine can have refused, names made plain); refused workers are counted by why
+  (``kvcanary_gateway_workers_refused``) and logged once each time that count changes.
 """
 
 from __future__ import annotations
@@ -21,13 +38,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import NodeConfig, TargetConfig
 from kvcanary.monitor.targets.http import HttpClient
 from kvcanary.monitor.targets.sglang_gateway import (
     GatewayUnreadable,
+    NodeUnreadable,
+    WorkerList,
     read_circuits,
     read_dp_size,
     read_workers,
@@ -39,6 +60,22 @@ log = logging.getLogger("kvcanary.discovery")
 
 #: How often the discovery job looks for a gateway that is due; each target's own interval decides.
 DISCOVERY_TICK_SECONDS = 1.0
+#: The most one read may take (the worker list, the metrics page, one node's server info or its
+#: join-time question), or the target's ``timeout_seconds`` where that is shorter: a gateway answers
+#: its list in milliseconds, and a read that outlasts a few discovery intervals is trouble to count,
+#: not to wait for.
+READ_SECONDS = 5.0
+#: How long :meth:`GatewayDiscovery.refresh` waits for the readings under way before it returns
+#: what finished: under the discovery tick, so the tick is never skipped for one slow gateway.
+ROUND_WAIT_SECONDS = 0.5
+#: How long a reading waits for its new nodes' join-time reads before it is taken up without the
+#: nodes still being read (they join at a later reading).
+JOIN_WAIT_SECONDS = 1.0
+#: Join-time reads under way at once for one gateway: a listing of 1,000 new nodes is not 2,000
+#: requests at once, and one gateway's new nodes never wait for another's.
+JOIN_READS_AT_ONCE = 16
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -47,6 +84,54 @@ class NodeChange:
 
     joined: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Reading:
+    """One finished reading of a gateway: its list (None: it could not be read) and the listed
+    nodes whose join-time facts are known, by name, in the listing's order."""
+
+    gateway: str
+    listed: WorkerList | None
+    nodes: dict[str, NodeConfig] = field(default_factory=dict)
+
+
+class ReadTrouble:
+    """Reads of gateways and their nodes that failed: ``failures`` counts them by (target, node,
+    read), ``""`` for the node of the gateway's own pages (``workers``, ``metrics``), and
+    ``server_info`` and ``models`` for a node's join-time reads. An episode (a read failing from
+    its first failure to its next success) is logged once as it starts and once as it ends."""
+
+    def __init__(self) -> None:
+        self.failures: dict[tuple[str, str, str], int] = {}
+        self._failing: set[tuple[str, str, str]] = set()
+
+    def failed(self, target: str, node: str, read: str, why: str) -> None:
+        key = (target, node, read)
+        self.failures[key] = self.failures.get(key, 0) + 1
+        if key not in self._failing:
+            self._failing.add(key)
+            where = f"node {node}" if node else "gateway"
+            log.warning("%s: %s: %s read failed: %s (counted in kvcanary_gateway_read_errors_total; "
+                        "said again when it reads)", target, where, read, why)  # fmt: skip
+
+    def succeeded(self, target: str, node: str, read: str) -> None:
+        key = (target, node, read)
+        if key in self._failing:
+            self._failing.discard(key)
+            log.info("%s: %s: %s reads again", target, f"node {node}" if node else "gateway", read)
+
+    def keep(self, target: str, nodes: set[str]) -> None:
+        """Forget ``target``'s nodes not in ``nodes`` (they left the listing): no series of theirs."""
+        self._drop(lambda key: key[0] == target and key[1] != "" and key[1] not in nodes)
+
+    def forget(self, target: str) -> None:
+        """Forget everything of ``target`` (removed, or naming another gateway)."""
+        self._drop(lambda key: key[0] == target)
+
+    def _drop(self, gone: Callable[[tuple[str, str, str]], bool]) -> None:
+        self.failures = {key: n for key, n in self.failures.items() if not gone(key)}
+        self._failing = {key for key in self._failing if not gone(key)}
 
 
 class GatewayDiscovery:
@@ -64,22 +149,42 @@ class GatewayDiscovery:
         #: Its circuit breaker of each node at that reading (0 closed, 1 open, 2 half-open), where
         #: the target names the gateway's metrics page and it could be read.
         self.circuits: dict[str, dict[str, int]] = {}
+        #: Each target's listed workers not taken as nodes at its last reading, by why.
+        self.refused: dict[str, dict[str, int]] = {}
+        #: Failed reads, counted by target, node and read.
+        self.trouble = ReadTrouble()
         self._read_at: dict[str, float] = {}  # time.monotonic() of each target's last reading
+        self._rounds: dict[str, asyncio.Task[_Reading]] = {}  # each target's reading under way
+        self._circuit_reads: dict[str, asyncio.Task[None]] = {}
+        self._joining: dict[tuple[str, str], asyncio.Task[NodeConfig]] = {}  # by (target, node)
+        self._join_slots: dict[str, asyncio.Semaphore] = {}
+
+    @property
+    def failures(self) -> dict[tuple[str, str, str], int]:
+        """Failed reads by (target, node, read) (:class:`ReadTrouble`), as the metrics read them."""
+        return self.trouble.failures
 
     def take_up(self, configured: Settings) -> Settings:
         """Take ``configured`` (a reloaded file) as the file's settings; return it with the nodes
         found so far merged in. A target that no longer names the same gateway forgets what it
-        found there, and its new gateway is read at the next tick."""
+        found there (and its readings under way), and its new gateway is read at the next tick."""
         before = {t.name: t.sglang_router for t in self.configured.targets}
         self.configured = configured
         gateways = {t.name: t.sglang_router for t in configured.targets if t.sglang_router}
-        for name in list(self.found):
-            if gateways.get(name) != before.get(name):
-                del self.found[name]
-                self.health.pop(name, None)
-                self.circuits.pop(name, None)
-                self._read_at.pop(name, None)
+        for name in {*self.found, *self._rounds, *self._circuit_reads, *self.refused}:
+            if gateways.get(name) != before.get(name) or name not in gateways:
+                self._forget(name)
         return self.merged()
+
+    def _forget(self, name: str) -> None:
+        for table in (self.found, self.health, self.circuits, self.refused, self._read_at):
+            table.pop(name, None)
+        for task in (self._rounds.pop(name, None), self._circuit_reads.pop(name, None)):
+            if task is not None:
+                task.cancel()
+        for key in [key for key in self._joining if key[0] == name]:
+            self._joining.pop(key).cancel()
+        self.trouble.forget(name)
 
     def merged(self) -> Settings:
         """Return the file's settings with each target's found nodes after its listed ones."""
@@ -97,111 +202,199 @@ class GatewayDiscovery:
         return target.model_copy(update={"nodes": nodes})
 
     async def refresh(self) -> dict[str, NodeChange]:
-        """Read every gateway that is due, at once; return each target whose nodes changed."""
+        """Start a reading of every gateway that is due and has none under way, wait for the
+        readings under way at most ``ROUND_WAIT_SECONDS``, and take up those that finished (this
+        call's or earlier ones'); return each target whose nodes changed."""
         now = time.monotonic()
-        due = [
-            target
-            for target in self.configured.targets
-            if target.sglang_router is not None
-            and now - self._read_at.get(target.name, -target.discovery_interval_seconds)
-            >= target.discovery_interval_seconds
-        ]
-        for target in due:
-            self._read_at[target.name] = now
-        changes = await asyncio.gather(*(self._read(target) for target in due))
-        return {target.name: change for target, change in zip(due, changes, strict=True) if change}
+        for target in self.configured.targets:
+            if target.sglang_router is None or target.name in self._rounds:
+                continue
+            if now - self._read_at.get(target.name, float("-inf")) >= target.discovery_interval_seconds:
+                self._read_at[target.name] = now
+                self._rounds[target.name] = asyncio.create_task(self._round(target))
+        if self._rounds:
+            await asyncio.wait(list(self._rounds.values()), timeout=ROUND_WAIT_SECONDS)
+        changes: dict[str, NodeChange] = {}
+        for name, task in list(self._rounds.items()):
+            if task.done():
+                del self._rounds[name]
+                if (change := self._take(name, task.result())) is not None:
+                    changes[name] = change
+        return changes
 
-    async def _read(self, target: TargetConfig) -> NodeChange | None:
-        """Read one gateway; return what changed, or None (unchanged, or unreadable: logged)."""
+    async def _round(self, target: TargetConfig) -> _Reading:
+        """Read one gateway's list and its new nodes' join-time facts; never raise (a failure is
+        counted and logged: the reading is then of an unreadable gateway)."""
         gateway = target.sglang_router
         assert gateway is not None  # refresh() reads only targets that name a gateway
         try:
-            listed = await read_workers(self._http, gateway, target.timeout_seconds, self._limits)
-        except GatewayUnreadable as exc:
+            listed = await self._timed(
+                target, read_workers(self._http, gateway, self._bound(target), self._limits)
+            )
+            self.trouble.succeeded(target.name, "", "workers")
+            return _Reading(gateway, listed, await self._known(target, listed.nodes))
+        except Exception as exc:  # GatewayUnreadable says why; anything else is the answer's doing
             kept = len(self.found.get(target.name, []))
-            log.error("%s: gateway unreadable, keeping its %d last known node(s): %s", target.name, kept, exc)
+            why = f"{_why(exc)}; its {kept} last known node(s) kept"
+            self.trouble.failed(target.name, "", "workers", why)
+            return _Reading(gateway, None)
+
+    def _take(self, name: str, reading: _Reading) -> NodeChange | None:
+        """Take up a finished reading; return what changed, or None (unchanged, unreadable, or a
+        target that no longer names the gateway it read)."""
+        target = self.configured.target(name)
+        if target is None or target.sglang_router != reading.gateway:
             return None
-        if listed.skipped:
-            log.warning("%s: gateway %s listed %d worker(s) that are not nodes (no readable type or URL)",
-                        target.name, gateway, listed.skipped)  # fmt: skip
-        self.health[target.name] = listed.healthy
-        await self._read_circuits(target, listed.nodes)
-        before = {node.name: node for node in self.found.get(target.name, [])}
-        after = await self._with_ranks(target, before, listed.nodes)
-        after = await self._with_refusals(target, before, after)
-        if before == after and target.name in self.found:
+        listed = reading.listed
+        if listed is None:  # counted and logged as it failed; the last known nodes stay
             return None
-        self.found[target.name] = list(after.values())
+        self.health[name] = listed.healthy
+        self._note_refused(target, listed)
+        self._read_circuits(target, listed.nodes)
+        self.trouble.keep(name, {node.name for node in listed.nodes})
+        before = {node.name: node for node in self.found.get(name, [])}
+        after = reading.nodes
+        if before == after and name in self.found:
+            return None
+        self.found[name] = list(after.values())
         change = NodeChange(
-            joined=[name for name, node in after.items() if before.get(name) != node],
-            left=[name for name in before if name not in after],
+            joined=[node for node, config in after.items() if before.get(node) != config],
+            left=[node for node in before if node not in after],
         )
-        for name in change.joined:
-            log.info("node %s joined gateway %s (target %s)", name, gateway, target.name)
-        for name in change.left:
-            log.warning("node %s left gateway %s (target %s)", name, gateway, target.name)
+        for node in change.joined:
+            log.info("node %s joined gateway %s (target %s)", node, reading.gateway, name)
+        for node in change.left:
+            log.warning("node %s left gateway %s (target %s)", node, reading.gateway, name)
         return change if change.joined or change.left else None
 
-    async def _read_circuits(self, target: TargetConfig, nodes: list[NodeConfig]) -> None:
-        """Read the gateway's circuit breakers, where the target names its metrics page; an
+    def _note_refused(self, target: TargetConfig, listed: WorkerList) -> None:
+        """Keep the workers the listing named that are no nodes, by why; log when that changes."""
+        refused = dict(sorted(listed.refused.items()))
+        if refused and refused != self.refused.get(target.name):
+            why = ", ".join(f"{n} {reason}" for reason, n in refused.items())
+            log.warning("%s: gateway %s lists %d worker(s) kvcanary does not take as nodes (%s; the first: "
+                        "%s): see kvcanary_gateway_workers_refused", target.name, target.sglang_router,
+                        listed.skipped, why, listed.example or "no URL")  # fmt: skip
+        self.refused[target.name] = refused
+
+    def _read_circuits(self, target: TargetConfig, nodes: list[NodeConfig]) -> None:
+        """Start reading the gateway's circuit breakers, where the target names its metrics page
+        and no reading of it is under way; it lands in :attr:`circuits` when it finishes, and an
         unreadable page leaves none (a stale state would say a breaker is closed that may not be)."""
-        if target.sglang_router_metrics is None:
+        page = target.sglang_router_metrics
+        if page is None:
             self.circuits.pop(target.name, None)
-            return
+        elif target.name not in self._circuit_reads:
+            task = asyncio.create_task(self._circuits_of(target, page, nodes))
+            self._circuit_reads[target.name] = task
+            task.add_done_callback(lambda done: self._circuits_read(target.name, done))
+
+    def _circuits_read(self, name: str, done: asyncio.Task[None]) -> None:
+        if self._circuit_reads.get(name) is done:  # not one a reload cancelled and replaced
+            del self._circuit_reads[name]
+
+    async def _circuits_of(self, target: TargetConfig, page: str, nodes: list[NodeConfig]) -> None:
         try:
-            self.circuits[target.name] = await read_circuits(
-                self._http, target.sglang_router_metrics, nodes, target.timeout_seconds, self._limits
+            states = await self._timed(
+                target, read_circuits(self._http, page, nodes, self._bound(target), self._limits)
             )
-        except GatewayUnreadable as exc:
-            if self.circuits.pop(target.name, None) is not None or target.name not in self.found:
-                log.warning("%s: the gateway's metrics page is unreadable: %s", target.name, exc)
+        except Exception as exc:  # GatewayUnreadable says why; anything else is the page's doing
+            self.circuits.pop(target.name, None)
+            self.trouble.failed(target.name, "", "metrics", _why(exc))
+            return
+        now = self.configured.target(target.name)
+        if now is not None and now.sglang_router_metrics == page:  # not moved by a reload meanwhile
+            self.circuits[target.name] = states
+            self.trouble.succeeded(target.name, "", "metrics")
 
-    async def _with_refusals(
-        self, target: TargetConfig, before: dict[str, NodeConfig], after: dict[str, NodeConfig]
-    ) -> dict[str, NodeConfig]:
-        """Return ``after`` with whether each prefill and decode node refuses a request without a
-        credential: as a node seen before did, else asked of a new one (once, when it joins). A node
-        outside the target's credential scope that refuses is logged: its pairs are not probed."""
-        new = [
-            node for name, node in after.items() if name not in before and node.role in ("prefill", "decode")
-        ]
-        answers = await asyncio.gather(
-            *(refuses_without_key(self._http, node, target.timeout_seconds, self._limits) for node in new)
-        )
-        out = {
-            name: node.model_copy(update={"refuses_without_key": before[name].refuses_without_key})
-            if name in before
-            else node
-            for name, node in after.items()
-        }
-        scope = target.credential_scope()
-        for node, refuses in zip(new, answers, strict=True):
-            out[node.name] = node.model_copy(update={"refuses_without_key": refuses})
-            if refuses and not scope.allows(node.info_url or ""):
-                log.warning("%s: node %s, listed by gateway %s outside the credential scope, refuses "
-                            "requests without a key: its pairs are not probed (credential_hosts names the "
-                            "hosts that may have one)",
-                            target.name, node.name, target.sglang_router)  # fmt: skip
-        return out
-
-    async def _with_ranks(
-        self, target: TargetConfig, before: dict[str, NodeConfig], listed: list[NodeConfig]
-    ) -> dict[str, NodeConfig]:
-        """Return the listed nodes by name, each with its data-parallel ranks: as the gateway lists
-        them (``URL@rank``), else as a node seen before had them, else read from a new node's
-        server info (once, when it joins: a restart with other ranks is a new listing only if the
-        gateway lists it anew)."""
-        after: dict[str, NodeConfig] = {}
-        unknown: list[NodeConfig] = []
+    async def _known(self, target: TargetConfig, listed: list[NodeConfig]) -> dict[str, NodeConfig]:
+        """Return the listed nodes whose join-time facts are known, by name: a node seen before
+        keeps its own (its ranks, unless the gateway lists them as ``URL@rank``, and whether it
+        refuses requests without a key); a new prefill or decode node is read (:meth:`_join`), and
+        one whose reads are still under way after ``JOIN_WAIT_SECONDS`` is left to a later reading."""
+        before = {node.name: node for node in self.found.get(target.name, [])}
+        known: dict[str, NodeConfig] = {}
+        waiting: dict[str, asyncio.Task[NodeConfig]] = {}
         for node in listed:
-            if node.dp_size == 1 and (known := before.get(node.name)) is not None:
-                node = node.model_copy(update={"dp_size": known.dp_size})
-            elif node.dp_size == 1 and node.role in ("prefill", "decode"):
-                unknown.append(node)
-            after[node.name] = node
-        sizes = await asyncio.gather(
-            *(read_dp_size(self._http, node, target.timeout_seconds, self._limits) for node in unknown)
-        )
-        for node, size in zip(unknown, sizes, strict=True):
-            after[node.name] = node.model_copy(update={"dp_size": size})
-        return after
+            seen = before.get(node.name)
+            if seen is not None:
+                ranks = node.dp_size if node.dp_size != 1 else seen.dp_size
+                known[node.name] = node.model_copy(
+                    update={"dp_size": ranks, "refuses_without_key": seen.refuses_without_key}
+                )
+            elif node.role in ("prefill", "decode"):
+                key = (target.name, node.name)
+                if key not in self._joining:
+                    self._joining[key] = asyncio.create_task(self._join(target, node))
+                waiting[node.name] = self._joining[key]
+            else:
+                known[node.name] = node
+        names = {node.name for node in listed}
+        for key in [key for key in self._joining if key[0] == target.name and key[1] not in names]:
+            self._joining.pop(key).cancel()  # no longer listed: it does not join
+        if waiting:
+            await asyncio.wait(waiting.values(), timeout=JOIN_WAIT_SECONDS)
+        for name, task in waiting.items():
+            if task.done():
+                known[name] = task.result()
+                self._joining.pop((target.name, name), None)
+        return {node.name: known[node.name] for node in listed if node.name in known}
+
+    async def _join(self, target: TargetConfig, node: NodeConfig) -> NodeConfig:
+        """Return ``node`` with what is asked of it when it joins: its data-parallel ranks (where the
+        listing did not say them) and whether it refuses requests without a credential. A read
+        that fails is counted and taken as one rank, no refusal. Never raises."""
+        slots = self._join_slots.setdefault(target.name, asyncio.Semaphore(JOIN_READS_AT_ONCE))
+        async with slots:
+            ranks: Awaitable[int] = (
+                self._isolated(target, node, "server_info", read_dp_size, 1)
+                if node.dp_size == 1
+                else _value(node.dp_size)
+            )
+            dp_size, refuses = await asyncio.gather(
+                ranks, self._isolated(target, node, "models", refuses_without_key, False)
+            )
+        if refuses and not target.credential_scope().allows(node.info_url or ""):
+            log.warning("%s: node %s, listed by gateway %s outside the credential scope, refuses "
+                        "requests without a key: its pairs are not probed (credential_hosts names the "
+                        "hosts that may have one)", target.name, node.name, target.sglang_router)  # fmt: skip
+        return node.model_copy(update={"dp_size": dp_size, "refuses_without_key": refuses})
+
+    async def _isolated(
+        self,
+        target: TargetConfig,
+        node: NodeConfig,
+        read: str,
+        reader: Callable[[HttpClient, NodeConfig, float, Limits], Awaitable[T]],
+        default: T,
+    ) -> T:
+        """Return what ``reader`` reads of ``node``, time-boxed; ``default`` where it fails (counted)."""
+        try:
+            value = await self._timed(target, reader(self._http, node, self._bound(target), self._limits))
+        except Exception as exc:  # NodeUnreadable says why; anything else is the node's answer's doing
+            self.trouble.failed(target.name, node.name, read, _why(exc))
+            return default
+        self.trouble.succeeded(target.name, node.name, read)
+        return value
+
+    def _bound(self, target: TargetConfig) -> float:
+        return min(READ_SECONDS, target.timeout_seconds)
+
+    async def _timed(self, target: TargetConfig, work: Awaitable[T]) -> T:
+        """Await ``work`` for at most one read's bound, whatever the reader itself waits for."""
+        async with asyncio.timeout(self._bound(target)):
+            return await work
+
+
+def _why(exc: Exception) -> str:
+    """Say why a read failed in words fit for a log: the message of the reads' own exceptions, the
+    type of any other (whose message may quote what a gateway or node wrote)."""
+    if isinstance(exc, GatewayUnreadable | NodeUnreadable):
+        return str(exc)[:300]
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    return type(exc).__name__
+
+
+async def _value(value: T) -> T:
+    return value

@@ -8,17 +8,22 @@ runs. Its answer (``tests/fixtures/engines/sglang-router-0.3.2-pd-workers.json``
 
 What the gateway writes is read like an engine's answer: bounded in size (``Limits.lookup_bytes``),
 at most :data:`MAX_WORKERS` workers, and each name made from the role and the URL's host and port
-only, so that nothing it sends reaches a metric label or a log line raw. A worker whose URL or type
-cannot be read is left out and counted, never guessed at. Every node made here is marked
-``discovered``: its address is the gateway's word, not the operator's, and no credential goes
-there unless the target's credential scope covers it (``monitor/targets/credentials.py``). Nothing
-here sends a credential: the gateway and its nodes are read without one.
+only, so that nothing it sends reaches a metric label or a log line raw. A worker whose type is not
+one of :data:`ROLES`, or whose URL no engine can have (:func:`worker_url`: http or https, a host
+DNS could resolve or an IP literal, a port in range, at most :data:`MAX_URL_CHARS` characters), is
+left out and counted by why, never guessed at; one worker that cannot be read costs the listing
+nothing else. Every node made here is marked ``discovered``: its address is the gateway's word,
+not the operator's, and no credential goes there unless the target's credential scope covers it
+(``monitor/targets/credentials.py``). Nothing here sends a credential: the gateway and its nodes
+are read without one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
+import ipaddress
 import json
 import re
 from dataclasses import dataclass, field
@@ -34,6 +39,18 @@ from kvcanary.monitor.targets.wire import Limits, read_limited
 
 #: Workers kept from one answer: a gateway listing more is cut here (as ``nodes:`` is, at 1,000).
 MAX_WORKERS = 1000
+#: The longest worker URL taken: a scheme, a host of at most 253 characters, a port and a short
+#: path prefix fit many times over; a longer one names no engine (and its ``/metrics`` URL must
+#: stay within a node's 2,048).
+MAX_URL_CHARS = 512
+#: What DNS resolves: a name of at most 253 characters in labels of 1 to 63 letters, digits,
+#: hyphens (and the underscores some internal zones use). A longer host is no machine's, and
+#: aiohttp's URL encoding raises on it: reading such a node would fail with no error a read expects.
+MAX_HOST_CHARS = 253
+_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+#: Why a listed worker is not taken as a node: ``type`` (no worker type kvcanary knows), ``url``
+#: (a URL no engine can have), ``cut`` (past :data:`MAX_WORKERS`), ``unreadable`` (anything else).
+REFUSALS_BY = ("type", "url", "cut", "unreadable")
 #: The gateway's worker types as node roles; ``regular`` is an aggregated (non-PD) worker.
 ROLES = {"prefill": "prefill", "decode": "decode", "regular": "aggregated"}
 #: A data-parallel-aware gateway lists each rank as ``URL@rank``: the ranks share one server.
@@ -46,15 +63,28 @@ class GatewayUnreadable(Exception):
     """The gateway's worker list could not be read; ``str()`` says why, in words fit for a log."""
 
 
+class NodeUnreadable(Exception):
+    """A node gave no answer to a question asked when it joins (no answer in time, no connection,
+    or an answer that is not what it claims); ``str()`` says why, in words fit for a log."""
+
+
 @dataclass
 class WorkerList:
-    """The nodes one answer lists, and how many workers it named that could not be taken as nodes."""
+    """The nodes one answer lists, and the workers it named that could not be taken as nodes, by
+    why (:data:`REFUSALS_BY`)."""
 
     nodes: list[NodeConfig] = field(default_factory=list)
-    skipped: int = 0
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
     #: What the gateway says of each node's health (``is_healthy``), by node name: a node it
     #: thinks healthy gets customers, whatever kvcanary's probes found there.
     healthy: dict[str, bool] = field(default_factory=dict)
+    #: A short, plain excerpt of the first refused worker's URL, for the log line that says so.
+    example: str = ""
+
+    @property
+    def skipped(self) -> int:
+        """Return how many listed workers were not taken as nodes, whatever the reason."""
+        return sum(self.refused.values())
 
 
 def node_name(role: str, url: str) -> str:
@@ -73,19 +103,50 @@ def node_name(role: str, url: str) -> str:
     return name
 
 
-def worker_node(worker: Any) -> NodeConfig | None:
-    """Return the node of one listed worker, or None when its type or URL cannot be read."""
-    if not isinstance(worker, dict):
-        return None
-    kind = worker.get("worker_type")
-    role = ROLES.get(kind) if isinstance(kind, str) else None
-    raw_url = worker.get("url")
-    if role is None or not isinstance(raw_url, str) or len(raw_url) > 2048:
+def worker_url(raw: str) -> str | None:
+    """Return ``raw`` (a data-parallel rank's ``@rank`` removed) as a node's URL, or None when no
+    engine can be at it: not http or https, credentials, a query or fragment (``http_url``), a
+    host DNS cannot resolve (:data:`MAX_HOST_CHARS`) that is no IP literal, a port out of range,
+    or longer than :data:`MAX_URL_CHARS`."""
+    if len(raw) > MAX_URL_CHARS:
         return None
     try:
-        url = http_url(_DP_RANK.sub("", raw_url))
-    except ValueError:
+        url = http_url(_DP_RANK.sub("", raw))
+        host = httpx.URL(url).raw_host.decode("ascii")  # a name IDNA-encoded, as DNS is asked
+    except (ValueError, UnicodeDecodeError):  # httpx.InvalidURL is a ValueError
         return None
+    return url if _resolvable(host) else None
+
+
+def _resolvable(host: str) -> bool:
+    """Return whether ``host`` is an IP address or a name DNS could resolve."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    return 0 < len(host) <= MAX_HOST_CHARS and all(_LABEL.match(label) for label in labels)
+
+
+def worker_node(worker: Any) -> NodeConfig | None:
+    """Return the node of one listed worker, or None when its type or URL cannot be read."""
+    node, _ = _worker_node(worker)
+    return node
+
+
+def _worker_node(worker: Any) -> tuple[NodeConfig | None, str]:
+    """Return the node of one listed worker, or None and why not (:data:`REFUSALS_BY`)."""
+    if not isinstance(worker, dict):
+        return None, "unreadable"
+    kind = worker.get("worker_type")
+    role = ROLES.get(kind) if isinstance(kind, str) else None
+    if role is None:
+        return None, "type"
+    raw_url = worker.get("url")
+    url = worker_url(raw_url) if isinstance(raw_url, str) else None
+    if url is None:
+        return None, "url"
     port = worker.get("bootstrap_port")
     bootstrap = port if role == "prefill" and type(port) is int and 0 < port < 65536 else None
     node = NodeConfig(
@@ -96,22 +157,30 @@ def worker_node(worker: Any) -> NodeConfig | None:
         bootstrap_port=bootstrap,
     )
     # Marked after validation, which refuses the mark from a file: only a gateway's listing has it.
-    return node.model_copy(update={"discovered": True})
+    return node.model_copy(update={"discovered": True}), ""
 
 
 def parse_workers(payload: Any) -> WorkerList:
     """Return the nodes a ``GET /workers`` answer lists; raise :class:`GatewayUnreadable` when the
-    answer is not a worker list at all (an empty list is an answer: the gateway routes to nobody)."""
+    answer is not a worker list at all (an empty list is an answer: the gateway routes to nobody).
+    A worker that cannot be taken as a node is counted in ``refused`` and costs the others nothing."""
     workers = payload.get("workers") if isinstance(payload, dict) else None
     if not isinstance(workers, list):
         raise GatewayUnreadable("the answer has no 'workers' list")
-    found = WorkerList(skipped=max(0, len(workers) - MAX_WORKERS))
+    found = WorkerList()
+    if len(workers) > MAX_WORKERS:
+        found.refused["cut"] = len(workers) - MAX_WORKERS
     names: set[str] = set()
     ranks: dict[str, int] = {}  # the most ranks a node's ``URL@rank`` listings show
     for worker in workers[:MAX_WORKERS]:
-        node = worker_node(worker)
+        try:
+            node, why = _worker_node(worker)
+        except Exception:  # whatever one worker's fields make of validation: that worker only
+            node, why = None, "unreadable"
         if node is None:
-            found.skipped += 1
+            if not found.refused:
+                found.example = _excerpt(worker)
+            found.refused[why] += 1
             continue
         if (rank := _DP_RANK.search(worker["url"])) is not None and int(rank.group()[1:]) < 64:
             ranks[node.name] = max(ranks.get(node.name, 1), int(rank.group()[1:]) + 1)
@@ -126,6 +195,15 @@ def parse_workers(payload: Any) -> WorkerList:
     return found
 
 
+def _excerpt(worker: Any) -> str:
+    """Return the first characters of a refused worker's URL, made plain (it reaches a log line)."""
+    url = worker.get("url") if isinstance(worker, dict) else None
+    if not isinstance(url, str):
+        return ""
+    plain = _NOT_IN_NAME.sub("_", url[:48])
+    return f"{plain}... ({len(url)} characters)" if len(url) > 48 else plain
+
+
 async def _get(http: HttpClient, url: str, timeout: float, limits: Limits) -> tuple[int, str, bool]:
     """GET ``url``: its status, its body up to ``limits.lookup_bytes``, and whether that is all of it."""
     async with asyncio.timeout(timeout):
@@ -137,21 +215,37 @@ async def _get(http: HttpClient, url: str, timeout: float, limits: Limits) -> tu
 
 async def read_dp_size(http: HttpClient, node: NodeConfig, timeout: float, limits: Limits) -> int:
     """Return the data-parallel ranks a node's server info states (``dp_size``; ``/server_info``,
-    else ``/get_server_info``), or 1 where it cannot be read: a gateway that is not DP-aware lists
-    each server once, whatever ranks it runs."""
+    else ``/get_server_info``), or 1 where the node answers without saying (a gateway that is not
+    DP-aware lists each server once, whatever ranks it runs); raise :class:`NodeUnreadable` where it
+    gives no answer, or a 200 that is not a JSON object within ``limits``."""
     for path in ("/server_info", "/get_server_info"):
-        try:
-            status, raw, complete = await _get(http, f"{node.info_url}{path}", timeout, limits)
-        except (TimeoutError, aiohttp.ClientError, *CONNECT_ERRORS):
-            return 1
+        url = f"{node.info_url}{path}"
+        status, raw, complete = await _node_get(http, url, timeout, limits)
         if status == 404:
             continue
-        try:
-            size = json.loads(raw).get("dp_size") if status == 200 and complete else None
-        except (ValueError, AttributeError):
+        if status != 200:  # an answer that says nothing of ranks (one wanting a key, say)
             return 1
+        try:
+            info = json.loads(raw) if complete else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise NodeUnreadable(f"{path}: {'too large' if not complete else 'not a JSON object'}")
+        size = info.get("dp_size")
         return size if type(size) is int and 1 <= size <= 64 else 1
     return 1
+
+
+async def _node_get(http: HttpClient, url: str, timeout: float, limits: Limits) -> tuple[int, str, bool]:
+    """:func:`_get` of a node's page; raise :class:`NodeUnreadable` where no answer comes."""
+    try:
+        return await _get(http, url, timeout, limits)
+    except TimeoutError:
+        raise NodeUnreadable(f"no answer within {timeout:g}s") from None
+    except CONNECT_ERRORS:
+        raise NodeUnreadable("cannot connect") from None
+    except aiohttp.ClientError as exc:
+        raise NodeUnreadable(type(exc).__name__) from None
 
 
 #: What a node answers a request without a credential with when it wants one.
@@ -161,12 +255,9 @@ REFUSALS = frozenset({401, 403})
 async def refuses_without_key(http: HttpClient, node: NodeConfig, timeout: float, limits: Limits) -> bool:
     """Return whether a node refuses a request that carries no credential: ``GET /v1/models`` (which
     SGLang, vLLM and the reference worker guard whenever they take keys) answered 401 or 403. Any
-    other answer, or none, is no refusal: the node is probed without a key, and what its probes
-    meet is theirs to say."""
-    try:
-        status, _, _ = await _get(http, f"{node.info_url}/v1/models", timeout, limits)
-    except (TimeoutError, aiohttp.ClientError, *CONNECT_ERRORS):
-        return False
+    other answer is no refusal: the node is probed without a key, and what its probes meet is
+    theirs to say. Raise :class:`NodeUnreadable` where no answer comes (taken as no refusal)."""
+    status, _, _ = await _node_get(http, f"{node.info_url}/v1/models", timeout, limits)
     return status in REFUSALS
 
 
