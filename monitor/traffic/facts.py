@@ -19,7 +19,8 @@ A pool reading is believed only where a real engine could have made it (:meth:`T
 - ``moved``: a pool more than ``POOL_MOVE_FACTOR`` times larger or smaller than the node's last
   trusted one, with no configuration change the capacity audit saw since (a pool is fixed when the
   engine starts; the audit's change calls :meth:`TargetFacts.forget_pools`, and the next reading
-  is the node's new baseline).
+  is the node's new baseline), held for less than ``POOL_SETTLE_SECONDS`` (a restart nobody
+  announced, on a target the audit does not watch, is believed once its pool has held that long).
 
 A reading not trusted is kept as such (``untrusted``, ``kvcanary_node_pool_untrusted``), logged
 once an episode and read again after ``UNKNOWN_POOL_SECONDS``; it judges nothing and guards nothing
@@ -59,6 +60,8 @@ MIN_TRUSTED_POOL_TOKENS = 256
 #: change: a pool is fixed when the engine starts, so a move at all is a restart, and one this
 #: large (a quarter, four times) unannounced is a reading not to act on until the audit confirms it.
 POOL_MOVE_FACTOR = 4.0
+#: How long a moved pool must read the same before it is believed without the audit's word.
+POOL_SETTLE_SECONDS = 3600.0
 #: The sparsest text a tokenizer can make of a calibration sample: a token a UTF-8 byte, four bytes
 #: a character, and a few tokens the tokenizer adds around a short text. Denser than
 #: ``MAX_TOKEN_BYTES`` characters a token (a character is at least a byte) is as impossible.
@@ -112,6 +115,7 @@ class TargetFacts:
         self._pools: dict[tuple[str, str], tuple[float, PoolReading]] = {}
         self._reading: dict[tuple[str, str], asyncio.Task[PoolReading]] = {}
         self._baseline: dict[tuple[str, str], int] = {}  # each node's last trusted pool
+        self._moved: dict[tuple[str, str], tuple[int, float]] = {}  # a moved pool, since when
 
     def forget(self, target: str) -> None:
         """Drop what is kept of ``target`` (a reload gave it a new client, or removed it): its
@@ -122,6 +126,7 @@ class TargetFacts:
         client = self.clients.get(target)
         nodes = {"", *(n.name for n in getattr(client, "nodes", []))} if client is not None else set()
         self._baseline = {k: v for k, v in self._baseline.items() if k[0] != target or k[1] in nodes}
+        self._moved = {k: v for k, v in self._moved.items() if k[0] != target or k[1] in nodes}
         self.untrusted = {k: v for k, v in self.untrusted.items() if k[0] != target or k[1] in nodes}
 
     def forget_pools(self, target: str) -> None:
@@ -129,6 +134,7 @@ class TargetFacts:
         so they are read again and each node's next reading is its new baseline."""
         self._pools = {k: v for k, v in self._pools.items() if k[0] != target}
         self._baseline = {k: v for k, v in self._baseline.items() if k[0] != target}
+        self._moved = {k: v for k, v in self._moved.items() if k[0] != target}
 
     async def chars_per_token(self, target: str) -> float | None:
         """Return the target's calibration where a tokenizer could have made it, else None."""
@@ -218,7 +224,13 @@ class TargetFacts:
             return "below_own_input_limit"
         base = self._baseline.get(key)
         if base is not None and not base / POOL_MOVE_FACTOR <= tokens <= base * POOL_MOVE_FACTOR:
-            return "moved"
+            moved = self._moved.get(key)
+            if moved is None or moved[0] != tokens:
+                self._moved[key] = (tokens, self.clock())
+                return "moved"
+            if self.clock() - moved[1] < POOL_SETTLE_SECONDS:
+                return "moved"
+        self._moved.pop(key, None)
         return None
 
 

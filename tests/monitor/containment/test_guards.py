@@ -18,7 +18,7 @@ import pytest
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.containment.guards import AdmissionFacts, GuardFacts
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
-from kvcanary.monitor.traffic.facts import MIN_CHARS_PER_TOKEN, TargetFacts
+from kvcanary.monitor.traffic.facts import MIN_CHARS_PER_TOKEN, POOL_SETTLE_SECONDS, TargetFacts
 from kvcanary.wire import api_base_key
 from tests.monitor.served import Served, reference_target
 from tests.probes.probe_harness import KEYS, FakeEngine
@@ -85,7 +85,8 @@ def test_each_node_guards_its_own_deployment_and_a_reading_not_to_trust_guards_n
     """A gateway target of four prefill nodes and a decode node, each an engine on loopback: a sound
     one (16,384 tokens), one that says 16 (an attacker's, or broken), one whose pool is below the
     longest prompt it says it admits, and one whose pool later falls to a sixteenth with no
-    configuration change seen. Its tokenizer counts a billion tokens for any text. Each node's
+    configuration change seen (believed once the capacity audit saw one, or the pool held an
+    hour). Its tokenizer counts a billion tokens for any text. Each node's
     deployment is guarded by its own pool; the untrusted ones by none, and the target's own
     deployment (the gateway, the decode node's URL) by the smallest trusted pool; the calibration
     no tokenizer could have made is none."""
@@ -135,7 +136,18 @@ def test_each_node_guards_its_own_deployment_and_a_reading_not_to_trust_guards_n
                 await guards.refresh()
                 seen.append(by_base(guards.current()))
                 assert facts.untrusted[("glm", "shifty")] == "moved"
+                now[0] += 1800  # held half an hour: still not believed without the audit's word
+                await guards.refresh()
+                assert by_base(guards.current()) == seen[-1]
                 facts.forget_pools("glm")  # the capacity audit saw its configuration change
+                await guards.refresh()
+                seen.append(by_base(guards.current()))
+                assert ("glm", "shifty") not in facts.untrusted
+                engines["shifty"].info = info(16384)  # restarted again, and nobody audits it
+                now[0] += 601
+                await guards.refresh()
+                assert facts.untrusted[("glm", "shifty")] == "moved"
+                now[0] += POOL_SETTLE_SECONDS  # the same pool for an hour: believed
                 await guards.refresh()
                 seen.append(by_base(guards.current()))
                 assert ("glm", "shifty") not in facts.untrusted
@@ -143,7 +155,7 @@ def test_each_node_guards_its_own_deployment_and_a_reading_not_to_trust_guards_n
                 await client.aclose()
             return seen
 
-        first, moved, confirmed = asyncio.run(run())
+        first, moved, confirmed, settled = asyncio.run(run())
         key = {name: api_base_key(server.url) for name, server in served.items()}
         own = {key["gateway"], key["d0"]}  # the target's deployment: any admitting node may take it
         assert first == {
@@ -157,8 +169,9 @@ def test_each_node_guards_its_own_deployment_and_a_reading_not_to_trust_guards_n
             key["shifty"]: (1024, None),
             **dict.fromkeys(own, (1024, None)),
         }
+        assert settled == first
         said = [r.getMessage() for r in caplog.records if "is not trusted" in r.getMessage()]
-        assert len(said) == 3 and all("guards and judges nothing" in line for line in said), said
+        assert len(said) == 4 and all("guards and judges nothing" in line for line in said), said
     finally:
         for server in served.values():
             server.close()
