@@ -171,7 +171,8 @@ class GatewayDiscovery:
         before = {t.name: t.sglang_router for t in self.configured.targets}
         self.configured = configured
         gateways = {t.name: t.sglang_router for t in configured.targets if t.sglang_router}
-        for name in {*self.found, *self._rounds, *self._circuit_reads, *self.refused}:
+        known = {*self.found, *self._rounds, *self._circuit_reads, *self.refused, *self._read_at}
+        for name in known | {target for target, _, _ in self.trouble.failures}:
             if gateways.get(name) != before.get(name) or name not in gateways:
                 self._forget(name)
         return self.merged()
@@ -184,6 +185,7 @@ class GatewayDiscovery:
                 task.cancel()
         for key in [key for key in self._joining if key[0] == name]:
             self._joining.pop(key).cancel()
+        self._join_slots.pop(name, None)
         self.trouble.forget(name)
 
     def merged(self) -> Settings:

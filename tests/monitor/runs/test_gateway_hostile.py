@@ -229,6 +229,8 @@ def test_a_node_whose_answer_makes_its_read_raise_is_counted_once_and_every_othe
         assert len(said) == 1 and "server_info read failed: RecursionError" in said[0], said
         errors = exported(discovery)["kvcanary_gateway_read_errors_total"]
         assert errors == {("glm", bad, "server_info"): 1.0}
+        discovery.take_up(settings_of(gateway_target("other", other.url)))  # a reload removed glm
+        assert discovery.failures == {} and "glm" not in discovery.found
     finally:
         for server in (*sound, hostile, glm, other):
             server.close()
