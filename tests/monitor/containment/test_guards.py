@@ -8,7 +8,9 @@ real LiteLLM proxy, ``tests/litellm/test_admission_litellm.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,11 @@ import httpx
 import pytest
 
 from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.containment.document import quarantine_set
 from kvcanary.monitor.containment.guards import AdmissionFacts, GuardFacts
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
 from kvcanary.monitor.traffic.facts import MIN_CHARS_PER_TOKEN, POOL_SETTLE_SECONDS, TargetFacts
+from kvcanary.tap.containment.document import parse_quarantine
 from kvcanary.wire import api_base_key
 from tests.monitor.served import Served, reference_target
 from tests.probes.probe_harness import KEYS, FakeEngine
@@ -185,3 +189,29 @@ def by_base(guards: list[GuardFacts]) -> dict[str, tuple[int, float | None]]:
             assert base not in found, f"{base} guarded twice"
             found[base] = (guard.kv_pool_tokens, guard.chars_per_token)
     return found
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="monitor/containment/document.py writes every guard with all its target's api_bases; "
+    "it must write each guard's own (g.api_bases), then this marker goes",
+)
+def test_the_set_gives_each_deployment_the_guard_of_its_own_pool() -> None:
+    """Two prefill nodes of 16,384 and 1,024 tokens behind a gateway: as a tap reads the set, the
+    first node's deployment is guarded at 16,384, the second's and the gateway's at 1,024."""
+    roomy, small, gateway = "http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.9:30000"
+    nodes = [{"name": n, "role": "prefill", "info_url": url} for n, url in (("p0", roomy), ("p1", small))]
+    settings = Settings.model_validate(
+        {"database_url": "sqlite:///unused.db", "targets": [reference_target("glm", gateway, nodes=nodes)]}
+    )
+    facts = [
+        GuardFacts("glm", "enforce", 16384, 4.0, (api_base_key(roomy),)),
+        GuardFacts("glm", "enforce", 1024, 4.0, tuple(sorted(map(api_base_key, (small, gateway))))),
+    ]
+    published = quarantine_set([], facts, settings, datetime.now(UTC))
+    read = parse_quarantine(json.dumps(published).encode()).guards
+    assert {base: guard.kv_pool_tokens for base, guard in read.items()} == {
+        api_base_key(roomy): 16384,
+        api_base_key(small): 1024,
+        api_base_key(gateway): 1024,
+    }
