@@ -190,7 +190,10 @@ class Monitor:
         )
         # Nodes found from SGLang gateways (monitor/runs/discovery.py), taken up as a reload would.
         self.discovery = GatewayDiscovery(settings, self.http, limits)
-        self.metrics.watch_gateways(lambda: self.discovery.health, lambda: self.discovery.circuits)
+        self.metrics.watch_gateways(
+            lambda: self.discovery.health, lambda: self.discovery.circuits,
+            lambda: self.discovery, lambda: self.traffic.judge.facts.untrusted,
+        )  # fmt: skip
         self.scheduler = build_scheduler(
             settings,
             self.runner,

@@ -46,7 +46,7 @@ def quarantine_set(
         ],
         "guards": [
             {
-                "target": g.target, "api_bases": bases.get(g.target, []), "mode": g.mode,
+                "target": g.target, "api_bases": list(g.api_bases), "mode": g.mode,
                 "kv_pool_tokens": g.kv_pool_tokens, "chars_per_token": g.chars_per_token,
             }
             for g in guards

@@ -191,11 +191,6 @@ def by_base(guards: list[GuardFacts]) -> dict[str, tuple[int, float | None]]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="monitor/containment/document.py writes every guard with all its target's api_bases; "
-    "it must write each guard's own (g.api_bases), then this marker goes",
-)
 def test_the_set_gives_each_deployment_the_guard_of_its_own_pool() -> None:
     """Two prefill nodes of 16,384 and 1,024 tokens behind a gateway: as a tap reads the set, the
     first node's deployment is guarded at 16,384, the second's and the gateway's at 1,024."""
