@@ -35,6 +35,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from kvcanary.monitor.api import statuses
 from kvcanary.monitor.api.blast import page_radius
 from kvcanary.monitor.api.deps import MAX_ID, SessionDep, token_matches
+from kvcanary.monitor.api.evidence_account import account
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.blast.chart import chart_of
 from kvcanary.monitor.containment.rules import changes_since
@@ -182,6 +183,7 @@ class _Shown:
     reason: str
     detail: str
     figures: str
+    account: list[str]  # the evidence told in a few lines (``evidence_account.py``)
     evidence: str  # the evidence as JSON, excerpts left out; "" when there is none
 
 
@@ -191,7 +193,7 @@ def _shown(r: Any) -> _Shown:
     if has_excerpts(evidence):
         evidence = without_excerpts(evidence, "left out of this page")
     shown = json.dumps(evidence, indent=1, sort_keys=True, default=str) if evidence else ""
-    return _Shown(r.started_at, r.verdict, r.reason, r.detail, _figures(r), shown)
+    return _Shown(r.started_at, r.verdict, r.reason, r.detail, _figures(r), account(evidence), shown)
 
 
 def _figures(r: Any) -> str:
@@ -223,7 +225,18 @@ def _printable(value: Any) -> Any:
 
 
 def _when(moment: Any) -> str:
-    return moment.strftime("%Y-%m-%d %H:%M:%S UTC") if moment is not None else ""
+    """One format for every time on the page, whether it came as a datetime or as ISO text (the
+    blast radius's JSON): to the second, in UTC."""
+    if isinstance(moment, str):
+        try:
+            moment = datetime.fromisoformat(moment)
+        except ValueError:
+            return str(moment)
+    if moment is None:
+        return ""
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(UTC)
+    return str(moment.strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 
 #: Loaded once, at import (a missing template fails the import, not a page). Autoescaping is on

@@ -133,4 +133,9 @@ def incident_title(row: ProbeResultRow, target: str, severity: str, lasted: floa
     else:
         head = f"{row.verdict} on {where}"
     title = " ".join(f"{head}: {what}".split())
-    return title if len(title) <= TITLE_CHARS else title[: TITLE_CHARS - 1] + "…"
+    if len(title) <= TITLE_CHARS:
+        return title
+    cut = title[: TITLE_CHARS - 1]
+    # Ends on a whole word where one ends in the title's second half: a title cut mid-word misleads.
+    whole = cut[: cut.rfind(" ")].rstrip(" ,;:") if cut.rfind(" ") > TITLE_CHARS // 2 else cut
+    return whole + "…"
