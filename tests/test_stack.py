@@ -53,6 +53,9 @@ PROBES = {"canary": 2.0, "cross_tenant": 2.0, "boundary": 3.0, "counters": 2.0, 
 #: Rules that stay quiet here, and why: nothing in this deployment is in that failure.
 QUIET_RULES = {
     "KVCanaryProbeErrors": "every probe judges (no target is unreachable)",
+    "KVCanaryLeakSuspected": "no gateway sends traffic here, so no fingerprint check suspects anything "
+    "(alerts/tests/monitor.test.yml runs its series; tests/litellm/test_suspected_litellm.py raises one "
+    "through a real LiteLLM proxy)",
     "KVCanaryNotProbing": "both monitors probe every pair on time",
     "KVCanaryAlertDeliveryFailing": "Alertmanager accepts every post",
     "KVCanaryResultsDropped": "the database is up: nothing is spooled, nothing dropped",

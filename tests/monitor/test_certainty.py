@@ -76,7 +76,7 @@ def test_an_operator_confirms_a_suspected_incident_and_the_confirmation_pages(
     assert opened.incident_id is not None
     with session_factory() as s, s.begin():
         confirm(
-            s, incident_id=opened.incident_id, note="the caller's text is a contract draft", now=minutes(2)
+            s, incident_id=opened.incident_id, note="a contract draft, not public", now=minutes(2)
         )
     assert incident(session_factory, opened.incident_id) == ("open", "confirmed")
     assert events(session_factory, opened.incident_id)[-1] == (

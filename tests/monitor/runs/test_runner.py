@@ -123,7 +123,9 @@ def test_the_scheduler_has_one_non_overlapping_job_per_target_and_probe() -> Non
     settings = settings_for("http://127.0.0.1:1", interval_seconds=7, probe_intervals={"boundary": 90})
     scheduler = build_scheduler(settings, runner_for(settings))
     jobs = {job.id: job for job in scheduler.get_jobs()}
-    assert set(jobs) == {"probe:t:canary", "probe:t:cross_tenant", "probe:t:boundary"}
+    # The defaults: three kinds that judge answers, and the three audits that send no request.
+    kinds = ("canary", "cross_tenant", "boundary", "capacity", "version", "counters")
+    assert set(jobs) == {f"probe:t:{kind}" for kind in kinds}
     for job in jobs.values():
         assert job.max_instances == 1 and job.coalesce is True
     assert jobs["probe:t:boundary"].trigger.interval == timedelta(seconds=90)
@@ -139,7 +141,8 @@ def test_a_replica_keeps_paused_the_jobs_it_does_not_own_and_resumes_them_in_pha
     assert jobs["probe:t:canary"].next_run_time is not None
 
     gained, lost = assign(scheduler, settings, lambda target, kind: kind == "boundary")
-    assert gained == [("t", "boundary")] and sorted(lost) == [("t", "canary"), ("t", "cross_tenant")]
+    others = [("t", kind) for kind in ("canary", "capacity", "counters", "cross_tenant", "version")]
+    assert gained == [("t", "boundary")] and sorted(lost) == others
     assert assign(scheduler, settings, lambda target, kind: kind == "boundary") == ([], [])
     assert jobs["probe:t:canary"].next_run_time is None
     boundary = jobs["probe:t:boundary"]

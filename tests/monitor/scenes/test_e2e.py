@@ -193,8 +193,8 @@ def test_the_defective_target_opens_a_critical_incident_that_resolves_once_fixed
     metrics = httpx.get(dep.url + "/metrics", timeout=10).text
     assert f'kvcanary_cross_tenant_leaks_total{{target="{dep.name("defective")}"}}' in metrics
     assert (
-        f'kvcanary_incidents_open{{node="",probe="{incidents[0]["probe"]}",severity="critical",'
-        f'target="{dep.name("defective")}"}} 1.0' in metrics
+        f'kvcanary_incidents_open{{certainty="certain",node="",probe="{incidents[0]["probe"]}",'
+        f'severity="critical",target="{dep.name("defective")}"}} 1.0' in metrics
     )
 
     # Restart the defective worker with the fix on the same port: the incident resolves.

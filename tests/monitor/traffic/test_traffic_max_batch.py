@@ -51,9 +51,10 @@ from tests.support.jetstream import (
 
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]
 
-#: What /healthz may take at most while the batch is judged: the bound of a loaded two-core machine
-#: beside a full test run, far under the seconds it stalled for.
-HEALTH_BOUND_SECONDS = 1.5
+#: What /healthz may take at most while the batch is judged: half a partition lease, what a
+#: replica must never stall for. Not a speed target (bench/ingest_max_batch.py measures p99: 0.22 s):
+#: a machine loaded far past its cores by other work (load 18 on 2 cores) saw 1.7 s.
+HEALTH_BOUND_SECONDS = LEASE_SECONDS / 2
 
 
 def largest_batch(bases: list[str], seed: int = 1) -> bytes:
@@ -227,4 +228,6 @@ def test_the_partitions_leases_are_refreshed_beside_the_judge_at_work_on_a_batch
     steps, took, lost, claims = asyncio.run(run())
     assert took > STEP_SECONDS and len(steps) >= 2, (took, steps)  # steps while the judge worked
     assert not lost and sorted(claims) == list(range(16))
-    assert max(steps) < LEASE_SECONDS / 4, steps
+    # The behaviour, not a speed: no step of the partitions' heartbeat may take a lease (the claims
+    # would lapse). bench/ingest_max_batch.py measures how far under it they stay.
+    assert max(steps) < LEASE_SECONDS, steps
