@@ -194,6 +194,13 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "default: %(default)s, off)",
     )
     add(
+        "--reasoning-end-str",
+        default=None,
+        metavar="TEXT",
+        help="the reasoning end string, as vLLM's reasoning configuration names it: forced into an "
+        "answer once the request's thinking_token_budget ran out (default: none; budgets force nothing)",
+    )
+    add(
         "--bug-rate",
         type=float,
         default=1.0,
@@ -215,7 +222,13 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "'abort-in-flight' lets a hung-up request decode on and hands its output to the next request "
         "(redis-py#2624, the 2023 ChatGPT incident); 'session-restore' leaves a reused session-cache "
         "slot's old entry visible, so a returning conversation gets another one's K/V (llama.cpp#27148); "
-        "'batch-crossed' hands each row of a full, mixed batch another row's tokens (vllm#5607, mlx-lm#965)",
+        "'batch-crossed' hands each row of a full, mixed batch another row's tokens (vllm#5607, mlx-lm#965); "
+        "'slot-stale-tokens' prefills a request that takes a slot freed while the batch ran from the "
+        "previous occupant's tokens (vLLM GHSA-v97p-wpxp-px84); 'sampling-rows-stale' reads a moved "
+        "row's sampling parameters (allowed tokens, stop strings, thinking budget) from the table entry "
+        "at its row, not its slot (vLLM GHSA-fpch-3xrf-7q96, CVE-2026-114049); 'session-offload-chunks' "
+        "keys the session cache's offload tier by chunk position only, so a conversation back after the "
+        "ring moved on is restored from the latest long sequence (LMCache#4385, llama.cpp#27148)",
     )
 
 
@@ -247,6 +260,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         zero_freed_pages=args.zero_freed_pages,
         prefix_cache=args.prefix_cache,
         session_cache=args.session_cache,
+        reasoning_end_str=args.reasoning_end_str,
         lora_adapters=tuple(args.lora_adapter),
         bug_rate=args.bug_rate,
         bugs=frozenset(args.bug),

@@ -30,6 +30,9 @@ BUGS = (
     "abort-in-flight",
     "session-restore",
     "batch-crossed",
+    "slot-stale-tokens",
+    "sampling-rows-stale",
+    "session-offload-chunks",
 )
 
 
@@ -55,6 +58,9 @@ class WorkerConfig:
     zero_freed_pages: bool = False
     prefix_cache: str = "off"
     session_cache: int = 0
+    #: vLLM's reasoning end string: forced into an answer once its ``thinking_token_budget`` ran out
+    #: (None: budgets are accepted and force nothing).
+    reasoning_end_str: str | None = None
     lora_adapters: tuple[str, ...] = ()
     bugs: frozenset[str] = frozenset()
     bug_rate: float = 1.0
@@ -109,9 +115,14 @@ class WorkerConfig:
             "--session-cache needs --mode aggregated and --prefix-cache off (restores are the request's "
             "own writes, never shared pages)",
         )
+        for bug in ("session-restore", "session-offload-chunks"):
+            _require(
+                bug not in self.bugs or self.session_cache > 0,
+                f"--bug {bug} needs a session cache: add --session-cache N",
+            )
         _require(
-            "session-restore" not in self.bugs or self.session_cache > 0,
-            "--bug session-restore needs a session cache: add --session-cache N",
+            self.reasoning_end_str is None or bool(self.reasoning_end_str.encode()),
+            "--reasoning-end-str must not be empty",
         )
         _require(0.0 < self.bug_rate <= 1.0, f"--bug-rate must be in (0, 1], got {self.bug_rate}")
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")

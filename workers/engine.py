@@ -17,6 +17,9 @@ copies cached and computed positions alike into the request's own decode pages (
 never shared). Before that copy, with ``--verify-ownership``, the prefill pages must hold exactly
 the words the request expects, as decode pages must before each decode read. ``--session-cache``
 restores in step 2 and saves in step 4 (``workers.session_cache``); ``--bug`` hooks in via ``workers.zoo``.
+A joining request takes a batch slot (``workers.slots``): prefill reads its prompt from the slot's
+buffer, and its sampling parameters (stop strings, allowed tokens, a thinking budget) go to the
+slot's entry of the table each decode step reads (``workers.sampling``).
 The prefill and the decode server (``--mode prefill``/``decode``) replace step 2: ``workers.pd_serving``.
 
 ``admit_waiting`` and ``decode_once`` are public so that the benchmark can drive the engine without
@@ -43,7 +46,9 @@ from kvcanary.workers.metrics import WorkerMetrics
 from kvcanary.workers.model import HEAD_DIM, CopyModel
 from kvcanary.workers.prefix_cache import PageLease, PrefixCache
 from kvcanary.workers.request import OWNERSHIP_VIOLATION, ErrorEvent, Event, FinishEvent, Request, TokenEvent
+from kvcanary.workers.sampling import SamplingParams, SamplingTable, stop_split
 from kvcanary.workers.session_cache import SessionCache, restore_into, save_from
+from kvcanary.workers.slots import Slots
 from kvcanary.workers.transfer import TransferManifest, transfer_kv
 from kvcanary.workers.zoo import Zoo
 
@@ -98,13 +103,20 @@ class Engine:
             host_stores=fast,
         )
         self.metrics.watch_engine(self.pools, self.batch)
+        self.slots = Slots(config.max_batch, stale_tokens=self.zoo.triggers.get("slot-stale-tokens"))
+        self.sampling = SamplingTable(
+            config.max_batch,
+            self.device,
+            reasoning_end=(config.reasoning_end_str or "").encode(),
+            stale_rows=self.zoo.triggers.get("sampling-rows-stale"),
+        )
         self._waiting: deque[Request] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._request_ids = itertools.count(1)
         self._tenants: dict[str, int] = {}
-        self.sessions = SessionCache.configured(config, self.zoo.triggers.get("session-restore"))
+        self.sessions = SessionCache.configured(config, self.zoo.triggers)
         self.largest_batch = 0  # most requests ever decoded in one step (continuous batching at work)
 
     # --- thread-safe entry points -----------------------------------------------------------------
@@ -119,13 +131,20 @@ class Engine:
         cache_salt: str | None = None,
         client_id: str | None = None,
         adapter: str | None = None,
+        sampling: SamplingParams | None = None,
     ) -> Request:
         """Plan admission and queue the request; raise ``AdmissionRejected`` (HTTP 400) without queueing.
         ``cache_salt`` (None or a non-empty string) limits prefix cache hits to requests with the same salt.
         """
         plan = self.plan(prompt_ids, max_tokens)
         return self.enqueue(
-            plan, tenant=tenant, emit=emit, cache_salt=cache_salt, client_id=client_id, adapter=adapter
+            plan,
+            tenant=tenant,
+            emit=emit,
+            cache_salt=cache_salt,
+            client_id=client_id,
+            adapter=adapter,
+            sampling=sampling or SamplingParams(),
         )
 
     def plan(self, prompt_ids: list[int], max_tokens: int) -> AdmissionPlan:
@@ -231,7 +250,10 @@ class Engine:
         return joined
 
     def _join(self, request: Request) -> None:
-        """Prefill an admitted request and add it to the running batch."""
+        """Give an admitted request its slot, prefill it and add it to the running batch."""
+        self.slots.take(request, busy=bool(self.batch))
+        assert request.slot is not None
+        self.sampling.load(request.slot, request.sampling)
         self._prefill(request)
         self.batch.add(request)
         for to, event in self.zoo.joined(request):
@@ -296,7 +318,7 @@ class Engine:
         self.model.prefill(
             pool,
             lease.pages,
-            list(request.plan.input_ids),
+            list(self.slots.prompt(request)),
             request_id=request.request_id,
             tenant_index=request.tenant_index,
             start=start,
@@ -341,7 +363,10 @@ class Engine:
         """Run one decode step for the whole batch, emit its tokens and retire whoever is done."""
         self.largest_batch = max(self.largest_batch, len(self.batch))
         step = self.batch.decode_step()
+        entries = self.sampling.entries(self.batch.requests)
+        step.allowed_tokens = self.sampling.masks(entries)
         tokens = self.zoo.step_tokens(self.batch.requests, self.model.decode(self.decode_pool, step).tolist())
+        tokens = self.sampling.force(entries, tokens)
         now = time.monotonic()
         done: list[int] = []
         for row, (request, token) in enumerate(zip(self.batch.requests, tokens, strict=True)):
@@ -356,17 +381,26 @@ class Engine:
                 )
                 self._emit(request, OWNERSHIP_VIOLATION)
                 done.append(row)
-            elif self._advance(request, token, now):
+            elif self._advance(request, token, now, self.sampling.stops(entries[row])):
                 done.append(row)
         self._retire(done)
 
-    def _advance(self, request: Request, token: int, now: float) -> bool:
-        """Record ``token`` for ``request``; return True when the request finished with it."""
+    def _advance(self, request: Request, token: int, now: float, stops: tuple[bytes, ...]) -> bool:
+        """Record ``token`` for ``request`` and send what may be sent; return True when the request
+        finished with it (its budget, its pages or one of ``stops`` ran out)."""
         if not request.generated:
             self.metrics.time_to_first_token.observe(now - request.submitted_at)
         request.generated.append(token)
-        self._emit(request, TokenEvent(token))
-        reason = request.finish_reason(self.config.page_size)
+        if stops:
+            sendable, stopped = stop_split(request.generated, request.sent, stops)
+        else:
+            sendable, stopped = len(request.generated), False
+        reason = "stop" if stopped else request.finish_reason(self.config.page_size)
+        if reason is not None and not stopped:
+            sendable = len(request.generated)  # the answer ends unstopped: nothing is held back
+        for held in request.generated[request.sent : sendable]:
+            self._emit(request, TokenEvent(held))
+        request.sent = sendable
         if reason is None:
             return False
         request.finished = True
@@ -395,9 +429,13 @@ class Engine:
             self.decode_pages.release(request.pages)
             self._let_go(request)
         self.batch.remove(rows)
+        if not self.batch:
+            self.slots.drained()
 
     def _let_go(self, request: Request) -> None:
         request.retired = True
+        self.slots.free(request)
+        self.sampling.forget(request)
         self.zoo.retired(request)
 
     def _fail_running(self, error: ErrorEvent) -> None:

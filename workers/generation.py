@@ -96,6 +96,7 @@ async def generate(
             cache_salt=body.cache_salt,
             adapter=adapter,
             client_id=body.rid or client_id or body.user,  # the client's id for it, if it gave one
+            sampling=body.sampling(),
         )
     except AdmissionRejected as rejected:
         raise rejection_error(rejected) from None

@@ -39,7 +39,8 @@ class DecodeStep:
     scratch page) and queries position ``query_positions[b]``. The ``write_*`` vectors (length
     ``W <= B``) carry the newest token of each request that has one; it is written before attention.
     With ownership verification, ``expected_words`` (``[B, P]``) is the ownership word each
-    block-table entry must hold (see ``entries_owned``).
+    block-table entry must hold (see ``entries_owned``). ``allowed_tokens`` (``[B, VOCAB_SIZE]``,
+    True where allowed) limits what each row may be given (a request's ``allowed_token_ids``).
     """
 
     block_tables: torch.Tensor
@@ -52,6 +53,7 @@ class DecodeStep:
     write_request_ids: torch.Tensor
     write_tenants: torch.Tensor
     expected_words: torch.Tensor | None = None
+    allowed_tokens: torch.Tensor | None = None
 
 
 class CopyModel:
@@ -134,8 +136,10 @@ class CopyModel:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         query_positions: torch.Tensor,
+        allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Return the greedy next token ``[B]`` of every row: one batched attention over gathered pages."""
+        """Return the greedy next token ``[B]`` of every row: one batched attention over gathered pages,
+        the argmax taken over the tokens ``allowed`` leaves each row (all when None)."""
         batch, num_pages = block_tables.shape
         span = num_pages * pool.page_size
         flat_pages = block_tables.reshape(-1)
@@ -149,7 +153,10 @@ class CopyModel:
         scores.masked_fill_(beyond, float("-inf"))
         weights = torch.softmax(scores, dim=1)
         context = torch.bmm(weights.unsqueeze(1), values).squeeze(1)
-        return (context @ self._embedding_t).argmax(dim=1)
+        logits = context @ self._embedding_t
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        return logits.argmax(dim=1)
 
     def decode(self, pool: PagePool, step: DecodeStep) -> torch.Tensor:
         """Run one decode step; return next tokens ``[B]`` on the device, ``-1`` for an ownership violation.
@@ -160,15 +167,16 @@ class CopyModel:
         come back to the host in one transfer.
         """
         self.write_newest(pool, step)
+        allowed = step.allowed_tokens
         if step.expected_words is None:
-            return self.attend(pool, step.block_tables, step.seq_lens, step.query_positions)
+            return self.attend(pool, step.block_tables, step.seq_lens, step.query_positions, allowed)
         # attend copies the table view to a contiguous one anyway: copying first speeds up the check.
         tables = step.block_tables.contiguous()
         entry_ok = entries_owned(pool, tables, step.expected_words, shortcut=self.ownership_shortcut)
         if entry_ok is None:
-            return self.attend(pool, tables, step.seq_lens, step.query_positions)
+            return self.attend(pool, tables, step.seq_lens, step.query_positions, allowed)
         safe_tables = torch.where(entry_ok, tables, SCRATCH_PAGE)
-        tokens = self.attend(pool, safe_tables, step.seq_lens, step.query_positions)
+        tokens = self.attend(pool, safe_tables, step.seq_lens, step.query_positions, allowed)
         return torch.where(entry_ok.all(dim=1), tokens, -1)
 
 

@@ -55,11 +55,12 @@ async def serve_generation(
     adapter: str | None,
 ) -> Response:
     """Answer a completion as this worker's mode does: prefill server, decode server, or whole."""
-    fields = {"tenant": tenant, "cache_salt": body.cache_salt, "adapter": adapter}
+    fields: dict[str, object] = {"tenant": tenant, "cache_salt": body.cache_salt, "adapter": adapter}
     client = body.rid or client_id or body.user
     if isinstance(engine, PrefillEngine):
         return await _prefill(engine, shape, prompt_ids, body, http, client_id=client, **fields)
     if isinstance(engine, DecodeEngine):
+        fields["sampling"] = body.sampling()
         return await _decode(engine, shape, prompt_ids, body, http, client_id=client, **fields)
     return await generate(
         engine, shape, prompt_ids, body, tenant=tenant, client_id=client_id, http=http, adapter=adapter

@@ -1,8 +1,12 @@
 """OpenAI request bodies (validated by pydantic) and the response and chunk shapes the worker sends.
 
-Accepted and ignored: ``temperature``, ``seed``, ``stop``, ``top_p``, ``user`` and any other extra
-field; the CopyModel is greedy and deterministic, so sampling settings cannot change its output.
-``max_tokens`` defaults to 16; chat also accepts ``max_completion_tokens``, which wins.
+Accepted and ignored: ``temperature``, ``seed``, ``top_p``, ``user`` and any other extra field; the
+CopyModel is greedy and deterministic, so sampling settings cannot change its output. Honoured, as
+vLLM honours them (``workers.sampling``): ``stop`` (strings that end the answer, never sent),
+``allowed_token_ids`` (the only tokens the answer may hold: bytes, 0-255; one out of the vocabulary
+is refused with HTTP 400, as vLLM refuses it) and ``thinking_token_budget`` (tokens before the
+reasoning-end string is forced, with ``--reasoning-end-str``). ``max_tokens`` defaults to 16; chat
+also accepts ``max_completion_tokens``, which wins.
 
 ``cache_salt`` (vLLM's field) limits prefix cache hits to requests sending the same salt; like vLLM
 the worker refuses one that is empty or not a string (HTTP 400), and accepts it with the cache off.
@@ -18,6 +22,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
+
+from kvcanary.workers.model import VOCAB_SIZE
+from kvcanary.workers.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -36,6 +43,9 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    #: vLLM's extra sampling fields (``workers.sampling``).
+    allowed_token_ids: list[int] | None = None
+    thinking_token_budget: int | None = Field(default=None, ge=0)
     cache_salt: str | None = None
     #: SGLang's client request id; OpenAI's end-user id. Only the ``rid-collision`` bug reads them.
     rid: str | None = None
@@ -60,6 +70,25 @@ class GenerationRequest(BaseModel):
                 "parameter", "Parameter 'cache_salt' must be a non-empty string if provided"
             )
         return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_ids_in_the_vocabulary(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(not 0 <= i < VOCAB_SIZE for i in value)):
+            raise PydanticCustomError(
+                "parameter",
+                f"allowed_token_ids must be a non-empty list of token ids below {VOCAB_SIZE}",
+            )
+        return value
+
+    def sampling(self) -> SamplingParams:
+        """Return the sampling parameters the engine honours (empty stop strings are dropped)."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            stop=tuple(dict.fromkeys(s.encode() for s in stop if s)),
+            allowed=frozenset(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            thinking_budget=self.thinking_token_budget,
+        )
 
     @property
     def include_usage(self) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcanary.workers.admission import AdmissionPlan
+from kvcanary.workers.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the decode server's received K/V
     from kvcanary.workers.pd_transfer import KVHandoff
@@ -71,6 +72,8 @@ class Request:
     adapter: str | None = None
     #: The id the client gave the request (SGLang's ``rid``, ``X-Request-Id``, the body's ``user``).
     client_id: str | None = None
+    #: What it asked besides its budget: stop strings, allowed tokens, a thinking budget.
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     #: Prefill and decode servers: the gateway's ``bootstrap_room`` the request's K/V travel under.
     bootstrap_room: int | None = None
     #: Decode server: the K/V the prefill server sent, until written into the request's pages.
@@ -80,6 +83,10 @@ class Request:
     shared_words: dict[int, int] = field(default_factory=dict)
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
+    #: How many of ``generated`` its client was sent (a stream holds back what a stop string may take).
+    sent: int = 0
+    #: Its batch slot while it runs (``workers.slots``); None before it joins and after it leaves.
+    slot: int | None = None
     aborted: bool = False
     #: True once the request ended normally (its FinishEvent was emitted).
     finished: bool = False

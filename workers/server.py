@@ -63,6 +63,7 @@ def server_info(config: WorkerConfig, ranks: Ranks) -> dict[str, Any]:
         "zero_freed_pages": config.zero_freed_pages,
         "prefix_cache": config.prefix_cache,
         "session_cache": config.session_cache,
+        "reasoning_end_str": config.reasoning_end_str,
         "status": "ready",
         **({"bootstrap_port": config.bootstrap_port} if config.bootstrap_port is not None else {}),
     }

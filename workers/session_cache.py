@@ -25,12 +25,17 @@ conversation's facts; llama.cpp#27148: a fresh slot restored an unrelated finish
 20 of 20 rounds, about once a day in production). A conversation revisited after the ring went
 round is restored from whatever sequence was saved over its slot: another conversation's text.
 
+Behind the ring, every saved sequence is also written through to an offload tier
+(``workers.offload``), which serves a conversation that returns after the ring moved on; a lookup
+takes the longer of the two matches (the ring's on a tie). ``--bug session-offload-chunks`` breaks
+that tier's chunk keys.
+
 Only the engine thread uses the cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -38,6 +43,7 @@ import torch
 
 from kvcanary.workers.config import WorkerConfig
 from kvcanary.workers.kv_cache import PagePool
+from kvcanary.workers.offload import OffloadTier, common_prefix
 from kvcanary.workers.request import Request
 
 if TYPE_CHECKING:  # the defect's trigger only
@@ -60,6 +66,8 @@ class SessionEntry(NamedTuple):
 #: and more than any churn burst writes (a first bound of 4 dropped the very entries the defect
 #: serves stale, and the session kind's revisits passed: bench/bug_zoo.py at an 8,192-token pool).
 STALE_KEPT = 128
+#: Sequences the offload tier keeps, per ring slot.
+OFFLOAD_KEPT = 8
 
 
 @dataclass(frozen=True)
@@ -74,21 +82,35 @@ class Restored:
 class SessionCache:
     """A host-memory ring of ``slots`` finished sequences (see the module docstring)."""
 
-    def __init__(self, slots: int, page_size: int, *, stale_entries: BugTrigger | None = None) -> None:
+    def __init__(
+        self,
+        slots: int,
+        page_size: int,
+        *,
+        stale_entries: BugTrigger | None = None,
+        misfiled_chunks: BugTrigger | None = None,
+    ) -> None:
         if slots < 1:
             raise ValueError(f"a session cache needs at least one slot, got {slots}")
         self.page_size = page_size
         self.stale_entries = stale_entries  # --bug session-restore: whether it fires on a reused slot
+        self.offload = OffloadTier(page_size, OFFLOAD_KEPT * slots, misfiled=misfiled_chunks)
         self._data: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
         self._entries: list[SessionEntry] = []
         self._next = 0
 
     @classmethod
-    def configured(cls, config: WorkerConfig, stale_entries: BugTrigger | None) -> SessionCache | None:
-        """Return the cache ``--session-cache`` asks for (None when it is 0: off)."""
+    def configured(cls, config: WorkerConfig, triggers: Mapping[str, BugTrigger]) -> SessionCache | None:
+        """Return the cache ``--session-cache`` asks for (None when it is 0: off), with the triggers
+        of its defects among ``triggers``."""
         if not config.session_cache:
             return None
-        return cls(config.session_cache, config.page_size, stale_entries=stale_entries)
+        return cls(
+            config.session_cache,
+            config.page_size,
+            stale_entries=triggers.get("session-restore"),
+            misfiled_chunks=triggers.get("session-offload-chunks"),
+        )
 
     def save(
         self, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, *, salt: str | None = None
@@ -104,6 +126,7 @@ class SessionCache:
             self._entries = [e._replace(stale=True) if e.slot == slot else e for e in self._entries]
         self._data[slot] = (k.detach().to("cpu", copy=True), v.detach().to("cpu", copy=True))
         self._entries.append(SessionEntry(tuple(tokens), slot, salt))
+        self.offload.put(tokens, k, v, salt)
         if len(self._entries) > STALE_KEPT * len(self._data):  # stale ones, oldest first, go at last
             self._entries.pop(next(i for i, e in enumerate(self._entries) if e.stale))
 
@@ -117,12 +140,17 @@ class SessionCache:
         # stale entry whose slot now holds the same leading tokens restores them rightly).
         wrong = best_entry is not None and best_entry.stale and self._overwritten(best_entry, prompt, best)
         if wrong and (self.stale_entries is None or not self.stale_entries.fires()):
+            wrong = False
             best, best_entry = self._best(prompt, salt, stale=False)
         data = self._data[best_entry.slot] if best_entry is not None else None
-        if data is None:
-            return None
-        positions = min(best, data[0].shape[0]) // self.page_size * self.page_size
-        if positions < self.page_size:
+        positions = min(best, data[0].shape[0]) // self.page_size * self.page_size if data is not None else 0
+        if not wrong:  # the stale entry the defect chose is read, whatever else holds the text
+            limit = (len(prompt) - 1) // self.page_size * self.page_size
+            offloaded, entry = self.offload.match(prompt, salt=salt, limit=limit)
+            if entry is not None and offloaded > positions:
+                k, v = self.offload.read(entry, offloaded, device)
+                return Restored(offloaded, k, v)
+        if data is None or positions < self.page_size:
             return None
         return Restored(positions, data[0][:positions].to(device), data[1][:positions].to(device))
 
@@ -143,18 +171,10 @@ class SessionCache:
         for entry in reversed(self._entries):
             if entry.salt != salt or (entry.stale and not stale):
                 continue
-            shared = _common_prefix(entry.tokens, prompt, limit)
+            shared = common_prefix(entry.tokens, prompt, limit)
             if shared > best:
                 best, best_entry = shared, entry
         return best, best_entry
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def restore_into(cache: SessionCache, pool: PagePool, request: Request) -> int:

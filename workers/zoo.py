@@ -4,9 +4,14 @@ Each class is one real engine's defect, implemented as that engine had it, and w
 ``workers.engine`` at five points: a request is submitted, joins the batch, is aborted by its
 client, gets its token of a decode step, and retires; and every event the engine emits goes
 through :meth:`Zoo.deliveries`. Without
-its flag a defect is not built, and events go to the request that produced them. The prefix-cache
-defect (``prefix-key-partial``) lives in ``workers.prefix_cache``; ``docs/architecture.md`` lists
-them all with the cases they follow and the probe kinds that catch them.
+its flag a defect is not built, and events go to the request that produced them. The others live
+in what they break: the prefix-cache keys (``prefix-key-partial``, ``prefix-key-no-adapter``) in
+``workers.prefix_cache``, the session cache's (``session-restore``) in ``workers.session_cache``
+and its offload tier's (``session-offload-chunks``) in ``workers.offload``, the batch slots'
+(``slot-stale-tokens``) in ``workers.slots`` and the sampling table's (``sampling-rows-stale``) in
+``workers.sampling``, each given its :class:`BugTrigger` from :attr:`Zoo.triggers`;
+``docs/architecture.md`` lists them all with the cases they follow and the probe kinds that catch
+them.
 
 Only the engine thread calls these, except :meth:`Zoo.abort` (an HTTP handler, under the engine's
 lock); the sets it touches are read by the engine thread one operation at a time.
