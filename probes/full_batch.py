@@ -1,41 +1,69 @@
-"""Full batch, mixed parameters: in a batch filled with every tenant's requests, each answer is its own.
+"""Full batch, mixed parameters: in a batch filled with every tenant's requests, each answer is its
+own, and obeys its own parameters.
 
 Targets: batch rows whose sampling parameters or outputs get crossed when a batch is full and its
 rows differ: vllm#5607 (a greedy request's output depended on a concurrent one with
 ``repetition_penalty``), vllm#14645 (batch order inferred from dict keys: tokens "leaked" from
 other requests with mixed speculative lengths), vllm#39146 (11 of 21 concurrent mixed requests
 diverged), mlx-lm#965 (answers to other concurrent prompts at 16 requests, 15 of 20 runs),
-sglang#4593, tabbyAPI#107.
+sglang#4593, tabbyAPI#107; and per-request parameters read from another request's batch row once
+rows move: vLLM GHSA-fpch-3xrf-7q96 (one request's forced reasoning-end string in a concurrent
+request's output), CVE-2026-114049 (a recycled row's ``allowed_token_ids`` applied to another
+request), CVE-2026-93840 (one request's allowlist corrupting others' logits). A bleed of parameters
+breaks no marker, so each answer is judged against the parameters its own request sent.
 
 Each run sends ``size`` requests at once: the node's published maximum of running requests
 (SGLang's and the reference worker's ``max_running_requests``), else 32, at most
 ``max_requests``; tenants in turn, each request with its own fresh marker and the canary's
-question, and its parameters varied by position: the new-token budget (96, 128, 160, 192), every
-second one sampled (temperature 0.7 with a seed), every third with ``repetition_penalty`` 1.1
-where the engine takes it (vLLM, SGLang, the reference worker), every fourth with a stop string
-that cannot occur in the answer, and every fifth with ``n`` = 2, sampled and not streamed where
-the engine takes it (vLLM, SGLang; every choice is scanned; vLLM refuses ``n`` > 1 when greedy).
-Judged as the canary (:mod:`probes.triggers`): another tenant's marker anywhere is a
-``leak``, another request's marker a ``mismatch``; a greedy answer without its own marker is a
-``mismatch`` where the model repeats (the marker ends within the first 65 characters sent, before
-greedy answers can drift), while sampled and penalised answers are judged on other markers only (a
-penalty or a temperature may change a faithful copy).
+question, then a filler tail, and its parameters varied by position:
 
-Cost: ``size`` requests (32 by default) of about 40 prompt tokens and at most 192 new ones each,
+- a new-token budget (128, 144, 160, 176, changing every second row so that neither tenant owns one)
+  and a stop string of its own (``<stop-NNN>``, the row's number) that its tail holds 16 characters
+  before the budget: a model that copies its prompt reaches it, so rows end at staggered steps while
+  the others run (the batch's composition changes), and each ends on its own stop;
+- every second row sampled (temperature 0.7 with a seed), every third with ``repetition_penalty``
+  1.1 where the engine takes it (vLLM, SGLang, the reference worker), every fifth with ``n`` = 2,
+  sampled and not streamed where the engine takes it (vLLM, SGLang; every choice is scanned; vLLM
+  refuses ``n`` > 1 when greedy);
+- on the reference worker (one byte one token, so token ids are known), every fourth row from the
+  second with ``allowed_token_ids``: the marker's alphabet and its stop string's characters;
+- where the operator states the target's reasoning-end string (``reasoning_end``; vLLM's reasoning
+  configuration, the reference worker's ``--reasoning-end-str``), every fourth row from the third
+  with a ``thinking_token_budget`` (12 tokens past its stop, so its own answer ends first).
+
+Judged as the canary (:mod:`probes.triggers`): another tenant's marker anywhere is a ``leak``,
+another request's marker a ``mismatch``; a greedy answer without its own marker is a ``mismatch``
+where the model repeats (the marker ends within the first 65 characters sent, before greedy answers
+can drift), while sampled and penalised answers are judged on other markers only. And each answer
+against its own parameters, a ``mismatch`` naming the parameter and what came instead, where a
+correct engine leaves no doubt whatever its model, its sampling or its drift:
+
+- ``stop_ignored``: the answer holds its own stop string (an engine never sends one: the answer
+  ends before it, and a stream holds back what may become one);
+- ``token_not_allowed``: a character outside the row's allowlist (the engine samples only among the
+  allowed tokens; judged on the byte tokenizer only);
+- ``foreign_forced_string``: a row that set no thinking budget holds the reasoning-end string, which
+  its prompt does not (judged only where the operator named the string, since a model's own
+  reasoning is parsed out of the answer by the engines that force it);
+- ``budget_exceeded``: the engine reports more completion tokens than the row's budget allows
+  (``max_tokens`` times its choices).
+
+Cost: ``size`` requests (32 by default) of about 200 prompt tokens and at most 176 new ones each,
 plus the lone canary every 10 minutes; default interval 1,800 s.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import Field
 
-from kvcanary.probes.base import Probe, ProbeContext, ProbeResult
+from kvcanary.probes.base import Probe, ProbeContext, ProbeResult, Verdict, unjudgeable
 from kvcanary.probes.canary import TenantCheck
 from kvcanary.probes.markers import marker_hash
-from kvcanary.probes.target import CompletionRequest
+from kvcanary.probes.target import Completion, CompletionRequest
 from kvcanary.probes.triggers import (
     QUESTION_TEMPLATE,
     TriggerOptions,
@@ -47,21 +75,38 @@ from kvcanary.probes.triggers import (
 )
 
 DEFAULT_SIZE = 32
-BUDGETS = (96, 128, 160, 192)
+BUDGETS = (128, 144, 160, 176)
+#: Characters between a row's stop string and the end of its budget: room for the answer to go on
+#: past a stop it was not given.
+STOP_BEFORE_BUDGET = 16
+#: Tokens of thinking a thinking row is given past the end of its stop string.
+THINKING_PAST_STOP = 12
 #: Engines that take ``repetition_penalty`` and ``n`` beside OpenAI's fields.
 PENALTY_ENGINES = ("vllm", "sglang", "reference")
 N_ENGINES = ("vllm", "sglang")
-STOP = "\n\n\n\n"
+#: Engines that take vLLM's ``thinking_token_budget``.
+THINKING_ENGINES = ("vllm", "reference")
+#: Engines whose tokens are the UTF-8 bytes of the text: an allowlist can be written and checked.
+BYTE_TOKEN_ENGINES = ("reference",)
+MARKER_ALPHABET = "KVC-0123456789abcdef"
+FILLER = (
+    "Filler to ignore: amber birch cedar dune ember fjord grove heath inlet juniper kestrel loam "
+    "meadow nettle orchard pebble quarry rill sorrel thicket umber vale willow yarrow"
+)
 
 
 class FullBatchOptions(TriggerOptions):
     # Requests at once: None takes the node's published maximum of running requests, else 32.
     size: int | None = Field(None, ge=2, le=1024)
     max_requests: int = Field(64, ge=2, le=1024)
+    # The target's reasoning-end string (vLLM's reasoning configuration): thinking rows are sent
+    # and other rows judged for it only where it is stated.
+    reasoning_end: str | None = Field(None, min_length=1, max_length=64)
 
 
 class FullBatchProbe(Probe):
-    """Fill a batch with every tenant's marked requests, parameters mixed; each must get its own."""
+    """Fill a batch with every tenant's marked requests, parameters mixed; each must get its own
+    answer, obeying its own parameters."""
 
     kind = "full_batch"
     verifies_suspicion = True
@@ -85,35 +130,96 @@ async def _size(ctx: ProbeContext) -> int:
     return min(int(stated), int(ctx.options.get("max_requests", 64)))
 
 
-def row_parameters(i: int, engine: str, stream: bool) -> tuple[dict[str, Any], bool]:
-    """Return the varied fields of row ``i`` (temperature, extras, stream) and whether it is greedy."""
-    # Budgets change every second row, so that neither tenant (rows alternate) owns a budget.
+@dataclass(frozen=True)
+class Row:
+    """What row ``index`` sends besides its marker, and what its answer must obey."""
+
+    index: int
+    #: ``CompletionRequest`` fields: budget, temperature, seed, stream, engine extras.
+    fields: dict[str, Any]
+    #: Greedy and unpenalised: its own marker is judged where due.
+    greedy: bool
+    stop: str
+    #: Where its prompt holds its stop string.
+    stop_at: int
+    allowed: frozenset[int] | None = None
+    thinking: int | None = None
+    #: The reasoning-end string judged in the rows that set no thinking budget (None: not judged).
+    reasoning_end: str | None = field(default=None)
+
+    def prompt(self, marker: str) -> str:
+        """Return the row's prompt: the question, then a filler tail holding its stop string."""
+        head = QUESTION_TEMPLATE.format(marker=marker) + "\n"
+        before = self.stop_at - len(head)
+        tail = FILLER[:before] + self.stop + FILLER[before:]
+        return head + tail[: max(0, int(self.fields["max_tokens"]) + 8 - len(head))]
+
+    def violation(self, c: Completion, sent: str) -> tuple[str, str] | None:
+        """Return (reason, detail) when the answer breaks this row's own parameters, else None."""
+        text, label = c.text, f"row {self.index}"
+        if (at := text.find(self.stop)) >= 0:
+            return "stop_ignored", f"{label} asked to stop at {self.stop!r}; its answer holds it at {at}"
+        if self.allowed is not None:
+            bad = next(((i, b) for i, b in enumerate(text.encode()) if b not in self.allowed), None)
+            if bad is not None:
+                return "token_not_allowed", (
+                    f"{label} allowed {len(self.allowed)} tokens (the marker's alphabet and its stop's); "
+                    f"its answer holds token {bad[1]} ({chr(bad[1])!r}) at byte {bad[0]}"
+                )
+        end = self.reasoning_end
+        if end and self.thinking is None and end in text and end not in sent:
+            return "foreign_forced_string", (
+                f"{label} set no thinking budget; its answer holds the reasoning-end string {end!r} "
+                f"at character {text.find(end)}, which only another request's budget forces"
+            )
+        most = int(self.fields["max_tokens"]) * int(self.fields["extra"].get("n", 1))
+        if c.completion_tokens is not None and c.completion_tokens > most:
+            return "budget_exceeded", (
+                f"{label} asked for at most {most} tokens; the engine reported {c.completion_tokens}"
+            )
+        return None
+
+
+def row_parameters(i: int, engine: str, stream: bool, reasoning_end: str | None = None) -> Row:
+    """Return row ``i``'s parameters (module docstring) on a target of ``engine``."""
     budget = BUDGETS[i // 2 % len(BUDGETS)]
+    stop = f"<stop-{i:03d}>"
     fields: dict[str, Any] = {"max_tokens": budget, "temperature": 0.0, "stream": stream}
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"stop": [stop]}
     if i % 2:
         fields.update(temperature=0.7, seed=i)
     if i % 3 == 2 and engine in PENALTY_ENGINES:
         extra["repetition_penalty"] = 1.1
-    if i % 4 == 3:
-        extra["stop"] = [STOP]
     if i % 5 == 4 and engine in N_ENGINES:
         extra["n"] = 2
         fields["stream"] = False  # the choices of a stream interleave; a body keeps them apart
         fields.update(temperature=0.7, seed=i)  # vLLM refuses n > 1 with greedy sampling
+    allowed = thinking = None
+    stop_at = budget - STOP_BEFORE_BUDGET
+    if i % 4 == 1 and engine in BYTE_TOKEN_ENGINES:
+        allowed = frozenset((MARKER_ALPHABET + stop).encode())
+        extra["allowed_token_ids"] = sorted(allowed)
+    judged_end = reasoning_end if engine in THINKING_ENGINES else None
+    if i % 4 == 2 and judged_end:
+        thinking = stop_at + len(stop) + THINKING_PAST_STOP
+        extra["thinking_token_budget"] = thinking
     fields["extra"] = extra
     greedy = fields["temperature"] == 0.0 and "repetition_penalty" not in extra
-    return fields, greedy
+    return Row(i, fields, greedy, stop, stop_at, allowed, thinking, judged_end)
 
 
 async def _row(ctx: ProbeContext, i: int, repeats: bool | None) -> TenantCheck:
     tenant = ctx.tenants[i % len(ctx.tenants)]
     marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
-    prompt = QUESTION_TEMPLATE.format(marker=marker)
-    fields, greedy = row_parameters(i, ctx.target.engine, bool(ctx.options.get("stream", True)))
-    request = CompletionRequest(prompt=prompt, chat=bool(ctx.options.get("chat", True)), **fields)
+    stream = bool(ctx.options.get("stream", True))
+    row = row_parameters(i, ctx.target.engine, stream, ctx.options.get("reasoning_end"))
+    prompt = row.prompt(marker)
+    request = CompletionRequest(prompt=prompt, chat=bool(ctx.options.get("chat", True)), **row.fields)
     c = await ctx.complete(tenant, request)
     # A sampled or penalised answer may change a faithful copy: only other markers count there.
-    verdict, reason, detail = judge_own(c, request, marker, repeats if greedy else False, ctx.markers)
+    verdict, reason, detail = judge_own(c, request, marker, repeats if row.greedy else False, ctx.markers)
+    judgeable = c.ok and unjudgeable(c) is None
+    if reason != "other_request_marker" and judgeable and (broken := row.violation(c, prompt)) is not None:
+        verdict, (reason, detail) = Verdict.MISMATCH, broken
     check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
     return step_check(check, f"row {i}")

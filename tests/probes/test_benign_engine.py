@@ -24,13 +24,16 @@ from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
 from kvcanary.probes import REGISTRY
 from kvcanary.probes.base import Verdict
 from kvcanary.probes.markers import MarkerBook
-from tests.support.benign_engine import BenignServer
+from tests.support.benign_engine import REASONING_END, BenignServer
 
 RUNS_PER_STYLE = int(os.environ.get("KVCANARY_BENIGN_RUNS", "150"))
 TENANTS = ("alice", "bob")
 #: The session's churn burst sized down from the engine's 8,192-token pool: this engine keeps no
 #: conversation to evict, and 300 full bursts would be most of the test's time.
-OPTIONS: dict[str, dict[str, Any]] = {"session": {"churn_tokens": 2048}}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "session": {"churn_tokens": 2048},
+    "full_batch": {"reasoning_end": REASONING_END},  # its thinking rows sent, the others judged for it
+}
 #: Kinds whose only passes on this engine are errors by design: its version is not in the defects
 #: file's list of known releases; it shows no prefix cache to observe.
 ERRORS_BY_DESIGN = {"prefix_cache"}

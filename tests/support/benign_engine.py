@@ -14,6 +14,11 @@ and does, at random, what real engines do that a careless judge mistakes for a f
   prompt, as a model's habits are), any at random when sampled;
 - **failures**: one completion in :data:`FAIL_ONE_IN` answers 503, as an overloaded engine does.
 
+Per-request parameters are honoured as a correct engine honours them: the budget, ``stop`` (the
+answer ends before the first stop string and never holds one), vLLM's ``allowed_token_ids`` (one
+character one token: the answer holds only the characters allowed) and ``thinking_token_budget``
+(:data:`REASONING_END` written once that many tokens were, as vLLM forces its reasoning end).
+
 Two answering styles, since probes meet both: ``echo`` (a copy model: the conversation from its
 first token, like the reference worker and the tiny random-weight models of the engine tests) and
 ``instruct`` (answers the code it was asked for, the latest one the conversation holds, and "OK"
@@ -51,6 +56,8 @@ STEP_TOKENS = 32
 STEP_SECONDS = 0.004
 MARKER = re.compile(r"KVC-[0-9a-fA-F]{8}-[0-9a-fA-F]{32}")
 CONTEXT, POOL = 4096, 8192
+#: The reasoning-end string the engine forces where a request's thinking budget runs out.
+REASONING_END = "</think>"
 
 
 @dataclass
@@ -117,8 +124,18 @@ class BenignEngine:
         drift_at = rng.randint(0, 60) if sampled else rng.randint(DRIFT_FROM, DRIFT_TO)
         if len(text) > drift_at:
             text = text[:drift_at] + _drift_letters(rng, len(text) - drift_at)
+        thinking = body.get("thinking_token_budget")
+        if isinstance(thinking, int) and len(text) > thinking:
+            text = text[:thinking] + REASONING_END + text[thinking:]
+        allowed = body.get("allowed_token_ids")
+        if allowed:
+            text = "".join(c for c in text if ord(c) in set(allowed))
         budget = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        return text[: max(1, int(budget))]
+        text = text[: max(1, int(budget))]
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        found = [at for stop in stops if (at := text.find(stop)) >= 0]
+        return text[: min(found)] if found else text
 
     # --- HTTP ------------------------------------------------------------------------------------
 
