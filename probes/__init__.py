@@ -19,6 +19,7 @@ from kvcanary.probes.prefix_cache import PrefixCacheProbe
 from kvcanary.probes.replay import ReplayProbe
 from kvcanary.probes.session import SessionProbe
 from kvcanary.probes.shared_prefix import SharedPrefixProbe
+from kvcanary.probes.slot_reuse import SlotReuseProbe
 from kvcanary.probes.version import VersionProbe
 
 REGISTRY: dict[str, type[Probe]] = {
@@ -36,4 +37,5 @@ REGISTRY: dict[str, type[Probe]] = {
     "hangup": HangupProbe,
     "session": SessionProbe,
     "full_batch": FullBatchProbe,
+    "slot_reuse": SlotReuseProbe,
 }
