@@ -9,12 +9,21 @@ offload: "output includes tokens from other prompts").
 
 Each run opens one conversation per tenant, its fresh marker in the first turn (``first_turn``,
 all tenants at once), then makes traffic the conversations must survive: one canary per tenant
-(``other_traffic``) and a **churn burst** of marker-carrying prompts from every tenant in turn,
+(``other_traffic``), a **churn burst** of marker-carrying prompts from every tenant in turn,
 ``concurrency`` at a time, sized from the node's KV pool (``churn_tokens``, default the pool,
 at most ``max_churn_tokens``; 0 sends none), so that a cache that holds the conversations must
-evict, offload or overwrite them. Then every conversation continues at once (``revisit``): the
-whole history sent back, as clients do, and the question "what was the code?". Judged as the
-canary (:mod:`probes.triggers`), on what a correct engine must reproduce exactly:
+evict, offload or overwrite them, and last a **plant**: every tenant's own long conversation,
+``plant_turns`` turns taken in turn across tenants (``plant``), each turn a note opening with a
+fresh marker and the whole conversation sent back each time, the last about ``plant_chars``
+characters. So whatever a wrong restore hands back, the newest long context of every other
+tenant, and of this tenant's other conversation, carries markers: a tier that answers a returning
+conversation with another caller's latest long prompt (LMCache#4385; a hidden engine doing so after
+eight or more other requests passed every kind before: nothing long and marked was there to hand
+over) returns a foreign marker, not an innocent text; and with two tenants at least eight other
+requests always come between a first turn and its revisit. Then every conversation continues at
+once (``revisit``): the whole history sent back, as clients do, and the question "what was the
+code?". Judged as the canary (:mod:`probes.triggers`), on what a correct engine must reproduce
+exactly:
 - any other tenant's marker, in any answer, is a ``leak``; so is another request's marker of the
   same tenant in a continued conversation (``restored_foreign_conversation``): only another
   conversation's K/V holds it, and one API key often serves many end users;
@@ -22,12 +31,15 @@ canary (:mod:`probes.triggers`), on what a correct engine must reproduce exactly
   revisit, whose history opens with the marker: the first 96 characters sent), never in the first
   turn, which asks for "OK"; a continued answer without it is a ``mismatch`` where the model
   repeats. Benign divergence of long answers starts after about a hundred tokens and cannot reach
-  a code that an echo writes in its first hundred and an instruction model answers with.
+  a code that an echo writes in its first hundred and an instruction model answers with;
+- the plant's answers on other requests' markers only: each turn asks for "OK".
 
 Cost: ``3 T`` chat requests (the revisit's prompt holds the first turn and its answer: a few
 hundred tokens), the burst (the pool's size in prompt tokens, one new token each: 4,096 prompt
-tokens on the test worker, at most 262,144 by default), plus the lone canary every 10 minutes;
-default interval 3,600 s, since the burst is sized to the pool.
+tokens on the test worker, at most 262,144 by default), the plant (``plant_turns`` requests a
+tenant, about ``plant_chars`` * (turns + 1) / 2 prompt tokens a tenant on a byte tokenizer:
+5,120 at the defaults, at most 16 new tokens each), plus the lone canary every 10 minutes; default
+interval 3,600 s, since the burst is sized to the pool.
 """
 
 from __future__ import annotations
@@ -61,6 +73,10 @@ BURST_LETTERS = 128
 BURST_TOKENS = 256
 #: The model's first answer goes back in the history, as clients send it, cut to this many characters.
 ANSWER_CHARS = 2_000
+#: A plant turn: a note opening with its marker (within a restore's first page or two), then noise.
+PLANT_TURN = "Note {turn}, code {marker}: {noise}\nSay OK."
+#: New tokens of a plant turn, and of the plant's answers sent back in its history.
+PLANT_ANSWER_TOKENS = 16
 
 
 class Turn(NamedTuple):
@@ -77,6 +93,10 @@ class SessionOptions(TriggerOptions):
     max_churn_tokens: int = Field(262_144, ge=0, le=10_000_000)
     # Burst requests in flight at once.
     concurrency: int = Field(4, ge=1, le=64)
+    # Turns of each tenant's planted long conversation (0 plants none), and its last prompt's size
+    # (at most half the node's limit).
+    plant_turns: int = Field(4, ge=0, le=16)
+    plant_chars: int = Field(2048, ge=256, le=1_000_000)
 
 
 class SessionProbe(Probe):
@@ -96,11 +116,14 @@ class SessionProbe(Probe):
         checks = [check for check, _ in firsts]
         checks += [await canary_check(ctx, t, "other_traffic", repeats) for t in ctx.tenants]
         burst = await _churn(ctx, _churn_tokens(ctx, capacity))
+        planted, plant = await _plant(ctx, repeats, cap)
+        checks += planted
         checks += await asyncio.gather(
             *(_revisit(ctx, t, turn, repeats, cap) for (_, turn), t in zip(firsts, ctx.tenants, strict=True))
         )
         result = conclude(checks, repeats, ctx)
         result.evidence["churn"] = burst
+        result.evidence["plant"] = plant
         return result
 
 
@@ -145,6 +168,37 @@ def _chat(
         prompt=prompt, max_tokens=budget, chat=bool(ctx.options.get("chat", True)),
         stream=bool(ctx.options.get("stream", True)), temperature=0.0, seed=0, history=history,
     )  # fmt: skip
+
+
+async def _plant(
+    ctx: ProbeContext, repeats: bool | None, cap: int | None
+) -> tuple[list[TenantCheck], dict[str, int]]:
+    """Grow every tenant's own long marked conversation, one turn a tenant in turn; return its checks
+    (on other requests' markers only) and what was planted."""
+    turns = int(ctx.options.get("plant_turns", 4))
+    chars = int(ctx.options.get("plant_chars", 2048))
+    chars = min(chars, cap - PLANT_ANSWER_TOKENS) if cap else chars
+    # Each turn adds its share of the last prompt: the note and the answer sent back after it.
+    note = max(1, chars // max(1, turns) - PLANT_ANSWER_TOKENS - len(PLANT_TURN) - 45)
+    histories: dict[str, tuple[tuple[str, str], ...]] = dict.fromkeys(ctx.tenants, ())
+    checks, longest = [], 0
+    for turn in range(1, turns + 1):
+        for tenant in ctx.tenants:
+            marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
+            prompt = PLANT_TURN.format(turn=turn, marker=marker, noise=fresh_text(max(1, note // 2)))
+            request = CompletionRequest(
+                prompt=prompt, max_tokens=PLANT_ANSWER_TOKENS, chat=bool(ctx.options.get("chat", True)),
+                stream=bool(ctx.options.get("stream", True)), temperature=0.0, seed=0,
+                history=histories[tenant],
+            )  # fmt: skip
+            c = await ctx.complete(tenant, request)
+            verdict, reason, detail = judge_own(c, request, marker, repeats, ctx.markers, asked=False)
+            check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
+            checks.append(step_check(check, f"plant {turn}"))
+            reply = c.text[:ANSWER_CHARS] if c.ok else "OK"
+            histories[tenant] = (*histories[tenant], ("user", prompt), ("assistant", reply))
+            longest = max(longest, sum(len(text) for _, text in histories[tenant]))
+    return checks, {"turns": turns, "requests": len(checks), "longest_chars": longest}
 
 
 def _churn_tokens(ctx: ProbeContext, capacity: ServerCapacity | None) -> int:
