@@ -305,6 +305,30 @@ def test_a_pd_node_before_the_fix_matches_and_a_single_node_does_not() -> None:
     assert matching("sglang", "0.5.22", {"disaggregation_mode": "prefill"}) == ([], [])
 
 
+def test_the_slot_advisory_applies_only_where_async_scheduling_meets_pipeline_parallelism() -> None:
+    slot = "vllm-slot-stale-tokens-ghsa-v97p-wpxp-px84"
+    both = {"async_scheduling": "True", "pipeline_parallel_size": "2"}
+    assert slot in [d.id for d in matching("vllm", "0.20.0", both)[0]]
+    for ruled_out in ({**both, "pipeline_parallel_size": "1"}, {**both, "async_scheduling": "False"}):
+        applies, unknown = matching("vllm", "0.20.0", ruled_out)
+        assert slot not in [d.id for d in applies] and not any(u.startswith(slot) for u in unknown)
+    assert slot not in [d.id for d in matching("vllm", "0.21.0", both)[0]]
+    assert slot not in [d.id for d in matching("vllm", "0.15.1", both)[0]]  # before async scheduling took PP
+
+
+def test_the_2026_vllm_disclosures_are_in_the_shipped_file_with_their_fixed_releases() -> None:
+    entries = {d.id: d for d in shipped().for_engine("vllm")}
+    expected = {
+        "vllm-slot-stale-tokens-ghsa-v97p-wpxp-px84": (">=0.16.0,<0.21.0", "0.21.0", "critical"),
+        "vllm-thinking-end-forced-ghsa-fpch-3xrf-7q96": (">=0.21.0,<0.28.0", "0.28.0", "high"),
+        "vllm-allowed-token-ids-logits-cve-2026-93840": ("<0.29.0", "0.29.0", "high"),
+        "vllm-allowed-token-ids-condense-cve-2026-114049": ("<0.31.0", "0.31.0", "high"),
+    }
+    for id_, (affected, fixed, severity) in expected.items():
+        entry = entries[id_]
+        assert (entry.affected, entry.fixed_in, entry.severity) == (affected, fixed, severity)
+
+
 def test_a_required_fact_the_node_does_not_publish_is_unknown_never_clean() -> None:
     expected = [f"{PD_DEFECT}: the node does not publish disaggregation_mode (needs prefill or decode)"]
     assert matching("sglang", "0.5.11", {}) == ([], expected)

@@ -32,6 +32,10 @@ ENGINES = FIXTURES / "engines"
 PD_DEFECT = "sglang-pd-placeholder-30233"
 CACHE_SALT_CVE = "vllm-prefix-cache-timing-cve-2025-46570"
 HASH_CVE = "vllm-prefix-hash-collision-cve-2025-25183"
+SLOT_GHSA = "vllm-slot-stale-tokens-ghsa-v97p-wpxp-px84"
+FORCED_END_GHSA = "vllm-thinking-end-forced-ghsa-fpch-3xrf-7q96"
+LOGITS_CVE = "vllm-allowed-token-ids-logits-cve-2026-93840"
+CONDENSE_CVE = "vllm-allowed-token-ids-condense-cve-2026-114049"
 VLLM_METRICS = (FIXTURES / "metrics" / "vllm.txt").read_text()
 VLLM_MODELS = (FIXTURES / "vllm" / "models.json").read_text()
 
@@ -258,8 +262,12 @@ def test_each_listed_node_is_judged_at_its_own_address() -> None:
 def test_vllm_0_32_passes_with_prefix_caching_on() -> None:
     result = vllm(fixture("vllm-0.32.0-version.json"))
     assert (result.verdict, result.reason) == (Verdict.PASS, "no_known_defect")
-    assert result.evidence["checked"] == [CACHE_SALT_CVE, HASH_CVE]
-    assert result.evidence["facts"] == {"enable_prefix_caching": "True"}
+    # The critical entry first, then the file's order.
+    vllm_ids = [SLOT_GHSA, CACHE_SALT_CVE, HASH_CVE, FORCED_END_GHSA, LOGITS_CVE, CONDENSE_CVE]
+    assert result.evidence["checked"] == vllm_ids
+    assert result.evidence["facts"] == {
+        "enable_prefix_caching": "True", "async_scheduling": None, "pipeline_parallel_size": None
+    }  # fmt: skip
 
 
 def test_vllm_0_8_5_with_prefix_caching_is_a_mismatch_for_the_cache_salt_cve() -> None:
@@ -269,24 +277,31 @@ def test_vllm_0_8_5_with_prefix_caching_is_a_mismatch_for_the_cache_salt_cve() -
         f"{CACHE_SALT_CVE} applies to vllm 0.8.5 (affected <0.9.0, fixed in 0.9.0; "
     )
     assert "GHSA-4qjh-9fv9-r85r" in result.detail
-    assert [d["id"] for d in result.evidence["defects"]] == [CACHE_SALT_CVE]  # 0.8.5 has the hash fix
+    # 0.8.5 has the hash fix; the allowlist CVEs of 2026 reach back to every release.
+    assert [d["id"] for d in result.evidence["defects"]] == [CACHE_SALT_CVE, LOGITS_CVE, CONDENSE_CVE]
 
 
 def test_every_defect_that_applies_is_in_the_evidence() -> None:
     result = vllm({"version": "0.7.1"})
-    assert [d["id"] for d in result.evidence["defects"]] == [CACHE_SALT_CVE, HASH_CVE]
-    assert result.detail.endswith(f", and 1 more: {HASH_CVE}")
-    assert result.measurements["known_defects"] == 2
+    ids = [CACHE_SALT_CVE, HASH_CVE, LOGITS_CVE, CONDENSE_CVE]
+    assert [d["id"] for d in result.evidence["defects"]] == ids
+    assert result.detail.endswith(f", and 3 more: {', '.join(ids[1:])}")
+    assert result.measurements["known_defects"] == 4
 
 
-def test_vllm_0_8_5_with_prefix_caching_off_passes() -> None:
+def test_vllm_0_8_5_with_prefix_caching_off_is_clear_of_the_cache_salt_cve() -> None:
     off = VLLM_METRICS.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
     assert off != VLLM_METRICS
-    assert vllm({"version": "0.8.5"}, off).verdict is Verdict.PASS
+    result = vllm({"version": "0.8.5"}, off)
+    assert [d["id"] for d in result.evidence["defects"]] == [LOGITS_CVE, CONDENSE_CVE]
+    assert result.evidence["unknown"] == []
+    accepted = vllm({"version": "0.8.5"}, off, ignore=[LOGITS_CVE, CONDENSE_CVE])
+    assert (accepted.verdict, accepted.reason) == (Verdict.PASS, "known_defect_accepted")
 
 
 def test_a_prefix_caching_fact_the_node_does_not_publish_is_unknown() -> None:
-    result = vllm({"version": "0.8.5"}, metrics=None)
+    # The operator accepted the 2026 allowlist CVEs, which apply to 0.8.5 whatever it publishes.
+    result = vllm({"version": "0.8.5"}, metrics=None, ignore=[LOGITS_CVE, CONDENSE_CVE])
     assert (result.verdict, result.reason) == (Verdict.ERROR, "fact_unknown")
     assert (
         f"{CACHE_SALT_CVE} (affected <0.9.0): the node does not publish enable_prefix_caching"
@@ -294,6 +309,39 @@ def test_a_prefix_caching_fact_the_node_does_not_publish_is_unknown() -> None:
     )
     assert "vllm:cache_config_info in /metrics" in result.detail
     assert [u["id"] for u in result.evidence["unknown"]] == [CACHE_SALT_CVE]  # 0.8.5 is past <0.7.2
+
+
+def test_a_release_of_the_slot_advisorys_range_is_unknown_until_it_states_its_scheduling() -> None:
+    result = vllm({"version": "0.20.1"})
+    # The allowlist CVEs apply (a mismatch); the slot advisory needs what vLLM does not publish.
+    assert [d["id"] for d in result.evidence["defects"]] == [LOGITS_CVE, CONDENSE_CVE]
+    [unknown] = result.evidence["unknown"]
+    assert unknown["id"] == SLOT_GHSA and "does not publish async_scheduling" in unknown["why"]
+    accepted = vllm({"version": "0.20.1"}, ignore=[LOGITS_CVE, CONDENSE_CVE])
+    assert (accepted.verdict, accepted.reason) == (Verdict.ERROR, "fact_unknown")
+    assert f"{SLOT_GHSA} (affected >=0.16.0,<0.21.0)" in accepted.detail
+    assert (
+        vllm({"version": "0.21.0"}, ignore=[LOGITS_CVE, CONDENSE_CVE, FORCED_END_GHSA]).verdict
+        is Verdict.PASS
+    )
+
+
+@pytest.mark.parametrize(
+    ("version", "ids"),
+    [
+        ("0.21.0", [FORCED_END_GHSA, LOGITS_CVE, CONDENSE_CVE]),
+        ("0.27.3", [FORCED_END_GHSA, LOGITS_CVE, CONDENSE_CVE]),
+        ("0.28.0", [LOGITS_CVE, CONDENSE_CVE]),
+        ("0.29.0", [CONDENSE_CVE]),
+        ("0.31.0", []),
+    ],
+)
+def test_the_2026_per_request_parameter_defects_end_at_their_fixed_releases(
+    version: str, ids: list[str]
+) -> None:
+    result = vllm({"version": version})
+    assert [d["id"] for d in result.evidence["defects"]] == ids
+    assert result.verdict is (Verdict.MISMATCH if ids else Verdict.PASS)
 
 
 def test_a_null_vllm_version_is_an_error_naming_get_version() -> None:
