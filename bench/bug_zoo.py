@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -59,6 +60,10 @@ DEFECTS: dict[str, tuple[tuple[str, ...], str]] = {
     "abort-in-flight": ((), "hangup"),
     "session-restore": (("--session-cache", "8"), "session"),
     "batch-crossed": (("--max-batch", "16"), "full_batch"),
+    "slot-stale-tokens": ((), "slot_reuse"),
+    # The reasoning-end string lets full_batch send thinking rows and judge the others for it.
+    "sampling-rows-stale": (("--max-batch", "16", "--reasoning-end-str", "</think>"), "full_batch"),
+    "session-offload-chunks": (("--session-cache", "8"), "session"),
 }
 #: Request timeouts: 15 s, but 5 s where the defect leaves a request hanging until it (rid-collision).
 TIMEOUTS = {"duplicate_ids": 5.0}
@@ -94,12 +99,18 @@ def worker(*flags: str) -> Iterator[str]:
             proc.wait()
 
 
-def run_kind(url: str, kind: str, adapters: bool = False) -> Verdict:
-    """Run ``kind`` once; ``adapters``: the worker serves :data:`ADAPTERS` and shared_prefix asks them."""
+def run_kind(url: str, kind: str, flags: tuple[str, ...] = ()) -> Verdict:
+    """Run ``kind`` once against a worker started with ``flags``, told what they serve: its adapters
+    (:data:`ADAPTERS`, which shared_prefix asks) and its reasoning-end string (full_batch's)."""
+    options: dict[str, dict[str, Any]] = {}
+    if "--lora-adapter" in flags:
+        options["shared_prefix"] = {"adapters": list(ADAPTERS)}
+    if "--reasoning-end-str" in flags:
+        options["full_batch"] = {"reasoning_end": flags[flags.index("--reasoning-end-str") + 1]}
     config = TargetConfig(
         name="zoo", base_url=url, engine="reference", model="kvcanary-reference",
         tenants=[{"name": t} for t in KEYS], timeout_seconds=TIMEOUTS.get(kind, 15), probes=[kind],
-        options={"shared_prefix": {"adapters": list(ADAPTERS)}} if adapters else {},
+        options=options,
     )  # fmt: skip
 
     async def go() -> Verdict:
@@ -121,12 +132,11 @@ def matrix(runs: int, kinds: list[str], defects: list[str]) -> None:
     fixed: dict[str, list[Verdict]] = {kind: [] for kind in kinds}
     for defect in defects:
         flags = DEFECTS[defect][0]
-        adapters = "--lora-adapter" in flags
         with worker(*BASE, *flags, "--bug", defect) as url:
-            columns[defect] = {kind: [run_kind(url, kind, adapters) for _ in range(runs)] for kind in kinds}
+            columns[defect] = {kind: [run_kind(url, kind, flags) for _ in range(runs)] for kind in kinds}
         with worker(*BASE, *flags) as url:
             for kind in kinds:
-                fixed[kind] += [run_kind(url, kind, adapters) for _ in range(runs)]
+                fixed[kind] += [run_kind(url, kind, flags) for _ in range(runs)]
         print(f"# {defect} done", file=sys.stderr, flush=True)
     print("| kind | " + " | ".join(f"`{d}`" for d in defects) + " | fixed (each worker without its flag) |")
     print("|---|" + "---|" * (len(defects) + 1))
@@ -151,7 +161,7 @@ def first_catch(defect: str, rate: float, seed: int, max_runs: int) -> tuple[flo
     with worker(*BASE, *flags, "--bug", defect, "--bug-rate", str(rate), "--seed", str(seed)) as url:
         started = time.monotonic()
         for run in range(1, max_runs + 1):
-            if run_kind(url, kind, "--lora-adapter" in flags) in (Verdict.LEAK, Verdict.MISMATCH):
+            if run_kind(url, kind, flags) in (Verdict.LEAK, Verdict.MISMATCH):
                 return (*events(url, defect), time.monotonic() - started, run)
     return None
 
