@@ -23,7 +23,10 @@ Judged as the canary (:mod:`probes.triggers`), which is sound whatever the engin
 - another request's marker of the same tenant a ``mismatch`` (``other_request_marker``);
 - a pair's answer without its own marker a ``mismatch`` where the model repeats: the canary's
   90-character prompt is written back before greedy answers can drift;
-- the busy answers on foreign and other requests' markers only (long answers drift).
+- the busy answers on foreign and other requests' markers only (long answers drift); a busy
+  answer that cannot be judged (a timeout on a loaded engine) is kept in the evidence
+  (``busy_unjudged``) and decides nothing: it only kept the pairs company, and what it did send was
+  scanned for foreign markers all the same.
 A pair sent after the busy requests ended is judged alike, but recreates nothing (the evidence
 counts the pairs sent while the batch was busy: ``pairs_while_busy``).
 
@@ -38,7 +41,7 @@ import asyncio
 
 from pydantic import Field
 
-from kvcanary.probes.base import Probe, ProbeContext, ProbeResult
+from kvcanary.probes.base import Probe, ProbeContext, ProbeResult, Verdict
 from kvcanary.probes.canary import TenantCheck
 from kvcanary.probes.hangup import abandoned_prompt
 from kvcanary.probes.markers import marker_hash
@@ -112,5 +115,7 @@ async def _busy(ctx: ProbeContext, i: int, tokens: int, repeats: bool | None) ->
     )  # fmt: skip
     c = await ctx.complete(tenant, request)
     verdict, reason, detail = judge_own(c, request, marker, repeats, ctx.markers, asked=False)
+    if verdict is Verdict.ERROR:
+        verdict, reason, detail = Verdict.PASS, "busy_unjudged", f"not judged ({reason}): {detail}"
     check = TenantCheck(tenant, marker_id, marker_hash(marker), None, c, verdict, reason, detail)
     return step_check(check, f"busy {i}")

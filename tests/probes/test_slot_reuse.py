@@ -107,3 +107,15 @@ def test_the_busy_answers_are_judged_on_other_markers_only() -> None:
     assert [t["reason"] for t in evidence["tenants"] if t["step"].startswith("busy")] == [
         "no_foreign_marker"
     ] * 2
+
+
+def test_a_busy_answer_that_cannot_be_judged_decides_nothing() -> None:
+    def reply(call: Call) -> httpx.Response:
+        if call.body["max_tokens"] > 96:  # an engine too loaded to finish the long answers
+            return httpx.Response(503, json={"error": {"message": "overloaded", "code": 503}})
+        return FakeEngine.echo(call)
+
+    verdict, reason, evidence = _run(FakeEngine(reply=reply), "reference", pairs=1, busy_tokens=128)
+    assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence
+    busy = [t["reason"] for t in evidence["tenants"] if t["step"].startswith("busy")]
+    assert busy == ["busy_unjudged"] * 2
