@@ -14,8 +14,8 @@ all tenants at once), then makes traffic the conversations must survive: one can
 at most ``max_churn_tokens``; 0 sends none), so that a cache that holds the conversations must
 evict, offload or overwrite them, and last a **plant**: every tenant's own long conversation,
 ``plant_turns`` turns taken in turn across tenants (``plant``), each turn a note opening with a
-fresh marker and the whole conversation sent back each time, the last about ``plant_chars``
-characters. So whatever a wrong restore hands back, the newest long context of every other
+fresh tag and a fresh marker, the whole conversation sent back each time, the last about
+``plant_chars`` characters. So whatever a wrong restore hands back, the newest long context of every other
 tenant, and of this tenant's other conversation, carries markers: a tier that answers a returning
 conversation with another caller's latest long prompt (LMCache#4385; a hidden engine doing so after
 eight or more other requests passed every kind before: nothing long and marked was there to hand
@@ -73,8 +73,10 @@ BURST_LETTERS = 128
 BURST_TOKENS = 256
 #: The model's first answer goes back in the history, as clients send it, cut to this many characters.
 ANSWER_CHARS = 2_000
-#: A plant turn: a note opening with its marker (within a restore's first page or two), then noise.
-PLANT_TURN = "Note {turn}, code {marker}: {noise}\nSay OK."
+#: A plant turn: a note opening with a fresh tag and its marker (within a restore's first pages), then
+#: noise. The tag keeps a conversation's opening its own: one that opened like an earlier run's
+#: could itself be restored from that run (rightly or not) and carry its opening's K/V on.
+PLANT_TURN = "{tag} note {turn}, code {marker}: {noise}\nSay OK."
 #: New tokens of a plant turn, and of the plant's answers sent back in its history.
 PLANT_ANSWER_TOKENS = 16
 
@@ -181,11 +183,13 @@ async def _plant(
     # Each turn adds its share of the last prompt: the note and the answer sent back after it.
     note = max(1, chars // max(1, turns) - PLANT_ANSWER_TOKENS - len(PLANT_TURN) - 45)
     histories: dict[str, tuple[tuple[str, str], ...]] = dict.fromkeys(ctx.tenants, ())
+    tags = {tenant: fresh_text(4) for tenant in ctx.tenants}
     checks, longest = [], 0
     for turn in range(1, turns + 1):
         for tenant in ctx.tenants:
             marker_id, marker = ctx.markers.plant(ctx.target.name, tenant)
-            prompt = PLANT_TURN.format(turn=turn, marker=marker, noise=fresh_text(max(1, note // 2)))
+            noise = fresh_text(max(1, note // 2))
+            prompt = PLANT_TURN.format(tag=tags[tenant], turn=turn, marker=marker, noise=noise)
             request = CompletionRequest(
                 prompt=prompt, max_tokens=PLANT_ANSWER_TOKENS, chat=bool(ctx.options.get("chat", True)),
                 stream=bool(ctx.options.get("stream", True)), temperature=0.0, seed=0,

@@ -14,7 +14,8 @@ lookup claims a full hit, and the restore reads, chunk by chunk, the latest sequ
 have written there: another conversation's context (LMCache#4385: a long session paged to disk came
 back answering with facts from another conversation; #5151: the restored context is wrong although
 the lookup claims a full hit; llama.cpp#27148: a fresh request continued an unrelated finished
-conversation). Its trigger is a restore from this tier whose chunks a later sequence overwrote;
+conversation). Its trigger is a restore from this tier whose chunks a later sequence overwrote
+with other tokens;
 with ``--bug-rate`` the defect reads the overwritten chunks on a fraction of them, else the
 sequence's own, as the fix (the worker without the flag) always does.
 
@@ -84,10 +85,19 @@ class OffloadTier:
         """Return the K/V rows of ``entry``'s first ``positions`` (whole chunks) on ``device``."""
         owners = [entry] * (positions // self.chunk)
         overwritten = [self._latest.get(i, entry) for i in range(len(owners))]
-        if overwritten != owners and self.misfiled is not None and self.misfiled.fires():
+        if self._differ(entry, overwritten) and self.misfiled is not None and self.misfiled.fires():
             owners = overwritten  # THE DEFECT: each chunk read where its position was written last
         parts = [self._chunks[(owner, i)] for i, owner in enumerate(owners)]
         return torch.cat([p[0] for p in parts]).to(device), torch.cat([p[1] for p in parts]).to(device)
+
+    def _differ(self, entry: int, owners: list[int]) -> bool:
+        """Return True when a chunk's last writer among ``owners`` holds other tokens there than
+        ``entry`` does: reading it would restore another text (the trigger)."""
+        tokens, c = self._index[entry][0], self.chunk
+        return any(
+            owner != entry and self._index[owner][0][i * c : (i + 1) * c] != tokens[i * c : (i + 1) * c]
+            for i, owner in enumerate(owners)
+        )
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

@@ -148,13 +148,13 @@ def test_the_plant_interleaves_growing_marked_conversations_of_every_tenant() ->
     fake = FakeEngine()
     verdict, _, evidence = _session(fake, churn_tokens=0, plant_chars=1_024)
     assert verdict is Verdict.PASS, evidence
-    plants = [c for c in fake.calls if c.chat and "Note " in c.body["messages"][-1]["content"]]
+    plants = [c for c in fake.calls if c.chat and " note " in c.body["messages"][-1]["content"]]
     assert [c.tenant for c in plants] == ["alice", "bob"] * 4
     for turn, (mine, theirs) in enumerate(zip(plants[::2], plants[1::2], strict=True), start=1):
         for call in (mine, theirs):
             assert len(call.body["messages"]) == 2 * turn - 1  # the conversation so far, sent back
             note = call.body["messages"][-1]["content"]
-            assert note.startswith(f"Note {turn}, code KVC-") and call.markers[-1] in note[:70]
+            assert f" note {turn}, code KVC-" in note[:30] and call.markers[-1] in note[:70]
     assert 900 <= len(plants[-1].prompt) <= 1_024
     # Between each first turn and its revisit: the other first turn, two canaries, eight plant turns.
     opening = [
