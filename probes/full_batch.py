@@ -48,8 +48,9 @@ correct engine leaves no doubt whatever its model, its sampling or its drift:
 - ``budget_exceeded``: the engine reports more completion tokens than the row's budget allows
   (``max_tokens`` times its choices).
 
-Cost: ``size`` requests (32 by default) of about 200 prompt tokens and at most 176 new ones each,
-plus the lone canary every 10 minutes; default interval 1,800 s.
+Cost: ``size`` requests (32 by default) of 136 to 184 prompt tokens on a byte tokenizer and at
+most 176 new ones each (9,792 tokens in all at 32 on the reference worker), plus the lone canary
+every 10 minutes; default interval 1,800 s.
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ Cost: ``3 T`` chat requests (the revisit's prompt holds the first turn and its a
 hundred tokens), the burst (the pool's size in prompt tokens, one new token each: 4,096 prompt
 tokens on the test worker, at most 262,144 by default), the plant (``plant_turns`` requests a
 tenant, about ``plant_chars`` * (turns + 1) / 2 prompt tokens a tenant on a byte tokenizer:
-5,120 at the defaults, at most 16 new tokens each), plus the lone canary every 10 minutes; default
-interval 3,600 s, since the burst is sized to the pool.
+5,120 at the defaults, at most 16 new tokens each: 23,280 tokens a run in all at an 8,192-token
+pool), plus the lone canary every 10 minutes; default interval 3,600 s, since the burst is sized to
+the pool.
 """
 
 from __future__ import annotations
