@@ -86,12 +86,16 @@ class SlotReuseProbe(Probe):
         busy = [asyncio.ensure_future(_busy(ctx, i, tokens, repeats)) for i in range(count)]
         checks: list[TenantCheck] = []
         while_busy = 0
-        for k in range(int(ctx.options.get("pairs", 4))):
-            for half in ("first", "next"):
-                tenant = ctx.tenants[(2 * k + (half == "next")) % len(ctx.tenants)]
-                while_busy += half == "next" and not all(task.done() for task in busy)
-                checks.append(await canary_check(ctx, tenant, f"pair {k} {half}", repeats))
-        busy_checks = await asyncio.gather(*busy)
+        try:
+            for k in range(int(ctx.options.get("pairs", 4))):
+                for half in ("first", "next"):
+                    tenant = ctx.tenants[(2 * k + (half == "next")) % len(ctx.tenants)]
+                    while_busy += half == "next" and not all(task.done() for task in busy)
+                    checks.append(await canary_check(ctx, tenant, f"pair {k} {half}", repeats))
+            busy_checks = await asyncio.gather(*busy)
+        finally:
+            for task in busy:  # a run cut short (its budget, a shutdown) leaves no request behind
+                task.cancel()
         result = conclude([*checks, *busy_checks], repeats, ctx)
         result.evidence.update(pairs_while_busy=while_busy, busy_tokens=tokens)
         return result
