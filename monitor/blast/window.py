@@ -3,7 +3,8 @@ condition to its resolution (or now), each bound with how it was found.
 
 - A pool below the window (``capacity``, ``boundary``, ``traffic_capacity``): the first capacity
   reading of the node below the window since its last reading that was not (that reading is also
-  where a configuration change shows).
+  where a configuration change shows). With no fine reading before it, the pool may have been
+  below the window before the monitor first read it: since the monitor first saw the target.
 - Otherwise, or where no such reading is kept: the last pass of the incident's own probe before
   the failure that opened it (``incident.last_pass_at``, kept with the incident because passes are
   pruned after a week); with no pass before, since the monitor first saw the target.
@@ -73,23 +74,32 @@ def _pool_start(session: Session, incident: Incident) -> Bound | None:
     ).one_or_none()
     if first is None:
         return None
+    node = first.node or "the node"
+    if last_fine is None:  # nothing says when the pool went below: as far back as the monitor saw
+        first_seen = _first_seen(session, incident)
+        how = f"no capacity reading of {node} was fine before its first below the context window "
+        how += f"(result {first.id}): since the monitor first saw the target"
+        return Bound(min(first_seen, first.started_at), how)
     changed = "config_change" in (first.evidence or {})
-    how = f"the first capacity reading of {first.node or 'the node'} with its pool below the context window"
+    how = f"the first capacity reading of {node} with its pool below the context window"
     how += f" (result {first.id}" + ("; it saw the configuration change" if changed else "")
-    if last_fine is not None:  # the fault began between the two readings
-        how += f"; the reading before, at {last_fine:%Y-%m-%d %H:%M:%S} UTC, was fine"
+    how += f"; the reading before, at {last_fine:%Y-%m-%d %H:%M:%S} UTC, was fine"  # the fault began between
     return Bound(first.started_at, how + ")")
+
+
+def _first_seen(session: Session, incident: Incident) -> datetime:
+    when: datetime = session.execute(
+        select(Target.created_at).where(Target.id == incident.target_id)
+    ).scalar_one()
+    return when
 
 
 def _last_pass_start(session: Session, incident: Incident) -> Bound:
     if incident.last_pass_at is not None:
         return Bound(incident.last_pass_at, f"the last pass of {incident.probe} before its first failure")
-    first_seen = session.execute(
-        select(Target.created_at).where(Target.id == incident.target_id)
-    ).scalar_one()
     how = f"no pass of {incident.probe} before its first failure is known"
     how += ": since the monitor first saw the target"
-    return Bound(first_seen, how)
+    return Bound(_first_seen(session, incident), how)
 
 
 def deployment_at(session: Session, incident: Incident, moment: datetime) -> dict[str, Any]:

@@ -15,6 +15,7 @@ is stuck on, the shutdown included, a watchdog ends the demo and its processes w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import os
 import signal
@@ -58,20 +59,28 @@ class DemoStop:
     def note(self, signum: int, frame: object = None) -> None:
         """Take a stop signal: in the loop, note it (the watchdog starts); outside it, exit now."""
         try:
-            asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
         except RuntimeError:
             raise SystemExit(128 + signum) from None
         if self.signum is None:
-            threading.Thread(target=self._watchdog, args=(signum,), name="demo-stop", daemon=True).start()
+            watch = threading.Thread(
+                target=self._watchdog, args=(signum, loop), name="demo-stop", daemon=True
+            )
+            watch.start()
         self.signum = signum
 
-    def _watchdog(self, signum: int) -> None:
-        """End a demo still running a grace after the signal; say where it was stuck (stderr)."""
+    def _watchdog(self, signum: int, loop: asyncio.AbstractEventLoop) -> None:
+        """End a demo still running a grace after the signal; say where it was stuck (stderr): each
+        thread, and each task of the loop (a loop idle in select is waiting on one of them)."""
         time.sleep(self.grace_seconds)
         name = signal.Signals(signum).name
         print(f"kvcanary demo: not stopped {self.grace_seconds:.0f}s after {name}; stopping now",
               file=sys.stderr, flush=True)  # fmt: skip
         faulthandler.dump_traceback(all_threads=True)
+        for task in list(asyncio.all_tasks(loop)):
+            with contextlib.suppress(Exception):  # a task that ends meanwhile: its stack is moot
+                print(f"task {task.get_name()}:", file=sys.stderr, flush=True)
+                task.print_stack(limit=12, file=sys.stderr)
         stop_processes(list(self.children))
         os._exit(128 + signum)
 

@@ -30,10 +30,12 @@ from kvcanary.monitor.api.state import ApiState
 from kvcanary.monitor.blast.compute import BlastSources, as_csv, blast_radius, request_rows
 from kvcanary.monitor.blast.logs import GatewayLogs
 from kvcanary.monitor.blast.recorded import RecordedTraffic
+from kvcanary.monitor.blast.window import window_of
 from kvcanary.monitor.config.settings import IncidentConfig, RetentionConfig
 from kvcanary.monitor.incidents import record_result
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.runs.run_now import RunNow
+from kvcanary.monitor.storage.models import Incident
 from kvcanary.monitor.storage.target_rows import upsert_targets
 from kvcanary.monitor.targets.calibration import TokenCalibration
 from kvcanary.monitor.traffic.ingest import HttpIngest
@@ -410,3 +412,20 @@ def test_the_api_notes_a_configured_log_with_no_newline_without_quoting_or_namin
     for shown in (answer.text, page.text):
         assert "SECRET" not in shown
     assert "huge" not in page.text  # the page names no path (the API's ``read`` gives the glob)
+
+
+def test_a_pool_below_the_window_at_its_first_reading_counts_from_when_the_monitor_first_saw_it(
+    session_factory: Factory,
+) -> None:
+    """No capacity reading was ever fine: the pool may have been below the window before the first
+    one, and customers served meanwhile were exposed all the same."""
+    seen = NOW - timedelta(hours=1)
+    record(session_factory, ProbeResult(Verdict.PASS, "nonce_intact"), seen, probe="canary")
+    opened = record(
+        session_factory, capacity("mismatch", {"prefill": 1024}, NOW), NOW - timedelta(minutes=20)
+    )
+    with session_factory() as s:
+        incident = s.get_one(Incident, opened.incident_id)
+        window = window_of(s, incident, NOW)
+    assert window.start.at == seen, window.start
+    assert window.start.how.startswith("no capacity reading of the node was fine before its first below")
