@@ -6,16 +6,17 @@ context, and its answer reuses the context's names, figures and identifiers in s
 own, which no n-gram print (``fingerprints.py``) meets. So the tap also sends one keyed print of
 each distinct token of the text that has the shape of such a fact (:func:`distinctive_words`):
 
-- a word of decimal digits alone, of at least ``MIN_DIGITS`` (an order number, a year, an
-  amount; not a list's "12");
-- any other word of at least ``MIN_CHARS`` characters that is not all letters (a digit or an
-  underscore in it: ``x86``, ``pg_dump``, ``INV_7731``) or that holds a capital (a name, a product,
+- a word of ASCII digits alone, of at least ``MIN_DIGITS`` (an order number, a year, an amount;
+  not a list's "12");
+- any other word of at least ``MIN_CHARS`` code points that holds an ASCII digit or an underscore
+  (``x86``, ``pg_dump``, ``INV_7731``) or that lower-casing changes (a capital: a name, a product,
   an acronym; a sentence's first word too: the monitor learns that "The" is common, the tap need
   not know English).
 
-Words are ``\\w+`` runs, as the fingerprints cut them, compared lower-cased. Which tokens are
-common (held by many callers, said by the model unasked) is the monitor's to learn from the
-traffic (``monitor/traffic/distinctive.py``), not the tap's.
+Words are cut and lower-cased as the fingerprints cut them (``words.py``). Digits of other scripts
+are word characters like letters, and make no word distinctive: the rule needs no Unicode table.
+Which tokens are common (held by many callers, said by the model unasked) is the monitor's to
+learn from the traffic (``monitor/traffic/distinctive.py``), not the tap's.
 
 Each print is a BLAKE2b MAC of the lower-cased word under the gateway's key (person ``kvc-token``),
 so the monitor, which never has the key, cannot test a guess. A prompt sends its first
@@ -30,15 +31,16 @@ import hashlib
 import re
 
 from kvcanary.tap.fingerprints import FINGERPRINT_BITS, cut
+from kvcanary.tap.words import lower, scalars, words
+from kvcanary.wire import MAX_TOKENS as MAX_TOKENS
 
 #: Characters of a token with a digit, a capital or an underscore.
 MIN_CHARS = 3
 #: Digits of a token of digits alone.
 MIN_DIGITS = 4
-#: Distinct tokens sent a side.
-MAX_TOKENS = 256
 
-_WORD_RE = re.compile(r"\w+")
+_DIGITS_RE = re.compile("[0-9]+")
+_DIGIT_OR_UNDERSCORE_RE = re.compile("[0-9_]")
 _MASK = (1 << FINGERPRINT_BITS) - 1
 
 
@@ -47,28 +49,29 @@ def distinctive_words(text: str) -> list[str]:
     long one), lower-cased, in the order they first appear."""
     found: dict[str, None] = {}
     # is_distinctive's rule, inlined: a call a word doubled the tap's work on a long text.
-    for word in _WORD_RE.findall(cut(text)):
-        if len(word) < MIN_CHARS or (word.islower() and word.isalpha()):
-            continue  # most words: short, or lower-case letters only
-        if word.isdecimal():
-            if len(word) < MIN_DIGITS:
-                continue
-        elif word.isalpha() and word == word.lower():
-            continue  # letters without a capital (a script without case)
-        found[word.lower()] = None
+    for word in words(scalars(cut(text))):
+        if len(word) < MIN_CHARS or (word.isascii() and word.isalpha() and word.islower()):
+            continue  # most words: short, or lower-case ASCII letters only
+        if _DIGITS_RE.fullmatch(word):
+            if len(word) >= MIN_DIGITS:
+                found[word] = None
+            continue
+        lowered = lower(word)
+        if lowered != word or _DIGIT_OR_UNDERSCORE_RE.search(word):
+            found[lowered] = None
     return list(found)
 
 
 def is_distinctive(word: str) -> bool:
-    """Whether a word (a ``\\w+`` run) has the shape of a name, a figure or an identifier: at least
-    ``MIN_CHARS`` characters, and all decimal digits with at least ``MIN_DIGITS`` of them, or (not
-    all decimal digits) not all letters (a digit or an underscore in it) or changed by lower-casing
-    (a capital in it)."""
+    """Whether a word (a run of word characters, ``words.py``) has the shape of a name, a figure or
+    an identifier: at least ``MIN_CHARS`` code points, and all ASCII digits with at least
+    ``MIN_DIGITS`` of them, or (not all ASCII digits) an ASCII digit or an underscore in it, or a
+    code point that lower-casing changes (a capital)."""
     if len(word) < MIN_CHARS:
         return False
-    if word.isdecimal():
+    if _DIGITS_RE.fullmatch(word):
         return len(word) >= MIN_DIGITS
-    return not word.isalpha() or word != word.lower()
+    return lower(word) != word or _DIGIT_OR_UNDERSCORE_RE.search(word) is not None
 
 
 class TokenPrints:
@@ -83,7 +86,7 @@ class TokenPrints:
 
     def print_of(self, word: str) -> int:
         """Return one lower-cased token's print (0 is never one)."""
-        digest = hashlib.blake2b(word.encode("utf-8", "surrogatepass"), key=self._key, digest_size=8,
+        digest = hashlib.blake2b(scalars(word).encode("utf-8"), key=self._key, digest_size=8,
                                  person=b"kvc-token")  # fmt: skip
         return (int.from_bytes(digest.digest(), "big") & _MASK) or 1
 

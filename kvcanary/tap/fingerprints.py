@@ -1,10 +1,11 @@
 """Keyed fingerprints of text: what lets the monitor see that two callers' texts overlap without
 ever holding either text.
 
-A text is cut into words (lower-cased ``\\w+`` runs), every run of ``NGRAM`` consecutive words is
-hashed, and the hashes whose low bits are zero are kept (one in ``1 << SAMPLE_BITS``, in text order).
-Two texts that share a passage of ``L`` words share about ``(L - NGRAM + 1) / 4`` fingerprints, the
-same ones on both sides, since the choice depends on the passage alone.
+A text is cut into words (``words.py``: runs of word characters, lower-cased), every run of
+``NGRAM`` consecutive words is hashed, and the hashes whose low bits are zero are kept (one in
+``1 << SAMPLE_BITS``, in text order). Two texts that share a passage of ``L`` words share about
+``(L - NGRAM + 1) / 4`` fingerprints, the same ones on both sides, since the choice depends on the
+passage alone.
 
 Each word's hash is a BLAKE2b MAC under the gateway's key, and an n-gram's hash is a polynomial of
 its words' hashes. Without the key a fingerprint cannot be checked against a guessed text, so the
@@ -24,21 +25,21 @@ of that customer's, and nothing else can tell the two apart.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterator, Sequence
+
+from kvcanary.tap.words import lower, scalars, words
+from kvcanary.wire import MAX_FINGERPRINTS as MAX_FINGERPRINTS
 
 NGRAM = 8
 SAMPLE_BITS = 2
 #: Characters fingerprinted per text: the first and last half of this, when the text is longer.
 MAX_TEXT_CHARS = 64 * 1024
-MAX_FINGERPRINTS = 1024
 #: Fingerprints are 51-bit integers (under 2**53: exact in any JSON reader), which leaves
 #: collisions rare among the million or so a deployment's window holds.
 FINGERPRINT_BITS = 51
 #: Stands in the response's list for a fingerprint of the reader's own prompt (or a public text).
 OWN = 0
 
-_WORD_RE = re.compile(r"\w+")
 _MOD = (1 << 64) - 1
 _BASE = 0x100000001B3  # an odd multiplier: every word's place in the n-gram weighs differently
 _TOP = pow(_BASE, NGRAM - 1, 1 << 64)
@@ -113,8 +114,7 @@ class Fingerprinter:
         """Return the kept fingerprints of ``text`` in order (at most ``cap``; None: all), and
         whether only part of the text was read."""
         truncated = len(text) > MAX_TEXT_CHARS
-        text = cut(text)
-        hashes = [self._word(word) for word in _WORD_RE.findall(text.lower())]
+        hashes = [self._word(word) for word in words(lower(scalars(cut(text))))]
         if len(hashes) < NGRAM:
             return [], truncated
         gram = 0
@@ -136,7 +136,7 @@ class Fingerprinter:
         among a prompt's prints, it lets the monitor see two callers sent the same prompt, however
         short (a prompt under ``NGRAM`` words has no other print)."""
         digest = hashlib.blake2b(
-            cut(text).encode("utf-8", "surrogatepass"), key=self._key, digest_size=8, person=b"kvc-whole"
+            scalars(cut(text)).encode("utf-8"), key=self._key, digest_size=8, person=b"kvc-whole"
         )
         return (int.from_bytes(digest.digest(), "big") & _OUT_MASK) or 1
 

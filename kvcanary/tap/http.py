@@ -1,25 +1,27 @@
 """The tap's HTTP transport: a batch posted to the monitor's ``/api/v1/traffic``, with the ingest
 token, redirects not followed (a token must not travel to another host) and no proxy from the
 environment. What each answer means to the batch (taken, some records refused, refused whole, or
-to be sent again) is ``docs/tap-protocol.md``'s.
+to be sent again) is ``docs/tap-protocol.md``'s, and so are the body's bytes (``kvcanary.wire``:
+the protocol's version, the records written as the wire writes them).
 
 A body the monitor refuses as too large (413: its cap, or a proxy's in front of it) is split in
-halves, each posted as a batch of its own (an id of its own, made from the batch's, so that a
-retry splits and names them alike; the drop report riding with the first half), down to single
-records: a record that alone is refused as too large can never be taken, and is dropped and
-counted as refused. The size refused is remembered: a later body as large is split before it is
-posted, not sent to be refused again.
+halves, each posted as a batch of its own (an id of its own, made from the batch's by
+``kvcanary.wire.part_id``, so that a retry splits and names them alike; the drop report riding with
+the first half), down to single records: a record that alone is refused as too large can never be
+taken, and is dropped and counted as refused. The size refused is remembered: a later body as
+large is split before it is posted, not sent to be refused again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import logging
 import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
+
+from kvcanary.wire import batch_body, encode, part_id
 
 if TYPE_CHECKING:
     from kvcanary.tap.sender import Batch
@@ -57,7 +59,7 @@ class HttpTransport:
 
     def send(self, batch: Batch) -> tuple[int, int]:
         if self._encoded[0] != batch.id:
-            self._encoded = (batch.id, [_json(record) for record in batch.records])
+            self._encoded = (batch.id, [encode(record) for record in batch.records])
         taken, refused = self._send_part(
             batch, self._encoded[1], 0, len(batch.records), batch.id, batch.dropped
         )
@@ -71,7 +73,7 @@ class HttpTransport:
         """Post records ``start`` to ``end`` of ``batch`` as the batch ``part`` reporting ``dropped``,
         in halves where too large; return how many were taken from ``start`` on (the rest wait) and
         how many of those were refused for ever."""
-        body = _body(part, batch.gateway, dropped, encoded[start:end])
+        body = batch_body(part, batch.gateway, dropped, encoded[start:end])
         try:
             if end - start > 1 and self.too_large is not None and len(body) >= self.too_large:
                 raise _TooLarge
@@ -83,10 +85,10 @@ class HttpTransport:
                       len(body))  # fmt: skip
             return 1, 1
         middle = (start + end) // 2
-        first = self._send_part(batch, encoded, start, middle, _part_of(part, 0), dropped)
+        first = self._send_part(batch, encoded, start, middle, part_id(part, 0), dropped)
         if first[0] < middle - start:  # the first half waits: so does the second, behind it
             return first
-        second = self._send_part(batch, encoded, middle, end, _part_of(part, 1), 0)
+        second = self._send_part(batch, encoded, middle, end, part_id(part, 1), 0)
         return first[0] + second[0], first[1] + second[1]
 
     def _post(self, body: bytes, records: int) -> tuple[int, int]:
@@ -126,19 +128,3 @@ class HttpTransport:
     def after_fork_in_child(self) -> None:
         """Forget the parent's encoded batch: the child sends batches of its own."""
         self._encoded = ("", [])
-
-
-def _json(value: Any) -> bytes:
-    """``value`` as compact JSON, non-ASCII escaped (``kvcanary.wire.MAX_RECORD_BYTES`` counts so)."""
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def _body(batch_id: str, gateway: str, dropped: int, records: list[bytes]) -> bytes:
-    """A batch's body of records already written as JSON."""
-    head = b'{"batch":' + _json(batch_id) + b',"gateway":' + _json(gateway) + b',"dropped":' + _json(dropped)
-    return head + b',"records":[' + b",".join(records) + b"]}"
-
-
-def _part_of(batch_id: str, half: int) -> str:
-    """The id of half ``half`` (0, 1) of batch ``batch_id``: 32 hex digits, the same on every try."""
-    return hashlib.blake2b(f"{batch_id}.{half}".encode(), digest_size=16).hexdigest()

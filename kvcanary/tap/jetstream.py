@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import threading
 from collections.abc import Coroutine
@@ -43,26 +42,25 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 
+from kvcanary import wire
 from kvcanary.tap.sender import Batch
 
 # The wire's names and rules, shared with the monitor (re-exported: callers import them from here).
 from kvcanary.wire import DROPPED_HEADER as DROPPED_HEADER
 from kvcanary.wire import GATEWAY_HEADER as GATEWAY_HEADER
+from kvcanary.wire import HEADER_BYTES as HEADER_BYTES
+from kvcanary.wire import MESSAGE_BYTES as MESSAGE_BYTES
 from kvcanary.wire import PARTITIONS as PARTITIONS
 from kvcanary.wire import RECORDS_HEADER as RECORDS_HEADER
 from kvcanary.wire import SUBJECT_PREFIX as SUBJECT_PREFIX
+from kvcanary.wire import VERSION_HEADER as VERSION_HEADER
+from kvcanary.wire import Message, message_limit, publishable
 from kvcanary.wire import partition_of as partition_of
 
 log = logging.getLogger("kvcanary.tap")
 
 #: Seconds a connection attempt may take; a dead NATS costs one such wait per backoff step.
 CONNECT_TIMEOUT_SECONDS = 2
-#: A message's most bytes: well under NATS's default max_payload (1 MB), with a batch's headers;
-#: under a server's own max_payload, less ``HEADER_BYTES`` for the headers, where that is smaller.
-MESSAGE_BYTES = 512 * 1024
-HEADER_BYTES = 1024
-#: What a message's records are wrapped in: the HTTP ingest's body, ``{"records":[...]}``.
-_OPEN, _CLOSE = b'{"records":[', b"]}"
 
 
 class JetStreamTransport:
@@ -160,17 +158,13 @@ class JetStreamTransport:
             return 0, 0
         js = client.jetstream(timeout=self.timeout_seconds)
         limit = client.max_payload
-        messages = self.messages_of(batch, max(1, min(MESSAGE_BYTES, limit - HEADER_BYTES)))
-        # A record alone over the server's max_payload, its headers counted as the server counts
-        # them, can never be published (the server would close the connection): refused here.
-        fits = [len(payload) + _header_bytes(headers) <= limit for _, payload, headers, _ in messages]
-        sendable = [m for m, ok in zip(messages, fits, strict=True) if ok]
-        too_large = [
-            (m[3], int(m[2][RECORDS_HEADER])) for m, ok in zip(messages, fits, strict=True) if not ok
-        ]
+        messages = self.messages_of(batch, message_limit(limit))
         report = batch.dropped + self._report_carried
-        if sendable and report:  # the drop report rides with the first message published
-            sendable[0][2][DROPPED_HEADER] = str(report)
+        # A record alone over the server's max_payload, its headers counted as the server counts
+        # them, can never be published (the server would close the connection): refused here. The
+        # drop report rides with the first message published.
+        sendable, never = publishable(messages, limit, report)
+        too_large = [(m.first, int(m.headers[RECORDS_HEADER])) for m in never]
         # Published at once, one connection, in order (the stream keeps it; a message redelivered
         # after a replica's death comes back after ack_wait, behind later ones).
         acks = await asyncio.gather(
@@ -197,9 +191,7 @@ class JetStreamTransport:
             log.warning("kvcanary tap: JetStream at %s takes records again", self.url)
         return taken, refused
 
-    def messages_of(
-        self, batch: Batch, limit: int = MESSAGE_BYTES
-    ) -> list[tuple[str, bytes, dict[str, str], int]]:
+    def messages_of(self, batch: Batch, limit: int = MESSAGE_BYTES) -> list[Message]:
         """:func:`messages_of` under this transport's partitions and subject prefix."""
         return messages_of(batch, self.partitions, self.subject_prefix, limit)
 
@@ -264,49 +256,12 @@ class JetStreamTransport:
 
 def subject_of(record: dict[str, Any], partitions: int, prefix: str = SUBJECT_PREFIX) -> str:
     """Return the subject ``record`` is published on: ``<prefix>.<partition of its api_base>``."""
-    return f"{prefix}.{partition_of(str(record.get('api_base', '')), partitions)}"
+    return wire.subject_of(str(record.get("api_base", "")), partitions, prefix)
 
 
 def messages_of(
     batch: Batch, partitions: int, prefix: str = SUBJECT_PREFIX, limit: int = MESSAGE_BYTES
-) -> list[tuple[str, bytes, dict[str, str], int]]:
-    """Return the batch as messages: ``(subject, payload, headers, index of its first record in
-    the batch)``, a partition's records together in their order, each at most ``limit`` bytes (a
-    record larger than that alone goes as a message of its own). The wire of ``docs/tap-protocol.md``:
-    a tap in another language must make the same bytes (``tests/fixtures/wire/golden.json``)."""
-    by_subject: dict[str, list[tuple[int, bytes]]] = {}
-    for i, record in enumerate(batch.records):
-        by_subject.setdefault(subject_of(record, partitions, prefix), []).append((i, _encode(record)))
-    out: list[tuple[str, bytes, dict[str, str], int]] = []
-    for subject, encoded in by_subject.items():
-        for part, chunk in enumerate(_chunks(encoded, limit)):
-            headers = {GATEWAY_HEADER: batch.gateway, RECORDS_HEADER: str(len(chunk)),
-                       "Nats-Msg-Id": f"{batch.id}.{subject.rsplit('.', 1)[1]}.{part}"}  # fmt: skip
-            payload = _OPEN + b",".join(e for _, e in chunk) + _CLOSE
-            out.append((subject, payload, headers, chunk[0][0]))
-    return out
-
-
-def _header_bytes(headers: dict[str, str]) -> int:
-    """What ``headers`` take of a message as the server counts it (``NATS/1.0``, a line each), and
-    room for the drop report, which goes on the first message published."""
-    return 12 + sum(len(k) + len(v) + 4 for k, v in headers.items()) + len(DROPPED_HEADER) + 16
-
-
-def _encode(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, separators=(",", ":")).encode()
-
-
-def _chunks(encoded: list[tuple[int, bytes]], limit: int) -> list[list[tuple[int, bytes]]]:
-    """Cut a partition's encoded records into runs whose message is at most ``limit`` bytes, the
-    wrapper and commas counted (a record larger than that alone goes as one message)."""
-    chunks: list[list[tuple[int, bytes]]] = [[]]
-    empty = len(_OPEN) + len(_CLOSE)
-    size = empty
-    for item in encoded:
-        if chunks[-1] and size + 1 + len(item[1]) > limit:
-            chunks.append([])
-            size = empty
-        size += (1 if chunks[-1] else 0) + len(item[1])
-        chunks[-1].append(item)
-    return chunks
+) -> list[Message]:
+    """Return the batch as messages (``kvcanary.wire.messages_of``: the protocol's framing, which
+    a tap in another language makes byte for byte, ``tests/fixtures/wire/framing.json``)."""
+    return wire.messages_of(batch.id, batch.gateway, batch.records, partitions, prefix, limit)

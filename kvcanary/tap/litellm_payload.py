@@ -19,13 +19,16 @@ redacted (``extra["redacted"]``) for the tap to warn about.
 
 The hook runs on the proxy's event loop, so reading a payload does no work in proportion to its
 texts: the messages' and choices' texts are passed as parts (``Exchange.prompt_parts``,
-``response_parts``), never joined here; the tap's thread joins what it fingerprints.
+``response_parts``), never joined here; the tap's thread joins what it fingerprints. Which texts of
+a message, a choice or a Responses API item are read is the protocol's (``bodies.py``), as for
+any gateway.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvcanary.tap.bodies import answer_facts, answer_texts, item_texts
 from kvcanary.tap.fingerprints import joined_length
 from kvcanary.tap.record import Exchange
 
@@ -33,51 +36,35 @@ from kvcanary.tap.record import Exchange
 REDACTED = "redacted-by-litellm"
 
 
-def _parts(content: Any) -> list[str]:
-    """Return the texts of a message's content: a string, or those of a list of parts with ``text``."""
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):
-        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    return []
-
-
-def _text_of(content: Any) -> tuple[str, ...]:
-    """Return a message's content as parts of its text, which is those parts joined by newlines."""
-    parts = _parts(content)
-    return tuple(parts) if parts else ("",)
-
-
 def prompt_of(messages: Any) -> tuple[tuple[str, ...], int]:
-    """Return the prompt's text as parts (every message's content, one per line: the text is the
-    parts joined by newlines) and its message count."""
+    """Return the prompt's text as parts (each message's texts by the protocol's rules,
+    ``bodies.item_texts``: the text is the parts joined by newlines) and its message count; a
+    string (a completion's prompt) is one message."""
     if isinstance(messages, str):
-        return (messages,), 1
+        return ((messages,) if messages else ()), 1
     if not isinstance(messages, list):
         return (), 0
-    parts = tuple(p for m in messages if isinstance(m, dict) for p in _text_of(m.get("content")))
-    return parts, len(messages)
+    return tuple(t for m in messages for t in item_texts(m)), len(messages)
 
 
 def response_of(response: Any) -> tuple[tuple[str, ...], str | None, int | None]:
-    """Return the answer's text as parts (every choice's text that is not empty, one per line: the
-    text is the parts joined by newlines), its finish reason and its cached prompt tokens."""
+    """Return the answer's text as parts (``bodies.answer_texts``: each choice's, or each Responses
+    API output item's), its finish reason and its cached prompt tokens. A choice LiteLLM assembled
+    from a stream may hold its message as ``delta``: read as its ``message``."""
     if not isinstance(response, dict):
         return (), None, None
-    texts: list[tuple[str, ...]] = []  # each the parts of one text
-    finish = None
-    for choice in response.get("choices") or []:
-        if not isinstance(choice, dict):
-            continue
-        message = choice.get("message") or choice.get("delta") or {}
-        texts.append(_text_of(message.get("content")) if isinstance(message, dict) else ("",))
-        if isinstance(choice.get("text"), str):
-            texts.append((choice["text"],))
-        finish = finish or choice.get("finish_reason")
-    usage = response.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {} if isinstance(usage, dict) else {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return tuple(p for text in texts if joined_length(text) for p in text), finish, cached
+    choices = response.get("choices")
+    if isinstance(choices, list):
+        choices = [
+            {**c, "message": c["delta"]} if _delta_only(c) else c for c in choices
+        ]  # fmt: skip
+        response = {**response, "choices": choices}
+    _, finish, (_, _, cached) = answer_facts(response)
+    return tuple(answer_texts(response)), finish, cached
+
+
+def _delta_only(choice: Any) -> bool:
+    return isinstance(choice, dict) and "message" not in choice and isinstance(choice.get("delta"), dict)
 
 
 def _redacted(parts: tuple[str, ...]) -> bool:

@@ -23,30 +23,31 @@ import hmac
 import math
 import re
 import secrets
-import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcanary.tap.distinctive import TokenPrints
-from kvcanary.tap.fingerprints import MAX_FINGERPRINTS, OWN, Fingerprinter, cut_joined, joined_length
+from kvcanary.tap.fingerprints import OWN, Fingerprinter, cut_joined, joined_length
+from kvcanary.tap.words import scalars
+from kvcanary.wire import (
+    BLANKS,
+    MAX_COUNT,
+    MAX_FINGERPRINTS,
+    MAX_INCIDENT_ID,
+    MAX_MESSAGES,
+    MAX_SECONDS,
+    MAX_TIME,
+)
+from kvcanary.wire import CALLER_KINDS as CALLER_KINDS
+from kvcanary.wire import MARKER_RE as MARKER_RE
+from kvcanary.wire import MAX_MARKERS as MAX_MARKERS
+from kvcanary.wire import printable_name as printable_name
 
-#: The shape of a kvcanary marker (``probes/markers.py``: ``KVC-<8 hex id>-<32 hex secret>``), any
-#: case. The monitor opens each one; a string of this shape it did not seal is nobody's marker.
-MARKER_RE = re.compile(r"KVC-[0-9a-f]{8}-[0-9a-f]{32}", re.IGNORECASE)
-MAX_MARKERS = 32
-#: Bounds of the strings a record names (ids, callers, deployments); longer ones are cut.
-MAX_NAME_CHARS = 200
-CALLER_KINDS = ("team", "key_alias", "key_hash", "end_user", "unknown")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_HEX64_RE = re.compile("[0-9A-Fa-f]{64}")
+#: The prefix LiteLLM puts before a JWT's SHA-256 (``hashed-jwt-<hex>``), in any ASCII case.
+_JWT_PREFIX = "hashed-jwt-"
 #: Characters of a non-ASCII text encoded at a time to count its UTF-8 bytes (about a millisecond).
 COUNT_CHUNK_CHARS = 256 * 1024
-#: Unicode categories of a name's characters shown as U+FFFD: format characters (bidi overrides,
-#: embeddings and isolates, zero-width spaces and joiners, LRM/RLM, BOM, tags), lone surrogates,
-#: private use.
-_HIDDEN = frozenset({"Cf", "Cs", "Co"})
-#: ... and as a space: controls (C0, DEL, C1) and line and paragraph separators.
-_BREAKS = frozenset({"Cc", "Zl", "Zp"})
-_SPACES = re.compile(r"\s+")
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Refusal:
             "by": self.by,
             "tokens": _count(self.tokens),
             "kv_pool_tokens": _count(self.kv_pool_tokens),
-            "incident_id": self.incident_id if _count(self.incident_id) is not None else None,
+            "incident_id": _count(self.incident_id, MAX_INCIDENT_ID),
         }
 
 
@@ -140,8 +141,9 @@ class Exchange:
 
 
 def utf8_length(text: str) -> int:
-    """Return ``len(text.encode("utf-8", "surrogatepass"))``, encoding ``COUNT_CHUNK_CHARS`` at a
-    time: one encode of a 50 MB text holds the interpreter (the GIL) 50-100 ms, stalling every other
+    """Return the UTF-8 bytes of ``text`` read as scalar values (a surrogate as U+FFFD: three bytes,
+    as ``surrogatepass`` writes it), encoding ``COUNT_CHUNK_CHARS`` at a time: one encode of a
+    50 MB text holds the interpreter (the GIL) 50-100 ms, stalling every other
     thread of the gateway, its event loop's included; a chunk holds it about a millisecond."""
     if text.isascii():  # a flag of the string: no scan
         return len(text)
@@ -151,65 +153,39 @@ def utf8_length(text: str) -> int:
     )
 
 
-def printable_name(value: object) -> str:
-    """Return ``value`` as a name fit for the record: printable, at most ``MAX_NAME_CHARS``.
-
-    A record's names (its id, caller, deployment, model, finish reason, the gateway's name) reach
-    incident titles, Alertmanager annotations, the incident page, CSV and terminals, and a customer
-    writes some of them (LiteLLM's ``end_user``). What could forge or hide text there is replaced:
-
-    - controls (C0 such as ESC, NUL, CR and LF; DEL; C1 such as NEL and CSI) and the line and
-      paragraph separators U+2028 and U+2029 become a space: they start escape sequences or new
-      lines (a fake "resolved" line in an annotation);
-    - format characters become U+FFFD, so that tampering shows: the bidi embeddings and overrides
-      U+202A-U+202E and isolates U+2066-U+2069 (which reorder what is shown), the zero-width
-      characters U+200B-U+200F (joiners, LRM and RLM: which make two names look alike) and the BOM
-      U+FEFF, and the rest of Unicode's ``Cf``; lone surrogates too (not UTF-8: JSON written with
-      one gets the whole batch refused unparsed), and private-use characters;
-    - runs of white space become one space, and the ends are trimmed.
-
-    This is the monitor's own rule for names (``probes/untrusted.py``'s ``plain``), so what the tap
-    sends is what the monitor keeps. A printable name is kept as it is. The work is bounded
-    whatever was sent: at most ``4 * MAX_NAME_CHARS`` characters are looked at.
-    """
-    name = str(value or "")[: MAX_NAME_CHARS * 4]
-    if name.isprintable():  # the common case: one scan in C
-        return name[:MAX_NAME_CHARS]
-    shown = []
-    for char in name:
-        category = unicodedata.category(char)
-        shown.append(" " if category in _BREAKS else "\ufffd" if category in _HIDDEN else char)
-    return _SPACES.sub(" ", "".join(shown)).strip()[:MAX_NAME_CHARS]
-
-
-def _count(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 10**12 else None
+def _count(value: object, most: int = MAX_COUNT) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most else None
 
 
 def _seconds(value: object) -> float | None:
     """A duration, or None when it is not one (a wall clock stepped back between two readings)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
-    return float(value) if 0 <= value <= 7 * 86_400 else None
+    return float(value) if 0 <= value <= MAX_SECONDS else None
 
 
 def _epoch(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return 0.0
-    return float(value) if 0 <= value <= 2**33 else 0.0
+    return float(value) if 0 <= value <= MAX_TIME else 0.0
 
 
 def key_digest(value: str, key: bytes) -> str:
     """Return a SHA-256 hex digest of a caller's key as the record may carry it.
 
     LiteLLM reports ``user_api_key_hash`` as the key's SHA-256 for ``sk-`` keys, ``hashed-jwt-<hex>``
-    for a JWT, and the key itself for any other custom key: only a 64-digit hex digest is passed
-    on; anything else is a key, never sent, and becomes a MAC under the tap's own key.
+    for a JWT, and the key itself for any other custom key. The rule (``docs/tap-protocol.md``,
+    "Key digest"): trim ASCII white space; drop a ``hashed-jwt-`` prefix in any ASCII case; what is
+    left, if 64 hex digits, is a digest already and goes lower-cased; empty goes empty; anything
+    else is a key, never sent, and goes as HMAC-SHA256 under the tap's key of its UTF-8 bytes, case
+    kept (two keys that differ in case are two callers), in lower-case hex.
     """
-    value = value.strip().lower().removeprefix("hashed-jwt-")
-    if not value or _SHA256_RE.fullmatch(value):
-        return value
-    return hmac.new(key, value.encode(), hashlib.sha256).hexdigest()
+    value = value.strip(BLANKS)
+    if value[: len(_JWT_PREFIX)].lower() == _JWT_PREFIX:
+        value = value[len(_JWT_PREFIX) :]
+    if not value or _HEX64_RE.fullmatch(value):
+        return value.lower()
+    return hmac.new(key, scalars(value).encode("utf-8"), hashlib.sha256).hexdigest()
 
 
 def record_id() -> str:
@@ -271,7 +247,7 @@ def summarize(exchange: Exchange, fingerprinter: Fingerprinter) -> dict[str, Any
         "prompt": {
             "chars": exchange.prompt_chars,
             "bytes": exchange.prompt_bytes,
-            "messages": min(max(int(exchange.messages), 0), 100_000),
+            "messages": min(max(int(exchange.messages), 0), MAX_MESSAGES),
         },
         "response_chars": exchange.response_chars,
         "usage": {

@@ -46,9 +46,12 @@ from kvcanary.monitor.traffic.schema import (
     MAX_BODY_BYTES,
     MAX_ERRORS,
     MAX_ERRORS_PER_RECORD,
+    REFUSED_VERSIONS,
+    UnspokenVersion,
     bounded_errors,
     read_batch,
 )
+from kvcanary.wire import SPOKEN_VERSIONS
 
 ingest_router = APIRouter(prefix="/api/v1/traffic", tags=["traffic"])
 router = APIRouter(prefix="/traffic", tags=["traffic"])
@@ -89,6 +92,17 @@ class IngestRefusal(_Out):
     flagged: int | None = Field(None, description="With a good envelope: as a 200 says it.")
     rejected: int | None = Field(None, description="With a good envelope: the records refused.")
     duplicates: int | None = Field(None, description="With a good envelope: as a 200 says it.")
+
+
+class VersionRefusal(_Out):
+    """A 400: the body is not text, or the batch is of a tap protocol version this monitor does not
+    speak (a tap before version 4 sends none): refused whole, never judged, counted in
+    ``kvcanary_traffic_version_refused_records_total``. The tap drops the batch and counts it."""
+
+    detail: str = Field(description="Why, naming the version sent and the versions spoken.")
+    versions: list[int] | None = Field(
+        None, description="The tap protocol versions this monitor speaks (absent: the body is not text)."
+    )
 
 
 class TrafficRecordOut(_Out):
@@ -179,6 +193,11 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
     status_code=status.HTTP_200_OK,
     response_model=IngestOut,
     responses={
+        400: {
+            "model": VersionRefusal,
+            "description": "The batch's `version` is not one this monitor speaks, or none (a tap "
+            "before version 4): refused whole, `versions` naming those it speaks; or the body is not text.",
+        },
         401: {"model": Problem, "description": "Missing or invalid bearer token (ingest or API)."},
         413: {"model": Problem, "description": f"The body is over {MAX_BODY_BYTES} bytes: split it."},
         422: {"model": IngestRefusal, "description": "The batch, or some of its records, are not valid."},
@@ -192,10 +211,11 @@ async def post_traffic(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
 ) -> Response | IngestOut:
     """Judge a batch of records from a gateway tap (``kvcanary.tap``): no text, only summaries.
-    Answer 200 with the counts; 422 naming what is not valid (an envelope: nothing judged; records:
-    the rest judged and counted); 413 for a body over ``MAX_BODY_BYTES``; 401 without the ingest or
-    API token; 503 while this replica does not judge traffic (not running, several replicas over
-    HTTP, the stream away, or the database)."""
+    Answer 200 with the counts; 400 for a batch of a protocol version this monitor does not speak
+    (or none), naming the versions it speaks; 422 naming what is not valid (an envelope: nothing
+    judged; records: the rest judged and counted); 413 for a body over ``MAX_BODY_BYTES``; 401
+    without the ingest or API token; 503 while this replica does not judge traffic (not running,
+    several replicas over HTTP, the stream away, or the database)."""
     require_ingest(request, credentials)
     ingest = api_state(request).traffic
     if ingest is None:
@@ -203,6 +223,10 @@ async def post_traffic(
     body = await _body(request)
     try:
         batch, valid = await read_off_loop(read_batch, body)
+    except UnspokenVersion as refusal:  # another version's prints: never this window's
+        REFUSED_VERSIONS.add("http", refusal)
+        refused = VersionRefusal(detail=str(refusal), versions=list(SPOKEN_VERSIONS))
+        return JSONResponse(refused.model_dump(), status_code=status.HTTP_400_BAD_REQUEST)
     except ValidationError as exc:  # the envelope: nothing of the batch is judged
         errors, omitted = bounded_errors(exc)
         content = {"detail": jsonable_encoder(errors), "omitted_errors": omitted}

@@ -34,7 +34,9 @@ from kvcanary.monitor.metrics.gateway import (
 )
 from kvcanary.monitor.metrics.pool_trust import UntrustedPools, UntrustedPoolsCollector
 from kvcanary.monitor.metrics.stream import StreamCollector
+from kvcanary.monitor.metrics.versions import VersionRefusalsCollector
 from kvcanary.monitor.recording.health import WriteHealth
+from kvcanary.monitor.traffic.schema import REFUSED_VERSIONS
 from kvcanary.probes.base import ProbeResult, Verdict
 
 if TYPE_CHECKING:
@@ -339,6 +341,8 @@ class MonitorMetrics:
             ["gateway"],
             registry=self._general,
         )
+        # The tally is the process's (the HTTP ingest and the stream's reader threads add to it).
+        self._general.register(VersionRefusalsCollector(REFUSED_VERSIONS.counts))
         self.schedule_lag = Histogram(
             "kvcanary_schedule_lag_seconds",
             "Seconds from when a scheduled run was due to when it started (after waiting for a slot).",

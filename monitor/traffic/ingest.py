@@ -3,10 +3,11 @@
 Where they go depends on ``traffic.source``:
 
 - ``jetstream``: they are published to the stream, as the tap's JetStream sink publishes them
-  (subjects, ``Nats-Msg-Id`` and headers by ``kvcanary/tap/jetstream.py``'s :func:`messages_of`,
-  the drop report on the first message), and the answer comes once JetStream acknowledged every
-  message: ``accepted`` counts the records taken to be judged by whichever replica holds their
-  partition. Posts to any replica are then judged once, in one fingerprint window per deployment.
+  (subjects, ``Nats-Msg-Id`` and headers, the protocol's version among them, by
+  ``kvcanary.wire.messages_of``, the drop report on the first message), and the answer comes once
+  JetStream acknowledged every message: ``accepted`` counts the records taken to be judged by
+  whichever replica holds their partition. Posts to any replica are then judged once, in one
+  fingerprint window per deployment.
   A publish that fails (NATS away, the stream full) is a 503: the tap keeps the batch and sends it
   again, the stream drops a message it holds already (its duplicate window) and the pipeline a
   record it judged already (its id).
@@ -31,14 +32,12 @@ from kvcanary.monitor.runs.replicas import Membership
 from kvcanary.monitor.traffic.judge import TrafficJudge
 from kvcanary.monitor.traffic.pipeline import TrafficPipeline, arrivals, read_off_loop
 from kvcanary.monitor.traffic.schema import TrafficBatch, TrafficRecord
-from kvcanary.wire import DROPPED_HEADER
+from kvcanary.wire import DROPPED_HEADER, Message, message_limit, messages_of
 
 if TYPE_CHECKING:  # nats-py is imported only where the stream is used
     from nats.js import JetStreamContext
 
 log = logging.getLogger("kvcanary.traffic")
-#: A message as the tap's sink makes it: subject, payload, headers, index of its first record.
-Message = tuple[str, bytes, dict[str, str], int]
 
 #: Seconds between two log lines about posts refused for want of the stream.
 REFUSAL_LOG_SECONDS = 60.0
@@ -105,15 +104,12 @@ class StreamPublisher:
 
     async def publish(self, batch: TrafficBatch, records: list[TrafficRecord]) -> dict[str, int]:
         """Publish ``records`` as the tap would; return the answer once JetStream took them all."""
-        # Imported here: the tap's sink imports nats-py, which a monitor without the stream lacks.
-        from kvcanary.tap.jetstream import HEADER_BYTES, MESSAGE_BYTES
-
         answer = dict.fromkeys(ANSWER_KEYS, 0)
         connection = self._connection()
         if connection is None:
             raise NotTakenHere(f"the traffic stream at {self.cfg.url} is not connected; try again")
         js, max_payload = connection
-        limit = max(1, min(MESSAGE_BYTES, max_payload - HEADER_BYTES))
+        limit = message_limit(max_payload)
         # Off the loop, with the bodies' readers: a batch of the largest records is 60 MB of JSON.
         messages = await read_off_loop(functools.partial(self._messages, batch, records), limit)
         if messages and batch.dropped:  # the drop report rides with the first message, as the tap's
@@ -132,12 +128,10 @@ class StreamPublisher:
         """Return ``records`` as the tap's messages (``messages_of``), under ``batch``'s id, or one of
         their own for a batch without: its messages must not be taken for another batch's within
         the stream's duplicate window."""
-        from kvcanary.tap.jetstream import messages_of
-        from kvcanary.tap.sender import Batch
-
         dumped = [r.model_dump() for r in records]
-        tap_batch = Batch(batch.batch or uuid.uuid4().hex, batch.gateway, batch.dropped, dumped)
-        return messages_of(tap_batch, self.cfg.partitions, self.cfg.subject_prefix, limit)
+        batch_id = batch.batch or uuid.uuid4().hex
+        prefix = self.cfg.subject_prefix
+        return messages_of(batch_id, batch.gateway, dumped, self.cfg.partitions, prefix, limit)
 
 
 def _why(error: BaseException) -> str:

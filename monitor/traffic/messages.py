@@ -2,6 +2,10 @@
 (``docs/tap-protocol.md``), decoded as the HTTP ingest decodes a body, with what its headers say
 taken only as far as the message could carry it.
 
+- a message without ``Kvcanary-Version``, or of a version this monitor does not speak (a tap of
+  another version: its prints are not this window's), is never read: its records are counted
+  rejected and refused by version (``schema.REFUSED_VERSIONS``), as many as ``Kvcanary-Records``
+  says, bounded as below;
 - a message that is no batch is counted as rejected records: its ``Kvcanary-Records`` count, at
   least 1 and at most what its bytes could hold;
 - its drop report (``Kvcanary-Dropped``) is at most what a body may report (``MAX_DROPPED``);
@@ -14,13 +18,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from kvcanary.monitor.traffic.pipeline import Arrival
-from kvcanary.monitor.traffic.schema import MAX_DROPPED, MAX_RECORDS, read_batch
-from kvcanary.wire import DROPPED_HEADER, GATEWAY_HEADER, RECORDS_HEADER, partition_of
+from kvcanary.monitor.traffic.schema import (
+    MAX_DROPPED,
+    MAX_RECORDS,
+    REFUSED_VERSIONS,
+    UnspokenVersion,
+    check_version,
+    read_batch,
+)
+from kvcanary.wire import DROPPED_HEADER, GATEWAY_HEADER, RECORDS_HEADER, VERSION_HEADER, partition_of
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
 
 _GATEWAY_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
@@ -39,11 +53,15 @@ def decode(message: Msg) -> tuple[list[Pulled], int]:
     body), and how many it carried that are not valid (they never will be): for a message that
     is no batch, its ``Kvcanary-Records`` count, at least 1 and at most what its bytes could hold."""
     headers = message.headers or {}
+    claimed = max(1, min(_count(headers.get(RECORDS_HEADER, "")), records_carried(message.data)))
     try:
-        _, valid = read_batch(message.data)
+        check_version(_version(headers.get(VERSION_HEADER)), claimed)
+        _, valid = read_batch(message.data, versioned=False)
+    except UnspokenVersion as refusal:  # another version's prints: never this window's
+        REFUSED_VERSIONS.add("nats", refusal)
+        return [], claimed
     except ValidationError:  # the envelope itself: nothing in it can be read
-        claimed = _count(headers.get(RECORDS_HEADER, ""))
-        return [], max(1, min(claimed, records_carried(message.data)))
+        return [], claimed
     records, rejected = valid.records, valid.refused
     gateway = headers.get(GATEWAY_HEADER, "")
     gateway = gateway if _GATEWAY_RE.fullmatch(gateway) else ""
@@ -81,6 +99,14 @@ def by_partition(pulled: list[Pulled], partition: int, partitions: int) -> tuple
             found = hashed[api_base] = partition_of(api_base, partitions)
         (own if found == partition else others).append(p)
     return own, others
+
+
+def _version(text: str | None) -> int | str | None:
+    """A ``Kvcanary-Version`` header's version: the integer it writes in ASCII decimal (at most three
+    digits, no leading zero), else the text as sent (no version), or None where there is none."""
+    if text is not None and text.isascii() and text.isdigit() and len(text) <= 3 and text[:1] != "0":
+        return int(text)
+    return text
 
 
 def _count(text: str) -> int:

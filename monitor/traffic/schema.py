@@ -53,8 +53,11 @@ characters U+FFFD so that tampering shows. A printable name is kept as sent.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -72,21 +75,30 @@ from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import from_json
 
 from kvcanary.probes.untrusted import plain
+from kvcanary.wire import (
+    MARKER_PATTERN,
+    MAX_INCIDENT_ID,
+    SPOKEN_VERSIONS,
+    VERSION,
+    CallerKind,
+    RefusedBy,
+    printable_name,
+)
 
-# A batch's bounds the tap holds to too: its records, its drop report, its body's bytes.
+# The protocol's bounds, the tap's and the monitor's alike (``kvcanary/wire.py``).
 from kvcanary.wire import MAX_BODY_BYTES as MAX_BODY_BYTES
+from kvcanary.wire import MAX_COUNT as MAX_COUNT
 from kvcanary.wire import MAX_DROPPED as MAX_DROPPED
+from kvcanary.wire import MAX_FINGERPRINTS as MAX_FINGERPRINTS
+from kvcanary.wire import MAX_MARKERS as MAX_MARKERS
+from kvcanary.wire import MAX_MESSAGES as MAX_MESSAGES
 from kvcanary.wire import MAX_RECORDS as MAX_RECORDS
+from kvcanary.wire import MAX_SECONDS as MAX_SECONDS
+from kvcanary.wire import MAX_TIME as MAX_TIME
+from kvcanary.wire import MAX_TOKENS as MAX_TOKENS
+from kvcanary.wire import NAME_CHARS as NAME_CHARS
+from kvcanary.wire import PRINT_END as FINGERPRINT_END
 
-MAX_FINGERPRINTS = 1024
-MAX_TOKENS = 256  # distinctive tokens' prints a side
-MAX_MARKERS = 32
-NAME_CHARS = 200
-MAX_COUNT = 10**12
-MAX_MESSAGES = 100_000
-MAX_SECONDS = 86_400 * 7
-MAX_TIME = 2**33  # epoch seconds
-FINGERPRINT_END = 2**53
 #: Errors a refused record's 422 names, then those of the whole batch; the rest are counted.
 MAX_ERRORS_PER_RECORD = 5
 MAX_ERRORS = 50
@@ -95,8 +107,79 @@ ERROR_TEXT_CHARS = 200
 ERROR_KEY_CHARS = 64
 #: The record's fields a client names things by: shown to people, so made printable on reading.
 NAMES = ("id", "upstream_id", "caller", "api_base", "model", "model_group", "finish_reason")
-CallerKind = Literal["team", "key_alias", "key_hash", "end_user", "unknown"]
 _T = TypeVar("_T")
+
+log = logging.getLogger("kvcanary.traffic")
+
+# --- the protocol's version ----------------------------------------------------------------------
+
+
+def version_label(value: object) -> str:
+    """Return how a version sent is named in a refusal and its metric: ``none`` (a tap before
+    version 4 sends none), the integer as sent (0 to 999), else ``other``."""
+    if value is None:
+        return "none"
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 999:
+        return str(value)
+    return "other"
+
+
+class UnspokenVersion(ValueError):
+    """A batch or message of a tap protocol version this monitor does not speak: refused whole and
+    never judged, since two versions print the same text differently (``docs/tap-protocol.md``,
+    "Versions"). ``version``: its label (:func:`version_label`); ``records``: how many it held."""
+
+    def __init__(self, version: object, records: int):
+        self.version = version_label(version)
+        self.records = records
+        spoken = ", ".join(map(str, SPOKEN_VERSIONS))
+        sent = "no version (a tap before version 4)" if version is None else f"version {self.version}"
+        super().__init__(
+            f"tap protocol {sent} is not spoken here: this monitor speaks version {spoken}; "
+            "upgrade the tap (docs/tap-protocol.md, Versions)"
+        )
+
+
+def check_version(value: object, records: int) -> None:
+    """Raise :class:`UnspokenVersion` unless ``value`` is a version this monitor speaks (an
+    integer: ``4.0`` or ``"4"`` is no version)."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and value in SPOKEN_VERSIONS):
+        raise UnspokenVersion(value, records)
+
+
+class VersionRefusals:
+    """Records refused for their protocol version since this process started, by transport
+    (``http``, ``nats``) and version label: what ``kvcanary_traffic_version_refused_records_total``
+    exports (``monitor/metrics/versions.py``). Thread-safe (messages are read on reader threads);
+    each (transport, version) is logged at most once a minute."""
+
+    LOG_SECONDS = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}
+        self._logged: dict[tuple[str, str], float] = {}
+
+    def add(self, transport: str, refusal: UnspokenVersion) -> None:
+        """Count ``refusal``'s records (at least one) under ``transport``, and say it."""
+        key = (transport, refusal.version)
+        now = time.monotonic()
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + max(refusal.records, 1)
+            due = now - self._logged.get(key, -self.LOG_SECONDS) >= self.LOG_SECONDS
+            if due:
+                self._logged[key] = now
+        if due:
+            log.warning("traffic: refused %d record(s) over %s: %s", refusal.records, transport, refusal)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Return the records refused so far, by (transport, version)."""
+        with self._lock:
+            return dict(self._counts)
+
+
+#: This process's refusals by version, the HTTP ingest's and the stream consumer's.
+REFUSED_VERSIONS = VersionRefusals()
 
 # --- what pydantic reads: the models the API documents and names refusals by ----------------------
 
@@ -114,7 +197,7 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT), Integral]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 Fingerprint = Annotated[int, Field(ge=0, lt=FINGERPRINT_END), Integral]
 TokenPrint = Annotated[int, Field(ge=1, lt=FINGERPRINT_END), Integral]
-Marker = Annotated[str, StringConstraints(pattern=r"^(?i:KVC-[0-9a-f]{8}-[0-9a-f]{32})$")]
+Marker = Annotated[str, StringConstraints(pattern=f"^{MARKER_PATTERN}$")]
 
 
 class Wire(BaseModel):
@@ -152,10 +235,10 @@ class DistinctiveWire(Wire, title="Distinctive"):
 class RefusedWire(Wire, title="Refused"):
     """The gateway refused the request before any upstream call (tap protocol version 3)."""
 
-    by: Literal["admission", "quarantine"]
+    by: RefusedBy
     tokens: Count | None = None  # admission: the sure lower bound of the prompt's tokens
     kv_pool_tokens: Count | None = None  # admission: the pool that bound was over
-    incident_id: Annotated[int, Field(ge=0, le=2**63 - 1), Integral] | None = None  # quarantine
+    incident_id: Annotated[int, Field(ge=0, le=MAX_INCIDENT_ID), Integral] | None = None  # quarantine
 
 
 class TrafficRecordWire(Wire, title="TrafficRecord"):
@@ -200,6 +283,10 @@ Gateway = Annotated[str, StringConstraints(max_length=64, pattern=r"^[A-Za-z0-9_
 class TrafficBatch(Wire):
     """The envelope; its records are read one by one (:func:`valid_records`)."""
 
+    #: The tap protocol's version (``kvcanary.wire.VERSION``): required over HTTP, where a batch of
+    #: another version, or of none (a tap before version 4), is refused whole (:class:`UnspokenVersion`);
+    #: a NATS message says it in its ``Kvcanary-Version`` header instead.
+    version: Annotated[int, Field(description=f"The tap protocol's version: {VERSION}.")] | None = None
     #: The tap's id for this batch, the same when it sends it again (its answer lost): judged once.
     batch: BatchId | None = None
     gateway: Gateway = ""
@@ -225,6 +312,13 @@ class _PublicNames(GenerateJsonSchema):
 
 #: The body's JSON schema as the API documents it (each record in full).
 BATCH_SCHEMA = _WholeBatch.model_json_schema(schema_generator=_PublicNames)
+# As a body must be posted: with the version this monitor speaks (a NATS message's envelope is the
+# same without it, its version in a header).
+BATCH_SCHEMA["properties"]["version"] = {
+    "const": VERSION,
+    "description": f"The tap protocol's version: {VERSION}. Another, or none, is refused (400).",
+}
+BATCH_SCHEMA["required"] = ["version", *BATCH_SCHEMA.get("required", [])]
 
 # --- what msgspec reads: the records the judge reads ----------------------------------------------
 
@@ -236,7 +330,7 @@ _Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
 _Seconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS)]
 _Prints = Annotated[list[Annotated[int, Meta(ge=0, lt=FINGERPRINT_END)]], Meta(max_length=MAX_FINGERPRINTS)]
 _Tokens = Annotated[list[Annotated[int, Meta(ge=1, lt=FINGERPRINT_END)]], Meta(max_length=MAX_TOKENS)]
-_Marker = Annotated[str, Meta(pattern=r"^[Kk][Vv][Cc]-[0-9A-Fa-f]{8}-[0-9A-Fa-f]{32}\Z")]
+_Marker = Annotated[str, Meta(pattern=f"^{MARKER_PATTERN}\\Z")]
 
 
 class _Struct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -267,10 +361,10 @@ class Distinctive(_Struct, frozen=True):
 
 
 class Refused(_Struct, frozen=True):
-    by: Literal["admission", "quarantine"]
+    by: RefusedBy
     tokens: _Count | None = None
     kv_pool_tokens: _Count | None = None
-    incident_id: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    incident_id: Annotated[int, Meta(ge=0, le=MAX_INCIDENT_ID)] | None = None
 
 
 class TrafficRecord(_Struct, frozen=True, kw_only=True):
@@ -335,13 +429,22 @@ class _Envelope(_Struct, frozen=True, kw_only=True):
     """A batch as msgspec reads it first: the envelope checked, each record's JSON found and left
     unread (``msgspec.Raw``, a view of the body), to be read one at a time."""
 
+    version: Any = None  # any value read: one not spoken is refused by name (check_version)
     batch: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}\Z")] | None = None
     gateway: Annotated[str, Meta(max_length=64, pattern=r"^[A-Za-z0-9_.:-]*\Z")] = ""
     dropped: Annotated[int, Meta(ge=0, le=MAX_DROPPED)] = 0
     records: Annotated[list[msgspec.Raw], Meta(max_length=MAX_RECORDS)]
 
 
+class _Versioned(msgspec.Struct):
+    """What a body msgspec cannot read as a batch still says: its version and how many records."""
+
+    version: Any = None
+    records: list[msgspec.Raw] | None = None
+
+
 _ENVELOPE = msgspec.json.Decoder(_Envelope)
+_VERSIONED = msgspec.json.Decoder(_Versioned)
 _RECORD = msgspec.json.Decoder(TrafficRecord)
 #: How JSON writes a NUL in a string (the only way: a raw one is malformed).
 NUL_ESCAPE = b"\\u0000"
@@ -380,15 +483,13 @@ def _judged(wire: TrafficRecordWire) -> TrafficRecord:
 
 
 def printable(record: TrafficRecord) -> TrafficRecord:
-    """Return ``record`` with every name printable (the module doc): itself where they already are,
-    which is one ``isprintable`` over the names joined, else a copy with each name made plain."""
-    joined = record.id + record.caller + record.api_base + record.model + record.model_group
-    if (joined + (record.upstream_id or "") + (record.finish_reason or "")).isprintable():
-        return record
+    """Return ``record`` with every name printable by the protocol's rule (``printable_name``, the
+    tap's own): itself where they already are, the common case, else a copy with each made so."""
     names = {name: getattr(record, name) for name in NAMES}
-    return msgspec.structs.replace(
-        record, **{name: plain(text, NAME_CHARS) for name, text in names.items() if text is not None}
-    )
+    made = {name: printable_name(text) for name, text in names.items() if text is not None}
+    if all(made[name] == names[name] for name in made):
+        return record
+    return msgspec.structs.replace(record, **made)
 
 
 @dataclass
@@ -403,9 +504,11 @@ class ValidRecords:
     omitted: int = 0
 
 
-def read_batch(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
+def read_batch(body: bytes, *, versioned: bool = True) -> tuple[TrafficBatch, ValidRecords]:
     """Return the envelope and its valid records, their names printable; raise ValidationError for
-    a bad envelope (name it with :func:`bounded_errors`).
+    a bad envelope (name it with :func:`bounded_errors`), and :class:`UnspokenVersion` for a body
+    whose ``version`` this monitor does not speak (``versioned``: the body says its version, as
+    over HTTP; a NATS message's payload does not, its header does).
 
     msgspec reads the envelope, finding each record's JSON without reading it; then each record is
     read on its own, by msgspec (the common case), else by pydantic, which names what is wrong with
@@ -417,7 +520,11 @@ def read_batch(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
     try:
         envelope = _ENVELOPE.decode(body)
     except msgspec.DecodeError:  # malformed, or a bad envelope: pydantic names it
-        return _read_by_pydantic(body)
+        if versioned:
+            _check_version_of_unread(body)
+        return _read_by_pydantic(body, versioned=versioned)
+    if versioned:
+        check_version(envelope.version, len(envelope.records))
     valid = ValidRecords([], [], 0)
     for i, raw in enumerate(envelope.records):
         data = bytes(raw)
@@ -428,23 +535,38 @@ def read_batch(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
         try:
             parsed = from_json(data)
         except ValueError:  # JSON msgspec took and pydantic does not (a lone surrogate, bad UTF-8)
-            return _read_by_pydantic(body)
+            return _read_by_pydantic(body, versioned=versioned)
         _validate(valid, i, parsed)
     head = TrafficBatch.model_construct(
-        batch=envelope.batch, gateway=envelope.gateway, dropped=envelope.dropped, records=[]
-    )
+        version=envelope.version, batch=envelope.batch, gateway=envelope.gateway, dropped=envelope.dropped,
+        records=[],
+    )  # fmt: skip
     return head, valid
 
 
-def _read_by_pydantic(body: bytes) -> tuple[TrafficBatch, ValidRecords]:
+def _check_version_of_unread(body: bytes) -> None:
+    """Raise :class:`UnspokenVersion` for a body msgspec cannot read as a batch but whose version
+    it can read, and is not spoken: an old tap's body is refused for its version, whatever else."""
+    try:
+        found = _VERSIONED.decode(body)
+    except msgspec.DecodeError:
+        return
+    check_version(found.version, len(found.records or ()))
+
+
+def _read_by_pydantic(body: bytes, *, versioned: bool = True) -> tuple[TrafficBatch, ValidRecords]:
     """Read ``body`` by pydantic alone, whole (what :func:`read_batch` must agree with)."""
     try:
         whole = _WholeBatch.model_validate_json(body)
     except ValidationError:
         batch = TrafficBatch.model_validate_json(body)
+        if versioned:
+            check_version(batch.version, len(batch.records))
         return batch, valid_records(batch)
+    if versioned:
+        check_version(whole.version, len(whole.records))
     envelope = TrafficBatch.model_construct(
-        batch=whole.batch, gateway=whole.gateway, dropped=whole.dropped, records=[]
+        version=whole.version, batch=whole.batch, gateway=whole.gateway, dropped=whole.dropped, records=[]
     )
     return envelope, ValidRecords([_judged(r) for r in whole.records], [], 0)
 

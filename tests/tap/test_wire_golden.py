@@ -1,125 +1,139 @@
-"""The tap's wire against its golden vectors (``tests/fixtures/wire/golden.json``, ``docs/tap-protocol.md``).
+"""The Python tap against the protocol's golden vectors (``tests/fixtures/wire/``,
+``docs/tap-protocol.md``; what each file holds: ``tests/tap/wire_vectors.py``).
 
-A tap written in another language (a Go or Rust gateway's) is correct when it makes the same
-fingerprints of the same texts under the same key, the same routing key and partition of the same
-``api_base``, and the same messages of the same batch, byte for byte. The vectors are the Python
-tap's outputs, written once and read here: a change of the Python tap that moves any of them fails
-this test, and is a change of the protocol (its version in the file and the doc goes up).
+A tap written in another language (``taps/node/`` is one) is correct when it makes the same outputs
+of the same inputs. The vectors are the Python tap's outputs, written once and read here: a change
+of the Python tap that moves any of them fails this test, and is a change of the protocol (its
+version goes up in ``kvcanary.wire``, the document's heading and every file).
 
 Regenerate after a deliberate protocol change: ``.venv/bin/python -m tests.tap.test_wire_golden --write``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvcanary import wire
-from kvcanary.tap.distinctive import TokenPrints
-from kvcanary.tap.fingerprints import Fingerprinter
-from kvcanary.tap.jetstream import messages_of
-from kvcanary.tap.record import key_digest
-from kvcanary.tap.sender import Batch
+from kvcanary.tap.words import CASE_RANGES, LOWERCASE, is_separator, lower
+from tests.tap.blake2b_reference import blake2b
+from tests.tap.exchange_vectors import exchange_inputs
+from tests.tap.wire_vectors import FILES
 
-GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "wire" / "golden.json"
-#: The protocol version the vectors are of (``docs/tap-protocol.md``).
-VERSION = 2
-KEY = b"kvcanary-golden-vector-key-0001!"
-TEXTS: dict[str, str] = {
-    "empty": "",
-    "seven_words": "one two three four five six seven",
-    "eight_words": "one two three four five six seven eight",
-    "sentence": "The quarterly report for Acme Corp shows revenue of 4.2 million euros, up 12 percent.",
-    "cased_and_punctuated": "ACME corp. -- Acme CORP; acme, Corp! (the same words, lower-cased, in order)",
-    "unicode": "Café Zürich: naïve façade, 東京タワー and Ωmega; ß is one word, 3½ is two.",
-    "passage": " ".join(f"word{i % 37} token{i % 11}" for i in range(120)),
-    # Past MAX_TEXT_CHARS (64 KiB): fingerprinted from its first and last 32 KiB only.
-    "long": "".join(f"line {i}: the customer asked about order {i * 7919 % 100003}.\n" for i in range(1400)),
-}
-API_BASES = [
-    "http://10.0.0.7:8000/v1",
-    " HTTP://Gateway.Example.com:8000/Prefix/V1/ ",
-    "https://api.example.com/v1/",
-    "http://h/a/b/",
-    "http://h",
-    "",
-]
-CALLERS = ["sk-1234567890abcdef", "team-a", ""]
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "wire"
+DOC = Path(__file__).resolve().parent.parent.parent / "docs" / "tap-protocol.md"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NUMBERS = re.compile(r"\[\n((?:\s*-?\d+,?\n)+)\s*\]")
 
 
-def records() -> list[dict[str, Any]]:
-    """Four records of two deployments, as the tap sends them (only the fields a message needs)."""
-    return [
-        {"id": f"tap-{i:024x}", "api_base": API_BASES[i % 2], "caller": f"team-{i}", "status": 200,
-         "fingerprints": {"prompt": [i + 1, 2 * i + 3], "response": [0, i + 7]}}
-        for i in range(4)
-    ]  # fmt: skip
+def dumped(data: dict[str, Any]) -> str:
+    """``data`` as the vector files hold it: JSON, readable (non-ASCII as it is), a lone surrogate
+    (which UTF-8 cannot write) as its escape."""
+    text = json.dumps(data, indent=1, ensure_ascii=False)
+    # A list of numbers on one line (a raw newline is never inside a JSON string: only between values).
+    text = _NUMBERS.sub(lambda m: "[" + ",".join(m.group(1).split()).replace(",,", ",") + "]", text)
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group(0)):04x}", text) + "\n"
 
 
-def routing_of(url: str) -> dict[str, Any]:
-    """Return the routing key of ``url`` and its partition among 16 and among 7."""
-    key, p16, p7 = wire.api_base_key(url), wire.partition_of(url, 16), wire.partition_of(url, 7)
-    return {"url": url, "key": key, "partition_16": p16, "partition_7": p7}
+def load(name: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((FIXTURES / name).read_text(encoding="utf-8"))
+    return loaded
 
 
-def vectors() -> dict[str, Any]:
-    """Return the Python tap's outputs for the fixed inputs above: what the golden file holds."""
-    tap, tokens = Fingerprinter(KEY), TokenPrints(KEY)
-    texts = {}
-    for name, text in TEXTS.items():
-        prints, truncated = tap.fingerprints(text)
-        texts[name] = {"text": text, "fingerprints": prints, "truncated": truncated,
-                       "whole": tap.whole(text), "distinctive": tokens.of(text)}  # fmt: skip
-    batch = Batch("0123456789abcdef0123456789abcdef", "gw-1", 0, records())
-    messages = {
-        f"limit_{limit}": [
-            {"subject": subject, "headers": headers, "payload": payload.decode(), "first_record": first}
-            for subject, payload, headers, first in messages_of(batch, 16, "kvcanary.traffic", limit)
-        ]
-        for limit in (512 * 1024, 300)
-    }
-    return {
-        "version": VERSION,
-        "key_hex": KEY.hex(),
-        "texts": texts,
-        "api_bases": [routing_of(url) for url in API_BASES],
-        "key_digests": {caller: key_digest(caller, KEY) for caller in CALLERS},
-        "batch": {"id": batch.id, "gateway": batch.gateway, "records": batch.records},
-        "exchange": exchange_vector(tokens),
-        "messages": messages,
-    }
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_the_python_tap_makes_the_golden_vectors(name: str) -> None:
+    golden, made = load(name), json.loads(dumped(FILES[name]()))
+    assert golden["version"] == wire.VERSION
+    for section in made:
+        assert made[section] == golden[section], f"{name}: the tap's {section} moved: a protocol change"
 
 
-def exchange_vector(tokens: TokenPrints) -> dict[str, Any]:
-    """A record's distinctive tokens of one exchange: the answer's less those its prompt holds."""
-    prompt = "Invoice INV_7731 for Hendrikson Ltd: 48213 EUR, due 2027. Call Marta."
-    response = "Hendrikson owes 48213; Marta Oyelaran (x86 team) confirmed on 2026-12-04."
-    asked, said = tokens.exchange(prompt, response)
-    return {"prompt": prompt, "response": response, "distinctive": {"prompt": asked, "response": said}}
+def test_the_document_the_vectors_and_the_wire_say_one_version() -> None:
+    heading = DOC.read_text(encoding="utf-8").splitlines()[0]
+    assert heading == f"# The tap protocol, version {wire.VERSION}"
+    assert {load(name)["version"] for name in FILES} == {wire.VERSION}
+    assert wire.VERSION in wire.SPOKEN_VERSIONS
 
 
-def test_the_python_tap_makes_the_golden_vectors() -> None:
-    golden = json.loads(GOLDEN.read_text(encoding="utf-8"))
-    made = vectors()
-    assert golden["version"] == VERSION
-    for section in ("texts", "api_bases", "key_digests", "batch", "messages", "exchange"):
-        assert made[section] == golden[section], f"the tap's {section} moved: a protocol change"
+def test_blake2b_as_the_document_states_it_is_hashlibs() -> None:
+    for v in load("golden.json")["blake2b"]:
+        key = bytes.fromhex(v["key_hex"])[:64]
+        made = blake2b(
+            bytes.fromhex(v["data_hex"]), key=key, person=v["person"].encode(), digest_size=v["digest_size"]
+        )
+        assert made.hex() == v["digest_hex"]
+    # An 8-byte digest is its own (the length is in the parameter block), not a cut 64-byte one.
+    assert hashlib.blake2b(b"acme", digest_size=8).digest() != hashlib.blake2b(b"acme").digest()[:8]
 
 
-def test_the_vectors_cover_what_a_second_implementation_must_get_right() -> None:
-    golden = json.loads(GOLDEN.read_text(encoding="utf-8"))
-    texts = golden["texts"]
-    assert texts["empty"]["fingerprints"] == [] and texts["seven_words"]["fingerprints"] == []
-    assert texts["long"]["truncated"] is True and texts["sentence"]["truncated"] is False
-    assert all(0 < f < 2**51 for t in texts.values() for f in t["fingerprints"])  # 0 is OWN
-    assert len({b["key"] for b in golden["api_bases"][:2]}) == 2
-    assert golden["api_bases"][1]["key"] == "http://gateway.example.com:8000/prefix"
-    assert len(golden["messages"]["limit_300"]) > len(golden["messages"]["limit_524288"])  # split
+def test_the_hard_cases_are_hard_for_pythons_own_rules() -> None:
+    """Each hard case is one where a standard library's rule would print otherwise: the vectors
+    pin what the protocol's rule does there."""
+    hard = load("unicode.json")["hard_cases"]
+    assert "İstanbul".lower() != lower("İstanbul") == "istanbul"  # Python adds a combining dot
+    assert "ΟΔΟΣ".lower() == "οδος" != lower("ΟΔΟΣ") == lower("οδος") == "οδοσ"  # no final sigma
+    assert len(re.findall(r"\w+", "नमस्ते")) > 1 and hard["devanagari"]["words"][0] == "नमस्ते"  # marks split it
+    assert "ᲐᲑᲒ".lower() != "ᲐᲑᲒ" and lower("ᲐᲑᲒ") == "ᲐᲑᲒ"  # Mtavruli: outside the case ranges
+    assert hard["lone_surrogates"]["code_points_of_text"].count(0xD800) == 1
+    assert hard["combining_marks"]["words"][:2] == ["cafe\u0301", "café"]  # a mark ends no word
+    assert hard["digits"]["distinctive_words"] == ["2026", "0123"]  # ASCII digits only
+    assert hard["long_astral"]["truncated"] and hard["long_astral"]["code_points"] > 65_536
+
+
+def test_the_case_table_is_the_simple_lowercase_mapping_within_its_ranges() -> None:
+    table = {a: b for a, b in load("unicode.json")["lowercase"]}
+    assert table == LOWERCASE
+    for first, last in CASE_RANGES:
+        for code in range(first, last + 1):
+            if unicodedata.category(chr(code)) == "Lu" and code not in (0x0130,):
+                assert chr(table.get(code, code)) == chr(code).lower()
+    # Lower-casing keeps every word character a word character, and every separator one.
+    assert all(is_separator(a) == is_separator(b) for a, b in table.items())
+
+
+def test_every_shape_the_protocol_reads_has_a_whole_exchange() -> None:
+    made = {case["name"]: case for case in load("exchanges.json")["exchanges"]}
+    assert {c["name"] for c in exchange_inputs()} == set(made)
+    records = {name: case["record"] for name, case in made.items()}
+    assert records["chat_stream"]["stream"] and not records["chat_string"]["stream"]
+    assert records["refused_by_admission"]["refused"]["by"] == "admission"
+    for name in ("refused_by_admission", "refused_by_quarantine"):
+        assert records[name]["fingerprints"] == {"prompt": [], "response": []}
+        assert records[name]["prompt"]["chars"] > 0  # its size is sent, its prints are not
+    own = records["own_quotes_are_zero"]["fingerprints"]["response"]
+    assert own.count(0) >= 5 and own.count(0) >= len(own) - 1  # but "Your note: ..."
+    public = records["public_texts_are_no_ones"]["fingerprints"]["response"]
+    assert public.count(0) >= 5
+    long = records["long_prompt_truncated_and_capped"]
+    assert long["truncated"] and len(long["fingerprints"]["prompt"]) == wire.MAX_FINGERPRINTS
+    markers = records["markers_of_the_answer"]["markers"]
+    assert len(markers) == wire.MAX_MARKERS and not any("\u212a" in m for m in markers)
+    hostile = records["hostile_names"]
+    assert all(hostile[n].isprintable() for n in ("caller", "api_base", "model", "upstream_id"))
+    assert records["caller_by_digest"]["caller"] == "ab" * 32
+    assert records["responses_stream_cut"]["response_chars"] > 0
+
+
+def test_every_record_of_the_vectors_is_one_the_monitor_takes() -> None:
+    from kvcanary.monitor.traffic.schema import TrafficRecordWire
+
+    for case in load("exchanges.json")["exchanges"]:
+        TrafficRecordWire.model_validate_json(case["encoded"])
+        assert wire.encode(case["record"]).decode() == case["encoded"]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
-    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-    GOLDEN.write_text(json.dumps(vectors(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"wrote {GOLDEN}")
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    for name, make in FILES.items():
+        data = make()
+        text = dumped(data)
+        assert json.loads(text) == json.loads(json.dumps(data)), f"{name}: not what a reader reads"
+        (FIXTURES / name).write_text(text, encoding="utf-8")
+        print(f"wrote {FIXTURES / name} ({len(text.encode()) // 1024} KiB)")

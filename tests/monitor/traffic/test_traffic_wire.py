@@ -29,6 +29,8 @@ from kvcanary.monitor.traffic.schema import (
 
 HASH = "ab" * 32
 MARKER = "KVC-0123abcd-" + "0" * 32
+#: A body's head, written by hand: the protocol's version, then the records.
+V4 = b'{"version": 4, "records": ['
 
 
 def record(**fields: Any) -> dict[str, Any]:
@@ -40,7 +42,8 @@ def record(**fields: Any) -> dict[str, Any]:
 
 
 def body(*records: Any, **envelope: Any) -> bytes:
-    return json.dumps({"gateway": "gw-1", "records": list(records), **envelope}).encode()
+    batch = {"version": wire.VERSION, "gateway": "gw-1", "records": list(records), **envelope}
+    return json.dumps(batch).encode()
 
 
 def reading(read: Any, raw: bytes) -> tuple[Any, ...]:
@@ -79,6 +82,8 @@ BAD_RECORDS = [
     {"markers": [MARKER] * 33},
     {"markers": [MARKER + "\n"]},
     {"markers": ["not a marker"]},
+    {"markers": ["\u212avc-0123abcd-" + "0" * 32]},  # a Kelvin sign is no K: no marker (pydantic folded it)
+    {"markers": ["\uff2b\uff36\uff23-0123abcd-" + "0" * 32]},  # fullwidth letters
     {"status": 99},
     {"status": 600},
     {"status": True},
@@ -131,8 +136,8 @@ def test_each_bound_is_refused_by_the_fast_reader_and_named_by_pydantic(change: 
         body(record(), dropped=-1),
         body(record(), dropped=10**6 + 1),  # one body cannot claim more drops than a tap's queue held
         body(record(), pad="x"),
-        b'{"records": [' + json.dumps(record()).encode()[:-1] + b', "model": "m\\ud800"}]}',  # lone surrogate
-        b'{"records": [' + json.dumps(record()).encode()[:-1] + b', "model": "m\xff"}]}',  # not UTF-8
+        V4 + json.dumps(record()).encode()[:-1] + b', "model": "m\\ud800"}]}',  # lone surrogate
+        V4 + json.dumps(record()).encode()[:-1] + b', "model": "m\xff"}]}',  # not UTF-8
         body(record()) + b" x",
         b"\xef\xbb\xbf" + body(record()),
         b"[]",
@@ -153,16 +158,15 @@ def test_a_bad_envelope_or_body_is_refused_whole_as_pydantic_refuses_it(raw: byt
         body(record(caller="\U0001f600" * 200, finish_reason="x" * 200)),  # at the bound
         body(record(key_hash="", markers=[], fingerprints={})),
         body(record(markers=["kvc-0123ABCD-" + "F" * 32])),  # a marker in any case
-        body(record(markers=["\u212avc-0123abcd-" + "0" * 32])),  # a Kelvin sign: pydantic folds it
         body(record(status=200.0)),  # a number with no fraction: the integer JSON Schema says it is
         body(record(caller="a\\u0000b")),  # a backslash, not a NUL
-        b'{"records": [' + json.dumps(record()).encode()[:-1] + b', "status": 99, "status": 201}]}',
-        b'{"records": [' + json.dumps(record()).encode()[:-1] + b', "model": "\\ud83d\\ude00"}]}',
+        V4 + json.dumps(record()).encode()[:-1] + b', "status": 99, "status": 201}]}',
+        V4 + json.dumps(record()).encode()[:-1] + b', "model": "\\ud83d\\ude00"}]}',
         body(
             record(time=0, latency_seconds=86_400 * 7, response_chars=10**12), dropped=10**6, batch="0" * 32
         ),
     ],
-    ids=range(9),
+    ids=range(8),
 )
 def test_an_odd_good_body_is_read_as_pydantic_reads_it(raw: bytes) -> None:
     assert_read_alike(raw)
@@ -171,7 +175,7 @@ def test_an_odd_good_body_is_read_as_pydantic_reads_it(raw: bytes) -> None:
 
 
 def test_json_that_pydantic_reads_and_msgspec_does_not_is_read_as_pydantic_reads_it() -> None:
-    raw = b'{"records": [' + json.dumps(record()).encode() + b", NaN]}"
+    raw = V4 + json.dumps(record()).encode() + b", NaN]}"
     assert not fast_reader_takes(raw)
     assert_read_alike(raw)
     assert read_batch(raw)[1].refused == 1  # the NaN, under its index; the record beside it taken
@@ -179,7 +183,7 @@ def test_json_that_pydantic_reads_and_msgspec_does_not_is_read_as_pydantic_reads
 
 def test_a_duplicated_key_is_read_by_its_last_value_or_refused_by_it() -> None:
     head = json.dumps(record()).encode()[:-1]
-    raw = b'{"records": [' + head + b', "status": 201, "status": 99}]}'
+    raw = V4 + head + b', "status": 201, "status": 99}]}'
     assert not fast_reader_takes(raw)
     assert_read_alike(raw)
     assert read_batch(raw)[1].refused == 1
@@ -284,7 +288,7 @@ def test_a_batch_at_every_bound_fits_the_body_cap_and_is_read_whole() -> None:
     assert len(compact) == wire.MAX_RECORD_BYTES
     spaced = json.dumps(largest).encode()  # Python's default: a space after each comma and colon
     for encoded in (compact, spaced):
-        envelope = {"batch": "0" * 32, "gateway": "g" * 64, "dropped": schema.MAX_DROPPED}
+        envelope = {"version": 4, "batch": "0" * 32, "gateway": "g" * 64, "dropped": schema.MAX_DROPPED}
         head = json.dumps(envelope).encode()[:-1] + b', "records": ['
         raw = head + b", ".join([encoded] * schema.MAX_RECORDS) + b"]}"
         assert len(raw) <= schema.MAX_BODY_BYTES, f"{len(raw) / 2**20:.1f} MiB"
