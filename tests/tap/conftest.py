@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.monitor.served import served  # noqa: F401 (a fixture: `kvcanary serve` as a process)
 from tests.tap.receiver import Monitor
 
 
