@@ -37,12 +37,15 @@ from kvcanary.wire import (
     MAX_MESSAGES,
     MAX_SECONDS,
     MAX_TIME,
+    NAME_CHARS,
 )
 from kvcanary.wire import CALLER_KINDS as CALLER_KINDS
 from kvcanary.wire import MARKER_RE as MARKER_RE
 from kvcanary.wire import MAX_MARKERS as MAX_MARKERS
 from kvcanary.wire import printable_name as printable_name
 
+#: The most code points of a name (the protocol's ``NAME_CHARS``), as the tap's callers know it.
+MAX_NAME_CHARS = NAME_CHARS
 _HEX64_RE = re.compile("[0-9A-Fa-f]{64}")
 #: The prefix LiteLLM puts before a JWT's SHA-256 (``hashed-jwt-<hex>``), in any ASCII case.
 _JWT_PREFIX = "hashed-jwt-"

@@ -5,7 +5,14 @@ no string longer than a name, no list longer than the tap sends, no number out o
 envelope (:class:`TrafficBatch`) is validated first; then each record on its own
 (:func:`valid_records`), so one bad record is refused, named, and costs none of the others. A record
 carries no text: sizes, usage, timings, marker-shaped strings and keyed fingerprints
-(``kvcanary/tap/record.py`` builds them).
+(``kvcanary/tap/record.py`` builds them). The bounds, the caller kinds and the marker pattern are
+the protocol's, stated once in ``kvcanary/wire.py`` for the tap and the monitor alike.
+
+A batch says its tap protocol version (``version``; a NATS message, its ``Kvcanary-Version``
+header). One this monitor does not speak, or none (a tap before version 4), is refused whole
+(:class:`UnspokenVersion`: a 400 naming the versions spoken, or a message dropped) and counted
+(:data:`REFUSED_VERSIONS`), never judged: two versions print the same text differently, and one
+deployment's fingerprint window must hold one.
 
 The bounds are written twice, once for each of two readers of one body (``read_batch``):
 
@@ -46,9 +53,9 @@ A record's names (``NAMES``: its id, upstream id, caller, api base, model, model
 the gateway's and its customers' to write (a customer sets ``end_user``), and they reach incident
 titles, Alertmanager annotations, the incident page and CSV. A name that is not printable (a
 control or C1 character, a newline, a bidi override or isolate, a zero-width character) is made
-printable here, at the monitor's edge, by the neutralisation engine facts get
-(``probes/untrusted.py``'s :func:`~probes.untrusted.plain`): breaks become spaces, hidden
-characters U+FFFD so that tampering shows. A printable name is kept as sent.
+printable here, at the monitor's edge, by the protocol's own rule, the tap's
+(``kvcanary.wire.printable_name``): breaks become spaces, hidden characters U+FFFD so that
+tampering shows. A name a conforming tap sent is kept as sent.
 """
 
 from __future__ import annotations

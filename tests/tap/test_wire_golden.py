@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvcanary import wire
-from kvcanary.tap.words import CASE_RANGES, LOWERCASE, is_separator, lower
+from kvcanary.tap.words import CASE_RANGES, LOWERCASE, SEPARATOR_RANGES, is_separator, lower
 from tests.tap.blake2b_reference import blake2b
 from tests.tap.exchange_vectors import exchange_inputs
 from tests.tap.wire_vectors import FILES
@@ -60,6 +60,31 @@ def test_the_document_the_vectors_and_the_wire_say_one_version() -> None:
     assert heading == f"# The tap protocol, version {wire.VERSION}"
     assert {load(name)["version"] for name in FILES} == {wire.VERSION}
     assert wire.VERSION in wire.SPOKEN_VERSIONS
+
+
+def ranges_in(text: str) -> list[tuple[int, int]]:
+    """Return the code point ranges ``U+XXXX`` or ``U+XXXX`` to ``U+YYYY`` (an en dash between) of
+    ``text``, in order."""
+    found = re.findall(r"U\+([0-9A-F]{4,6})(?:\u2013U\+([0-9A-F]{4,6}))?", text)
+    return [(int(a, 16), int(b or a, 16)) for a, b in found]
+
+
+def between(text: str, start: str, end: str) -> str:
+    return text[text.index(start) : text.index(end, text.index(start))]
+
+
+def test_the_documents_tables_are_the_rules_own() -> None:
+    """A reader with the document alone reads the same tables the taps use."""
+    doc = DOC.read_text(encoding="utf-8")
+    assert ranges_in(between(doc, "The separators are these", "That is ASCII")) == list(SEPARATOR_RANGES)
+    assert ranges_in(between(doc, "**Lower case.** A code point in", "becomes its")) == list(CASE_RANGES)
+    names = between(doc, "## Names", "## Markers")
+    assert ranges_in(between(names, "(Unicode 17's Cf:", ": bidi")) == list(wire.FORMAT_RANGES)
+    private = ranges_in(between(names, "**private-use** character (", ") becomes"))
+    assert private == list(wire.PRIVATE_RANGES[1:])  # the surrogates, named apart
+    assert ranges_in(between(names, "a **break** (", ": it could")) == list(wire.BREAK_RANGES)
+    assert ranges_in(between(names, "each run of white space (", ") becomes")) == list(wire.SPACE_RANGES)
+    assert f"`{wire.MARKER_PATTERN}`" in doc
 
 
 def test_blake2b_as_the_document_states_it_is_hashlibs() -> None:

@@ -22,6 +22,7 @@ change, which is a new version (``kvcanary.wire.VERSION``, the document's headin
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 from kvcanary import wire
@@ -236,9 +237,10 @@ STRINGS = ["plain", 'quote " and \\ backslash', "é東😀", "\x00\x1f\x7f\x80",
 
 
 def framing_records() -> list[dict[str, Any]]:
-    """Records of three deployments, with non-ASCII names and floats, as a tap writes them."""
-    bases = ["http://10.0.0.7:8000/v1", " HTTP://Gateway.Example.com:8000/Prefix/V1/ ", "http://h/é"]
-    return [
+    """Records of three deployments, with non-ASCII names and floats, as a tap writes them (names
+    printable, seconds to the microsecond: what a reader of the bytes reads back)."""
+    bases = ["http://10.0.0.7:8000/v1", "HTTP://Gateway.Example.com:8000/Prefix/V1/", "http://h/é"]
+    made = [
         {
             "id": f"tap-{i:024x}",
             "upstream_id": f"chatcmpl-{i}",
@@ -253,6 +255,7 @@ def framing_records() -> list[dict[str, Any]]:
         }
         for i in range(7)
     ]
+    return [json.loads(wire.encode(record)) for record in made]
 
 
 def message_cases() -> list[dict[str, Any]]:

@@ -6,8 +6,6 @@
  * golden.json.
  */
 
-import { createHash } from "node:crypto";
-
 import { scalars } from "./text.js";
 import { blake2b } from "./blake2b.js";
 
@@ -282,9 +280,4 @@ export function publishable(messages: Message[], maxPayload: number, dropped: nu
   const never = messages.filter((m) => m.payload.length + headerBytes(m.headers) > maxPayload);
   if (fits.length && dropped) fits[0]!.headers[DROPPED_HEADER] = String(dropped);
   return [fits, never];
-}
-
-/** Return the SHA-256 of `data` in hex (the id of a record's key when it is a digest already). */
-export function sha256Hex(data: string): string {
-  return createHash("sha256").update(data).digest("hex");
 }
