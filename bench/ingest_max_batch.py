@@ -48,6 +48,7 @@ import httpx  # noqa: E402  (run as a script from the repository)
 import yaml  # noqa: E402
 
 from bench.jetstream_rig import Database, cpu_seconds, percentile, until  # noqa: E402
+from kvcanary.wire import VERSION  # noqa: E402
 from tests.support import free_port, stop_process  # noqa: E402
 from tests.support.jetstream import delete_created, new_names, replica_config  # noqa: E402
 
@@ -74,7 +75,8 @@ def largest_batch(records: int, bases: list[str], seed: int) -> bytes:
         for i in range(records)
     ]  # fmt: skip
     return json.dumps(
-        {"batch": uuid.uuid4().hex, "gateway": "bench", "records": made}, separators=(",", ":")
+        {"version": VERSION, "batch": uuid.uuid4().hex, "gateway": "bench", "records": made},
+        separators=(",", ":"),
     ).encode()
 
 

@@ -37,6 +37,7 @@ sys.path.insert(0, os.environ.get("KVCANARY_BENCH_TREE") or str(Path(__file__).r
 
 from prometheus_client import CollectorRegistry
 
+from kvcanary import wire
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.targets.calibration import TokenCalibration
@@ -54,6 +55,10 @@ from overlap_corpus import KEY
 
 HERE = Path(__file__).resolve().parent.parent
 BATCH = 300
+
+#: A body's envelope as this tree's monitor reads it: an older tree's (``--against``) has no
+#: protocol version, and would refuse the field.
+ENVELOPE = {"version": wire.VERSION} if hasattr(wire, "VERSION") else {}
 
 
 def corpus(limit_chars: int = 6_000_000) -> list[str]:
@@ -112,7 +117,9 @@ def judge_bodies(docs: list[str], records: int) -> list[bytes]:
         )
         made.append(summarize(ex, fp))
     return [
-        json.dumps({"records": [made[(b * BATCH + j) % len(made)] for j in range(BATCH)]}).encode()
+        json.dumps(
+            {**ENVELOPE, "records": [made[(b * BATCH + j) % len(made)] for j in range(BATCH)]}
+        ).encode()
         for b in range(records // BATCH)
     ]
 

@@ -46,6 +46,7 @@ from kvcanary.monitor.traffic.judge import TrafficJudge
 from kvcanary.monitor.traffic.pipeline import TrafficPipeline
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity
+from kvcanary.wire import VERSION
 from tests.support.monitor_app import build_app, settings_with_targets
 from tests.support.monitor_db import minutes, record
 from tests.support.signing import make_keys
@@ -177,6 +178,7 @@ def _exchange(i: int, **fields: Any) -> dict[str, Any]:
 
 
 TRAFFIC = {
+    "version": VERSION,
     "gateway": "gw-1",
     "records": [
         _exchange(1, prompt={"chars": 3900, "bytes": 3900}, usage={"prompt_tokens": 3905}),

@@ -44,6 +44,7 @@ from kvcanary.monitor.traffic.pipeline import TrafficPipeline
 from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity
+from kvcanary.wire import VERSION
 from tests.support.monitor_app import settings_with_targets
 
 Factory = sessionmaker[Session]
@@ -194,7 +195,7 @@ def auth() -> dict[str, str]:
 
 def post_traffic(client: TestClient, sent: list[Sent]) -> None:
     for i in range(0, len(sent), 100):
-        body = {"gateway": "gw", "records": [tap_record(s) for s in sent[i : i + 100]]}
+        body = {"version": VERSION, "gateway": "gw", "records": [tap_record(s) for s in sent[i : i + 100]]}
         assert client.post("/api/v1/traffic", json=body, headers=auth()).status_code == 200
 
 

@@ -29,6 +29,7 @@ from sqlalchemy import create_engine, text
 from kvcanary.monitor.runs.replicas import HEARTBEAT_SECONDS, LEASE_SECONDS
 from kvcanary.monitor.traffic.partitions import LEASE_SECONDS as STREAM_LEASE_SECONDS
 from kvcanary.monitor.traffic.partitions import STEP_SECONDS as STREAM_STEP_SECONDS
+from kvcanary.wire import VERSION
 from tests.support import (
     REPO,
     WorkerProcess,
@@ -171,7 +172,7 @@ def test_each_deployments_traffic_is_judged_once_by_one_replica_whichever_receiv
         base = f"http://10.0.0.{i + 1}:8000/v1"
         records = [summarize(Exchange(f"{caller}-{i}", time.time(), caller, "team", base, prompt=prompt,
                                       response=response), tap)]  # fmt: skip
-        return {"batch": uuid.uuid4().hex, "gateway": "gw", "records": records}
+        return {"version": VERSION, "batch": uuid.uuid4().hex, "gateway": "gw", "records": records}
 
     def post(url: str, body: dict[str, object]) -> dict[str, int]:
         answer = httpx.post(f"{url}/api/v1/traffic", json=body, headers={"Authorization": f"Bearer {TOKEN}"})

@@ -35,6 +35,7 @@ from kvcanary.monitor.traffic.refusals import ROWS_PER_MINUTE
 from kvcanary.monitor.traffic.schema import MAX_BODY_BYTES, MAX_RECORDS
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity
+from kvcanary.wire import VERSION
 from tests.support.monitor_app import settings_with_targets
 
 Factory = sessionmaker[Session]
@@ -97,7 +98,7 @@ def record(i: int, **fields: Any) -> dict[str, Any]:
 
 def post(client: TestClient, records: list[dict[str, Any]], token: str = INGEST, **body: Any) -> Any:
     return client.post(
-        "/api/v1/traffic", json={"gateway": "gw-1", "records": records, **body},
+        "/api/v1/traffic", json={"version": VERSION, "gateway": "gw-1", "records": records, **body},
         headers={"Authorization": f"Bearer {token}"},
     )  # fmt: skip
 

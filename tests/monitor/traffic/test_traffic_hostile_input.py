@@ -35,6 +35,7 @@ from kvcanary.monitor.traffic.pipeline import TrafficPipeline
 from kvcanary.monitor.traffic.schema import MAX_DROPPED, MAX_ERRORS, MAX_FINGERPRINTS
 from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.probes.markers import MarkerBook
+from kvcanary.wire import VERSION
 from tests.monitor.paging.test_pager import LINK_KEY, drain, pager_for
 from tests.monitor.served import Served, reference_target
 from tests.monitor.traffic.test_traffic_api import TOKEN, Answers, post, record
@@ -61,7 +62,11 @@ def hidden(text: str) -> list[str]:
 def all_bad_fingerprints(records: int = 300) -> bytes:
     """The issue's body: ``records`` records whose 2,048 fingerprints are all -1 (about 2.4 MB)."""
     bad = {"prompt": [-1] * MAX_FINGERPRINTS, "response": [-1] * MAX_FINGERPRINTS}
-    body = {"gateway": "gw-1", "records": [record(i, fingerprints=bad) for i in range(records)]}
+    body = {
+        "version": VERSION,
+        "gateway": "gw-1",
+        "records": [record(i, fingerprints=bad) for i in range(records)],
+    }
     return json.dumps(body).encode()
 
 
@@ -108,7 +113,7 @@ def test_a_body_of_bad_fingerprints_is_refused_in_a_second_without_stalling_the_
     assert 2_000_000 < len(body) < 3_000_000
     for _ in range(3):  # warm: imports, connections, the first request's allocations
         httpx.get(monitor.url + "/healthz", timeout=10)
-        monitor.post("/api/v1/traffic", json={"records": []})
+        monitor.post("/api/v1/traffic", json={"version": VERSION, "records": []})
     baseline = rss_bytes(monitor.proc.pid)
     watch = Watch(monitor.proc.pid, monitor.url)
     watch.start()

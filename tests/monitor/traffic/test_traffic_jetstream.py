@@ -32,6 +32,7 @@ from kvcanary.monitor.traffic.stream_setup import durable_name, verify
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.jetstream import partition_of
 from kvcanary.tap.record import Exchange, summarize
+from kvcanary.wire import VERSION
 from tests.support.jetstream import (
     BASE,
     KEY,
@@ -113,7 +114,8 @@ def test_a_bad_record_in_a_tap_batchs_message_costs_only_itself(
     async def run() -> tuple[int, int]:
         await verify(cfg, None)
         client = await nats.connect(NATS_URL)
-        headers = {"Kvcanary-Records": "5", "Kvcanary-Gateway": "gw-1", "Nats-Msg-Id": "one-batch.0"}
+        headers = {"Kvcanary-Version": str(VERSION), "Kvcanary-Records": "5", "Kvcanary-Gateway": "gw-1",
+                   "Nats-Msg-Id": "one-batch.0"}  # fmt: skip
         await client.jetstream(timeout=5).publish(
             f"{cfg.subject_prefix}.{partition_of(BASE, 16)}", body, headers=headers
         )

@@ -23,6 +23,7 @@ from kvcanary.monitor.traffic.stream_setup import durable_name, verify
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.jetstream import partition_of
 from kvcanary.tap.record import summarize
+from kvcanary.wire import VERSION
 from tests.support.jetstream import (
     BASE,
     KEY,
@@ -40,6 +41,10 @@ pytestmark = pytest.mark.external_service
 #: How long today's backoff on empty pulls took to reach its last step (5 s) on every partition,
 #: measured on a 2-core machine (18 s); the idle spell is longer.
 IDLE_SECONDS = 25.0
+
+
+#: A message's headers as a tap of this protocol version sends them, for one record.
+HEADERS = {"Kvcanary-Version": str(VERSION), "Kvcanary-Records": "1"}
 
 
 def message_of(*bases: str, first: int = 0) -> bytes:
@@ -93,7 +98,7 @@ def test_the_first_records_after_an_idle_spell_are_judged_at_once_and_nothing_is
             began = time.monotonic()
             for i, base in enumerate(bases):
                 subject = f"{cfg.subject_prefix}.{partition_of(base, 16)}"
-                await js.publish(subject, message_of(base, first=i), headers={"Kvcanary-Records": "1"})
+                await js.publish(subject, message_of(base, first=i), headers=HEADERS)
             await until("the four records judged", lambda: stream.judged == 4, timeout=15)
             return time.monotonic() - began
         finally:
@@ -231,7 +236,7 @@ def test_a_record_on_a_partition_its_deployment_does_not_hash_to_is_refused_once
         client = await nats.connect(NATS_URL)
         js = client.jetstream(timeout=5)
         for n in [own, *others]:
-            await js.publish(f"{cfg.subject_prefix}.{n}", body, headers={"Kvcanary-Records": "1"})
+            await js.publish(f"{cfg.subject_prefix}.{n}", body, headers=HEADERS)
         stream = TrafficStream(cfg, ingest, "replica-a", None)
         metrics.watch_stream(stream.report)
         stream.start()

@@ -37,6 +37,7 @@ from kvcanary.monitor.traffic.schema import (
     read_batch,
 )
 from kvcanary.probes.markers import MarkerBook
+from kvcanary.wire import VERSION
 from tests.monitor.served import Served, reference_target
 from tests.support import free_port, own_database
 from tests.support.jetstream import (
@@ -73,7 +74,8 @@ def largest_batch(bases: list[str], seed: int = 1) -> bytes:
          "distinctive": {"prompt": prints(MAX_TOKENS), "response": prints(MAX_TOKENS)}}
         for i in range(MAX_RECORDS)
     ]  # fmt: skip
-    body = json.dumps({"batch": f"{seed:032x}", "gateway": "gw-1", "records": records}, separators=(",", ":"))
+    batch = {"version": VERSION, "batch": f"{seed:032x}", "gateway": "gw-1", "records": records}
+    body = json.dumps(batch, separators=(",", ":"))
     return body.encode()
 
 

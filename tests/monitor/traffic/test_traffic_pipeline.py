@@ -39,6 +39,7 @@ from kvcanary.monitor.traffic.stream_setup import verify
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.record import summarize
+from kvcanary.wire import VERSION
 from tests.monitor.traffic.test_traffic_api import INGEST, TOKEN, Answers, _now, record
 from tests.support.jetstream import KEY, StreamNames, counted, exchange, in_process, until
 from tests.support.monitor_app import settings_with_targets
@@ -80,7 +81,8 @@ def judged(factory: Factory) -> tuple[int, int]:
 
 
 def batch(records: list[dict[str, Any]], batch_id: str | None = None, **fields: Any) -> dict[str, Any]:
-    return {"batch": batch_id or uuid.uuid4().hex, "gateway": "gw-1", "records": records, **fields}
+    return {"version": VERSION, "batch": batch_id or uuid.uuid4().hex, "gateway": "gw-1", "records": records,
+            **fields}  # fmt: skip
 
 
 # --- one replica, HTTP taken directly -------------------------------------------------------------

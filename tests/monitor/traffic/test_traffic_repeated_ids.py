@@ -35,6 +35,7 @@ from kvcanary.monitor.traffic.stream_setup import verify
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.record import Exchange, summarize
+from kvcanary.wire import VERSION
 from tests.monitor.blast.test_blast_radius import (  # noqa: F401 (app: a fixture, used by name)
     BASE,
     NOW,
@@ -96,7 +97,8 @@ def test_over_http_two_responses_under_one_upstream_id_are_both_judged_and_in_th
     incident = capacity_incident(session_factory)
     fingerprints = Fingerprinter(KEY)
     for exchange in exchanges():  # a batch each, as a tap sends them a moment apart
-        body = {"batch": uuid.uuid4().hex, "gateway": "gw", "records": [summarize(exchange, fingerprints)]}
+        records = [summarize(exchange, fingerprints)]
+        body = {"version": VERSION, "batch": uuid.uuid4().hex, "gateway": "gw", "records": records}
         answer = client.post("/api/v1/traffic", json=body, headers=auth())
         assert answer.status_code == 200 and answer.json()["accepted"] == 1, answer.text
     assert_both_kept_judged_and_counted(session_factory, incident)
