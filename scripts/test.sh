@@ -2,7 +2,8 @@
 # Set up everything the test suite needs on a fresh Debian machine, then run every test.
 # Real services only: PostgreSQL (127.0.0.1:5432, started when down), Prometheus and Alertmanager
 # (Debian packages; the tests start their own on free ports), mtail (reads SGLang's canary log), a vLLM CPU
-# server, a llama.cpp server, and SGLang's engine itself on the CPU.
+# server, a llama.cpp server, and SGLang's engine itself on the CPU; Node 20 and npm for the tap protocol's
+# second implementation (taps/node, TypeScript).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -13,6 +14,8 @@ command -v promtool >/dev/null || need+=(prometheus)
 command -v amtool >/dev/null || need+=(prometheus-alertmanager)
 command -v nats-server >/dev/null || need+=(nats-server)
 command -v mtail >/dev/null || need+=(mtail)
+command -v node >/dev/null || need+=(nodejs)
+command -v npm >/dev/null || need+=(npm)
 if [ ${#need[@]} -gt 0 ]; then
   as_root apt-get update -q
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}"
@@ -30,6 +33,10 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
 fi
 
 bash scripts/setup.sh
+# The Node tap: npm ci once per lock (node_modules is the clone's), then tsc; its tests, every golden
+# vector among them, run in the suite (tests/tap/test_node_tap.py).
+bash scripts/setup-node-tap.sh
+export KVCANARY_REQUIRE_NODE=1
 # The engines' venvs live outside the clone (~/.cache/kvcanary), so fresh clones on one machine share
 # them; they are built side by side: llama.cpp's compile is CPU-bound, the vLLM and LiteLLM installs
 # are mostly disk and network. docs/setup.md says what each costs the first time and after.
