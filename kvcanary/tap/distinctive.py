@@ -48,15 +48,17 @@ def distinctive_words(text: str) -> list[str]:
     """Return the distinct distinctive tokens of ``text`` (as fingerprinted: head and tail of a
     long one), lower-cased, in the order they first appear."""
     found: dict[str, None] = {}
+    read = scalars(cut(text))
+    # Lower-casing maps each code point to one and keeps every word a word: the text's words and
+    # its lower-cased text's pair up, and the text is lower-cased once, in C, not a word at a time.
     # is_distinctive's rule, inlined: a call a word doubled the tap's work on a long text.
-    for word in words(scalars(cut(text))):
+    for word, lowered in zip(words(read), words(lower(read)), strict=True):
         if len(word) < MIN_CHARS or (word.isascii() and word.isalpha() and word.islower()):
             continue  # most words: short, or lower-case ASCII letters only
         if _DIGITS_RE.fullmatch(word):
             if len(word) >= MIN_DIGITS:
                 found[word] = None
             continue
-        lowered = lower(word)
         if lowered != word or _DIGIT_OR_UNDERSCORE_RE.search(word):
             found[lowered] = None
     return list(found)

@@ -69,6 +69,32 @@ def _lowercase_table() -> dict[int, int]:
 
 #: Every change the lower-case rule makes (about 740 code points).
 LOWERCASE = _lowercase_table()
+
+
+#: What the rule makes of the code points whose lower case ``str.lower`` makes otherwise within the
+#: case ranges: U+0130 (``str.lower`` adds a combining dot), U+03A3 (it chooses the final sigma by
+#: context) and U+03C2 (it keeps the final sigma). Each is made so before ``str.lower`` runs.
+_FIRST = {0x0130: "i", 0x03A3: "\u03c3", 0x03C2: "\u03c3"}
+_FIRST_RE = re.compile("[\u0130\u03a3\u03c2]")
+
+
+def _lowered_elsewhere() -> list[tuple[int, int]]:
+    """Return the code points outside the case ranges that ``str.lower`` changes and the rule keeps
+    (Georgian Mtavruli, Cherokee, Deseret, Glagolitic, ...), as inclusive ranges."""
+    found: list[tuple[int, int]] = []
+    for code in range(0x20000):  # no script past plane 1 has case
+        if 0xD800 <= code <= 0xDFFF or code in LOWERCASE or chr(code).lower() == chr(code):
+            continue
+        if found and found[-1][1] == code - 1:
+            found[-1] = (found[-1][0], code)
+        else:
+            found.append((code, code))
+    return found
+
+
+#: A text holding none of these is lower-cased by ``str.lower`` in C; one that does, a code point at
+#: a time (about twice as slow).
+_ELSEWHERE_RE = re.compile(f"[{char_class(_lowered_elsewhere())}]")
 _WORD_RE = re.compile(f"[^{char_class(SEPARATOR_RANGES)}]+")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
@@ -82,10 +108,16 @@ def scalars(text: str) -> str:
 
 
 def lower(text: str) -> str:
-    """Return ``text`` lower-cased by the rule (the module doc); ASCII by ``str.lower`` alone."""
+    """Return ``text`` lower-cased by the rule (the module doc): by ``str.lower``, once the three
+    code points it maps otherwise in the case ranges are made as the rule makes them, unless the
+    text holds one it lower-cases outside them; then a code point at a time."""
     if text.isascii():
         return text.lower()
-    return text.translate(LOWERCASE)
+    if _ELSEWHERE_RE.search(text) is not None:
+        return text.translate(LOWERCASE)
+    if _FIRST_RE.search(text) is not None:
+        text = _FIRST_RE.sub(lambda m: _FIRST[ord(m.group(0))], text)
+    return text.lower()
 
 
 def words(text: str) -> list[str]:
