@@ -1,8 +1,11 @@
 """kvcanary's gateway tap: per-request summaries and keyed fingerprints for the monitor, never text.
 
 Runs inside a gateway (LiteLLM: :mod:`kvcanary.tap.litellm`; any other Python gateway or middleware:
-:class:`Tap`). Needs nothing beyond the standard library: no torch, no SQLAlchemy, nothing of the
-monitor's. Configured from the environment by :meth:`Tap.from_env`:
+:class:`Tap`, its exchanges read from the request and response bodies by
+:func:`kvcanary.tap.bodies.exchange_of_bodies`). What it sends is tap protocol version 4
+(``docs/tap-protocol.md``), which ``taps/node`` speaks for Node gateways too. Needs nothing
+beyond the standard library: no torch, no SQLAlchemy, nothing of the monitor's. Configured from the
+environment by :meth:`Tap.from_env`:
 
 - ``KVCANARY_TAP_URL``: the monitor (``http://monitor:8080``); records go to ``/api/v1/traffic``.
   Or NATS JetStream (``nats://nats:4222``, :mod:`kvcanary.tap.jetstream`, needs ``nats-py``): each
