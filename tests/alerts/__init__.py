@@ -29,6 +29,15 @@ ALERTS = frozenset(
     for rule in group["rules"]
     if "alert" in rule
 )
+#: Every series the rule files record (the SLOs' ``slo:*`` and ``target:*``): a rule, a runbook or a
+#: panel may read them beside the metric contracts.
+RECORDED = frozenset(
+    rule["record"]
+    for path in RULE_FILES
+    for group in yaml.safe_load(path.read_text())["groups"]
+    for rule in group["rules"]
+    if "record" in rule
+)
 
 
 def require_tool(name: str, package: str | None = None) -> str:
