@@ -37,6 +37,10 @@ bash scripts/setup.sh
 # vector among them, run in the suite (tests/tap/test_node_tap.py).
 bash scripts/setup-node-tap.sh
 export KVCANARY_REQUIRE_NODE=1
+# deploy/kubernetes is rendered by kubectl's own kustomize (v5+): the machine's kubectl, else one kept
+# in the cache (scripts/setup-kubectl.sh says why not Debian's); tests/deploy requires it.
+KVCANARY_KUBECTL="${KVCANARY_KUBECTL:-$(bash scripts/setup-kubectl.sh 2> >(grep -v "is ignored: it is neither" >&2))}"
+export KVCANARY_KUBECTL KVCANARY_REQUIRE_KUBECTL=1
 # The engines' venvs live outside the clone (~/.cache/kvcanary), so fresh clones on one machine share
 # them; they are built side by side: llama.cpp's compile is CPU-bound, the vLLM and LiteLLM installs
 # are mostly disk and network. docs/setup.md says what each costs the first time and after.
