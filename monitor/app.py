@@ -70,6 +70,7 @@ from kvcanary.probes import REGISTRY
 from kvcanary.probes.markers import MarkerBook
 
 if TYPE_CHECKING:
+    from kvcanary.monitor.otel import VerdictEvents
     from kvcanary.monitor.traffic.jetstream import TrafficStream
 
 log = logging.getLogger("kvcanary")
@@ -133,8 +134,19 @@ class Monitor:
         self.on_summary = on_summary
         self._stop_asked_at: float | None = None  # time.monotonic() of the signal; set: stopping
         self.writer = BatchWriter(self.recorder)
+        # Opt-in: every verdict as an OpenTelemetry GenAI evaluation event (monitor/otel.py).
+        self.events: VerdictEvents | None = None
+        if settings.otel is not None:
+            from kvcanary.monitor.otel import VerdictEvents, otlp_headers  # the SDK only when used
+
+            self.events = VerdictEvents(
+                settings.otel, self.metrics.otel_dropped, headers=otlp_headers(settings.otel)
+            )
         # Probe runs and gateway traffic record through one port, which pages at once on a change.
-        self.port = RecordingPort(self.writer, on_change=self._page_now, on_suspicion=self._verify)
+        self.port = RecordingPort(
+            self.writer, on_change=self._page_now, on_suspicion=self._verify,
+            on_recorded=self.events.offer if self.events is not None else None,
+        )  # fmt: skip
         self.runner = ProbeRunner(
             settings, self.clients, self.markers, self.metrics, self.port, self.on_summary
         )
@@ -334,6 +346,8 @@ class Monitor:
             self._pager_task = asyncio.get_running_loop().create_task(self.pager.run_forever())
         if self.stream is not None:
             self.stream.start()
+        if self.events is not None:
+            self.events.start()
         self._guards_read = self.containment.start()
 
     def begin_shutdown(self) -> None:
@@ -367,6 +381,8 @@ class Monitor:
             await client.aclose()
         await self.http.aclose()
         await asyncio.to_thread(self.writer.close)
+        if self.events is not None:  # after the writer: the last verdicts' events go too
+            await asyncio.to_thread(self.events.stop)
         if len(self.spool):
             await asyncio.to_thread(self.recorder.replay)
         if len(self.spool):

@@ -29,6 +29,7 @@ RESTART_KEYS = (
     "alertmanagers",
     "alerting.timeout_seconds",
     "api.run_now_min_interval_seconds",
+    "otel",  # the exporter and its thread are built at start
 )
 
 

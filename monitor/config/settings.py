@@ -333,6 +333,43 @@ class ContainmentSigningConfig(Strict):
         return self
 
 
+class OtelConfig(Strict):
+    """Every verdict as an OpenTelemetry GenAI evaluation event (``gen_ai.evaluation.result``), sent
+    over OTLP/HTTP to a collector (``monitor/otel.py``). Opt-in: no ``otel:``, nothing is sent."""
+
+    # The collector's OTLP/HTTP address (http://collector:4318); /v1/logs is added unless the path
+    # already names it. Never credentials in it: headers_env or headers_file carry them.
+    endpoint: str = Field(max_length=2048)
+    # Headers for every export (an API key, a tenant), as OTEL_EXPORTER_OTLP_HEADERS writes them:
+    # name=value pairs separated by commas, values URL-encoded; from a variable or a file, never here.
+    headers_env: EnvName | None = None
+    headers_file: Path | None = None
+    timeout_seconds: float = Field(10, gt=0, le=120)
+    # Events waiting to be sent at most; past it a verdict's event is dropped and counted
+    # (kvcanary_otel_events_dropped_total), never waited for: judging does not slow down.
+    max_queue: int = Field(4096, ge=16, le=1_000_000)
+    # Events sent in one request at most, and how long the first of a request waits for company.
+    batch_size: int = Field(512, ge=1, le=10_000)
+    flush_seconds: float = Field(1.0, gt=0, le=60)
+    # The resource's service.name: how the collector and its backends name this monitor.
+    service_name: str = Field("kvcanary", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if "@" in v.split("//", 1)[-1].split("/", 1)[0]:  # a URL is logged; headers never are
+            raise ValueError("must not carry credentials; use headers_env or headers_file")
+        url = http_url(v)
+        path = url.split("//", 1)[1].partition("/")[2]
+        return url if path.endswith("v1/logs") else url.rstrip("/") + "/v1/logs"
+
+    @model_validator(mode="after")
+    def _one_header_source(self) -> OtelConfig:
+        if self.headers_env and self.headers_file:
+            raise ValueError("choose headers_env or headers_file, not both")
+        return self
+
+
 class Settings(Strict):
     database_url: str = "sqlite:///kvcanary.db"
     api: ApiConfig = ApiConfig()
@@ -349,6 +386,7 @@ class Settings(Strict):
     blast_radius: BlastRadiusConfig = BlastRadiusConfig()
     containment: ContainmentPolicy = ContainmentPolicy()
     containment_signing: ContainmentSigningConfig = ContainmentSigningConfig()
+    otel: OtelConfig | None = None
     marker_ttl_seconds: float = Field(6 * 3600, gt=0, le=30 * DAY)
     # The secret that seals markers, so replicas and a restarted monitor recognise each other's;
     # without one it is derived from the API token (see monitor/config/secrets.py: marker_key).

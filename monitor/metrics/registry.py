@@ -335,6 +335,16 @@ class MonitorMetrics:
             ["gateway"],
             registry=self._general,
         )
+        #: Verdicts' OpenTelemetry events not sent (monitor/otel.py), by why; 0 without `otel:`.
+        self.otel_dropped = Counter(
+            "kvcanary_otel_events_dropped_total",
+            "Verdicts' OpenTelemetry evaluation events dropped: the queue was full (queue_full) or the "
+            "collector did not take them (export_failed).",
+            ["reason"],
+            registry=self._general,
+        )
+        for reason in ("queue_full", "export_failed"):
+            self.otel_dropped.labels(reason)
         self.traffic_dropped = Counter(
             "kvcanary_traffic_tap_dropped_records_total",
             "Records a gateway's tap reported it dropped (the monitor was down, slow or refused them).",
