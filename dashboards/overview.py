@@ -69,6 +69,7 @@ def build() -> Dashboard:
     grid = Grid(dashboard)
     _verdicts(grid)
     _verdict_trends(grid)
+    _budgets(grid)
     _incidents(grid)
     _cost(grid)
     _capacity(grid)
@@ -141,6 +142,31 @@ def _verdict_trends(grid: Grid) -> None:
             colors={".*": RED},
         ),
         w=8, h=9,
+    )  # fmt: skip
+
+
+def _budgets(grid: Grid) -> None:
+    grid.row("Error budgets")
+    grid.add(
+        stat_panel(
+            "Error budget left (30 days)",
+            "Per target and SLO, the share of the 30-day error budget not yet spent, as the SLO rules "
+            "record it (alerts/kvcanary.slo.rules.yml, Sloth's slo:period_error_budget_remaining:ratio). "
+            "correctness: 99.9% of judged probe runs pass (errors left out); coverage: 99% of path and "
+            "node time judged within 3 intervals. Below 0 the objective is missed this period. A leak "
+            "pages on its own whatever this says. No data: the SLO rules are not loaded.",
+            [
+                Query(
+                    'slo:period_error_budget_remaining:ratio{sloth_service="kvcanary", target=~"$target"}',
+                    "{{target}}: {{sloth_slo}}",
+                    instant=True,
+                )
+            ],
+            "percentunit",
+            steps=((RED, None), (ORANGE, 0.0), (YELLOW, 0.25), (GREEN, 0.5)),
+            decimals=1,
+        ),
+        w=24, h=5,
     )  # fmt: skip
 
 

@@ -44,6 +44,8 @@ from tests.support.services import Alertmanager, Prometheus, start_alertmanager,
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]
 
 RULES = REPO / "alerts" / "kvcanary.rules.yml"
+#: What Prometheus loads: the rules above and the SLOs' (whose budgets a panel reads).
+RULE_FILES = sorted((REPO / "alerts").glob("*.rules.yml"))
 HEALTHY = ["--mode", "aggregated", "--kv-pool-tokens", "16384", "--context-window", "8192"]
 POOL = ["--prefill-pool-tokens", "1024", "--decode-pool-tokens", "16384", "--context-window", "8192"]
 DEFECTIVE = ["--mode", "disaggregated", "--admission", "placeholder", *POOL]
@@ -209,7 +211,7 @@ def test_a_leak_pages_through_both_doors_once_and_every_query_has_data(stack: St
             "kvcanary": [hostport(url) for url, _, _ in stack.monitors],
             "kvcanary-workers": [hostport(stack.healthy.url), hostport(stack.defective.url)],
         },
-        rule_files=[RULES],
+        rule_files=RULE_FILES,
         alertmanager=stack.alertmanager.url,
     )
     try:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvcanary.monitor.commands.dashboards import dashboard_files, load_dashboard, panel_queries, substitute
-from tests.support.dashboards import variable_selector
+from tests.support.dashboards import RULE_FILES, variable_selector
 from tests.support.services import Prometheus, start_prometheus, wait_for
 
 pytestmark = pytest.mark.external_service
@@ -199,12 +199,15 @@ def prometheus_with_data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         serve_metrics(lambda n: worker_metrics(n, mode="aggregated")),
     ]
     hosts = [f"127.0.0.1:{server.server_address[1]}" for server in exporters]
+    # With the rules, as the stack runs them: a panel may read what they record (the SLOs' budgets).
     prometheus = start_prometheus(
-        tmp_path_factory.mktemp("prometheus"), scrape={"kvcanary": hosts[:1], "worker": hosts[1:]}
-    )
+        tmp_path_factory.mktemp("prometheus"), scrape={"kvcanary": hosts[:1], "worker": hosts[1:]},
+        rule_files=RULE_FILES,
+    )  # fmt: skip
     try:
         # Three scrapes of each, so that every rate() over 1m has samples to work with.
         wait_for(lambda: prometheus.query("min(count_over_time(up[1m])) >= 3"), 30, "three scrapes")
+        wait_for(lambda: prometheus.query("slo:period_error_budget_remaining:ratio"), 30, "the SLO rules")
         yield prometheus
     finally:
         prometheus.stop()

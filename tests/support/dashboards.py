@@ -1,10 +1,12 @@
-"""What the dashboard tests read: the panels of a dashboard, its variables' selectors, and the two
-metric contracts (docs/monitor-metrics.md, docs/worker-metrics.md)."""
+"""What the dashboard tests read: the panels of a dashboard, its variables' selectors, the two
+metric contracts (docs/monitor-metrics.md, docs/worker-metrics.md), and what the rule files record."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+import yaml
 
 from tests.support.paths import REPO
 
@@ -22,6 +24,22 @@ def documented_metrics() -> dict[str, set[str]]:
         for row in _ROW.finditer(doc.read_text(encoding="utf-8")):
             metrics[row.group(1)] = set(_LABEL.findall(row.group("labels").strip()))
     return metrics
+
+
+#: The rule files a Prometheus loads beside the dashboards (alerts/README.md).
+RULE_FILES = sorted((REPO / "alerts").glob("*.rules.yml"))
+
+
+def recorded_series() -> set[str]:
+    """Return the series the rule files record (the SLOs' ``slo:*``): a panel may read them beside the
+    contracts, where Prometheus loads the rules."""
+    return {
+        rule["record"]
+        for path in RULE_FILES
+        for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
+        for rule in group["rules"]
+        if "record" in rule
+    }
 
 
 def variable_selector(query: str) -> str:
