@@ -45,7 +45,7 @@ if [ -n "$ca" ]; then
   args+=(-v "$ca:/run/kvcanary-build-ca.crt:ro" --build-arg BUILD_CA=/run/kvcanary-build-ca.crt)
 fi
 if [ -n "${WHEELS:-}" ]; then
-  args+=(-v "$WHEELS:/wheels:ro" --build-arg PIP_FIND_LINKS=/wheels)
+  args+=(-v "$WHEELS:/wheels:ro" --build-arg PIP_FIND_LINKS=/wheels --build-arg TORCH_INDEX_URL=)
 fi
 start=$(date +%s)
 buildah bud "${args[@]}" .
