@@ -8,7 +8,7 @@ of ``monitor/``). Nothing here imports nats-py: the framing of a message is byte
 
 The routing key is the one routing rule. The judge routes a record to a target by it
 (``monitor/traffic/judge.py``), the blast radius's DuckDB and PostgreSQL sources compare the keys
-of logged ``api_base`` values with it (``monitor/blast/routing.py`` writes the same rule as SQL), and
+of logged ``api_base`` values with it (``monitor/routing.py`` writes the same rule as SQL), and
 the tap's JetStream sink hashes it into a partition:
 
 1. strip the surrounding ``BLANKS`` (ASCII whitespace only);

@@ -30,8 +30,8 @@ from kvcanary.monitor.blast.spendlogs import SpendLogs
 from kvcanary.monitor.blast.window import deployment_at, window_of
 from kvcanary.monitor.config.secrets import litellm_db_url
 from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.routing import api_base_key, routes_of
 from kvcanary.monitor.storage.models import Incident, IncidentEvent, Target
-from kvcanary.monitor.traffic.judge import api_base_key, routes_of
 
 #: Request ids a CSV lists at most (a notification list, not an export of the log).
 CSV_LIMIT = 1_000_000

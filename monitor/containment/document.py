@@ -15,7 +15,7 @@ from typing import Any
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.containment.guards import GuardFacts
 from kvcanary.monitor.containment.rules import Quarantine
-from kvcanary.monitor.traffic.judge import routes_of
+from kvcanary.monitor.routing import routes_of
 
 #: The document's shape; a tap refuses a version it does not know and keeps its last set.
 SET_VERSION = 2

@@ -5,7 +5,7 @@ lacked, enforced from what kvcanary measured).
 For each target whose containment policy sets ``admission_guard`` to ``observe`` or ``enforce``
 (``config/targets.py``), the monitor publishes beside the quarantine set (``GET /api/v1/quarantine``,
 its ``guards``; ``docs/tap-protocol.md``) one guard per deployment, each naming its api_base keys
-(``traffic/judge.py``'s ``routes_of``: the target's ``base_url`` and ``gateway_api_bases``, and
+(``monitor/routing.py``'s ``routes_of``: the target's ``base_url`` and ``gateway_api_bases``, and
 each node's URL):
 
 - ``kv_pool_tokens``: for a node's own deployment (its api_base is a prefill or aggregated node's
@@ -43,8 +43,8 @@ from typing import Any
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.routing import routes_of
 from kvcanary.monitor.traffic.facts import PoolReading, TargetFacts
-from kvcanary.monitor.traffic.judge import routes_of
 
 log = logging.getLogger("kvcanary.containment")
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kvcanary import wire
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.recording.pending import TRAFFIC, PendingResult
+from kvcanary.monitor.routing import api_base_key, routes_of
 from kvcanary.monitor.storage.traffic_rows import MinuteCounts, MinuteKey
 from kvcanary.monitor.traffic.checks import (
     NEAR_POOL,
@@ -67,29 +67,9 @@ Record = Callable[[PendingResult], Awaitable[Any]]
 Routed = tuple[str, TrafficRecord, bool]
 
 
-@functools.lru_cache(maxsize=4096)  # every record asks; a gateway has a few deployments
-def api_base_key(url: str) -> str:
-    """Return the form routes compare: ``kvcanary.wire.api_base_key``, the one rule the tap's
-    partitions and the blast radius's SQL (``monitor/blast/routing.py``) follow too."""
-    return wire.api_base_key(url)
-
-
 def own_key_digests(keys: Mapping[Any, str | None]) -> frozenset[str]:
     """Return the SHA-256 digests of the monitor's tenants' keys: how a gateway names their traffic."""
     return frozenset(hashlib.sha256(key.encode()).hexdigest() for key in keys.values() if key)
-
-
-def routes_of(settings: Settings) -> dict[str, tuple[str, str]]:
-    """Return ``{api base: (target, node)}`` for every configured target, node and mapping."""
-    routes: dict[str, tuple[str, str]] = {}
-    for target in settings.targets:
-        routes[api_base_key(target.base_url)] = (target.name, "")
-        for node in target.node_list():
-            if node.name:
-                routes.setdefault(api_base_key(node.info_url), (target.name, node.name))
-        for base in target.gateway_api_bases:
-            routes[api_base_key(base)] = (target.name, "")
-    return routes
 
 
 @dataclass

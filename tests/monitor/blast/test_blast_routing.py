@@ -24,10 +24,9 @@ from sqlalchemy import create_engine, text
 from kvcanary.monitor.blast.compute import api_bases
 from kvcanary.monitor.blast.logs import logs_tally
 from kvcanary.monitor.blast.question import Bound, Criterion, Scope, Window
-from kvcanary.monitor.blast.routing import api_base_key_sql
 from kvcanary.monitor.blast.spendlogs import spendlogs_tally
 from kvcanary.monitor.config.settings import Settings
-from kvcanary.monitor.traffic.judge import api_base_key, routes_of
+from kvcanary.monitor.routing import api_base_key, api_base_key_sql, routes_of
 from kvcanary.tap.jetstream import partition_of
 from tests.support import own_database
 
