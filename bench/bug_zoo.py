@@ -38,13 +38,13 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kvcanary.monitor.commands.processes import free_port  # noqa: E402
 from kvcanary.monitor.config.targets import TargetConfig  # noqa: E402  (run as a script from the repository)
 from kvcanary.monitor.runs.execute import execute_probe  # noqa: E402
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget  # noqa: E402
 from kvcanary.monitor.targets.scrape import parse_samples  # noqa: E402
 from kvcanary.probes.base import Verdict  # noqa: E402
 from kvcanary.probes.markers import MarkerBook  # noqa: E402
+from kvcanary.processes import free_port  # noqa: E402
 
 KEYS = {"alice": "bench-key-alice", "bob": "bench-key-bob"}
 BASE = ("--mode", "aggregated", "--kv-pool-tokens", "8192", "--page-size", "16", "--context-window", "8192")

@@ -38,10 +38,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from kvcanary.monitor.app import Monitor  # noqa: E402  (run as a script from the repository)
-from kvcanary.monitor.commands.processes import free_port  # noqa: E402
 from kvcanary.monitor.config.settings import parse_settings  # noqa: E402
 from kvcanary.monitor.runs.runner import RunSummary  # noqa: E402
 from kvcanary.monitor.storage.db import upgrade  # noqa: E402
+from kvcanary.processes import free_port  # noqa: E402
 
 GOAL_P99_SECONDS = 2.0
 KEYS = {"KVC_BENCH_A": "bench-key-a", "KVC_BENCH_B": "bench-key-b"}

@@ -26,6 +26,7 @@ import nats.js.errors  # noqa: E402
 import psycopg  # noqa: E402
 import yaml  # noqa: E402
 
+from kvcanary.processes import wait_until  # noqa: E402
 from kvcanary.tap import Tap  # noqa: E402
 from kvcanary.tap.jetstream import JetStreamTransport  # noqa: E402
 from kvcanary.tap.record import Exchange  # noqa: E402
@@ -57,12 +58,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def until(what: str, check: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(every)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return wait_until(what, check, timeout, every=every)
 
 
 def exchange(record_id: str, i: int) -> Exchange:

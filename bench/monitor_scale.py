@@ -32,8 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from kvcanary.monitor.commands.processes import free_port  # noqa: E402
 from kvcanary.monitor.config.settings import parse_settings  # noqa: E402  (run as a script from the repository)
+from kvcanary.processes import free_port  # noqa: E402
 
 TOKEN = "bench-token-0123456789abcdef"
 PROBE_SETS = {"canary": ["canary"], "default": ["canary", "cross_tenant", "boundary"]}

@@ -38,9 +38,9 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcanary.monitor.api.deps import TimeRange, cursor_scope, encode_cursor
-from kvcanary.monitor.commands.processes import free_port
 from kvcanary.monitor.storage.db import upgrade
 from kvcanary.monitor.storage.queries import Key
+from kvcanary.processes import free_port, wait_until
 
 PG = "host=127.0.0.1 port=5432 user=postgres"
 #: The revision before the list indexes: the table is filled there and the indexes built after.
@@ -378,15 +378,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _wait_ready(url: str, server: multiprocessing.process.BaseProcess) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if not server.is_alive():
-            raise RuntimeError(f"the server exited with {server.exitcode}")
+    def answers() -> bool:
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within 60 s")
+            return httpx.get(url, timeout=1).status_code == 200
+        return False
+
+    def exited() -> str | None:
+        return None if server.is_alive() else f"the server exited with {server.exitcode}"
+
+    wait_until(f"{url} to answer", answers, 60, every=0.2, alive=exited)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def test_packages_import_only_across_allowed_walls(package: str, forbidden: set[
 
 def test_the_monitor_cli_loads_without_torch() -> None:
     code = (
-        "import sys, kvcanary.monitor.commands.cli, kvcanary.monitor.app, kvcanary.monitor.commands.demo, "
+        "import sys, kvcanary.monitor.commands.cli, kvcanary.monitor.app, kvcanary.demo.run, "
         "kvcanary.monitor.commands.check; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

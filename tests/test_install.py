@@ -32,7 +32,7 @@ import pytest
 
 from tests.support import REPO, free_port, wait_http
 
-ROOTS = ("monitor", "probes", "workers", "migrations", "alerts", "dashboards")
+ROOTS = ("monitor", "probes", "workers", "demo", "migrations", "alerts", "dashboards")
 
 
 # --- the checkout -----------------------------------------------------------------------------------------
@@ -214,10 +214,10 @@ def test_the_installed_package_imports_only_under_kvcanary_and_finds_its_data(
         import sys
         from pathlib import Path
         import kvcanary.monitor, kvcanary.monitor.commands.cli, kvcanary.probes
-        import kvcanary.monitor.commands.demo
+        import kvcanary.demo.run
         from kvcanary.monitor.storage.db import MIGRATIONS_DIR, head_revision
         from kvcanary.monitor.api.runbooks import RUNBOOKS_DIR
-        from kvcanary.monitor.commands.demo_stack import RULES
+        from kvcanary.demo.stack import RULES
         from kvcanary.monitor.commands.dashboards import dashboard_files
         from kvcanary.probes.defects import DEFECTS_FILE, load_defects
         package = Path(kvcanary.__file__).parent
@@ -227,7 +227,7 @@ def test_the_installed_package_imports_only_under_kvcanary_and_finds_its_data(
         assert [p.name for p in dashboard_files()] == ["kvcanary-overview.json", "kvcanary-workers.json"]
         assert load_defects() and head_revision()
         assert kvcanary.monitor.commands.cli.WORKERS_MODULE == "kvcanary.workers"
-        assert kvcanary.monitor.commands.demo.WORKERS_MODULE == "kvcanary.workers"
+        assert kvcanary.demo.run.WORKERS_MODULE == "kvcanary.workers"
         assert not {{"monitor", "probes", "workers", "torch"}} & set(sys.modules), sorted(sys.modules)
         """
     )

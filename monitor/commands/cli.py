@@ -286,11 +286,11 @@ def demo(
     (``--topology pd``: on the incident's prefill/decode topology behind SGLang's gateway)."""
     _logging("warning")
     if topology is Topology.pd:
-        from kvcanary.monitor.commands.demo_pd import run_pd_demo
+        from kvcanary.demo.pd import run_pd_demo
 
         code = run_pd_demo(duration=duration, port=port, workdir=workdir, until_caught=until_caught)
         raise typer.Exit(code)
-    from kvcanary.monitor.commands.demo import run_demo
+    from kvcanary.demo.run import run_demo
 
     raise typer.Exit(run_demo(duration=duration, port=port, workdir=workdir, until_caught=until_caught))
 

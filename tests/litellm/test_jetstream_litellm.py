@@ -31,12 +31,13 @@ import pytest
 from openai import APIConnectionError, APIStatusError, OpenAI
 
 from kvcanary.monitor.storage.db import make_engine, make_session_factory
+from kvcanary.processes import wait_until
 from kvcanary.tap.jetstream import partition_of
 from tests.litellm.test_blast_radius_litellm import DEFECTIVE, by_caller
 from tests.litellm.test_tap_litellm import ask, client_of, customer_sentence, wait_calibrated
 from tests.monitor.served import Served, reference_target
 from tests.support import WorkerProcess, own_database, stop_process
-from tests.support.jetstream import NATS_URL, StreamNames, counted, stream_report, wait_until
+from tests.support.jetstream import NATS_URL, StreamNames, counted, stream_report
 from tests.support.litellm import CALLERS, Proxy, start_proxy
 
 pytestmark = pytest.mark.external_service

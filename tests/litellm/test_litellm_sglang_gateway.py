@@ -32,7 +32,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvcanary.monitor.commands.processes import stop_processes
+from kvcanary.processes import stop_processes
 from kvcanary.wire import PARTITIONS, api_base_key, partition_of
 from tests.litellm.test_tap_litellm import (
     ask,

@@ -75,9 +75,7 @@ def test_an_operator_confirms_a_suspected_incident_and_the_confirmation_pages(
     opened = record(session_factory, "leak", at=minutes(0), probe=OVERLAP, certainty="suspected")
     assert opened.incident_id is not None
     with session_factory() as s, s.begin():
-        confirm(
-            s, incident_id=opened.incident_id, note="a contract draft, not public", now=minutes(2)
-        )
+        confirm(s, incident_id=opened.incident_id, note="a contract draft, not public", now=minutes(2))
     assert incident(session_factory, opened.incident_id) == ("open", "confirmed")
     assert events(session_factory, opened.incident_id)[-1] == (
         "confirmed", "a contract draft, not public", None

@@ -149,16 +149,6 @@ def own_server(store: Path, max_payload: int | None = None) -> Iterator[OwnNats]
     server.stop()
 
 
-def wait_until(what: str, check: Any, timeout: float = 30.0, state: Any = None) -> Any:
-    """Return ``check()`` once true; fail after ``timeout`` seconds saying ``what`` (and ``state()``)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}" + (f"\n{state()}" if state else ""))
-
-
 # --- the two ends, as the monitor's tests use them ----------------------------------------------
 
 KEY = b"a-test-fingerprint-key-0123456789"

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcanary.monitor.commands.processes import free_port, stop_process, wait_http
+from kvcanary.processes import free_port, stop_process, wait_http
 from tests.support.paths import REPO
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from kvcanary import processes
 from tests.support.loopback import Loopback
 
 
@@ -44,10 +44,5 @@ class Monitor:
 
 
 def wait_until(check: Callable[[], object], timeout: float = 10) -> None:
-    """Return once ``check()`` is true; raise AssertionError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.02)
-    raise AssertionError("timed out")
+    """Return once ``check()`` is true; raise TimeoutError after ``timeout`` seconds."""
+    processes.wait_until("the receiver's condition", check, timeout, every=0.02)

@@ -22,6 +22,7 @@ import pytest
 
 from kvcanary.monitor.traffic import judge
 from kvcanary.monitor.traffic.stream_setup import prepare
+from kvcanary.processes import wait_until
 from kvcanary.tap import Tap, TapConfigError
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.jetstream import MESSAGE_BYTES, JetStreamTransport, partition_of
@@ -34,7 +35,6 @@ from tests.support.jetstream import (
     StreamNames,
     new_names,
     own_server,
-    wait_until,
 )
 
 pytestmark = pytest.mark.external_service

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from kvcanary.monitor.commands.processes import free_port, stop_processes
+from kvcanary.processes import free_port, stop_processes
 from tests.support import WorkerProcess, launch_worker, wait_worker
 from tests.workers.support import MODEL
 

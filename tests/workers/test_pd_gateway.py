@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
+from kvcanary.processes import free_port, stop_processes, wait_http
 from tests.support import WorkerProcess
 from tests.workers.pd_support import PrefillServer, metric, start_servers, stop_servers
 from tests.workers.support import CANARY, MODEL, OVER_CAPACITY_PROMPT, PROMPT_A

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from kvcanary.monitor.commands.processes import free_port
+from kvcanary.processes import free_port
 from kvcanary.workers.cli import build_parser, config_from_args, main
 from kvcanary.workers.pd_serving import DecodeEngine, PrefillEngine
 from kvcanary.workers.pd_transfer import (

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary.monitor.commands.demo import INTERVALS
-from kvcanary.monitor.commands.demo_gateway import litellm_venv
-from kvcanary.monitor.commands.demo_printer import DemoPrinter
+from kvcanary.demo.gateway import litellm_venv
+from kvcanary.demo.printer import DemoPrinter
+from kvcanary.demo.run import INTERVALS
 from kvcanary.monitor.runs.runner import RunSummary
 from kvcanary.probes.base import ProbeResult, Verdict
 from tests.support import REPO, free_port

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary.monitor.commands.demo_pd import INTERVAL, router_python
+from kvcanary.demo.pd import INTERVAL, router_python
 from tests.support import REPO, free_port
 
 

@@ -23,8 +23,9 @@ import pytest
 
 from kvcanary.monitor.config.settings import ContainmentSigningConfig
 from kvcanary.monitor.containment.bucket import RECHECK_SECONDS
+from kvcanary.processes import wait_until
 from kvcanary.wire import applied_subject
-from tests.support.jetstream import NATS_URL, StreamNames, wait_until
+from tests.support.jetstream import NATS_URL, StreamNames
 from tests.support.signing import SigningKeys, document, make_keys
 from tests.tap.containment.test_bucket import Monitor
 

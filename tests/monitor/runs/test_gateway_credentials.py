@@ -39,12 +39,12 @@ import httpx
 import pytest
 from aiohttp import web
 
-from kvcanary.monitor.commands.processes import free_port, stop_processes
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import path_name
 from kvcanary.monitor.runs.discovery import GatewayDiscovery
 from kvcanary.monitor.targets.http import HttpClient
 from kvcanary.monitor.targets.wire import Limits
+from kvcanary.processes import free_port, stop_processes
 from tests.monitor.served import Served, reference_target
 from tests.monitor.targets.recording_host import ROGUE_HOST, RecordingHost, Seen, refuse_without_key
 from tests.probes.probe_harness import KEYS

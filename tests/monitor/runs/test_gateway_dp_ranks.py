@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvcanary.monitor.commands.processes import stop_processes
 from kvcanary.monitor.config.targets import path_name
+from kvcanary.processes import stop_processes
 from tests.monitor.runs.test_gateway_paths import TENANT_KEYS, Fleet, last_results, node, verdicts, watch
 from tests.monitor.served import Served
 from tests.workers.pd_support import start_servers, stop_servers

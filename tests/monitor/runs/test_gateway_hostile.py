@@ -36,7 +36,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcanary.monitor.commands.processes import free_port, stop_processes
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.containment.guards import AdmissionFacts, GuardFacts
 from kvcanary.monitor.metrics.registry import MonitorMetrics
@@ -52,6 +51,7 @@ from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
 from kvcanary.monitor.targets.sglang_gateway import node_name, parse_workers
 from kvcanary.monitor.targets.wire import Limits
 from kvcanary.monitor.traffic.facts import TargetFacts
+from kvcanary.processes import free_port, stop_processes
 from kvcanary.wire import api_base_key
 from tests.monitor.runs.test_gateway_nodes import AUDITS, results_of, wait_listed
 from tests.monitor.served import Served, reference_target

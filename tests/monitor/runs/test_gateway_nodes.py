@@ -28,7 +28,6 @@ from typing import Any
 import httpx
 import pytest
 
-from kvcanary.monitor.commands.processes import stop_processes
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import NAME_RE, TargetConfig
 from kvcanary.monitor.runs.discovery import GatewayDiscovery, NodeChange
@@ -43,6 +42,7 @@ from kvcanary.monitor.targets.sglang_gateway import (
     worker_node,
 )
 from kvcanary.monitor.targets.wire import Limits
+from kvcanary.processes import stop_processes
 from tests.monitor.served import Served, reference_target
 from tests.support import WorkerProcess
 from tests.support.loopback import Loopback

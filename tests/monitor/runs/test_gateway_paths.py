@@ -30,9 +30,9 @@ import httpx
 import pytest
 import yaml
 
-from kvcanary.monitor.commands.processes import stop_processes
 from kvcanary.monitor.config.targets import path_name
 from kvcanary.monitor.targets.scrape import parse_samples
+from kvcanary.processes import stop_processes
 from tests.monitor.served import Served, reference_target
 from tests.probes.probe_harness import KEYS
 from tests.support import REPO, WorkerProcess, stop_process

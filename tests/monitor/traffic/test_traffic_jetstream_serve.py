@@ -24,6 +24,7 @@ from kvcanary.monitor.storage.db import make_engine, make_session_factory
 from kvcanary.monitor.storage.models import Target, TrafficMinute
 from kvcanary.monitor.traffic.partitions import LEASE_SECONDS, STEP_SECONDS
 from kvcanary.monitor.traffic.stream_setup import verify
+from kvcanary.processes import wait_until
 from kvcanary.wire import partition_of
 from tests.monitor.served import Served
 from tests.support import free_port, own_database, stop_process
@@ -36,7 +37,6 @@ from tests.support.jetstream import (
     shares,
     stream_report,
     tap,
-    wait_until,
 )
 
 pytestmark = pytest.mark.external_service

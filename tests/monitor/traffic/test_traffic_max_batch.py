@@ -37,6 +37,7 @@ from kvcanary.monitor.traffic.schema import (
     read_batch,
 )
 from kvcanary.probes.markers import MarkerBook
+from kvcanary.processes import wait_until
 from kvcanary.wire import VERSION
 from tests.monitor.served import Served, reference_target
 from tests.support import free_port, own_database
@@ -47,7 +48,6 @@ from tests.support.jetstream import (
     replica_config,
     shares,
     stream_report,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.external_service, pytest.mark.slow]

@@ -21,10 +21,11 @@ from prometheus_client import REGISTRY
 
 from kvcanary.monitor.config.settings import ContainmentSigningConfig, JetStreamConfig
 from kvcanary.monitor.containment.bucket import QuarantineBucket
+from kvcanary.processes import wait_until
 from kvcanary.tap.containment import watch_from_env
 from kvcanary.tap.containment.bucket import BucketWatch
 from kvcanary.wire import QUARANTINE_KEY
-from tests.support.jetstream import NATS_URL, OwnNats, StreamNames, wait_until
+from tests.support.jetstream import NATS_URL, OwnNats, StreamNames
 from tests.support.signing import SHARED, SigningKeys, document, make_keys
 
 

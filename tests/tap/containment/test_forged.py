@@ -29,9 +29,10 @@ import pytest
 
 from kvcanary.monitor.config.settings import JetStreamConfig
 from kvcanary.monitor.containment.bucket import RECHECK_SECONDS, QuarantineBucket
+from kvcanary.processes import wait_until
 from kvcanary.tap.containment.bucket import BucketWatch
 from kvcanary.wire import QUARANTINE_KEY
-from tests.support.jetstream import NATS_URL, StreamNames, wait_until
+from tests.support.jetstream import NATS_URL, StreamNames
 from tests.support.signing import SHARED, SigningKeys, document, make_keys
 
 HEALTHY = "http://healthy:1"

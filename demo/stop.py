@@ -28,8 +28,8 @@ from typing import Any
 
 import uvicorn
 
-from kvcanary.monitor.commands.processes import stop_processes
 from kvcanary.monitor.config.settings import Settings
+from kvcanary.processes import stop_processes
 
 #: Seconds a demo asked to stop may take to stop in order before the watchdog stops it.
 GRACE_SECONDS = 20.0

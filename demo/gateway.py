@@ -33,10 +33,10 @@ import kvcanary.tap
 from kvcanary.monitor.api.blast import sources_of
 from kvcanary.monitor.blast.compute import blast_radius
 from kvcanary.monitor.blast.report import BlastRadius
-from kvcanary.monitor.commands.processes import free_port, stop_process
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.paging.links import incident_url
 from kvcanary.monitor.storage.models import Incident, Target, TrafficMinute
+from kvcanary.processes import free_port, stop_process, wait_http
 from kvcanary.wire import api_base_key
 
 if TYPE_CHECKING:
@@ -160,16 +160,13 @@ def start_gateway(
 
 
 async def wait_ready(gateway: Gateway, timeout: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=2) as client:
-        while time.monotonic() < deadline and gateway.proc.poll() is None:
-            try:
-                if (await client.get(f"{gateway.url}/health/liveliness")).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.5)
-    return False
+    """Return whether the gateway answered its liveness page within ``timeout`` seconds."""
+    url = f"{gateway.url}/health/liveliness"
+    try:
+        await asyncio.to_thread(wait_http, url, timeout, gateway.proc, every=0.5)
+    except (RuntimeError, TimeoutError):
+        return False
+    return True
 
 
 async def customers(gateway: Gateway, requests: int = REQUESTS, pace: float = 0.5, seed: int = 2026) -> None:

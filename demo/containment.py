@@ -4,7 +4,7 @@ keygen`` makes it) and the gateway's tap holds the public key (``KVCANARY_TAP_QU
 ``KVCANARY_TAP_QUARANTINE_PUBLIC_KEYS_FILE``). What the ``observe`` policy would have done, then
 quarantine and the admission guard turned on for the defective target (its ``containment`` in the
 demo's kvcanary.yml, reloaded as SIGHUP would) and the customers sent again through the gateway
-(``demo_gateway.py``): every later request to ``shop`` is the healthy worker's, and the blast
+(``gateway.py``): every later request to ``shop`` is the healthy worker's, and the blast
 radius stops growing."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from kvcanary.demo.gateway import Gateway, blast_radii, clock_time, customers, wait_delivered
 from kvcanary.monitor.commands.containment_keys import PRIVATE_NAME, PUBLIC_NAME, KeyPair, write_key_pair
-from kvcanary.monitor.commands.demo_gateway import Gateway, blast_radii, clock_time, customers, wait_delivered
 from kvcanary.tap.containment.signed import parse_public_keys
 
 if TYPE_CHECKING:

@@ -28,13 +28,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcanary.demo.stop import DemoServer, DemoStop
 from kvcanary.monitor.app import Monitor, create_app
-from kvcanary.monitor.commands.demo_stop import DemoServer, DemoStop
-from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
 from kvcanary.monitor.config.settings import Settings, parse_settings
 from kvcanary.monitor.config.targets import PATH_KINDS
 from kvcanary.monitor.runs.runner import RunSummary
 from kvcanary.monitor.storage.db import upgrade
+from kvcanary.processes import free_port, stop_processes, wait_http
 
 WORKERS_MODULE = "kvcanary.workers"
 TENANTS = ("tenant-a", "tenant-b")
@@ -249,7 +249,7 @@ def run_pd_demo(*, duration: float | None, port: int, workdir: Path | None, unti
     print(f"kvcanary demo --topology pd — workdir {workdir}", flush=True)
     fleet = Fleet()
     STOP.children = fleet.procs  # the same list: what starts later is stopped too
-    STOP.install()  # Ctrl-C and SIGTERM: the demo stops in order (demo_stop.py)
+    STOP.install()  # Ctrl-C and SIGTERM: the demo stops in order (stop.py)
     try:
         start_fleet(python, worker_keys, workdir, fleet)
         settings = pd_settings(workdir, fleet.gateway, port)

@@ -18,7 +18,7 @@ import httpx
 import yaml
 
 from kvcanary import monitor
-from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
+from kvcanary.processes import free_port, stop_processes, wait_http
 
 RULES = Path(monitor.__file__).resolve().parent.parent / "alerts" / "kvcanary.rules.yml"
 BINARIES = ("prometheus", "prometheus-alertmanager")

@@ -1,5 +1,6 @@
 """Processes on loopback, as the demo, the tests and the benchmarks start them: a free port, waiting
-for a process's URL to answer, and stopping process groups (one grace for all, then SIGKILL).
+for a condition (a process's URL to answer, a count to be reached), and stopping process groups
+(one grace for all, then SIGKILL).
 
 One module for all three, so that a fix of how a server is waited for or stopped reaches every
 place that starts one.
@@ -14,9 +15,13 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 #: Where a listening port is drawn from when the kernel's ephemeral range cannot be read.
 LISTEN_PORTS = range(20000, 32768)
@@ -56,24 +61,52 @@ def _ephemeral_range() -> tuple[int, int]:
         return 49152, 65535
 
 
+def wait_until(
+    what: str,
+    check: Callable[[], T],
+    timeout: float = 30.0,
+    *,
+    every: float = 0.05,
+    alive: Callable[[], str | None] | None = None,
+    state: Callable[[], str] | None = None,
+) -> T:
+    """Return ``check()``'s value once it is true. Raise RuntimeError as soon as ``alive()`` says
+    why what is waited on cannot come any more (a process that exited), TimeoutError after
+    ``timeout`` seconds naming ``what`` (and ``state()``, where given)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if alive is not None and (gone := alive()) is not None:
+            raise RuntimeError(f"{gone} before {what}")
+        if value := check():
+            return value
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(every)
+    said = f": {state()}" if state is not None else ""
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{said}")
+
+
 def wait_http(
     url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None, *, every: float = 0.1
 ) -> None:
     """Return once ``url`` answers 200. Raise RuntimeError as soon as ``proc`` (the process serving
     it) has exited, TimeoutError after ``timeout`` seconds, each saying why."""
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            name = proc.args[0] if isinstance(proc.args, list) else proc.args
-            raise RuntimeError(f"{name!s} exited with {proc.returncode} before {url} was ready")
+    last = ["no answer"]
+
+    def answers() -> bool:
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
+            return httpx.get(url, timeout=1.0).status_code == 200
         except httpx.HTTPError as exc:
-            last = str(exc)
-        time.sleep(every)
-    raise TimeoutError(f"{url} not ready after {timeout:.0f}s ({last or 'no answer'})")
+            last[0] = str(exc) or type(exc).__name__
+            return False
+
+    def exited() -> str | None:
+        if proc is None or proc.poll() is None:
+            return None
+        name = proc.args[0] if isinstance(proc.args, list) else proc.args
+        return f"{name!s} exited with {proc.returncode}"
+
+    wait_until(f"{url} to be ready", answers, timeout, every=every, alive=exited, state=lambda: last[0])
 
 
 def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:

@@ -20,24 +20,24 @@ from typing import Any
 
 import yaml
 
-from kvcanary.monitor.app import Monitor, create_app
-from kvcanary.monitor.commands.demo_containment import (
+from kvcanary.demo.containment import (
     contain_and_send_again,
     report_containment,
     signing_keys,
 )
-from kvcanary.monitor.commands.demo_gateway import (
+from kvcanary.demo.gateway import (
     Gateway,
     maybe_start_gateway,
     report_blast_radius,
     run_traffic,
 )
-from kvcanary.monitor.commands.demo_printer import DemoPrinter
-from kvcanary.monitor.commands.demo_stack import Observability, missing_binaries, start_observability
-from kvcanary.monitor.commands.demo_stop import DemoServer, DemoStop
-from kvcanary.monitor.commands.processes import free_port, stop_processes, wait_http
+from kvcanary.demo.printer import DemoPrinter
+from kvcanary.demo.stack import Observability, missing_binaries, start_observability
+from kvcanary.demo.stop import DemoServer, DemoStop
+from kvcanary.monitor.app import Monitor, create_app
 from kvcanary.monitor.config.settings import Settings, load_settings
 from kvcanary.monitor.storage.db import upgrade
+from kvcanary.processes import free_port, stop_processes, wait_http
 
 #: The reference worker, run as a module (the monitor starts workers only as processes).
 WORKERS_MODULE = "kvcanary.workers"
@@ -125,9 +125,9 @@ def demo_config(
         ],
         "incidents": {"resolve_after_passes": 3},
         # Recorded, not acted on, until the demo turns it on for the defective target
-        # (demo_gateway.contain_and_send_again: kvcanary.yml rewritten and reloaded).
+        # (gateway.contain_and_send_again: kvcanary.yml rewritten and reloaded).
         "containment": {"mode": "observe", "admission_guard": "observe"},
-        # The monitor's half signs the set the gateway's tap takes (demo_containment.signing_keys).
+        # The monitor's half signs the set the gateway's tap takes (containment.signing_keys).
         "containment_signing": {"key_file": str(signing_key)},
         "spool": {"path": str(workdir / "spool")},
         "traffic": {"ingest_token_file": str(workdir / "ingest-token"), "pass_interval_seconds": 10},
@@ -231,7 +231,7 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
     procs: list[subprocess.Popen[bytes]] = []
     obs: Observability | None = None
     gateway: Gateway | None = None
-    STOP.install()  # Ctrl-C and SIGTERM: the demo stops in order (demo_stop.py)
+    STOP.install()  # Ctrl-C and SIGTERM: the demo stops in order (stop.py)
     try:
         urls = {}
         for name, flags in WORKERS.items():
