@@ -102,6 +102,14 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
         "failing the request with HTTP 500 (default: %(default)s)",
     )
     add(
+        "--kv-checksum",
+        action="store_true",
+        help="--mode prefill/decode: an Adler-32 digest of each hand-off's K/V, taken by the prefill "
+        "server over its pages and checked by the decode server over what it received; a mismatch "
+        "fails the request with HTTP 500 and is counted (SGLang's --disaggregation-enable-kv-checksum; "
+        "turn it on on both servers)",
+    )
+    add(
         "--admission",
         choices=ADMISSIONS,
         default="reject",
@@ -194,6 +202,14 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "default: %(default)s, off)",
     )
     add(
+        "--cache-salt-header",
+        default=None,
+        metavar="NAME",
+        help="take the cache salt from header NAME too, as a gateway sets it for the tenant it "
+        "authenticated (NVIDIA Dynamo reads x-tenant-id); the header wins over the body's cache_salt "
+        "(default: none, the body's alone)",
+    )
+    add(
         "--reasoning-end-str",
         default=None,
         metavar="TEXT",
@@ -228,7 +244,12 @@ def _add_isolation_flags(group: argparse._ArgumentGroup) -> None:
         "row's sampling parameters (allowed tokens, stop strings, thinking budget) from the table entry "
         "at its row, not its slot (vLLM GHSA-fpch-3xrf-7q96, CVE-2026-114049); 'session-offload-chunks' "
         "keys the session cache's offload tier by chunk position only, so a conversation back after the "
-        "ring moved on is restored from the latest long sequence (LMCache#4385, llama.cpp#27148)",
+        "ring moved on is restored from the latest long sequence (LMCache#4385, llama.cpp#27148); "
+        "'offload-salt-dropped' leaves the cache salt out of the offload tier's keys, so another salt's "
+        "sequence is restored from it (LMCache#4825, LMCache#3008); 'salt-body-over-header' lets the "
+        "body's cache_salt win over --cache-salt-header's, so a client picks its cache domain "
+        "(dynamo#14803); 'pd-transfer-corrupt' flips bytes of the K/V a prefill server hands over "
+        "(sglang#39229)",
     )
 
 
@@ -267,6 +288,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         log_level=args.log_level,
         bootstrap_port=args.bootstrap_port,
         kv_transfer_timeout=args.kv_transfer_timeout,
+        kv_checksum=args.kv_checksum,
+        cache_salt_header=args.cache_salt_header,
         dp_size=args.dp_size,
         rank_pool_tokens=tuple(_rank_pool(spec) for spec in args.rank_pool_tokens),
     )

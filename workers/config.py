@@ -33,6 +33,9 @@ BUGS = (
     "slot-stale-tokens",
     "sampling-rows-stale",
     "session-offload-chunks",
+    "offload-salt-dropped",
+    "salt-body-over-header",
+    "pd-transfer-corrupt",
 )
 
 
@@ -69,6 +72,14 @@ class WorkerConfig:
     bootstrap_port: int | None = None
     #: PD modes: how long either side waits for the other in a KV hand-off (SGLang's bootstrap timeout).
     kv_transfer_timeout: float = 30.0
+    #: PD modes: an Adler-32 digest of each hand-off's K/V, taken by the prefill server over its pages
+    #: and checked by the decode server over what it received (SGLang's
+    #: ``--disaggregation-enable-kv-checksum``); a mismatch fails the request closed.
+    kv_checksum: bool = False
+    #: The header a trusted gateway sets the cache salt in (``x-tenant-id``, as NVIDIA Dynamo reads it;
+    #: ``X-Cache-Salt``, as vLLM's pull request #57609 proposes): it wins over the body's ``cache_salt``
+    #: (None: the body's alone).
+    cache_salt_header: str | None = None
     #: PD modes: data-parallel ranks (SGLang's ``--dp-size`` with DP attention), each an engine with a
     #: KV pool and a batch of its own; ``workers.dp`` says which rank serves a request.
     dp_size: int = 1
@@ -115,11 +126,19 @@ class WorkerConfig:
             "--session-cache needs --mode aggregated and --prefix-cache off (restores are the request's "
             "own writes, never shared pages)",
         )
-        for bug in ("session-restore", "session-offload-chunks"):
+        for bug in ("session-restore", "session-offload-chunks", "offload-salt-dropped"):
             _require(
                 bug not in self.bugs or self.session_cache > 0,
                 f"--bug {bug} needs a session cache: add --session-cache N",
             )
+        _require(
+            "salt-body-over-header" not in self.bugs or self.cache_salt_header is not None,
+            "--bug salt-body-over-header needs a salt header: add --cache-salt-header NAME",
+        )
+        _require(
+            self.cache_salt_header is None or _header_name(self.cache_salt_header),
+            f"--cache-salt-header must be an HTTP header name, got {self.cache_salt_header!r}",
+        )
         _require(
             self.reasoning_end_str is None or bool(self.reasoning_end_str.encode()),
             "--reasoning-end-str must not be empty",
@@ -167,6 +186,14 @@ class WorkerConfig:
                 self.prefix_cache == "off",
                 "--prefix-cache needs a mode that prefills: --mode decode keeps every page its request's own",
             )
+        _require(
+            not self.kv_checksum or self.mode in PD_MODES,
+            "--kv-checksum is for --mode prefill or decode (the hand-off between two servers)",
+        )
+        _require(
+            "pd-transfer-corrupt" not in self.bugs or self.mode == "prefill",
+            "--bug pd-transfer-corrupt is the prefill server's: add --mode prefill",
+        )
         _require(
             self.kv_transfer_timeout > 0,
             f"--kv-transfer-timeout must be positive, got {self.kv_transfer_timeout}",
@@ -301,6 +328,14 @@ class WorkerConfig:
         return self.prompt_pool_name
 
     @property
+    def cache_tiers(self) -> tuple[str, ...]:
+        """Return the tiers that may serve a prompt's K/V, nearest first: the prefix cache's pages
+        (``prefix``), or the session cache's host ring (``session``) and its offload tier (``offload``)."""
+        if self.prefix_cache != "off":
+            return ("prefix",)
+        return ("session", "offload") if self.session_cache else ()
+
+    @property
     def max_req_input_len(self) -> int:
         """Return the longest prompt admitted: ``min(context_window, admission pool) - 1``.
 
@@ -320,6 +355,13 @@ class WorkerConfig:
     def context_exceeds_pool(self) -> bool:
         """Return True for the incident's misconfiguration: a context window the pool cannot hold."""
         return self.context_window > self.admission_pool_tokens
+
+
+def _header_name(name: str) -> bool:
+    """Return True for a valid HTTP header name (RFC 9110's token characters) that is not one the
+    worker reads for something else."""
+    allowed = set("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    return bool(name) and set(name) <= allowed and name.lower() not in ("authorization", "x-request-id")
 
 
 def _require(condition: bool, message: str) -> None:

@@ -285,7 +285,9 @@ class Engine:
             request.pages, request.shared_words = lease.pages, lease.shared
             self.batch.refuse_shared(request.request_id, request.pages, lease.shared)
             if self.sessions is not None:  # the prefix cache is off: the lease holds no hit
-                request.cached_tokens = restore_into(self.sessions, self.decode_pool, request)
+                request.cached_tokens, tier = restore_into(self.sessions, self.decode_pool, request)
+                if tier is not None:
+                    self.metrics.cached_tokens_by_tier.labels(tier=tier).inc(request.cached_tokens)
             self._compute(self.decode_pool, lease, request, request.cached_tokens)
             return
         prefill_pool = self.prefill_pool
@@ -311,6 +313,8 @@ class Engine:
         if cache.enabled:
             self.metrics.prefix_cache_queries.inc(len(input_ids))
             self.metrics.prefix_cache_hits.inc(lease.cached_tokens)
+            if lease.cached_tokens:
+                self.metrics.cached_tokens_by_tier.labels(tier="prefix").inc(lease.cached_tokens)
         return lease
 
     def _compute(self, pool: PagePool, lease: PageLease, request: Request, start: int) -> None:

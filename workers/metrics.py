@@ -104,6 +104,20 @@ class WorkerMetrics:
             ["side"],
             registry=r,
         )
+        # Only a decode server with --kv-checksum moves this: hand-offs whose K/V did not match the
+        # prefill server's digest (each also counted above, side="decode", as SGLang counts a checksum
+        # mismatch among its transfer failures).
+        self.kv_transfer_checksum_failures = Counter(
+            "kvcanary_kv_transfer_checksum_failures",
+            "KV hand-offs whose K/V did not match the prefill server's Adler-32 digest (--kv-checksum).",
+            registry=r,
+        )
+        self.cached_tokens_by_tier = Counter(
+            "kvcanary_cached_tokens_by_tier",
+            "Prompt tokens served from a cache, by the tier that served them (prefix, session, offload).",
+            ["tier"],
+            registry=r,
+        )
         self.worker_info = Gauge(
             "kvcanary_worker_info",
             "Always 1; the labels are the worker's version and the isolation settings in force.",
@@ -122,8 +136,11 @@ class WorkerMetrics:
             self.kv_transfer_failures.labels(side=side)
 
     def describe(self, config: WorkerConfig) -> None:
-        """Export the constants of ``config``: the context window and ``kvcanary_worker_info``."""
+        """Export the constants of ``config``: the context window, ``kvcanary_worker_info``, and its
+        cache tiers at 0."""
         self.context_window.set(config.context_window)
+        for tier in config.cache_tiers:
+            self.cached_tokens_by_tier.labels(tier=tier)
         self.worker_info.labels(
             version=__version__,
             mode=config.mode,

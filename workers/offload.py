@@ -19,6 +19,15 @@ with other tokens;
 with ``--bug-rate`` the defect reads the overwritten chunks on a fraction of them, else the
 sequence's own, as the fix (the worker without the flag) always does.
 
+``--bug offload-salt-dropped`` (the bug zoo): the tier's keys leave the cache domain out (the
+request's ``cache_salt`` and adapter), as connectors and tiers have dropped the salt the engine above
+them honours (LMCache#4825: SGLang's path to LMCache dropped it, and another tenant hit the cache,
+answering in 1.2 s where a miss took 3.4 s; LMCache#3008: LMCache ignored vLLM's salt). The ring
+above it still keys by domain, so a request under another salt misses there and is restored here
+from a sequence saved under another salt. Its trigger is a lookup that another domain's sequence
+matches further than any of the request's own; with ``--bug-rate`` the defect takes that match on a
+fraction of them, else the tier keys by domain, as the fix (the worker without the flag) always does.
+
 Only the engine thread uses the tier.
 """
 
@@ -38,10 +47,18 @@ if TYPE_CHECKING:  # the defect's trigger only
 class OffloadTier:
     """Sequences in chunks of ``chunk`` positions, the newest ``kept`` of them (module docstring)."""
 
-    def __init__(self, chunk: int, kept: int, *, misfiled: BugTrigger | None = None) -> None:
+    def __init__(
+        self,
+        chunk: int,
+        kept: int,
+        *,
+        misfiled: BugTrigger | None = None,
+        salt_dropped: BugTrigger | None = None,
+    ) -> None:
         self.chunk = chunk
         self.kept = kept
         self.misfiled = misfiled  # --bug session-offload-chunks: whether it fires on an overwritten chunk
+        self.salt_dropped = salt_dropped  # --bug offload-salt-dropped: whether it fires on a foreign match
         self._ids = itertools.count()
         self._index: OrderedDict[int, tuple[tuple[int, ...], str | None]] = OrderedDict()
         self._chunks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -72,9 +89,21 @@ class OffloadTier:
         """Return the longest whole-chunk run of ``prompt``'s first ``limit`` tokens a sequence under
         ``salt`` holds, and that sequence (newest first among equals); ``(0, None)`` when none
         holds a chunk's worth."""
+        best, best_entry = self._longest(prompt, limit, salt)
+        if self.salt_dropped is not None:
+            blind, blind_entry = self._longest(prompt, limit, None, any_salt=True)
+            if blind > best and self.salt_dropped.fires():
+                return blind, blind_entry  # THE DEFECT: another domain's sequence, its salt unread
+        return best, best_entry
+
+    def _longest(
+        self, prompt: Sequence[int], limit: int, salt: str | None, *, any_salt: bool = False
+    ) -> tuple[int, int | None]:
+        """Return the longest whole-chunk run of ``prompt`` a sequence under ``salt`` (any, with
+        ``any_salt``) holds, and that sequence, newest first among equals."""
         best, best_entry = 0, None
         for entry, (tokens, entry_salt) in reversed(self._index.items()):
-            if entry_salt != salt:
+            if entry_salt != salt and not any_salt:
                 continue
             shared = common_prefix(tokens, prompt, limit) // self.chunk * self.chunk
             if shared > best:

@@ -12,11 +12,19 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
 
 from kvcanary.workers.auth import resolve_tenant
+from kvcanary.workers.cache_salt import resolve_salt
 from kvcanary.workers.config import WorkerConfig
 from kvcanary.workers.dp import Ranks
+from kvcanary.workers.engine import Engine
 from kvcanary.workers.errors import WorkerError
 from kvcanary.workers.pd_api import serve_generation
-from kvcanary.workers.protocol import ChatCompletionRequest, CompletionRequest, ResponseShape, TokenizeRequest
+from kvcanary.workers.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    ResponseShape,
+    TokenizeRequest,
+)
 from kvcanary.workers.tokenizer import encode, render_chat
 
 router = APIRouter()
@@ -60,6 +68,17 @@ def _check_model(config: WorkerConfig, model: str) -> str | None:
     return None
 
 
+def _engine(http: Request, config: WorkerConfig, ranks: Ranks, body: GenerationRequest) -> Engine:
+    """Return the engine (rank) that serves ``body``, its cache salt resolved first: the
+    ``--cache-salt-header`` header's when it carries one, else the body's (``workers.cache_salt``)."""
+    engine = ranks.pick(body)
+    if config.cache_salt_header is not None:
+        header = http.headers.get(config.cache_salt_header)
+        trigger = engine.zoo.triggers.get("salt-body-over-header")
+        body.cache_salt = resolve_salt(header, body.cache_salt, body_wins=trigger)
+    return engine
+
+
 def _chat_prompt(messages: list[Any]) -> list[int]:
     prompt_ids = encode(render_chat(message.text() for message in messages))
     if not prompt_ids:
@@ -82,7 +101,7 @@ async def completions(
     adapter = _check_model(config, body.model)
     shape = ResponseShape("completion", body.model)
     return await serve_generation(
-        ranks.pick(body),
+        _engine(http, config, ranks, body),
         shape,
         encode(body.prompt),
         body,
@@ -106,7 +125,7 @@ async def chat_completions(
     adapter = _check_model(config, body.model)
     shape = ResponseShape("chat", body.model)
     return await serve_generation(
-        ranks.pick(body),
+        _engine(http, config, ranks, body),
         shape,
         _chat_prompt(body.messages),
         body,

@@ -11,12 +11,17 @@ side is retried with a new room). So:
 - the decode server plans the same prompt, fetches the room's K/V (a 500 when the prefill server
   cannot be reached or does not deliver in ``--kv-transfer-timeout`` seconds, as SGLang's bootstrap
   failure) and answers as the in-process engine does, plain or streamed. Its answer carries
-  ``X-KVCanary-KV-Transfer-Seconds``, the time the hand-off took, which the gateway passes on.
+  ``X-KVCanary-KV-Transfer-Seconds``, the time the hand-off took, which the gateway passes on. With
+  ``--kv-checksum`` it first digests the rows it received: a digest other than the prefill server's
+  fails the request with HTTP 500 (``kv_checksum_mismatch``) before anything is decoded, counted in
+  ``kvcanary_kv_transfer_checksum_failures_total`` and, as SGLang counts it among its transfer
+  failures, in ``kvcanary_kv_transfer_failures_total{side="decode"}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from fastapi import Request as HttpRequest
@@ -34,10 +39,11 @@ from kvcanary.workers.generation import (
     unless_gone,
 )
 from kvcanary.workers.pd_serving import CLIENT_GONE, DecodeEngine, PrefillEngine
-from kvcanary.workers.pd_transfer import HandoffFailed, abandon_room, fetch_kv
+from kvcanary.workers.pd_transfer import HandoffFailed, KVHandoff, abandon_room, fetch_kv, kv_digest
 from kvcanary.workers.protocol import GenerationRequest, ResponseShape, Usage
 from kvcanary.workers.request import ErrorEvent, FinishEvent
 
+log = logging.getLogger("kvcanary.workers.pd_api")
 TRANSFER_SECONDS_HEADER = "X-KVCanary-KV-Transfer-Seconds"
 #: How long a decode server tries to tell a prefill server that it refused a room (a local hop).
 ABANDON_TIMEOUT_SECONDS = 1.0
@@ -112,6 +118,15 @@ async def _prefill(
     return JSONResponse(shape.complete("", "stop", usage))
 
 
+def _fetch(engine: DecodeEngine, host: str, port: int, room: int) -> tuple[KVHandoff, int | None]:
+    """Fetch the room's K/V (raises ``HandoffFailed``) and, with ``--kv-checksum`` and a digest sent,
+    digest what came (None: nothing to check)."""
+    handoff = fetch_kv(host, port, room, engine.config.kv_transfer_timeout)
+    if not engine.config.kv_checksum or handoff.checksum is None:
+        return handoff, None
+    return handoff, kv_digest(handoff.k, handoff.v)
+
+
 async def _decode(
     engine: DecodeEngine,
     shape: ResponseShape,
@@ -131,13 +146,22 @@ async def _decode(
         raise error from None
     started = time.monotonic()
     try:
-        handoff = await asyncio.to_thread(fetch_kv, host, port, room, engine.config.kv_transfer_timeout)
+        handoff, digest = await asyncio.to_thread(_fetch, engine, host, port, room)
     except HandoffFailed as failed:
         if failed.status >= 500:
             engine.metrics.kv_transfer_failures.labels(side="decode").inc()
         raise WorkerError(
             failed.status, failed.message, type="kv_transfer_failed", code=failed.status
         ) from None
+    if digest is not None and digest != handoff.checksum:
+        engine.metrics.kv_transfer_checksum_failures.inc()
+        engine.metrics.kv_transfer_failures.labels(side="decode").inc()
+        message = (
+            f"KV checksum mismatch for room {room}: the prefill server sent {handoff.checksum:#010x}, "
+            f"the rows received digest to {digest:#010x}"
+        )
+        log.error(message)
+        raise WorkerError(500, message, type="kv_checksum_mismatch", code=500)
     took = time.monotonic() - started
     channel = EventChannel()
     try:

@@ -7,6 +7,15 @@ prefix cache, the running batch and owner verification stay one piece of code:
   disaggregated mode does (the placeholder defect included), then, instead of copying into a decode
   pool of its own, stages the room's K/V for the decode server (``workers.pd_transfer``) and holds
   the pages until the decode server has them; only then are they freed and the request finished.
+- With ``--kv-checksum`` the prefill server digests the room's rows as its pages hold them
+  (``workers.pd_transfer.kv_digest``) and sends the digest with them; the decode server checks it
+  (``workers.pd_api``). ``--bug pd-transfer-corrupt`` (the bug zoo) flips the sign bit of every value
+  in the first page's V rows of the copy that goes on the wire, after the digest was taken: bytes
+  altered between one server's pages and the other's, which sglang#39229 traces to an RDMA write
+  landing in a slot reused meanwhile, or a stale sender writing after an abort, and SGLang's own
+  abort path to "hardware or transport". Its trigger is every hand-off; with ``--bug-rate`` it acts
+  on a fraction of them. Without the checksum the decode server serves the altered K/V: the answer's
+  first page comes out wrong, with no error.
 - ``DecodeEngine`` preallocates decode pages for the length it believes, writes exactly the
   positions the prefill server sent (the rest keep whatever they held, as ``transfer_kv`` does) and
   decodes as the in-process engine does. With ``--verify-ownership`` a page the request did not fill
@@ -24,7 +33,7 @@ from kvcanary.workers.admission import AdmissionPlan, AdmissionRejected
 from kvcanary.workers.config import WorkerConfig
 from kvcanary.workers.engine import Engine
 from kvcanary.workers.metrics import WorkerMetrics
-from kvcanary.workers.pd_transfer import BootstrapServer, KVHandoff, Outcome, RoomTable
+from kvcanary.workers.pd_transfer import BootstrapServer, KVHandoff, Outcome, RoomTable, flip_signs, kv_digest
 from kvcanary.workers.prefix_cache import PageLease
 from kvcanary.workers.request import ErrorEvent, FinishEvent, Request
 from kvcanary.workers.transfer import TransferManifest, read_positions, write_positions
@@ -104,14 +113,20 @@ class PrefillEngine(Engine):
             self.prompt_pages.release(lease.pages)
             self.rooms.refuse(room, 500, f"prefill of room {room} failed")
             raise
+        k, v = k.cpu(), v.cpu()
+        digest = kv_digest(k, v) if self.config.kv_checksum else None
+        corrupt = self.zoo.triggers.get("pd-transfer-corrupt")
+        if corrupt is not None and corrupt.fires():
+            v = flip_signs(v, self.config.page_size)  # THE DEFECT: the rows change on their way out
         handoff = KVHandoff(
             room=room,
             tenant=request.tenant,
             request_id=request.request_id,
             input_ids=request.plan.input_ids,
             src_pages=tuple(lease.pages),
-            k=k.cpu(),
-            v=v.cpu(),
+            k=k,
+            v=v,
+            checksum=digest,
         )
         self._held[request.request_id] = (request, lease)
         rid = request.request_id

@@ -19,6 +19,13 @@ The protocol, every integer big-endian:
   where it would otherwise hold them until ``--kv-transfer-timeout`` runs out (the pool filling
   with rooms nobody will take, so that even a small request waits).
 
+With ``--kv-checksum`` (SGLang's ``--disaggregation-enable-kv-checksum``, sglang#39500) the prefill
+server puts an Adler-32 digest of the room's K and V rows, taken from its pages, in the header
+(``kv_checksum``), and the decode server digests the rows it received before it writes them: a
+mismatch fails the request closed (HTTP 500, ``kv_checksum_mismatch``) where it would otherwise be
+decoded. A header without a digest (a prefill server without the flag) is taken unverified, as
+SGLang admits a hand-off whose sender sent none.
+
 The header carries the same manifest as the in-process transfer (``workers.transfer``): under the
 placeholder defect it says ``num_tokens = 1`` while the decode server preallocated pages for the
 whole prompt. A room the prefill server refused (its 400) is answered with that status at once, so
@@ -35,6 +42,7 @@ import socketserver
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +85,8 @@ class KVHandoff:
     src_pages: tuple[int, ...]
     k: torch.Tensor
     v: torch.Tensor
+    #: The prefill server's Adler-32 digest of the rows (``kv_digest``); None without ``--kv-checksum``.
+    checksum: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +104,23 @@ class KVHandoff:
             "src_pages": list(self.src_pages),
             "input_ids": list(self.input_ids),
             "head_dim": int(self.k.shape[1]),
+            **({"kv_checksum": self.checksum} if self.checksum is not None else {}),
         }
+
+
+def kv_digest(k: torch.Tensor, v: torch.Tensor) -> int:
+    """Return the Adler-32 digest of the K rows' bytes followed by the V rows' (float32, row order):
+    what both sides of a hand-off compute, the prefill server over its pages and the decode server
+    over what it received."""
+    return zlib.adler32(_bytes_of(v), zlib.adler32(_bytes_of(k)))
+
+
+def flip_signs(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """Return a copy of ``rows`` whose first ``count`` rows have the sign bit of every value flipped
+    (the bug zoo's ``pd-transfer-corrupt``: bytes of a hand-off altered on their way)."""
+    flipped = rows.clone()
+    flipped[:count] = -flipped[:count]
+    return flipped
 
 
 #: What a staged room's ``on_done`` hears: True when the decode server received every byte, False
@@ -275,6 +301,9 @@ def _read_handoff(sock: socket.socket, header: dict[str, Any], room: int) -> KVH
     input_ids = tuple(int(t) for t in header["input_ids"])
     if header.get("room") != room or len(input_ids) != num_tokens:
         raise HandoffFailed(500, f"KV hand-off for room {room} answered with room {header.get('room')}")
+    checksum = header.get("kv_checksum")
+    if checksum is not None and (isinstance(checksum, bool) or not isinstance(checksum, int)):
+        raise HandoffFailed(500, f"KV hand-off for room {room} carried a digest that is no integer")
     size = num_tokens * head_dim * 4
     payload = _read_exactly(sock, 2 * size)
     k = torch.frombuffer(bytearray(payload[:size]), dtype=torch.float32).view(num_tokens, head_dim)
@@ -287,6 +316,7 @@ def _read_handoff(sock: socket.socket, header: dict[str, Any], room: int) -> KVH
         src_pages=tuple(int(p) for p in header["src_pages"]),
         k=k,
         v=v,
+        checksum=checksum,
     )
 
 

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcanary.workers import __version__
-from kvcanary.workers.config import DEPRECATED_MODES, UNIFIED_POOL, WorkerConfig
+from kvcanary.workers.config import DEPRECATED_MODES, PD_MODES, UNIFIED_POOL, WorkerConfig
 from kvcanary.workers.dp import Ranks
 from kvcanary.workers.errors import install_error_handlers
 from kvcanary.workers.metrics import WorkerMetrics
@@ -42,6 +42,7 @@ def server_info(config: WorkerConfig, ranks: Ranks) -> dict[str, Any]:
     which is why ``disaggregation_mode`` reads ``prefill`` there) and ``max_req_input_len`` is
     ``min(context_length, max_total_num_tokens) - 1``. With data-parallel ranks both are rank 0's, as
     SGLang's top-level fields are its first scheduler's, and ``internal_states`` lists every rank's pool.
+    A prefill or decode server states ``disaggregation_enable_kv_checksum`` as SGLang's does.
     """
     first = ranks.engines[0].config
     return {
@@ -63,9 +64,16 @@ def server_info(config: WorkerConfig, ranks: Ranks) -> dict[str, Any]:
         "zero_freed_pages": config.zero_freed_pages,
         "prefix_cache": config.prefix_cache,
         "session_cache": config.session_cache,
+        # The tiers that may serve a prompt's K/V, nearest first: each counted on its own in
+        # kvcanary_cached_tokens_by_tier_total{tier}, so an audit can judge a salt tier by tier.
+        "cache_tiers": list(config.cache_tiers),
+        "cache_salt_header": config.cache_salt_header,
         "reasoning_end_str": config.reasoning_end_str,
         "status": "ready",
         **({"bootstrap_port": config.bootstrap_port} if config.bootstrap_port is not None else {}),
+        # SGLang's server argument, stated where a hand-off crosses between two servers: whether
+        # each is checksummed (--kv-checksum).
+        **({"disaggregation_enable_kv_checksum": config.kv_checksum} if config.mode in PD_MODES else {}),
     }
 
 

@@ -28,7 +28,7 @@ round is restored from whatever sequence was saved over its slot: another conver
 Behind the ring, every saved sequence is also written through to an offload tier
 (``workers.offload``), which serves a conversation that returns after the ring moved on; a lookup
 takes the longer of the two matches (the ring's on a tie). ``--bug session-offload-chunks`` breaks
-that tier's chunk keys.
+that tier's chunk keys; ``--bug offload-salt-dropped`` leaves the cache salt out of its keys.
 
 Only the engine thread uses the cache.
 """
@@ -72,11 +72,13 @@ OFFLOAD_KEPT = 8
 
 @dataclass(frozen=True)
 class Restored:
-    """K/V rows of positions ``[0, positions)`` to write into a request's pages."""
+    """K/V rows of positions ``[0, positions)`` to write into a request's pages, and the tier that
+    held them: ``session`` (the host ring) or ``offload``."""
 
     positions: int
     k: torch.Tensor
     v: torch.Tensor
+    tier: str = "session"
 
 
 class SessionCache:
@@ -89,12 +91,15 @@ class SessionCache:
         *,
         stale_entries: BugTrigger | None = None,
         misfiled_chunks: BugTrigger | None = None,
+        salt_dropped: BugTrigger | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"a session cache needs at least one slot, got {slots}")
         self.page_size = page_size
         self.stale_entries = stale_entries  # --bug session-restore: whether it fires on a reused slot
-        self.offload = OffloadTier(page_size, OFFLOAD_KEPT * slots, misfiled=misfiled_chunks)
+        self.offload = OffloadTier(
+            page_size, OFFLOAD_KEPT * slots, misfiled=misfiled_chunks, salt_dropped=salt_dropped
+        )
         self._data: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
         self._entries: list[SessionEntry] = []
         self._next = 0
@@ -110,6 +115,7 @@ class SessionCache:
             config.page_size,
             stale_entries=triggers.get("session-restore"),
             misfiled_chunks=triggers.get("session-offload-chunks"),
+            salt_dropped=triggers.get("offload-salt-dropped"),
         )
 
     def save(
@@ -149,7 +155,7 @@ class SessionCache:
             offloaded, entry = self.offload.match(prompt, salt=salt, limit=limit)
             if entry is not None and offloaded > positions:
                 k, v = self.offload.read(entry, offloaded, device)
-                return Restored(offloaded, k, v)
+                return Restored(offloaded, k, v, "offload")
         if data is None or positions < self.page_size:
             return None
         return Restored(positions, data[0][:positions].to(device), data[1][:positions].to(device))
@@ -177,12 +183,13 @@ class SessionCache:
         return best, best_entry
 
 
-def restore_into(cache: SessionCache, pool: PagePool, request: Request) -> int:
+def restore_into(cache: SessionCache, pool: PagePool, request: Request) -> tuple[int, str | None]:
     """Write what ``cache`` holds of ``request``'s prompt into its pages (tagged as its own writes);
-    return the positions restored (0: prefill computes the whole prompt)."""
+    return the positions restored (0: prefill computes the whole prompt) and the tier that held them
+    (None when none did)."""
     restored = cache.lookup(request.plan.input_ids, pool.device, salt=_domain(request))
     if restored is None:
-        return 0
+        return 0, None
     pool.write_prefix(
         request.pages,
         restored.k,
@@ -190,7 +197,7 @@ def restore_into(cache: SessionCache, pool: PagePool, request: Request) -> int:
         request_id=request.request_id,
         tenant_index=request.tenant_index,
     )
-    return restored.positions
+    return restored.positions, restored.tier
 
 
 def save_from(cache: SessionCache, pool: PagePool, request: Request) -> None:

@@ -25,6 +25,7 @@ CONTRACT = {
     "kvcanary_context_window_tokens": ("gauge", set()),
     "kvcanary_prefix_cache_queries": ("counter", set()),
     "kvcanary_prefix_cache_hits": ("counter", set()),
+    "kvcanary_kv_transfer_checksum_failures": ("counter", set()),
     "kvcanary_worker_info": (
         "gauge",
         {"version", "mode", "admission", "verify_ownership", "zero_freed_pages", "prefix_cache"},
@@ -67,6 +68,24 @@ def test_it_starts_known_label_values_at_zero(serve: Callable[..., TestClient]) 
     assert value(client, "kvcanary_context_window_tokens") == 8192
     assert value(client, "kvcanary_prefix_cache_queries_total") == 0
     assert value(client, "kvcanary_prefix_cache_hits_total") == 0
+
+
+def test_it_counts_cached_tokens_by_the_tier_that_served_them(serve: Callable[..., TestClient]) -> None:
+    prefix = serve(prefix_cache="shared")
+    assert value(prefix, "kvcanary_cached_tokens_by_tier_total", tier="prefix") == 0
+    complete(prefix, "p" * 100, max_tokens=1)
+    hit = complete(prefix, "p" * 100, max_tokens=1).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert hit == 96 and value(prefix, "kvcanary_cached_tokens_by_tier_total", tier="prefix") == hit
+
+    sessions = serve(session_cache=2)
+    tiers = ("session", "offload")
+    assert [value(sessions, "kvcanary_cached_tokens_by_tier_total", tier=t) for t in tiers] == [0, 0]
+    complete(sessions, "s" * 100, max_tokens=1)
+    complete(sessions, "s" * 100, max_tokens=1)  # the ring holds it
+    for other in "xyz":  # the ring (2 slots) moves on; the offload tier keeps it
+        complete(sessions, other * 100, max_tokens=1)
+    complete(sessions, "s" * 100, max_tokens=1)
+    assert [value(sessions, "kvcanary_cached_tokens_by_tier_total", tier=t) for t in tiers] == [96, 96]
 
 
 def test_it_counts_requests_pages_and_first_tokens(serve: Callable[..., TestClient]) -> None:
