@@ -30,6 +30,19 @@ Why the verdict is sound: it compares two numbers the node states about itself, 
 The result's measurements carry the figures (window, each pool, the lowest ratio); the runner
 exports them as ``kvcanary_node_kv_pool_tokens`` and ``kvcanary_node_context_window_tokens``.
 
+A prefill or decode node also says whether it checksums its KV hand-offs (SGLang's server argument
+``disaggregation_enable_kv_checksum``, off by default; the reference PD servers' ``--kv-checksum``):
+without it, K/V corrupted between the two nodes (a slot reused under an RDMA write in flight, a
+stale sender, a link) is decoded into an answer, with no error. That is a hardening gap, not a
+leak seen: the evidence (``kv_transfer_checksum``: ``on``, ``off``, or ``unknown`` where the node
+states nothing) and the detail say it, the measurement ``kv_transfer_checksum_enabled`` (1 or 0) is
+exported as ``kvcanary_node_kv_transfer_checksum_enabled``, on which the warning alert
+``KVCanaryPDTransferUnverified`` fires, and the verdict stays the pool's. An operator who requires
+the checksum states ``require_kv_checksum: true``: a PD node without it is then a ``mismatch``
+(``kv_transfer_unverified``) and one that does not say is an ``error`` (``kv_transfer_checksum_unknown``).
+A node holding both a prefill and a decode pool (the reference worker's in-process disaggregated
+mode) hands nothing over a wire and is not asked.
+
 Every run also fingerprints the node's configuration — window, pools, version, mode and every fact
 the engine states (model, quantization, parallelism, memory fraction...) — and keeps it in its
 state. A fingerprint that differs from the previous run's is a configuration change: the evidence
@@ -49,6 +62,9 @@ from kvcanary.probes.target import ServerCapacity
 
 #: The pool size the fixed deployment chose: about twice the context window.
 DEFAULT_HEADROOM = 2.0
+#: The server argument by which a PD node states whether it checksums its KV hand-offs (SGLang's;
+#: the reference PD servers state it as SGLang does).
+KV_CHECKSUM_FACT = "disaggregation_enable_kv_checksum"
 
 
 class CapacityOptions(ProbeOptions):
@@ -56,6 +72,8 @@ class CapacityOptions(ProbeOptions):
     # What the node does not publish, or publishes wrongly, as the operator knows it.
     context_window: int | None = Field(None, ge=1)
     kv_pool_tokens: int | None = Field(None, ge=1)
+    # A prefill or decode node must checksum its KV hand-offs: without it, a mismatch.
+    require_kv_checksum: bool = False
 
 
 class CapacityProbe(Probe):
@@ -81,8 +99,11 @@ class CapacityProbe(Probe):
         evidence = _evidence(node.name, role, found, window, pools)
         if role != node.role:
             evidence["configured_role"] = node.role
+        checksum = kv_checksum_state(role, found)
+        required = bool(ctx.options.get("require_kv_checksum", False))
         if role == "decode" and pools:
-            return _with_fingerprint(decode_figures(window, pools, evidence), configuration(found), ctx.state)
+            figures = with_checksum(decode_figures(window, pools, evidence), checksum, required)
+            return _with_fingerprint(figures, configuration(found), ctx.state)
         missing = [name for name, value in (("context window", window), ("KV pool", pools)) if not value]
         if missing or window is None:
             detail = f"{' and '.join(missing)} not published by {node.info_url} (looked at {found.source})"
@@ -93,7 +114,7 @@ class CapacityProbe(Probe):
         # Every pool is exported, the decode pool beside the judged ones (the alert tells them apart).
         result.measurements.update({f"pool_tokens.{name}": tokens for name, tokens in pools.items()})
         result.evidence["pools"] = pools
-        return _with_fingerprint(result, configuration(found), ctx.state)
+        return _with_fingerprint(with_checksum(result, checksum, required), configuration(found), ctx.state)
 
 
 def node_role(configured: str, stated: str | None) -> str:
@@ -102,6 +123,44 @@ def node_role(configured: str, stated: str | None) -> str:
     if stated in ("prefill", "decode"):
         return stated
     return "aggregated" if stated == "null" else configured
+
+
+def kv_checksum_state(role: str, found: ServerCapacity) -> str | None:
+    """Return whether a prefill or decode node checksums its KV hand-offs: ``on``, ``off``, or
+    ``unknown`` where it does not say; None for a node that hands nothing to another (aggregated, or
+    holding both pools itself)."""
+    if role not in ("prefill", "decode") or {"prefill", "decode"} <= set(found.pools):
+        return None
+    stated = found.facts.get(KV_CHECKSUM_FACT)
+    if stated is None:
+        return "unknown"
+    return "on" if stated.strip().lower() in ("true", "1") else "off"
+
+
+def with_checksum(result: ProbeResult, state: str | None, required: bool) -> ProbeResult:
+    """Return ``result`` with what the node said of its hand-off checksum (module docstring): in the
+    evidence, a measurement and the detail; the verdict changes only when it is ``required``."""
+    if state is None:
+        return result
+    said = {"state": state, "setting": KV_CHECKSUM_FACT, "required": required}
+    result.evidence["kv_transfer_checksum"] = said
+    if state != "unknown":
+        result.measurements["kv_transfer_checksum_enabled"] = 1.0 if state == "on" else 0.0
+    if state == "off":
+        result.detail += (
+            f"; its KV hand-offs are not checksummed ({KV_CHECKSUM_FACT} false): K/V corrupted on the way "
+            "is decoded, not refused"
+        )
+        if required and result.verdict is not Verdict.MISMATCH:
+            result.evidence["capacity_reason"] = result.reason
+            result.verdict, result.reason = Verdict.MISMATCH, "kv_transfer_unverified"
+    elif state == "unknown" and required and result.verdict is Verdict.PASS:
+        result.evidence["capacity_reason"] = result.reason
+        result.verdict, result.reason = Verdict.ERROR, "kv_transfer_checksum_unknown"
+        result.detail += (
+            f"; the node does not say whether its KV hand-offs are checksummed ({KV_CHECKSUM_FACT})"
+        )
+    return result
 
 
 def decode_figures(window: int | None, pools: dict[str, int], evidence: dict[str, Any]) -> ProbeResult:

@@ -303,6 +303,13 @@ class MonitorMetrics:
             ["target", "node"],
             registry=self._general,
         )
+        self.node_kv_checksum = Gauge(
+            "kvcanary_node_kv_transfer_checksum_enabled",
+            "1 when a prefill or decode node said at its last capacity audit that it checksums its KV "
+            "hand-offs, 0 when it said it does not.",
+            ["target", "node"],
+            registry=self._general,
+        )
         self._node_pools: dict[tuple[str, str], set[str]] = {}
         self.reload_ok = Gauge(
             "kvcanary_config_last_reload_successful",
@@ -385,6 +392,8 @@ class MonitorMetrics:
                     self.node_pool.remove(t, node, pool)
                 with contextlib.suppress(KeyError):
                     self.node_window.remove(t, node)
+                with contextlib.suppress(KeyError):
+                    self.node_kv_checksum.remove(t, node)
 
     def watch_incidents(
         self, counts: OpenIncidentCounts, pairs: Pairs, writes: WriteHealth | None = None
@@ -452,10 +461,11 @@ class MonitorMetrics:
             self._node_capacity(target, node, result)
 
     def _node_capacity(self, target: str, node: str, result: ProbeResult) -> None:
-        """Export what the node's capacity audit read (``context_window_tokens``, ``pool_tokens.<pool>``)
-        and only that: a pool it no longer publishes is dropped, so an engine naming new pools at
-        every audit cannot grow series (the names are bounded per node where they are read). A node
-        that could not be asked (unreachable, timeout) keeps its last figures: alerts on them hold."""
+        """Export what the node's capacity audit read (``context_window_tokens``, ``pool_tokens.<pool>``,
+        ``kv_transfer_checksum_enabled``) and only that: a pool it no longer publishes is dropped, so
+        an engine naming new pools at every audit cannot grow series (the names are bounded per node
+        where they are read). A node that could not be asked (unreachable, timeout) keeps its last
+        figures: alerts on them hold."""
         measurements = result.measurements
         published = "context_window_tokens" in measurements
         if not published and result.reason != "capacity_unknown":
@@ -475,6 +485,12 @@ class MonitorMetrics:
         else:
             with contextlib.suppress(KeyError):
                 self.node_window.remove(target, node)
+        # Only a node that says whether it checksums its hand-offs has the series.
+        if (checksum := measurements.get("kv_transfer_checksum_enabled")) is not None:
+            self.node_kv_checksum.labels(target, node).set(checksum)
+        else:
+            with contextlib.suppress(KeyError):
+                self.node_kv_checksum.remove(target, node)
 
     def exposition(self) -> bytes:
         """Return the whole page ``/metrics`` serves, in the text format (version 0.0.4)."""

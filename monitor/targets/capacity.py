@@ -73,8 +73,11 @@ SGLANG_FACTS = (
     "pp_size", "ep_size", "mem_fraction_static", "max_total_tokens", "context_length", "page_size",
     "chunked_prefill_size", "disaggregation_mode", "disaggregation_transfer_backend", "disable_radix_cache",
     "enable_cache_report", "allow_auto_truncate", "admission", "verify_ownership", "zero_freed_pages",
-    "prefix_cache",
+    "prefix_cache", "disaggregation_enable_kv_checksum", "enable_hierarchical_cache",
+    "hicache_storage_backend", "session_cache", "cache_salt_header",
 )  # fmt: skip
+#: List-valued settings kept as facts, their items joined by commas (the reference worker's cache tiers).
+SGLANG_LIST_FACTS = ("cache_tiers",)
 
 
 def _scalar(value: Any) -> bool:
@@ -231,6 +234,10 @@ def _sglang_node(info: dict[str, Any], source: str) -> ServerCapacity:
     ranks = _rank_pools(states)
     mode = pick("disaggregation_mode")
     facts = {key: str(value) for key in SGLANG_FACTS if (value := pick(key)) is not None and _scalar(value)}
+    for key in SGLANG_LIST_FACTS:
+        items = pick(key)
+        if isinstance(items, list) and all(isinstance(item, str) for item in items):
+            facts[key] = ",".join(items[:16])
     return ServerCapacity(
         context_window=_int(pick("context_length", "context_len", "max_model_len")),
         kv_pool_tokens=_min(_int(pick("max_total_num_tokens")), *pools.values(), *ranks.values()),

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from kvcanary.monitor.config.targets import TargetConfig
+from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.runs.execute import execute_probe
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
 from kvcanary.probes.base import ProbeResult, Verdict
@@ -223,6 +224,66 @@ def test_a_decode_server_below_the_window_is_reported_not_judged(reference: Call
     prefill = reference("--mode", "prefill", "--bootstrap-port", str(free_port()), "--prefill-pool-tokens",
                         "4096", "--context-window", "8192")  # fmt: skip
     assert audit(config(prefill.url))[0].reason == "pool_below_context_window"
+
+
+# --- PD nodes: whether their KV hand-offs are checksummed ----------------------------------------
+
+
+def test_a_pd_node_without_the_checksum_is_said_beside_its_pools_and_exported_as_0(
+    reference: Callable[..., Reference],
+) -> None:
+    plain = reference("--mode", "decode", "--decode-pool-tokens", "4096", "--context-window", "8192")
+    checked = reference("--mode", "decode", "--decode-pool-tokens", "4096", "--kv-checksum")
+    result, _ = audit(config(plain.url))
+    # A hardening gap, not a leak seen: the verdict stays the pool's, the gap is beside it.
+    assert (result.verdict, result.reason) == (Verdict.PASS, "decode_pool_not_judged")
+    assert result.evidence["kv_transfer_checksum"]["state"] == "off"
+    assert result.measurements["kv_transfer_checksum_enabled"] == 0
+    assert "KV hand-offs are not checksummed (disaggregation_enable_kv_checksum false)" in result.detail
+    on, _ = audit(config(checked.url))
+    assert (on.verdict, on.reason) == (Verdict.PASS, "decode_pool_not_judged")
+    assert on.evidence["kv_transfer_checksum"]["state"] == "on" and "checksummed" not in on.detail
+    assert on.measurements["kv_transfer_checksum_enabled"] == 1
+
+    required, _ = audit(config(plain.url, require_kv_checksum=True))
+    assert (required.verdict, required.reason) == (Verdict.MISMATCH, "kv_transfer_unverified")
+    assert required.evidence["capacity_reason"] == "decode_pool_not_judged"
+    assert audit(config(checked.url, require_kv_checksum=True))[0].verdict is Verdict.PASS
+
+    metrics = MonitorMetrics()
+    metrics.observe("t", "capacity", result, 0.1, 0.0, node="d0")
+    metrics.observe("t", "capacity", on, 0.1, 0.0, node="d1")
+    page = metrics.exposition().decode()
+    assert 'kvcanary_node_kv_transfer_checksum_enabled{node="d0",target="t"} 0.0' in page
+    assert 'kvcanary_node_kv_transfer_checksum_enabled{node="d1",target="t"} 1.0' in page
+
+
+def test_a_node_that_hands_nothing_over_a_wire_is_not_asked(reference: Callable[..., Reference]) -> None:
+    # Aggregated, and the in-process disaggregated mode whose one process holds both pools.
+    for flags in (
+        ("--kv-pool-tokens", "16384"),
+        ("--mode", "disaggregated", "--prefill-pool-tokens", "16384"),
+    ):
+        result, _ = audit(config(reference(*flags).url, require_kv_checksum=True))
+        assert result.verdict is Verdict.PASS and "kv_transfer_checksum" not in result.evidence
+        assert "kv_transfer_checksum_enabled" not in result.measurements
+
+
+def test_sglang_states_its_checksum_and_a_release_that_does_not_is_unknown() -> None:
+    info = json.loads((ENGINES / "sglang-0.5.11-decode-incident.json").read_text())
+    for stated, state in ((False, "off"), (True, "on")):
+        answer = serve_json({**info, "disaggregation_enable_kv_checksum": stated})
+        result, _ = audit(config("http://sglang.test", "sglang"), transport=answer)
+        assert result.evidence["kv_transfer_checksum"]["state"] == state, result.evidence
+    old = serve_fixture({"/server_info": "sglang-0.5.11-decode-incident.json"})
+    result, _ = audit(config("http://sglang.test", "sglang"), transport=old)
+    assert (
+        result.reason == "decode_pool_not_judged"
+        and result.evidence["kv_transfer_checksum"]["state"] == "unknown"
+    )
+    assert "kv_transfer_checksum_enabled" not in result.measurements
+    required, _ = audit(config("http://sglang.test", "sglang", require_kv_checksum=True), transport=old)
+    assert (required.verdict, required.reason) == (Verdict.ERROR, "kv_transfer_checksum_unknown")
 
 
 def test_sglangs_decode_node_states_its_pool_without_a_name() -> None:
