@@ -15,6 +15,7 @@ each verdict: ``docs/engines.md`` §3.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvcanary.probes.base import Verdict
@@ -64,6 +65,11 @@ CANONICAL: tuple[Canonical, ...] = (
     ),
     Canonical("kv_transfer_failures", "disaggregated KV transfers that failed"),
     Canonical(
+        "kv_checksum_failures",
+        "hand-offs whose K/V did not match the digest the prefill side took (a transfer checksum caught "
+        "corrupted KV and failed the request closed): the check working, on a path that corrupts",
+    ),
+    Canonical(
         "kv_lease_expiries",
         "KV a prefill node kept for its decode peer and released when the lease ran out, or a read a "
         "decode node declined as too late: the peer did not read it in time",
@@ -106,7 +112,8 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "ownership_checks": ("kvcanary_kv_ownership_checks_total",),
         "admission_rejections": ("kvcanary_admission_rejections_total",),
         "kv_read_after_release": (),
-        "kv_transfer_failures": (),
+        "kv_transfer_failures": ("kvcanary_kv_transfer_failures_total",),
+        "kv_checksum_failures": ("kvcanary_kv_transfer_checksum_failures_total",),
         "kv_lease_expiries": (),
         "kv_notification_failures": (),
         "prefill_retries": (),
@@ -127,6 +134,7 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "admission_rejections": ("vllm:admission_rejections_total",),
         "kv_read_after_release": ("vllm:nixl_num_notifications_after_expiry_total",),
         "kv_transfer_failures": ("vllm:nixl_num_failed_transfers_total",),
+        "kv_checksum_failures": (),
         "kv_lease_expiries": ("vllm:nixl_num_kv_expired_reqs_total",),
         "kv_notification_failures": ("vllm:nixl_num_failed_notifications_total",),
         "prefill_retries": (),
@@ -136,7 +144,10 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     # SGLang's srt/metrics/collector.py (2026, commit 00ae9c15), srt/observability/metrics_collector.py
     # in 0.5.23: PD transfer and bootstrap failures, prefill retries, retractions; nothing on page
-    # owners (tests/fixtures/engines/README.md). Its own KV canary (--kv-canary) only logs: the
+    # owners (tests/fixtures/engines/README.md). Its PD transfer checksum
+    # (--disaggregation-enable-kv-checksum, sglang#39500; disaggregation/decode.py in 0.5.23) counts a
+    # mismatch in num_transfer_failed_reqs_total and in no counter of its own: on SGLang the checksum's
+    # catches are read as kv_transfer_failures. Its own KV canary (--kv-canary) only logs: the
     # canary's counters are mtail's, from alerts/mtail/sglang_kv_canary.mtail on the node's log, read
     # at the node's log_metrics_url.
     "sglang": {
@@ -153,6 +164,7 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
             "sglang:num_transfer_failed_reqs_total",
             "sglang:num_bootstrap_failed_reqs_total",
         ),
+        "kv_checksum_failures": (),
         "kv_lease_expiries": (),
         "kv_notification_failures": (),
         "prefill_retries": ("sglang:num_prefill_retries_total",),
@@ -170,6 +182,7 @@ ENGINE_COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "admission_rejections": (),
         "kv_read_after_release": (),
         "kv_transfer_failures": (),
+        "kv_checksum_failures": (),
         "kv_lease_expiries": (),
         "kv_notification_failures": (),
         "prefill_retries": (),
@@ -323,3 +336,53 @@ def aborted_requests(engine: str, samples: dict[str, float]) -> float | None:
     """Return the aborts ``samples`` count for ``engine``, or None where the engine exports none."""
     name = ABORT_COUNTERS.get(engine)
     return samples.get(name) if name is not None else None
+
+
+@dataclass(frozen=True)
+class CacheTiers:
+    """How an engine counts the prompt tokens its caches served, tier by tier: one counter family
+    labelled by the tier that held them."""
+
+    sample: str
+    label: str
+    #: The tiers, nearest the accelerator first, as the engine names them.
+    order: tuple[str, ...]
+    #: Label values that name no tier (a total the engine falls back to).
+    unattributed: tuple[str, ...] = ()
+
+
+#: engine family -> its per-tier cached-token counter. vLLM 0.32.0 (v1/metrics/loggers.py,
+#: cache_hit_source.py): ``vllm:prompt_tokens_cached_by_source`` by ``source``, counted at admission,
+#: every source exported at 0 from the start. SGLang 0.5.23 (observability/metrics_collector.py):
+#: ``sglang:cached_tokens_total`` by ``cache_source`` (``device``, ``host``, ``storage`` for HiCache's
+#: L3, ``total`` where a request carried no breakdown), each series from its first hit. The reference
+#: worker: ``kvcanary_cached_tokens_by_tier_total`` by ``tier`` (docs/worker-metrics.md).
+CACHE_TIERS: dict[str, CacheTiers] = {
+    "reference": CacheTiers("kvcanary_cached_tokens_by_tier_total", "tier", ("prefix", "session", "offload")),
+    "vllm": CacheTiers(
+        "vllm:prompt_tokens_cached_by_source_total",
+        "source",
+        ("device", "host", "p2p", "disk", "external_unspecified"),
+    ),
+    "sglang": CacheTiers(
+        "sglang:cached_tokens_total", "cache_source", ("device", "host", "storage"), unattributed=("total",)
+    ),
+}
+#: What a served token counts under when the engine's series names no tier of its own.
+UNATTRIBUTED = "unattributed"
+
+
+def tier_tokens(engine: str, samples: dict[str, float]) -> dict[str, float] | None:
+    """Return the cached tokens ``samples`` count per tier of ``engine`` (a tier with no series yet
+    is absent: none served so far), or None where the engine counts none per tier."""
+    tiers = CACHE_TIERS.get(engine)
+    if tiers is None:
+        return None
+    found: dict[str, float] = {}
+    for key, value in series_of(samples, tiers.sample).items():
+        match = re.search(rf'(?:^|[{{,]){re.escape(tiers.label)}="([^"]*)"', key)
+        tier = match.group(1) if match is not None else UNATTRIBUTED
+        if tier in tiers.unattributed or tier not in tiers.order:
+            tier = UNATTRIBUTED
+        found[tier] = found.get(tier, 0.0) + value
+    return found

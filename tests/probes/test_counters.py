@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +31,7 @@ from tests.probes.probe_harness import (
     Reference,
     loopback_target,
 )
+from tests.workers.pd_support import as_gateway, pd_body, start_servers, stop_servers
 
 NODE = Node("", "aggregated", "http://w", "http://w/metrics")
 PROMPT_A = "ALICE-PAGE-CONTENT " * 30  # 570 bytes: several pages of tenant A
@@ -81,15 +83,37 @@ def test_a_clean_worker_passes_and_says_what_its_engine_does_not_expose(
     assert (first.verdict, first.reason) == (Verdict.PASS, "counters_clean")
     assert first.evidence["first_read"] is True
     assert set(first.evidence["not_exposed"]) == {
-        "corrupted_requests", "kv_read_after_release", "kv_transfer_failures", "kv_lease_expiries",
-        "kv_notification_failures", "prefill_retries", "preemptions", "engine_canary_violations",
-        "engine_canary_write_violations",
+        "corrupted_requests", "kv_read_after_release", "kv_lease_expiries", "kv_notification_failures",
+        "prefill_retries", "preemptions", "engine_canary_violations", "engine_canary_write_violations",
     }  # fmt: skip
     send(worker.url, PROMPT_A, "alice")
     second = read(worker.url, first.state)
     assert second.verdict is Verdict.PASS and second.evidence["first_read"] is False
     checks = series(second, "ownership_violations")
     assert (checks["before"], checks["after"], checks["increase"]) == (0, 0, 0)
+
+
+def test_a_corrupted_hand_off_the_checksum_refused_is_evidence_for_the_decode_node_not_a_finding(
+    tmp_path: Path,
+) -> None:
+    # The checksum caught K/V altered between two servers and failed the request closed: the
+    # engine's guard working, on a path that corrupts. Evidence for the node; no answer was wrong.
+    checksum = ("--kv-checksum", "--api-key", f"{KEYS['alice']}=alice")
+    prefills, decodes = start_servers(
+        tmp_path, {"corrupt": ("reject", *checksum, "--bug", "pd-transfer-corrupt")}, {"checking": checksum}
+    )
+    try:
+        corrupt, checking = prefills["corrupt"], decodes["checking"]
+        baseline = read(checking.url)
+        _, decode = as_gateway(corrupt, checking, pd_body(PROMPT_A, corrupt), key=KEYS["alice"])
+        assert decode.status_code == 500 and "kv_checksum_mismatch" in decode.text
+        after = read(checking.url, baseline.state)
+    finally:
+        stop_servers(prefills, decodes)
+    assert (after.verdict, after.reason) == (Verdict.PASS, "counters_clean"), after.detail
+    assert series(after, "kv_checksum_failures")["increase"] == 1
+    assert series(after, "kv_transfer_failures")["increase"] == 1
+    assert series(after, "kv_checksum_failures")["series"] == ["kvcanary_kv_transfer_checksum_failures_total"]
 
 
 def test_a_placeholder_substitution_between_reads_is_a_mismatch_with_before_and_after(
