@@ -41,6 +41,9 @@ class CompletionRequest:
     hang_up_after_seconds: float | None = None
     #: More body fields for engines that take them (``repetition_penalty``, ``stop``, ``n``).
     extra: dict[str, Any] = field(default_factory=dict)
+    #: More headers, as a gateway in front of the engine would set them (a cache salt by header:
+    #: NVIDIA Dynamo's ``x-tenant-id``); never a credential.
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -207,10 +207,13 @@ class OpenAIHttpTarget:
 
     @staticmethod
     def headers_for(request: CompletionRequest) -> dict[str, str]:
-        """The headers a completion carries besides its credential: its type, and the request's own id."""
-        if request.request_id is None:
-            return _JSON
-        return {**_JSON, "X-Request-Id": request.request_id}
+        """The headers a completion carries besides its credential: its type, the request's own id,
+        and those the probe set (a cache salt a gateway would set); ``request()`` drops any
+        ``Authorization`` among them."""
+        headers = {**request.headers, **_JSON}
+        if request.request_id is not None:
+            headers["X-Request-Id"] = request.request_id
+        return headers
 
     async def exchange(
         self, tenant: str, url: URL, body: dict[str, Any], request: CompletionRequest, state: StreamState

@@ -18,9 +18,16 @@ ever read or sent, and no marker either.
   isolated`` that is a ``leak`` (``prefix_cache_shared_across_tenants``); with ``policy: shared``
   (operators who share on purpose) a ``pass`` with reason ``shared_by_policy``, recorded, not paged.
   Deterministic: one request per tenant decides, certain either way once the control hit.
-- **Paired salt check** (same module), where the engine takes ``cache_salt`` (``salt_check``, on by
-  default for vLLM and the reference worker): same salt must hit, a different salt must not;
-  either failing is a ``mismatch``. Deterministic as well.
+- **Paired salt check** (:mod:`probes.prefix_cache.salts`), where the engine takes ``cache_salt``
+  (``salt_check``, on by default for vLLM, the reference worker and wherever a salt header is
+  known): the same salt must hit and a different salt must miss (vLLM pull request #53347: "no
+  reuse" alone also passes with caching off). A hit under another salt is a ``mismatch``; a miss
+  under the same one is an ``error`` ("cannot judge"): nothing crossed, and the other half then
+  proves nothing. Asserted tier by tier where the engine counts cached tokens per tier
+  (:mod:`probes.prefix_cache.tiers`: a tier below the accelerator's is reached by pushing the
+  prefix out of the tiers above it), and by header as by body where the engine takes the salt
+  from a header a gateway sets (``salt_header``: a body salt must never take a request out of its
+  header's domain). Deterministic as well.
 - **Timing test** (:mod:`probes.prefix_cache.timing`), where no counter is reported (hosted APIs,
   llama.cpp builds behind proxies, vLLM without ``--enable-prompt-tokens-details``): shuffled hit
   and miss trials of time to first token in up to 3 looks of ``ceil(ln(3/alpha)/min_effect^2)``
@@ -33,7 +40,9 @@ ever read or sent, and no marker either.
 ``method: auto`` starts the counter test and falls back to timing when no response reported the
 counter. Cost, ``L`` the tokens of one request (~1,033 at the default 1,024-token prefix), ``v`` the
 victim's sends (2), ``T`` the tenants: counter ``(v + T - 1) L`` and salt check ``3 L`` (6,192
-tokens spent for two tenants on the reference worker, 5,839 on vLLM with a 959-token prefix);
+tokens spent for two tenants on the reference worker, 5,839 on vLLM with a 959-token prefix), ``4 L``
+more with a salt header, and per lower tier reached the fresh prompts that empty the tiers above it
+(a session ring's slots plus one, a KV pool's tokens) and ``2 L``;
 timing at most ``looks n (v + 3) L`` (about 1.22 M tokens at 3 looks of n = 79; a run stops at the
 first look that decides), plus the counter attempt (``v L``) under ``auto``.
 A plan over ``max_tokens_per_run`` is an ``error`` before the first request, not a silent skip;
@@ -48,17 +57,17 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from kvcanary.probes.base import Probe, ProbeContext, ProbeOptions, ProbeResult, Verdict
-from kvcanary.probes.prefix_cache.counter import (
-    UNOBSERVABLE,
-    UNOBSERVABLE_DETAIL,
-    run_counter,
-    run_salt_check,
-)
+from kvcanary.probes.prefix_cache.counter import UNOBSERVABLE, UNOBSERVABLE_DETAIL, run_counter
 from kvcanary.probes.prefix_cache.prompts import PromptSize, size_prefix
+from kvcanary.probes.prefix_cache.salts import SaltCheck, run_salt_check
+from kvcanary.probes.prefix_cache.tiers import TierView, tier_view
 from kvcanary.probes.prefix_cache.timing import judge_timing, plan_timing, run_timing
+from kvcanary.probes.target import ServerCapacity
 
 #: Engines that take vLLM's ``cache_salt`` request field: the salt check runs there by default.
 SALT_ENGINES = ("vllm", "reference")
+#: An HTTP header name (RFC 9110's token characters).
+_HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$"
 _SEVERITY = {Verdict.PASS: 0, Verdict.ERROR: 1, Verdict.MISMATCH: 2, Verdict.LEAK: 3}
 
 
@@ -75,8 +84,11 @@ class PrefixCacheOptions(ProbeOptions):
     #: The KS D+ the timing test must detect; it sets the trials per arm.
     min_effect: float = Field(0.5, gt=0, le=1)
     max_samples: int = Field(256, ge=5, le=2000)
-    #: None: on for the engines in SALT_ENGINES.
+    #: None: on for the engines in SALT_ENGINES, and wherever a salt header is known.
     salt_check: bool | None = None
+    #: The header a gateway sets the salt in (``x-tenant-id`` for NVIDIA Dynamo); None: the one the
+    #: node states (the reference worker's ``cache_salt_header``), if any.
+    salt_header: str | None = Field(None, pattern=_HEADER_NAME)
     #: Room for every look of the default timing plan (about 1.22 M tokens at a 1,024-token prefix).
     max_tokens_per_run: int = Field(1_500_000, ge=1)
     #: Raw completions by default: their first page is the prompt's own noise, never a template.
@@ -99,7 +111,8 @@ class PrefixCacheProbe(Probe):
             return ProbeResult.error("bad_options", str(exc.errors()[0]["msg"]))
         if len(ctx.tenants) < 2:
             return ProbeResult.error("too_few_tenants", "a cross-tenant audit needs at least two tenants")
-        size = await size_prefix(ctx, opts.prefix_tokens)
+        capacity = await ctx.target.capacity()
+        size = await size_prefix(ctx, opts.prefix_tokens, capacity)
         if isinstance(size, str):
             return ProbeResult.error("prefix_cannot_fit", size)
         victim = secrets.choice(ctx.tenants)
@@ -113,7 +126,7 @@ class PrefixCacheProbe(Probe):
         if opts.method == "timing":
             result = await _timing(ctx, opts, size, victim, others, base)
         else:
-            result = await _counter(ctx, opts, size, victim, others, base)
+            result = await _counter(ctx, opts, size, victim, others, base, capacity)
         return _finish(ctx, opts, base, result)
 
 
@@ -124,14 +137,22 @@ async def _counter(
     victim: str,
     others: list[str],
     base: dict[str, Any],
+    capacity: ServerCapacity | None,
 ) -> ProbeResult:
     """Run the counter test and the salt check; fall back to timing under ``auto`` when the engine
     reports no counter. ``base`` (the run's evidence) is filled as the checks go."""
-    salt = opts.salt_check if opts.salt_check is not None else ctx.target.engine in SALT_ENGINES
-    requests = max(2, opts.victim_requests) + len(others) * (2 if opts.chat else 1) + (3 if salt else 0)
+    header = opts.salt_header or (capacity.facts.get("cache_salt_header") if capacity else None)
+    salt = (
+        opts.salt_check if opts.salt_check is not None else ctx.target.engine in SALT_ENGINES or bool(header)
+    )
+    requests = max(2, opts.victim_requests) + len(others) * (2 if opts.chat else 1)
+    requests += (3 + (4 if header else 0)) if salt else 0
     base["tokens_planned"] = requests * size.request_tokens
     if base["tokens_planned"] > opts.max_tokens_per_run:
         return _over_budget("the counter test", base["tokens_planned"], opts)
+    view = await tier_view(ctx, capacity, size.request_tokens) if salt else None
+    reach = _reach(view, size, opts.max_tokens_per_run - base["tokens_planned"])
+    base["tokens_planned"] += sum(_tier_cost(view, tier) for tier in reach) * size.request_tokens
     run = await run_counter(
         ctx, victim, others, size, victim_requests=opts.victim_requests, chat=opts.chat, policy=opts.policy
     )
@@ -149,9 +170,33 @@ async def _counter(
     if run.result.verdict is Verdict.ERROR:
         base["salt_check"] = {"verdict": "skipped", "reason": "the counter test could not judge"}
         return _bare(run.result)
-    checked = await run_salt_check(ctx, victim, size, chat=opts.chat)
+    check = SaltCheck(ctx, victim, size, opts.chat, view, header, reach)
+    checked = await run_salt_check(check)
     base["salt_check"] = {**_summary(checked), **checked.evidence}
     return _worst(run.result, checked)
+
+
+def _tier_cost(view: TierView | None, tier: str) -> int:
+    """Return the requests that reach ``tier``: the fresh prompts that empty the tiers above it, and two."""
+    assert view is not None
+    return max(view.churn[t] for t in view.present[: view.present.index(tier)]) + 2
+
+
+def _reach(view: TierView | None, size: PromptSize, budget: int) -> tuple[str, ...]:
+    """Return the tiers below the first that the check can reach on purpose within ``budget`` tokens:
+    those whose every tier above has a known size."""
+    if view is None:
+        return ()
+    reach: list[str] = []
+    for i, tier in enumerate(view.present[1:], start=1):
+        if any(t not in view.churn for t in view.present[:i]):
+            break
+        cost = _tier_cost(view, tier) * size.request_tokens
+        if cost > budget:
+            break
+        reach.append(tier)
+        budget -= cost
+    return tuple(reach)
 
 
 async def _timing(

@@ -1,6 +1,6 @@
-"""The counter test and the paired salt check of the ``prefix_cache`` probe.
+"""The counter test of the ``prefix_cache`` probe.
 
-Both read ``usage.prompt_tokens_details.cached_tokens``, which vLLM (with
+It reads ``usage.prompt_tokens_details.cached_tokens``, which vLLM (with
 ``--enable-prompt-tokens-details``), SGLang (with ``--enable-cache-report``), llama.cpp, OpenAI and
 the reference worker report. vLLM and SGLang omit the field when it is 0, so an absent field means
 "not reported" only when no response of the run carried it; once one did, absent is 0.
@@ -18,11 +18,8 @@ Counter test, one fresh random prefix P (:mod:`probes.prefix_cache.prompts`):
 The answer is deterministic: no sampling, no statistics. ``(v + tenants - 1)`` requests of one
 prefix each (plus one more per other tenant in chat mode).
 
-Paired salt check (vLLM's ``cache_salt``; docs/detection-research.md §2): one tenant sends a fresh
-prefix with salt S1, again with S1 (must hit: the salt must not break caching) and once with S2
-(must not hit: the salt must separate). "No hit" alone would also pass with caching off, hence the
-pair. An engine, connector or router that drops the salt fails the second half (LMCache #4825,
-llm-d #1389). Three requests.
+The paired salt check, which runs once this test's control has hit, is
+:mod:`probes.prefix_cache.salts`.
 """
 
 from __future__ import annotations
@@ -38,7 +35,6 @@ from kvcanary.probes.prefix_cache.prompts import (
     failure,
     fresh_text,
     row,
-    salt,
     with_tail,
 )
 from kvcanary.probes.target import Completion
@@ -149,40 +145,3 @@ def judge_counter(
             Verdict.PASS, SHARED_BY_POLICY, f"{detail} (shared by policy)", evidence, measurements
         )
     return ProbeResult(Verdict.LEAK, LEAK_REASON, detail, evidence, measurements)
-
-
-async def run_salt_check(ctx: ProbeContext, tenant: str, size: PromptSize, *, chat: bool) -> ProbeResult:
-    """Run the paired salt check as ``tenant``: same salt must hit, a different salt must not.
-
-    Call it only once caching is known to work and be reported (the counter test's control).
-    """
-    prefix, first, second = fresh_text(size.letters), salt(), salt()
-    rows: list[dict[str, Any]] = []
-    sends: list[Completion] = []
-    for role, s in (("salt_cold", first), ("salt_same", first), ("salt_other", second)):
-        c = await _send(ctx, tenant, with_tail(prefix), chat, cache_salt=s)
-        rows.append(row(role, tenant, c))
-        if (failed := _failed(rows, c, f"the {role} request")) is not None:
-            if failed.reason == "refused":
-                failed.reason = "cache_salt_refused"
-                failed.detail = f"the engine refused cache_salt: {c.error}"
-            return failed
-        sends.append(c)
-    same, other = (cached(c) - cached(sends[0]) for c in sends[1:])
-    evidence = {
-        "tenant": tenant,
-        "same_salt_gain_tokens": same,
-        "other_salt_gain_tokens": other,
-        "requests": rows,
-    }
-    measurements = {"salt_same_cached_tokens": float(same), "salt_other_cached_tokens": float(other)}
-    if other > 0:
-        detail = f"a different cache_salt still hit {other} cached tokens: the salt is dropped or ignored"
-        return ProbeResult(Verdict.MISMATCH, "cache_salt_ignored", detail, evidence, measurements)
-    if same < size.hit_tokens:
-        detail = (
-            f"the same cache_salt gained only {same} cached tokens while caching works: salts break reuse"
-        )
-        return ProbeResult(Verdict.MISMATCH, "cache_salt_same_missed", detail, evidence, measurements)
-    detail = f"the same salt hit ({same} tokens), a different one did not"
-    return ProbeResult(Verdict.PASS, "cache_salt_honoured", detail, evidence, measurements)

@@ -119,6 +119,112 @@ def test_it_passes_a_per_tenant_cache_whose_salts_are_honoured(workers: Callable
     salt = result.evidence["salt_check"]
     assert (salt["verdict"], salt["other_salt_gain_tokens"]) == ("pass", 0)
     assert salt["same_salt_gain_tokens"] >= 1008
+    # The worker counts its hits by tier: the one it has, the prefix cache's pages, was judged.
+    assert salt["tier_reading"]["present"] == ["prefix"]
+    assert salt["tiers"]["prefix"]["verdict"] == "honoured"
+    assert salt["tiers"]["prefix"]["same_salt_tokens"] == salt["same_salt_gain_tokens"]
+    assert all(r["tiers_attributed"] for r in salt["requests"])
+
+
+def test_a_salt_header_the_engine_does_not_read_is_caught_when_the_operator_says_it_does(
+    workers: Callable[[str], Reference],
+) -> None:
+    # The worker takes no salt header: every header request shares one unsalted domain, so its own
+    # repeat hits (the half that can pass) and another header's request hits too; and the body's salt
+    # decides the domain of a request that sends both (nothing else does).
+    result = run_prefix(workers("per-tenant").target, salt_header="x-tenant-id")
+    assert (result.verdict, result.reason) == (Verdict.MISMATCH, "cache_salt_header_ignored"), result.detail
+    salt = result.evidence["salt_check"]
+    assert salt["salt_header"] == "x-tenant-id"
+    assert set(salt["findings"]) == {"cache_salt_header_ignored", "cache_salt_body_overrides_header"}
+    roles = [r["role"] for r in salt["requests"]]
+    assert roles[-4:] == ["header_cold", "header_same", "header_other", "header_forged"]
+
+
+# --- salts tier by tier and by header, on workers with a session cache and a salt header ------------------
+
+SESSION = ("--session-cache", "4")
+SALT_HEADER = ("--cache-salt-header", "x-tenant-id")
+SALT_WORKERS = {
+    "session": (*SESSION, *SALT_HEADER),
+    "offload-salt-dropped": (*SESSION, "--bug", "offload-salt-dropped"),
+    "salt-body-over-header": ("--prefix-cache", "per-tenant", *SALT_HEADER, "--bug", "salt-body-over-header"),
+}
+
+
+@pytest.fixture(scope="module")
+def salt_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Reference]]:
+    """Return a worker of ``SALT_WORKERS`` by name, started on first use, stopped after the module."""
+    started: dict[str, WorkerProcess] = {}
+    log_dir = tmp_path_factory.mktemp("salt-workers")
+
+    def get(name: str) -> Reference:
+        if name not in started:
+            started[name] = wait_worker(launch_worker([*SALT_WORKERS[name], *KEY_FLAGS], log_dir))
+        return Reference(started[name].url)
+
+    yield get
+    for worker in started.values():
+        worker.stop()
+
+
+def test_a_salt_honoured_in_the_ring_and_in_the_offload_tier_passes_each_tier_on_its_own(
+    salt_workers: Callable[[str], Reference],
+) -> None:
+    # The session cache keys by salt, not tenant: shared across tenants on purpose (policy shared).
+    result = run_prefix(salt_workers("session").target, policy="shared")
+    assert (result.verdict, result.reason) == (Verdict.PASS, "shared_by_policy"), result.detail
+    salt = result.evidence["salt_check"]
+    assert (salt["verdict"], salt["reason"]) == ("pass", "cache_salt_honoured"), salt["detail"]
+    assert salt["tier_reading"]["present"] == ["session", "offload"]
+    assert {t: r["verdict"] for t, r in salt["tiers"].items()} == {
+        "session": "honoured",
+        "offload": "honoured",
+    }
+    assert salt["tiers"]["offload"]["same_salt_tokens"] >= 1008
+    # The offload tier was reached by pushing the prefix out of the ring (4 slots, and one more).
+    roles = [r["role"] for r in salt["requests"]]
+    assert sum(role.startswith("churn_offload_") for role in roles) == 5
+    assert roles.index("offload_other") < roles.index("offload_same") < roles.index("header_cold")
+    assert "in every tier (session, offload) by body and by header" in salt["detail"]
+    assert result.measurements["tokens_spent"] <= result.measurements["tokens_planned"] * 1.05
+
+
+def test_a_tier_that_drops_the_salt_the_ring_above_it_honours_is_caught_in_that_tier(
+    salt_workers: Callable[[str], Reference],
+) -> None:
+    result = run_prefix(salt_workers("offload-salt-dropped").target, policy="shared")
+    assert (result.verdict, result.reason) == (Verdict.MISMATCH, "cache_salt_ignored"), result.detail
+    salt = result.evidence["salt_check"]
+    assert salt["tiers"]["session"]["verdict"] == "honoured"
+    assert salt["tiers"]["offload"]["verdict"] == "ignored"
+    assert salt["tiers"]["offload"]["other_salt_tokens"] >= 1008
+    assert "served by offload" in result.detail
+
+
+def test_a_tier_the_budget_cannot_reach_is_not_judged_and_the_run_cannot_pass(
+    salt_workers: Callable[[str], Reference],
+) -> None:
+    # Room for the counter test and the salt check by body and header, not for emptying the ring.
+    result = run_prefix(salt_workers("session").target, policy="shared", max_tokens_per_run=12_000)
+    assert (result.verdict, result.reason) == (Verdict.ERROR, "cache_tier_not_exercised"), result.detail
+    salt = result.evidence["salt_check"]
+    assert salt["tiers"]["offload"]["verdict"] == "not_exercised"
+    assert not any(r["role"].startswith("churn") for r in salt["requests"])
+    assert "within the run's budget" in result.detail
+
+
+def test_a_body_salt_that_overrides_the_gateways_header_is_a_mismatch(
+    salt_workers: Callable[[str], Reference],
+) -> None:
+    result = run_prefix(salt_workers("salt-body-over-header").target)
+    assert (result.verdict, result.reason) == (Verdict.MISMATCH, "cache_salt_body_overrides_header"), (
+        result.detail
+    )
+    salt = result.evidence["salt_check"]
+    forged = next(r for r in salt["requests"] if r["role"] == "header_forged")
+    assert forged["cached_tokens"] >= 1008 and forged["tiers"] == {"prefix": forged["cached_tokens"]}
+    assert set(salt["findings"]) == {"cache_salt_body_overrides_header"}
 
 
 def test_it_records_cross_tenant_hits_as_a_pass_under_the_shared_policy(
@@ -262,9 +368,13 @@ def test_it_reports_a_mismatch_when_the_engine_ignores_cache_salt() -> None:
     assert result.evidence["salt_check"]["other_salt_gain_tokens"] > 0
 
 
-def test_it_reports_a_mismatch_when_a_salt_stops_even_its_own_requests_hitting() -> None:
+def test_it_cannot_judge_a_salt_whose_own_requests_never_hit() -> None:
+    # Caching works (the counter test's control hit), salted requests are never reused: nothing
+    # crossed, and a miss under another salt proves nothing, so the half cannot be judged.
     result = fake_run(FakeEngine(reply=ScriptedCache(salts="never_hit")))
-    assert (result.verdict, result.reason) == (Verdict.MISMATCH, "cache_salt_same_missed"), result.detail
+    assert (result.verdict, result.reason) == (Verdict.ERROR, "cache_salt_same_missed"), result.detail
+    assert "cannot judge" in result.detail
+    assert result.evidence["counter"]["verdict"] == "pass"
 
 
 def test_it_says_error_when_the_engine_refuses_cache_salt() -> None:

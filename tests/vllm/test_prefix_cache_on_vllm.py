@@ -4,7 +4,9 @@
   test must find it, a ``leak``.
 - Behind ``salt_gateway.py``, which sets a per-tenant secret ``cache_salt`` from each API key, the
   tenants are isolated: the probe must ``pass``.
-- The paired salt check (same salt hits, a different salt does not) passes on vLLM either way.
+- The paired salt check (same salt hits, a different salt does not) passes on vLLM either way; on
+  the plain server it reads which tier served each request from
+  ``vllm:prompt_tokens_cached_by_source_total`` (the device tier, the only one a CPU build has).
 
 The server is started with ``--enable-prompt-tokens-details`` (without it vLLM reports no
 ``cached_tokens`` and ``auto`` would fall back to timing) and 32-token blocks; its 1,024-token
@@ -94,6 +96,19 @@ def test_the_paired_salt_check_passes_on_vllm(plain: ProbeResult, salted: ProbeR
         salt = result.evidence["salt_check"]
         assert (salt["verdict"], salt["reason"]) == ("pass", "cache_salt_honoured"), salt["detail"]
         assert salt["other_salt_gain_tokens"] == 0 and salt["same_salt_gain_tokens"] > 0
+
+
+def test_vllm_counts_the_salted_hit_in_its_device_tier_and_the_check_judges_that_tier(
+    plain: ProbeResult,
+) -> None:
+    # vllm:prompt_tokens_cached_by_source_total{source} moves by what each answer's cached_tokens
+    # says: the same salt's hit is the device tier's, the only tier this server has.
+    salt = plain.evidence["salt_check"]
+    assert salt["tier_reading"]["present"] == ["device"]
+    assert salt["tiers"] == {
+        "device": {"present": True, "verdict": "honoured", "same_salt_tokens": salt["same_salt_gain_tokens"]}
+    }
+    assert all(r["tiers_attributed"] for r in salt["requests"]), salt["requests"]
 
 
 def test_vllm_behind_a_per_tenant_salt_gateway_isolates_tenants(
