@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcanary.probes.base import ProbeContext, ProbeResult, Verdict
+from kvcanary.probes.engine_counters import UNATTRIBUTED
 from kvcanary.probes.prefix_cache.prompts import (
     PromptSize,
     cache_request,
@@ -82,9 +83,9 @@ class SaltCheck:
         if header is not None and self.header is not None:
             request.headers = {self.header: header}
         c = await self.ctx.complete(self.tenant, request)
-        served = (
-            await served_by(self.ctx, view, before, cached(c)) if view is not None else Served(None, False)
-        )
+        served = Served(None, False)
+        if view is not None:
+            served = (await served_by(self.ctx, view, before, cached(c))).or_only_tier(view, cached(c))
         self.rows.append({**row(role, self.tenant, c), **served.evidence()})
         why = failure(c)
         if why is None:
@@ -226,7 +227,7 @@ def _verdict(check: SaltCheck, gains: tuple[int, int] | None) -> ProbeResult:
             f"there; {_reachable(check, unreached)})"
         )
         return ProbeResult(Verdict.ERROR, "cache_tier_not_exercised", detail, evidence, measurements)
-    judged = [t for t, record in check.tiers.items() if record["verdict"] == "honoured"]
+    judged = [t for t, r in check.tiers.items() if r["verdict"] == "honoured" and t != UNATTRIBUTED]
     where = f" in every tier ({', '.join(judged)})" if judged else ""
     by = " by body and by header" if check.header is not None else ""
     detail = f"the same salt hit ({same} tokens) and a different one did not{where}{by}"
@@ -235,6 +236,12 @@ def _verdict(check: SaltCheck, gains: tuple[int, int] | None) -> ProbeResult:
 
 def _reachable(check: SaltCheck, unreached: list[str]) -> str:
     """Say why ``unreached`` tiers were not judged."""
+    busy = sum(not r["tiers_attributed"] for r in check.rows)
+    if busy:
+        return (
+            f"{busy} of {len(check.rows)} requests' tiers could not be told apart: the engine's counters "
+            "moved by more than the request's own hits (other traffic)"
+        )
     if all(t in check.reach for t in unreached):
         return "pushing the prefix out of the tiers above did not bring it there"
     return "the tiers above it cannot be emptied within the run's budget, or how much they hold is not known"

@@ -12,7 +12,8 @@ Why the reading is sound: a request's tiers are believed only when they add up t
 ``cached_tokens`` the answer itself reported (``attributed``); the pages are read again for up to
 :data:`SETTLE_SECONDS` for a counter that moves after the answer. Another client's hits between the
 two reads make the sum too large: the tiers are then not attributed, and judge nothing (the answer's
-own count still does). Which tiers a node has comes from what it states (the reference worker's
+own count still does), unless the node has one tier, every hit of which is that tier's. Which
+tiers a node has comes from what it states (the reference worker's
 ``cache_tiers``, SGLang's HiCache settings) and from its counters: a tier whose counter ever moved.
 """
 
@@ -60,13 +61,23 @@ class Served:
 
     tiers: dict[str, int] | None
     attributed: bool
+    #: Attributed without the counters' word: a node with one tier, where every hit is that tier's.
+    inferred: bool = False
 
     def tokens(self, tier: str) -> int:
         """Return the tokens ``tier`` served (0 when not attributed: such a reading judges nothing)."""
         return (self.tiers or {}).get(tier, 0) if self.attributed else 0
 
     def evidence(self) -> dict[str, Any]:
-        return {"tiers": self.tiers, "tiers_attributed": self.attributed}
+        return {"tiers": self.tiers, "tiers_attributed": self.attributed, "tiers_inferred": self.inferred}
+
+    def or_only_tier(self, view: TierView, cached: int) -> Served:
+        """Return this reading, or, where it could not be attributed (another client's hits moved the
+        counters between its two reads) and the node has one tier, that tier's: nothing else can
+        have served the request."""
+        if self.attributed or len(view.present) != 1:
+            return self
+        return Served({view.present[0]: cached} if cached else {}, True, inferred=True)
 
 
 async def tier_view(

@@ -24,7 +24,7 @@ from kvcanary.probes.prefix_cache import PrefixCacheOptions, PrefixCacheProbe
 from kvcanary.probes.prefix_cache.prompts import PromptSize
 from kvcanary.probes.prefix_cache.timing import plan_timing
 from kvcanary.probes.stats import exact_pvalue
-from tests.probes.probe_harness import Call, FakeEngine, Reference, answer, error
+from tests.probes.probe_harness import REFERENCE_INFO, Call, FakeEngine, Reference, answer, error
 from tests.support import WorkerProcess, launch_worker, wait_worker
 from tests.support.worker_keys import KEY_FLAGS
 
@@ -375,6 +375,64 @@ def test_it_cannot_judge_a_salt_whose_own_requests_never_hit() -> None:
     assert (result.verdict, result.reason) == (Verdict.ERROR, "cache_salt_same_missed"), result.detail
     assert "cannot judge" in result.detail
     assert result.evidence["counter"]["verdict"] == "pass"
+
+
+@dataclass
+class TieredEngine(FakeEngine):
+    """A scripted cache whose /metrics counts its hits in SGLang's per-tier counter, all in the device
+    tier, plus ``busy`` tokens at every reading: another client's hits between two reads."""
+
+    busy: int = 0
+    hits: float = 0.0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            self.hits += self.busy
+            return httpx.Response(
+                200, text=f'sglang:cached_tokens_total{{cache_source="device"}} {self.hits}\n'
+            )
+        response = await super().__call__(request)
+        if request.url.path.endswith("completions"):
+            details = json.loads(response.content)["usage"].get("prompt_tokens_details") or {}
+            self.hits += details.get("cached_tokens") or 0
+        return response
+
+
+def tiered(busy: int = 0, **info: Any) -> TieredEngine:
+    return TieredEngine(reply=ScriptedCache(), busy=busy, info={**REFERENCE_INFO, **info})
+
+
+def test_a_tier_reading_is_believed_only_when_it_adds_up_to_the_answers_own_count() -> None:
+    quiet = fake_run(tiered(), engine="sglang", salt_check=True)
+    salt = quiet.evidence["salt_check"]
+    assert (salt["verdict"], salt["tiers"]["device"]["verdict"]) == ("pass", "honoured"), salt["detail"]
+    assert all(r["tiers_attributed"] and not r["tiers_inferred"] for r in salt["requests"])
+    # Another client's hits move the counter too: a node with one tier still has every hit in it.
+    busy = fake_run(tiered(busy=100), engine="sglang", salt_check=True)
+    salt = busy.evidence["salt_check"]
+    assert (salt["verdict"], salt["tiers"]["device"]["verdict"]) == ("pass", "honoured"), salt["detail"]
+    assert all(r["tiers_inferred"] for r in salt["requests"])
+
+
+def test_with_two_tiers_a_busy_or_unreachable_lower_tier_cannot_pass() -> None:
+    # HiCache's host tier is stated; this cache never moves a prefix there, and pushing the device
+    # pool (1,024 tokens) out brings nothing to it: the host tier is never judged.
+    quiet = fake_run(tiered(enable_hierarchical_cache=True), engine="sglang", salt_check=True)
+    assert (quiet.verdict, quiet.reason) == (Verdict.ERROR, "cache_tier_not_exercised"), quiet.detail
+    salt = quiet.evidence["salt_check"]
+    assert salt["tier_reading"]["present"] == ["device", "host"]
+    assert {t: r["verdict"] for t, r in salt["tiers"].items()} == {
+        "device": "honoured",
+        "host": "not_exercised",
+    }
+    assert (
+        sum(r["role"].startswith("churn_host_") for r in salt["requests"])
+        == salt["tier_reading"]["churn_requests"]["device"]
+    )
+    assert "did not bring it there" in quiet.detail
+    busy = fake_run(tiered(busy=100, enable_hierarchical_cache=True), engine="sglang", salt_check=True)
+    assert (busy.verdict, busy.reason) == (Verdict.ERROR, "cache_tier_not_exercised"), busy.detail
+    assert "could not be told apart" in busy.detail
 
 
 def test_it_says_error_when_the_engine_refuses_cache_salt() -> None:
