@@ -20,6 +20,9 @@ configuration facts, see ``monitor/targets/capacity.py``) with entries that each
 - Defects the operator accepted (``ignore``) are recorded in the evidence, not judged.
 - The check cannot see a backported fix (use ``ignore``) nor a gateway that drops vLLM's
   ``cache_salt`` on a fixed release (the prefix_cache probe's salt check does).
+- Whether a PD node checksums its KV hand-offs (SGLang's ``disaggregation_enable_kv_checksum``,
+  present in 0.5.23, off by default) is a setting, not a release's defect: the ``capacity`` audit,
+  which reads every setting a node states each minute, says it, beside the pool's verdict.
 """
 
 from __future__ import annotations
