@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from kvcanary.monitor.commands.processes import free_port
+from kvcanary.processes import free_port
 from kvcanary.workers.cli import main
 from kvcanary.workers.pd_transfer import (
     BootstrapServer,
