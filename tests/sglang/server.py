@@ -114,6 +114,9 @@ def server_argv(python: Path, port: int, *extra: str) -> list[str]:
         "--enable-metrics",
         # Fills usage.prompt_tokens_details.cached_tokens, which shows radix-cache hits.
         "--enable-cache-report",
+        # Idle, the scheduler sleeps instead of spinning: the server lives through the whole suite,
+        # and a spinning one took half of this 2-core machine from every other test.
+        "--sleep-on-idle",
         "--host", "127.0.0.1",
         "--port", str(port),
         *extra,
