@@ -18,30 +18,40 @@ MAX_LINES = 6
 MAX_RECORDS = 3
 
 
-def account(evidence: Mapping[str, Any]) -> list[str]:
-    """Return at most ``MAX_LINES`` short lines telling ``evidence``, in the order a reader needs them."""
+def account(evidence: Mapping[str, Any], target: str | None = None) -> list[str]:
+    """Return at most ``MAX_LINES`` short lines telling ``evidence``, in the order a reader needs them.
+    ``target`` is the result's own target: a marker of it is not named by it again."""
     lines: list[str] = []
     for tell in _TELLERS:
-        lines += tell(evidence)
+        lines += tell(evidence, target)
     return lines[:MAX_LINES]
 
 
-def _leaks(evidence: Mapping[str, Any]) -> Iterable[str]:
+def tells_sizes(evidence: Mapping[str, Any]) -> bool:
+    """Whether the account says the sizes sent and reported (the page's figures then need not)."""
+    return bool(_sizes(evidence, None))
+
+
+def _leaks(evidence: Mapping[str, Any], target: str | None) -> Iterable[str]:
     leaks = [leak for leak in evidence.get("leaks") or [] if isinstance(leak, dict)]
     if not leaks:
         return []
     told = [
         f"marker {leak.get('marker_id', '?')} of {leak.get('owner_tenant', '?')}"
-        + (f" ({leak['owner_target']})" if leak.get("owner_target") else "")
+        + (f" ({leak['owner_target']})" if leak.get("owner_target") not in (None, "", target) else "")
         + f" came back to {leak.get('reader_tenant', '?')}"
         for leak in leaks[:MAX_RECORDS]
     ]
     count, times = evidence.get("leak_count", len(leaks)), evidence.get("leak_occurrences")
-    more = f"; {count} marker(s) in all" + (f", {times} time(s)" if times else "") if count else ""
+    times = times if isinstance(times, int) and not isinstance(times, bool) else None
+    if isinstance(count, int) and count > len(told):  # some untold: say how many in all
+        more = f"; {count} markers in all" + (f", {_n(times)} times" if times else "")
+    else:  # every marker told: only how often, where more than once each
+        more = f" ({_n(times)} times)" if times and times > len(told) else ""
     return ["; ".join(told) + more]
 
 
-def _sizes(evidence: Mapping[str, Any]) -> Iterable[str]:
+def _sizes(evidence: Mapping[str, Any], target: str | None = None) -> Iterable[str]:
     sent, reported = evidence.get("prompt_tokens_sent"), evidence.get("prompt_tokens_reported")
     status = evidence.get("status_code")
     if sent is None and reported is None:
@@ -55,10 +65,13 @@ def _sizes(evidence: Mapping[str, Any]) -> Iterable[str]:
             first.get("status_code"),
         )
     answered = f"HTTP {status}: " if status is not None else ""
-    return [f"{answered}prompt of {_n(sent)} tokens sent, {_n(reported)} reported by the engine"]
+    told = f"prompt of {_n(sent)} tokens sent" if sent is not None else "prompt of unknown size sent"
+    # A refusal reports no count: "None reported" read as a figure.
+    engine = f"{_n(reported)} reported by the engine" if reported is not None else "no count from the engine"
+    return [f"{answered}{told}, {engine}"]
 
 
-def _capacity(evidence: Mapping[str, Any]) -> Iterable[str]:
+def _capacity(evidence: Mapping[str, Any], target: str | None) -> Iterable[str]:
     capacity = evidence.get("capacity")
     facts = capacity if isinstance(capacity, dict) else evidence
     window = facts.get("context_window")
@@ -70,10 +83,11 @@ def _capacity(evidence: Mapping[str, Any]) -> Iterable[str]:
     held = ", ".join(f"{name} {_n(size)}" for name, size in pools.items()) or (
         _n(pool) if pool is not None else "unknown"
     )
-    return [f"KV pool {held} tokens against a context window of {_n(window)}"]
+    pooled = f"KV pool{'s' if len(pools) > 1 else ''}: {held} tokens"
+    return [pooled + (f"; context window {_n(window)} tokens" if window is not None else "")]
 
 
-def _records(evidence: Mapping[str, Any]) -> Iterable[str]:
+def _records(evidence: Mapping[str, Any], target: str | None) -> Iterable[str]:
     records = [r for r in evidence.get("records") or [] if isinstance(r, dict)]
     if not records:
         return []
@@ -89,7 +103,7 @@ def _record(r: Mapping[str, Any]) -> str:
     return f"request {request} of {r.get('caller') or 'an unnamed caller'}{why}"
 
 
-def _path(evidence: Mapping[str, Any]) -> Iterable[str]:
+def _path(evidence: Mapping[str, Any], target: str | None) -> Iterable[str]:
     path = evidence.get("path")
     if isinstance(path, dict) and {"prefill", "decode"} <= path.keys():
         return [f"sent down prefill {path['prefill']} → decode {path['decode']}"]
@@ -101,6 +115,6 @@ def _n(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
-_TELLERS: tuple[Callable[[Mapping[str, Any]], Iterable[str]], ...] = (
+_TELLERS: tuple[Callable[[Mapping[str, Any], str | None], Iterable[str]], ...] = (
     _leaks, _records, _sizes, _capacity, _path,
 )  # fmt: skip

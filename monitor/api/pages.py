@@ -35,7 +35,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from kvcanary.monitor.api import statuses
 from kvcanary.monitor.api.blast import page_radius
 from kvcanary.monitor.api.deps import MAX_ID, SessionDep, token_matches
-from kvcanary.monitor.api.evidence_account import account
+from kvcanary.monitor.api.evidence_account import account, tells_sizes
 from kvcanary.monitor.api.state import api_state
 from kvcanary.monitor.blast.chart import chart_of
 from kvcanary.monitor.containment.rules import changes_since
@@ -129,7 +129,10 @@ def render(
     ``quarantine`` the target's quarantine changes since it opened."""
     i = detail.incident
     series = (blast or {}).get("series") or {}
-    chart = chart_of(series["counts"], series["start"], series["bucket_seconds"]) if series else None
+    chart = None
+    if series and blast is not None:  # drawn over the window, which its last bucket may pass
+        end = blast["window"]["end"]
+        chart = chart_of(series["counts"], series["start"], series["bucket_seconds"], end)
     return _PAGE.render(
         blast=blast,
         blast_error=blast_error or "no blast radius was asked for",
@@ -178,6 +181,7 @@ def _delivery(e: Any) -> str:
 class _Shown:
     """One result as the page shows it. Text only: the template escapes every field."""
 
+    id: int  # its anchor on the page (``#result-ID``)
     started_at: datetime
     verdict: str
     reason: str
@@ -193,17 +197,20 @@ def _shown(r: Any) -> _Shown:
     if has_excerpts(evidence):
         evidence = without_excerpts(evidence, "left out of this page")
     shown = json.dumps(evidence, indent=1, sort_keys=True, default=str) if evidence else ""
-    return _Shown(r.started_at, r.verdict, r.reason, r.detail, _figures(r), account(evidence), shown)
+    told = account(evidence, getattr(r, "target", None))
+    figures = _figures(r, tells_sizes(evidence))
+    return _Shown(r.id, r.started_at, r.verdict, r.reason, r.detail, figures, told, shown)
 
 
-def _figures(r: Any) -> str:
-    named = [
-        ("HTTP", r.status_code),
-        ("prompt tokens sent", r.prompt_tokens_sent),
-        ("reported", r.prompt_tokens_reported),
-        ("latency s", None if r.latency_seconds is None else f"{r.latency_seconds:.2f}"),
-    ]
-    return " · ".join(f"{name} {value}" for name, value in named if value is not None)
+def _figures(r: Any, sizes_told: bool) -> str:
+    """The result's own figures, less those its evidence's account already says (``sizes_told``)."""
+    named = [] if sizes_told else [
+        None if r.status_code is None else f"HTTP {r.status_code}",
+        None if r.prompt_tokens_sent is None else f"{r.prompt_tokens_sent:,} prompt tokens sent",
+        None if r.prompt_tokens_reported is None else f"{r.prompt_tokens_reported:,} reported",
+    ]  # fmt: skip
+    named.append(None if r.latency_seconds is None else f"latency {r.latency_seconds:.2f} s")
+    return " · ".join(figure for figure in named if figure is not None)
 
 
 #: Unicode categories a page shows as U+FFFD (bidi overrides and isolates, zero-width characters,
