@@ -16,6 +16,8 @@ command -v nats-server >/dev/null || need+=(nats-server)
 command -v mtail >/dev/null || need+=(mtail)
 command -v node >/dev/null || need+=(nodejs)
 command -v npm >/dev/null || need+=(npm)
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
 if [ ${#need[@]} -gt 0 ]; then
   as_root apt-get update -q
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}"
@@ -74,6 +76,7 @@ export KVCANARY_REQUIRE_VLLM=1 KVCANARY_REQUIRE_LLAMACPP=1 KVCANARY_REQUIRE_LITE
 # The incident's own engine: SGLang 0.5.23 on this CPU serving a tiny model (tests/sglang).
 export KVCANARY_REQUIRE_SGLANG=1
 export KVCANARY_REQUIRE_PROMETHEUS=1
+export KVCANARY_REQUIRE_CHROMIUM=1  # the incident page in headless Chromium (tests/monitor/api/test_page_in_browser.py)
 
 # Tests run on parallel workers (pytest-xdist): most of the suite's time is spent waiting on real
 # servers and processes, which overlaps on 2 cores. Tests that share a costly fixture stay on one
