@@ -73,6 +73,14 @@ QUIET_RULES = {
     "and tests/monitor/traffic/test_traffic_jetstream_faults.py run its series)",
     "KVCanaryTrafficBucketForged": "no traffic stream here (alerts/tests/traffic_bucket.test.yml and "
     "tests/monitor/traffic/test_traffic_bucket_rogue.py run its series)",
+    "KVCanaryNodePoolUntrusted": "no gateway sends traffic here, so no node's pool is read to guard or judge "
+    "it (alerts/tests/pool_trust.test.yml runs its series)",
+    "KVCanaryPDTransferUnverified": "no prefill or decode node here (alerts/tests/pd_checksum.test.yml runs "
+    "its series)",
+    "KVCanaryQuarantineForged": "no quarantine bucket here (alerts/tests/containment.test.yml and "
+    "tests/litellm/test_containment_litellm.py run its series)",
+    "KVCanaryContainmentUnapplied": "no target's policy quarantines here (alerts/tests/containment.test.yml "
+    "and tests/monitor/containment/test_signing_served.py run its series)",
 }
 #: Prometheus's rules that must fire on the defective worker, from the monitor's and the worker's metrics.
 RULES_FIRING = (

@@ -30,6 +30,7 @@ from kvcanary.monitor.recording.pending import TRAFFIC, PendingResult
 from kvcanary.monitor.storage.incident_rows import RecordOutcome
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.record import Exchange, summarize
+from kvcanary.wire import VERSION
 from tests.monitor.served import Served, reference_target, served  # noqa: F401  (the fixture)
 from tests.probes.probe_harness import KEYS
 from tests.support import REPO
@@ -251,10 +252,13 @@ def test_a_served_monitors_probe_and_traffic_verdicts_reach_the_collector(
             response=CUSTOMER_ANSWER, prompt_tokens=1, completion_tokens=14, latency_seconds=0.2,
         )  # fmt: skip
         record = summarize(exchange, Fingerprinter(secrets.token_bytes(32)))
+        body = {"version": VERSION, "gateway": "gw-otel", "records": [record]}
         posted = httpx.post(
-            monitor.url + "/api/v1/traffic", json={"gateway": "gw-otel", "records": [record]},
-            headers={"Authorization": f"Bearer {ingest}"}, timeout=30,
-        )  # fmt: skip
+            monitor.url + "/api/v1/traffic",
+            json=body,
+            headers={"Authorization": f"Bearer {ingest}"},
+            timeout=30,
+        )
         assert posted.status_code in (200, 202), posted.text
         tokens = monitor.wait_for("the tokens check's event", lambda: named("traffic_tokens", "mismatch"))
         dropped_total = monitor.value("kvcanary_otel_events_dropped_total")

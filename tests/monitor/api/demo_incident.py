@@ -1,7 +1,7 @@
 """The demo's incident, made by the monitor's own parts and served as the service serves it.
 
 :func:`demo_incident` starts a reference worker with the demo's defect (``WORKERS["defective"]`` of
-``monitor/commands/demo.py``: a 2,048-token prefill pool behind an 8,192-token window, placeholder
+``demo/run.py``: a 2,048-token prefill pool behind an 8,192-token window, placeholder
 admission), runs the real ``capacity`` and ``boundary`` probes against it through the runner and its
 batch writer, serves the service's app (``build_http_app``) under uvicorn on loopback, and posts two
 hours of a gateway's traffic to ``POST /api/v1/traffic`` as a tap does. Then it goes through the
@@ -33,10 +33,9 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
+from kvcanary.demo.run import WORKERS
 from kvcanary.monitor.api.main import build_http_app
 from kvcanary.monitor.api.state import ApiState
-from kvcanary.monitor.commands.demo import WORKERS
-from kvcanary.monitor.commands.processes import free_port
 from kvcanary.monitor.config.settings import Settings, parse_settings
 from kvcanary.monitor.containment.rules import QuarantineRules
 from kvcanary.monitor.metrics.registry import MonitorMetrics
@@ -53,6 +52,7 @@ from kvcanary.monitor.traffic.judge import TrafficJudge, own_key_digests
 from kvcanary.monitor.traffic.pipeline import TrafficPipeline
 from kvcanary.probes.base import Verdict
 from kvcanary.probes.markers import MarkerBook
+from kvcanary.processes import free_port
 from kvcanary.wire import VERSION
 from tests.support import WorkerProcess, launch_worker, wait_worker
 
