@@ -64,6 +64,17 @@ DEFECTS: dict[str, tuple[tuple[str, ...], str]] = {
     # The reasoning-end string lets full_batch send thinking rows and judge the others for it.
     "sampling-rows-stale": (("--max-batch", "16", "--reasoning-end-str", "</think>"), "full_batch"),
     "session-offload-chunks": (("--session-cache", "8"), "session"),
+    # Four ring slots: the salt check pushes its prefix into the offload tier within its budget.
+    "offload-salt-dropped": (("--session-cache", "4"), "prefix_cache"),
+    "salt-body-over-header": (
+        ("--prefix-cache", "per-tenant", "--cache-salt-header", "x-tenant-id"),
+        "prefix_cache",
+    ),
+}
+#: Defects no per-worker column can hold, and where each is caught instead.
+NOT_IN_THE_MATRIX = {
+    "pd-transfer-corrupt": "a prefill node's hand-off to a decode node: the capacity audit reads the decode "
+    "node's checksum failures (tests/probes/test_counters.py, tests/workers/test_pd_checksum.py)",
 }
 #: Request timeouts: 15 s, but 5 s where the defect leaves a request hanging until it (rid-collision).
 TIMEOUTS = {"duplicate_ids": 5.0}
@@ -105,6 +116,9 @@ def run_kind(url: str, kind: str, flags: tuple[str, ...] = ()) -> Verdict:
     options: dict[str, dict[str, Any]] = {}
     if "--lora-adapter" in flags:
         options["shared_prefix"] = {"adapters": list(ADAPTERS)}
+    if "--session-cache" in flags:
+        # The session cache keys by salt, not tenant: shared across tenants on purpose.
+        options["prefix_cache"] = {"policy": "shared"}
     if "--reasoning-end-str" in flags:
         options["full_batch"] = {"reasoning_end": flags[flags.index("--reasoning-end-str") + 1]}
     config = TargetConfig(
@@ -143,6 +157,8 @@ def matrix(runs: int, kinds: list[str], defects: list[str]) -> None:
     for kind in kinds:
         row = [cell(columns[d][kind]) for d in defects] + [cell(fixed[kind])]
         print(f"| `{kind}` | " + " | ".join(row) + " |")
+    for defect, where in NOT_IN_THE_MATRIX.items():
+        print(f"\n`{defect}` is not a column: {where}.")
 
 
 def events(url: str, defect: str) -> tuple[float, float]:
@@ -203,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     defects = args.defects.split(",")
     unknown = sorted(set(defects) - set(DEFECTS))
+    for defect in set(unknown) & set(NOT_IN_THE_MATRIX):
+        parser.error(f"--defects: {defect} is not a column: {NOT_IN_THE_MATRIX[defect]}")
     if unknown:
         parser.error(f"--defects: unknown {', '.join(unknown)} (known: {', '.join(DEFECTS)})")
     if args.command == "matrix":
