@@ -30,7 +30,7 @@ from kvcanary.processes import wait_until  # noqa: E402
 from kvcanary.tap import Tap  # noqa: E402
 from kvcanary.tap.jetstream import JetStreamTransport  # noqa: E402
 from kvcanary.tap.record import Exchange  # noqa: E402
-from kvcanary.tap.sender import Batch  # noqa: E402
+from kvcanary.tap.transport import Batch  # noqa: E402
 from tests.support import free_port, stop_process  # noqa: E402  (as bench/tap_litellm.py does)
 from tests.support.jetstream import StreamNames, replica_config  # noqa: E402
 

@@ -58,7 +58,8 @@ from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.gateway_metrics import gateway_counter
 from kvcanary.tap.public import PublicPrints, files_of, public_prints, tell
 from kvcanary.tap.record import Exchange, summarize
-from kvcanary.tap.sender import Sender, Transport
+from kvcanary.tap.sender import Sender
+from kvcanary.tap.transport import Transport
 from kvcanary.wire import GATEWAY_PATTERN
 
 __all__ = ["Exchange", "Tap", "TapConfigError", "summarize"]

@@ -19,12 +19,10 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvcanary.tap.transport import Batch
 from kvcanary.wire import batch_body, encode, part_id
-
-if TYPE_CHECKING:
-    from kvcanary.tap.sender import Batch
 
 log = logging.getLogger("kvcanary.tap")
 

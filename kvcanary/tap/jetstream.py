@@ -43,7 +43,7 @@ import nats.js.errors
 from nats.aio.client import Client
 
 from kvcanary import wire
-from kvcanary.tap.sender import Batch
+from kvcanary.tap.transport import Batch
 
 # The wire's names and rules, shared with the monitor (re-exported: callers import them from here).
 from kvcanary.wire import DROPPED_HEADER as DROPPED_HEADER
@@ -64,7 +64,7 @@ CONNECT_TIMEOUT_SECONDS = 2
 
 
 class JetStreamTransport:
-    """Publishes batches to JetStream (see the module doc); a :class:`~kvcanary.tap.sender.Transport`."""
+    """Publishes batches to JetStream (see the module doc); a :class:`~kvcanary.tap.transport.Transport`."""
 
     def __init__(
         self,

@@ -13,12 +13,8 @@ either bound the oldest not being sent are dropped and counted. The count is exp
 gateway side and reported to the monitor in the next batch it takes. Each batch carries an id, so
 one the monitor judged but whose answer was lost is not judged twice when it is sent again.
 
-How a batch leaves is the :class:`Transport`'s: :class:`HttpTransport` posts it to the monitor's
-``/api/v1/traffic`` (taken whole or not at all; in halves where the monitor refuses it as too
-large, a record alone too large dropped and counted); ``kvcanary/tap/jetstream.py`` publishes a
-batch's records of each partition as a message to NATS JetStream, where the records up to the first
-whose message was not acknowledged leave the queue and the rest wait. The queue's bounds, the
-backoff and the drop counts are the same for both.
+How a batch leaves is its :class:`~kvcanary.tap.transport.Transport`'s (HTTP or NATS JetStream);
+the queue's bounds, the backoff and the drop counts are the same for both.
 
 The thread survives anything a try can raise (a gateway's odd payload, a monitor that answers
 nonsense): the failure is logged and the batch waits for the next try.
@@ -43,12 +39,12 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.http import HttpTransport
 from kvcanary.tap.record import Exchange, printable_name, summarize
+from kvcanary.tap.transport import Batch, Transport
 from kvcanary.wire import MAX_DROPPED, MAX_RECORDS
 
 log = logging.getLogger("kvcanary.tap")
@@ -68,34 +64,6 @@ def _held_bytes(item: Exchange | dict[str, Any]) -> int:
         return item.held_chars() + RECORD_BYTES
     prints = item["fingerprints"]
     return (len(prints["prompt"]) + len(prints["response"])) * PRINT_BYTES + RECORD_BYTES
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The oldest records waiting, as one try sends them. ``id`` stays the same when the same records
-    are tried again; ``dropped``: records dropped since the last report the monitor took."""
-
-    id: str
-    gateway: str
-    dropped: int
-    records: list[dict[str, Any]]
-
-
-class Transport(Protocol):
-    """How a batch leaves the tap. Called on the tap's thread only; never raises for the network."""
-
-    def send(self, batch: Batch) -> tuple[int, int]:
-        """Return (how many records from the head of ``batch`` were taken, how many of those were
-        refused for ever). Taken records leave the queue; the rest wait for the next try."""
-        ...
-
-    def close(self) -> None:
-        """Let go of connections and threads (the tap is closing)."""
-        ...
-
-    # Optional: ``after_fork_in_child() -> None``, called in a forked child before its first send,
-    # for a transport holding threads, event loops or connections (none of which a child inherits
-    # working). The Sender calls it where the transport has it.
 
 
 class Sender:

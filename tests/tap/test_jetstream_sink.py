@@ -27,7 +27,8 @@ from kvcanary.tap import Tap, TapConfigError
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.jetstream import MESSAGE_BYTES, JetStreamTransport, partition_of
 from kvcanary.tap.record import Exchange, summarize
-from kvcanary.tap.sender import Batch, Sender
+from kvcanary.tap.sender import Sender
+from kvcanary.tap.transport import Batch
 from tests.support import REPO, free_port
 from tests.support.jetstream import (
     NATS_URL,
