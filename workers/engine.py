@@ -45,8 +45,16 @@ from kvcanary.workers.kv_cache import PagePool, build_pools
 from kvcanary.workers.metrics import WorkerMetrics
 from kvcanary.workers.model import HEAD_DIM, CopyModel
 from kvcanary.workers.prefix_cache import PageLease, PrefixCache
-from kvcanary.workers.request import OWNERSHIP_VIOLATION, ErrorEvent, Event, FinishEvent, Request, TokenEvent
-from kvcanary.workers.sampling import SamplingParams, SamplingTable, stop_split
+from kvcanary.workers.request import (
+    OWNERSHIP_VIOLATION,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    Request,
+    SamplingParams,
+    TokenEvent,
+)
+from kvcanary.workers.sampling import SamplingTable, stop_split
 from kvcanary.workers.session_cache import SessionCache, restore_into, save_from
 from kvcanary.workers.slots import Slots
 from kvcanary.workers.transfer import TransferManifest, transfer_kv

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from kvcanary.workers.model import VOCAB_SIZE
-from kvcanary.workers.sampling import SamplingParams
+from kvcanary.workers.request import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 

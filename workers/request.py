@@ -12,10 +12,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcanary.workers.admission import AdmissionPlan
-from kvcanary.workers.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the decode server's received K/V
     from kvcanary.workers.pd_transfer import KVHandoff
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asked besides its budget, as vLLM takes it; the default asks nothing.
+
+    ``stop``: strings that end the answer, which stops before the first one and never sends it;
+    ``allowed``: the only tokens it may be given (vLLM's ``allowed_token_ids``; a byte here);
+    ``thinking_budget``: after that many tokens the engine forces the reasoning-end string
+    (``--reasoning-end-str``) into the answer, one token a step (no end string: no effect).
+    """
+
+    stop: tuple[bytes, ...] = ()
+    allowed: frozenset[int] | None = None
+    thinking_budget: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,30 +1,17 @@
-"""Per-request sampling parameters, kept in a table of batch slots that each decode step reads.
+"""Per-request sampling parameters (``request.SamplingParams``), kept in a table of batch slots that
+each decode step reads.
 
-What a request may ask besides its budget, as vLLM takes it:
+Like vLLM's persistent input batch, the engine keeps each running request's parameters in a table
+indexed by its **slot** (``workers.slots``), and a decode step reads the entry of every row's slot:
+the allowed-token mask goes to the model's argmax, the thinking state forces tokens, the stop
+strings end answers. Rows are compacted as requests leave (the last row fills the gap), so a row's
+index and its slot's part as soon as the batch's composition changes.
 
-- ``stop``: strings that end the answer; the text stops before the first one, which is not sent
-  (a stream holds back the tail that could still become one, as vLLM's detokenizer does);
-- ``allowed_token_ids``: the only tokens it may be given (vLLM's extra sampling field; a byte here);
-- ``thinking_token_budget``: after that many tokens the engine forces the reasoning-end string
-  (``--reasoning-end-str``, vLLM's reasoning configuration) into the answer, one token a step.
-  Without a configured end string the budget is accepted and has no effect.
-
-Where they live: like vLLM's persistent input batch, the engine keeps each running request's
-parameters in a table indexed by its **slot** (``workers.slots``), and a decode step reads the
-entry of every row's slot: the allowed-token mask goes to the model's argmax, the thinking state
-forces tokens, the stop strings end answers. Rows are compacted as requests leave (the last row
-fills the gap), so a row's index and its slot's part as soon as the batch's composition changes.
-
-``--bug sampling-rows-stale`` (the bug zoo): a request whose row no longer matches its slot reads
-the entry at its *row* index: another request's parameters, or those a finished request left in
-a slot nobody cleared. It then samples under another request's allowlist, stops at another's stop
-strings and never at its own, and is forced the reasoning-end string another request's thinking
-budget counted down to. As vLLM's ``InputBatch.condense`` left allowed-token rows behind
-(CVE-2026-114049: another client's allowlist applied to a request in a recycled slot) and its
-thinking-budget state was not reordered with the batch (GHSA-fpch-3xrf-7q96: a forced reasoning-end
-string in a concurrent request's output). The trigger is a request running in a row other than its
-slot (counted once a request); with ``--bug-rate`` the defect takes that request over on a fraction
-of them. The fix, which is the worker without the flag, reads every row's own slot.
+``--bug sampling-rows-stale`` (the bug zoo; its cases in ``docs/architecture.md``): a request whose
+row no longer matches its slot reads the entry at its *row* index: another request's parameters,
+or those a finished request left in a slot nobody cleared. The trigger is a request running in a
+row other than its slot (counted once a request); the fix, which is the worker without the flag,
+reads every row's own slot.
 
 Only the engine thread uses the table.
 """
@@ -37,19 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcanary.workers.model import VOCAB_SIZE
+from kvcanary.workers.request import Request, SamplingParams
 
-if TYPE_CHECKING:  # the defect's trigger, and the requests whose rows are read
-    from kvcanary.workers.request import Request
+if TYPE_CHECKING:  # the defect's trigger
     from kvcanary.workers.zoo import BugTrigger
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What one request asked besides its budget (module docstring); the default asks nothing."""
-
-    stop: tuple[bytes, ...] = ()
-    allowed: frozenset[int] | None = None
-    thinking_budget: int | None = None
 
 
 @dataclass

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from fastapi.testclient import TestClient
 
 from kvcanary.workers.engine import Engine
-from kvcanary.workers.request import FinishEvent, TokenEvent
-from kvcanary.workers.sampling import SamplingParams, stop_split
+from kvcanary.workers.request import FinishEvent, SamplingParams, TokenEvent
+from kvcanary.workers.sampling import stop_split
 from tests.workers.support import Collector, complete, run_until_idle, small_config, submit
 
 END = "</think>"
