@@ -34,8 +34,7 @@ from kvcanary.monitor.blast.log_formats import (
     format_of_keys,
 )
 from kvcanary.monitor.blast.question import Scope
-from kvcanary.monitor.blast.source import RequestRow
-from kvcanary.monitor.blast.tally import Tally
+from kvcanary.monitor.blast.source import RequestRow, Tally
 from kvcanary.monitor.routing import api_base_key_sql, routed_keys
 from kvcanary.monitor.traffic.checks import TOKENS_MARGIN
 

@@ -14,8 +14,7 @@ from sqlalchemy import BigInteger, and_, cast, func, or_, select
 from sqlalchemy.orm import Session
 
 from kvcanary.monitor.blast.question import Scope
-from kvcanary.monitor.blast.source import RequestRow
-from kvcanary.monitor.blast.tally import Tally
+from kvcanary.monitor.blast.source import RequestRow, Tally
 from kvcanary.monitor.storage.models import TrafficMinute, TrafficRecordRow
 
 R, M = TrafficRecordRow, TrafficMinute

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from kvcanary.monitor.blast.question import Criterion, Scope, Window
-from kvcanary.monitor.blast.tally import CallerCount, Tally
+from kvcanary.monitor.blast.source import CallerCount, Tally
 
 OWN = "the monitor's own canary tenants (their key hash)"
 LISTED = "listed by the operator"

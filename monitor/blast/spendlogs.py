@@ -20,8 +20,7 @@ from sqlalchemy.orm import Session
 
 from kvcanary.monitor.blast.logs import SETS, match_sql
 from kvcanary.monitor.blast.question import Scope
-from kvcanary.monitor.blast.source import RequestRow
-from kvcanary.monitor.blast.tally import Tally
+from kvcanary.monitor.blast.source import RequestRow, Tally
 from kvcanary.monitor.routing import api_base_key_sql, routed_keys
 
 TABLE = '"LiteLLM_SpendLogs"'

@@ -340,7 +340,7 @@ def test_sources_are_compared_by_the_minute_so_exact_logs_are_not_outranked_by_m
     # the minute (12:00-12:04); the logs hold the exact times: 2 min 20 s of 4, 0.42 below the tap.
     from kvcanary.monitor.blast.question import Bound, Criterion, Scope, Window
     from kvcanary.monitor.blast.report import BlastRadius
-    from kvcanary.monitor.blast.tally import Tally
+    from kvcanary.monitor.blast.source import Tally
 
     t0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
     window = Window(Bound(t0, "start"), Bound(t0 + timedelta(minutes=4), "end"))

@@ -33,9 +33,8 @@ from kvcanary.monitor.blast.compute import (
 from kvcanary.monitor.blast.logs import GatewayLogs
 from kvcanary.monitor.blast.question import Scope
 from kvcanary.monitor.blast.recorded import RecordedTraffic
-from kvcanary.monitor.blast.source import BlastSource, RequestRow
+from kvcanary.monitor.blast.source import BlastSource, RequestRow, Tally
 from kvcanary.monitor.blast.spendlogs import SpendLogs
-from kvcanary.monitor.blast.tally import Tally
 from kvcanary.monitor.routing import routed_keys
 from kvcanary.monitor.storage.models import Incident
 from kvcanary.monitor.traffic.judge import TrafficJudge, api_base_key
