@@ -61,8 +61,8 @@ from kvcanary.monitor.storage.incident_rows import open_incident_counts
 from kvcanary.monitor.storage.retention import prune_round
 from kvcanary.monitor.storage.sqlite_file import sqlite_file_of
 from kvcanary.monitor.targets.http import HttpClient
+from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
-from kvcanary.monitor.targets.wire import Limits
 from kvcanary.monitor.traffic.ingest import HttpIngest, StreamPublisher
 from kvcanary.monitor.traffic.judge import TrafficJudge, own_key_digests
 from kvcanary.monitor.traffic.pipeline import TrafficPipeline

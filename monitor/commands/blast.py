@@ -33,8 +33,8 @@ from kvcanary.monitor.config.settings import ConfigError, Settings
 from kvcanary.monitor.storage.db import check_migrated, make_engine, make_session_factory
 from kvcanary.monitor.storage.models import Incident, Target
 from kvcanary.monitor.targets.calibration import SAMPLE_TEXT
+from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
-from kvcanary.monitor.targets.wire import Limits
 from kvcanary.monitor.traffic.judge import own_key_digests
 
 EXIT_OK, EXIT_NOT_FOUND = 0, 1

@@ -17,8 +17,8 @@ from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.runs.coverage import Where, bound_to, nodes_of_run
 from kvcanary.monitor.runs.execute import execute_probe
+from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
-from kvcanary.monitor.targets.wire import Limits
 from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.probes.markers import MarkerBook
 

@@ -127,7 +127,7 @@ class SpoolConfig(Strict):
 
 
 class LimitsConfig(Strict):
-    """The most the monitor reads of anything a target sends (``monitor/targets/wire.py``)."""
+    """The most the monitor reads of anything a target sends (``monitor/targets/openai_format.py``)."""
 
     response_bytes: int = Field(4 * 1024 * 1024, ge=4096, le=1024**3)
     sse_line_bytes: int = Field(256 * 1024, ge=1024, le=1024**3)

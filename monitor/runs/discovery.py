@@ -45,6 +45,7 @@ from typing import TypeVar
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import NodeConfig, TargetConfig
 from kvcanary.monitor.targets.http import HttpClient
+from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.monitor.targets.sglang_gateway import (
     GatewayUnreadable,
     NodeUnreadable,
@@ -54,7 +55,6 @@ from kvcanary.monitor.targets.sglang_gateway import (
     read_workers,
     refuses_without_key,
 )
-from kvcanary.monitor.targets.wire import Limits
 
 log = logging.getLogger("kvcanary.discovery")
 

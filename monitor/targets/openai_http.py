@@ -34,9 +34,7 @@ from kvcanary.monitor.targets.calibration import TokenCalibration
 from kvcanary.monitor.targets.capacity import apply_overrides, read_capacity
 from kvcanary.monitor.targets.credentials import Credentials
 from kvcanary.monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
-from kvcanary.monitor.targets.paths import PathTarget
-from kvcanary.monitor.targets.scrape import parse_samples
-from kvcanary.monitor.targets.wire import (
+from kvcanary.monitor.targets.openai_format import (
     DEFAULT_LIMITS,
     ERROR_BODY_BYTES,
     Limits,
@@ -49,6 +47,8 @@ from kvcanary.monitor.targets.wire import (
     sse_lines,
     take_error,
 )
+from kvcanary.monitor.targets.paths import PathTarget
+from kvcanary.monitor.targets.scrape import parse_samples
 from kvcanary.probes.target import (
     Completion,
     CompletionRequest,

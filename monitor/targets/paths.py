@@ -26,7 +26,7 @@ from yarl import URL
 
 from kvcanary.monitor.targets.capacity import apply_overrides
 from kvcanary.monitor.targets.http import chunks
-from kvcanary.monitor.targets.wire import ERROR_BODY_BYTES, StreamState, read_bounded, take_error
+from kvcanary.monitor.targets.openai_format import ERROR_BODY_BYTES, StreamState, read_bounded, take_error
 from kvcanary.probes.target import (
     Completion,
     CompletionRequest,

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary.monitor.config.targets import NodeConfig, http_url
 from kvcanary.monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
-from kvcanary.monitor.targets.wire import Limits, read_limited
+from kvcanary.monitor.targets.openai_format import Limits, read_limited
 
 #: Workers kept from one answer: a gateway listing more is cut here (as ``nodes:`` is, at 1,000).
 MAX_WORKERS = 1000

@@ -43,7 +43,7 @@ from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import path_name
 from kvcanary.monitor.runs.discovery import GatewayDiscovery
 from kvcanary.monitor.targets.http import HttpClient
-from kvcanary.monitor.targets.wire import Limits
+from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.processes import free_port, stop_processes
 from tests.monitor.served import Served, reference_target
 from tests.monitor.targets.recording_host import ROGUE_HOST, RecordingHost, Seen, refuse_without_key

@@ -47,9 +47,9 @@ from kvcanary.monitor.runs.discovery import (
     NodeChange,
 )
 from kvcanary.monitor.targets.http import HttpClient
+from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
 from kvcanary.monitor.targets.sglang_gateway import node_name, parse_workers
-from kvcanary.monitor.targets.wire import Limits
 from kvcanary.monitor.traffic.facts import TargetFacts
 from kvcanary.processes import free_port, stop_processes
 from kvcanary.wire import api_base_key

@@ -32,6 +32,7 @@ from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import NAME_RE, TargetConfig
 from kvcanary.monitor.runs.discovery import GatewayDiscovery, NodeChange
 from kvcanary.monitor.targets.http import HttpClient
+from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.monitor.targets.sglang_gateway import (
     MAX_WORKERS,
     GatewayUnreadable,
@@ -41,7 +42,6 @@ from kvcanary.monitor.targets.sglang_gateway import (
     read_workers,
     worker_node,
 )
-from kvcanary.monitor.targets.wire import Limits
 from kvcanary.processes import stop_processes
 from tests.monitor.served import Served, reference_target
 from tests.support import WorkerProcess
