@@ -45,7 +45,7 @@ class TenantKeys(dict[tuple[str, str], str | None]):
     """Every tenant's API key by (target, tenant), and in ``workers`` each target's worker
     credential by target name (None: it states none). The mapping itself holds tenants' keys only
     (what the traffic judge knows the monitor's own requests by); a worker credential goes only
-    where ``monitor/targets/credentials.py`` lets it."""
+    where ``monitor/config/credentials.py`` lets it."""
 
     def __init__(
         self, tenants: dict[tuple[str, str], str | None], workers: dict[str, str | None] | None = None

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvcanary.monitor.targets.credentials import CredentialScope, parse_host_rule
+from kvcanary.monitor.config.credentials import CredentialScope, parse_host_rule
 from kvcanary.probes import REGISTRY
 from kvcanary.probes.target import Node, ServingPath, ranked_name
 from kvcanary.probes.yamlfile import key_path
@@ -76,7 +76,7 @@ def _host_entry(value: str) -> str:
 Name = Annotated[str, AfterValidator(_name)]
 #: The name of an environment variable a secret is read from (``ENV_RE``).
 EnvName = Annotated[str, AfterValidator(_env_name)]
-#: A ``credential_hosts`` entry (``monitor/targets/credentials.py``, ``parse_host_rule``).
+#: A ``credential_hosts`` entry (``monitor/config/credentials.py``, ``parse_host_rule``).
 HostEntry = Annotated[str, AfterValidator(_host_entry)]
 
 
@@ -186,7 +186,7 @@ class NodeConfig(Strict):
     log_metrics_url: str | None = Field(None, max_length=2048)
     # Set by the monitor on the nodes an SGLang gateway lists, never in a file (refused there): such
     # a node's address is the gateway's word, so it is in the target's credential scope only where
-    # credential_hosts cover it (monitor/targets/credentials.py); and whether it refused a request
+    # credential_hosts cover it (monitor/config/credentials.py); and whether it refused a request
     # without a credential when it joined (outside the scope, its pairs are then not probed).
     discovered: bool = False
     refuses_without_key: bool = False
@@ -256,7 +256,7 @@ class TargetConfig(Strict):
     # Where the tenants' keys (or the worker credential) may go besides base_url's origin and the
     # URLs this file writes for its nodes: ``host`` (any port), ``host:port``, ``[v6]:port``, a
     # CIDR (addresses written in a URL) or a DNS suffix (``.svc.cluster.local``: names under it).
-    # A node the gateway lists outside them is sent no credential (monitor/targets/credentials.py).
+    # A node the gateway lists outside them is sent no credential (monitor/config/credentials.py).
     credential_hosts: list[HostEntry] = Field(default_factory=list, max_length=256)
     # A credential the workers behind the gateway take, sent in place of the tenants' keys to every
     # origin in scope but base_url's; read like a tenant's key, never logged, stored or returned.

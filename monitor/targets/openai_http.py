@@ -11,7 +11,7 @@ hosted OpenAI-compatible APIs and the reference worker. Its contract:
 - A non-2xx answer keeps its raw body, bounded to :data:`ERROR_BODY_BYTES`, in ``text``: an error
   body is output a tenant sees, so probes scan it for foreign markers like any other output.
 - Every request it makes goes through :meth:`OpenAIHttpTarget.request`, which alone sets
-  ``Authorization``, as :class:`~monitor.targets.credentials.Credentials` decides for the URL (a
+  ``Authorization``, as :class:`~monitor.config.credentials.Credentials` decides for the URL (a
   tenant's key at the base URL's origin, the worker credential or the tenant's key elsewhere in the
   target's credential scope, nothing outside it), and never follows a redirect. No key appears in
   what it returns: every string passes through :meth:`OpenAIHttpTarget._scrub` first.
@@ -23,16 +23,16 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any
 
 import aiohttp
 from yarl import URL
 
+from kvcanary.monitor.config.credentials import Credentials
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.targets.calibration import TokenCalibration
 from kvcanary.monitor.targets.capacity import apply_overrides, read_capacity
-from kvcanary.monitor.targets.credentials import Credentials
 from kvcanary.monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
 from kvcanary.monitor.targets.openai_format import (
     DEFAULT_LIMITS,
@@ -47,7 +47,7 @@ from kvcanary.monitor.targets.openai_format import (
     sse_lines,
     take_error,
 )
-from kvcanary.monitor.targets.paths import PathTarget
+from kvcanary.monitor.targets.paths import PathTarget, Send
 from kvcanary.monitor.targets.scrape import parse_samples
 from kvcanary.probes.target import (
     Completion,
@@ -73,11 +73,6 @@ _NO_HEADERS: dict[str, str] = {}
 
 #: Engines that take SGLang's ``rid`` (a client request id) in the body.
 RID_ENGINES = frozenset({"sglang", "reference"})
-
-
-#: How a completion's body reaches the engine and its answer is read: (tenant, the API path, the
-#: body, the request, the state to read into). ``OpenAIHttpTarget.exchange`` to the base URL by default.
-Send = Callable[[str, str, dict[str, Any], CompletionRequest, StreamState], Coroutine[Any, Any, None]]
 
 
 class HungUp(Exception):

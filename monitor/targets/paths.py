@@ -11,6 +11,7 @@ path and no other; the runner runs the target's ``path_probes`` on every path.
 
 Both legs go through the target's one request path (``OpenAIHttpTarget.request``): a node the
 gateway listed outside the target's credential scope is sent no key, and is probed without one.
+What a path needs of its target is :class:`PathCarrier`, which ``OpenAIHttpTarget`` is.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import asyncio
 import dataclasses
 import json
 import secrets
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+import aiohttp
 from yarl import URL
 
 from kvcanary.monitor.targets.capacity import apply_overrides
@@ -38,14 +42,57 @@ from kvcanary.probes.target import (
     TargetClient,
 )
 
-if TYPE_CHECKING:
-    from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
+#: How a completion's body reaches the engine and its answer is read: (tenant, the API path, the
+#: body, the request, the state to read into). ``OpenAIHttpTarget.exchange`` to the base URL by default.
+Send = Callable[[str, str, dict[str, Any], CompletionRequest, StreamState], Coroutine[Any, Any, None]]
+
+
+class PathCarrier(TargetClient, Protocol):
+    """The target whose requests a :class:`PathTarget` sends down its path (``OpenAIHttpTarget``):
+    its lookups, and the one request path and completion exchange both legs go through."""
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """What the operator states of the target's capacity."""
+        ...
+
+    async def complete(
+        self, tenant: str, request: CompletionRequest, *, send: Send | None = None
+    ) -> Completion:
+        """Send one completion as ``tenant``, delivered by ``send``; never raise."""
+        ...
+
+    async def exchange(
+        self, tenant: str, url: URL, body: dict[str, Any], request: CompletionRequest, state: StreamState
+    ) -> None:
+        """POST ``body`` to ``url`` as ``tenant`` and read the answer into ``state``."""
+        ...
+
+    def request(
+        self,
+        method: str,
+        url: URL,
+        *,
+        tenant: str | None,
+        headers: Mapping[str, str] = ...,
+        data: bytes | None = None,
+    ) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        """Send one request of the target's to ``url`` with the credential its scope allows there."""
+        ...
+
+    def headers_for(self, request: CompletionRequest) -> dict[str, str]:
+        """The headers a completion carries besides its credential."""
+        ...
+
+    async def count_tokens(self, text: str, *, at: Node | None = None) -> int | None:
+        """Count ``text``'s tokens, at ``at``'s own API where given."""
+        ...
 
 
 class PathTarget:
     """``target`` with its completions sent down ``path``; lookups as the target makes them."""
 
-    def __init__(self, target: OpenAIHttpTarget, path: ServingPath):
+    def __init__(self, target: PathCarrier, path: ServingPath):
         self._target = target
         self.path = path
         self.name = target.name

@@ -14,7 +14,7 @@ DNS could resolve or an IP literal, a port in range, at most :data:`MAX_URL_CHAR
 left out and counted by why, never guessed at; one worker that cannot be read costs the listing
 nothing else. Every node made here is marked ``discovered``: its address is the gateway's word,
 not the operator's, and no credential goes there unless the target's credential scope covers it
-(``monitor/targets/credentials.py``). Nothing here sends a credential: the gateway and its nodes
+(``monitor/config/credentials.py``). Nothing here sends a credential: the gateway and its nodes
 are read without one.
 """
 

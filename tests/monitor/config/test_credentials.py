@@ -1,4 +1,4 @@
-"""``monitor/targets/credentials.py``: which URLs a target's credentials may go to, and which
+"""``monitor/config/credentials.py``: which URLs a target's credentials may go to, and which
 credential each request carries. The rules are matched on URLs as aiohttp connects to them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import re
 import pytest
 from yarl import URL
 
+from kvcanary.monitor.config.credentials import Credentials, CredentialScope, parse_host_rule
 from kvcanary.monitor.config.targets import NodeConfig, TargetConfig
-from kvcanary.monitor.targets.credentials import Credentials, CredentialScope, parse_host_rule
 
 BASE = "http://gw.example:30000"
 
