@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from kvcanary.demo.gateway import Gateway, blast_radii, clock_time, customers, wait_delivered
-from kvcanary.monitor.commands.containment_keys import PRIVATE_NAME, PUBLIC_NAME, KeyPair, write_key_pair
+from kvcanary.monitor.containment.key_files import PRIVATE_NAME, PUBLIC_NAME, KeyPair, write_key_pair
 from kvcanary.tap.containment.signed import parse_public_keys
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from kvcanary.monitor.commands.containment_keys import write_key_pair
+from kvcanary.monitor.containment.key_files import write_key_pair
 from kvcanary.monitor.containment.signing import SetSigner, private_key
 from kvcanary.tap.containment.document import parse_quarantine
 from kvcanary.tap.containment.signed import PublicKeys, open_envelope, parse_public_keys
