@@ -36,6 +36,7 @@ from kvcanary.monitor.api.deps import (
 )
 from kvcanary.monitor.api.schemas import LIMIT_HELP, NEXT_CURSOR_HELP, Problem, _Out
 from kvcanary.monitor.api.state import api_state
+from kvcanary.monitor.metrics.versions import REFUSED_VERSIONS
 from kvcanary.monitor.storage import traffic_rows
 from kvcanary.monitor.storage.models import TrafficVerdict
 from kvcanary.monitor.traffic.checks import CHECKS
@@ -46,7 +47,6 @@ from kvcanary.monitor.traffic.schema import (
     MAX_BODY_BYTES,
     MAX_ERRORS,
     MAX_ERRORS_PER_RECORD,
-    REFUSED_VERSIONS,
     UnspokenVersion,
     bounded_errors,
     read_batch,

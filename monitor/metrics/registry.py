@@ -34,9 +34,8 @@ from kvcanary.monitor.metrics.gateway import (
 )
 from kvcanary.monitor.metrics.pool_trust import UntrustedPools, UntrustedPoolsCollector
 from kvcanary.monitor.metrics.stream import StreamCollector
-from kvcanary.monitor.metrics.versions import VersionRefusalsCollector
+from kvcanary.monitor.metrics.versions import REFUSED_VERSIONS, VersionRefusalsCollector
 from kvcanary.monitor.recording.health import WriteHealth
-from kvcanary.monitor.traffic.schema import REFUSED_VERSIONS
 from kvcanary.probes.base import ProbeResult, Verdict
 
 if TYPE_CHECKING:

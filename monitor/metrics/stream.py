@@ -13,8 +13,9 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvcanary.monitor.traffic.partitions import ANOMALIES
-
+#: The bucket anomalies metric's kinds, what ``traffic/partitions.py``'s ``Partitions.anomalies``
+#: counts: every kind is exported, 0 where none was seen.
+ANOMALIES = ("replicas_over_limit", "claims_without_heartbeat", "partitions_withheld")
 #: The report's counts and the ``outcome`` label each is exported under.
 OUTCOMES = {"judged": "judged", "duplicates": "duplicate", "rejected": "rejected", "misrouted": "misrouted"}
 

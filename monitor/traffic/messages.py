@@ -4,8 +4,8 @@ taken only as far as the message could carry it.
 
 - a message without ``Kvcanary-Version``, or of a version this monitor does not speak (a tap of
   another version: its prints are not this window's), is never read: its records are counted
-  rejected and refused by version (``schema.REFUSED_VERSIONS``), as many as ``Kvcanary-Records``
-  says, bounded as below;
+  rejected and refused by version (``monitor/metrics/versions.py``'s ``REFUSED_VERSIONS``), as many
+  as ``Kvcanary-Records`` says, bounded as below;
 - a message that is no batch is counted as rejected records: its ``Kvcanary-Records`` count, at
   least 1 and at most what its bytes could hold;
 - its drop report (``Kvcanary-Dropped``) is at most what a body may report (``MAX_DROPPED``);
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from kvcanary.monitor.metrics.versions import REFUSED_VERSIONS
 from kvcanary.monitor.traffic.pipeline import Arrival
 from kvcanary.monitor.traffic.schema import (
     MAX_DROPPED,
     MAX_RECORDS,
-    REFUSED_VERSIONS,
     UnspokenVersion,
     check_version,
     read_batch,

@@ -45,6 +45,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from nats.js.errors import APIError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from kvcanary.monitor.metrics.stream import ANOMALIES
+
 log = logging.getLogger("kvcanary.traffic")
 
 #: A key not written for this long is gone: the bucket's TTL (a replica's heartbeat, a claim).
@@ -61,8 +63,6 @@ MAX_REPLICAS = 64
 MAX_KEYS_READ = 1024
 #: Replica ids a log line names at most; the rest are counted.
 LOGGED_REPLICAS = 8
-#: What :meth:`Partitions.anomalies` counts, each a ``kind`` of the bucket anomalies metric.
-ANOMALIES = ("replicas_over_limit", "claims_without_heartbeat", "partitions_withheld")
 
 
 def kv_safe(replica: str) -> str:

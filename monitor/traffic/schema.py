@@ -11,7 +11,7 @@ the protocol's, stated once in ``kvcanary/wire.py`` for the tap and the monitor 
 A batch says its tap protocol version (``version``; a NATS message, its ``Kvcanary-Version``
 header). One this monitor does not speak, or none (a tap before version 4), is refused whole
 (:class:`UnspokenVersion`: a 400 naming the versions spoken, or a message dropped) and counted
-(:data:`REFUSED_VERSIONS`), never judged: two versions print the same text differently, and one
+(``monitor/metrics/versions.py``), never judged: two versions print the same text differently, and one
 deployment's fingerprint window must hold one.
 
 The bounds are written twice, once for each of two readers of one body (``read_batch``):
@@ -60,9 +60,6 @@ tampering shows. A name a conforming tap sent is kept as sent.
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
@@ -116,8 +113,6 @@ ERROR_KEY_CHARS = 64
 NAMES = ("id", "upstream_id", "caller", "api_base", "model", "model_group", "finish_reason")
 _T = TypeVar("_T")
 
-log = logging.getLogger("kvcanary.traffic")
-
 # --- the protocol's version ----------------------------------------------------------------------
 
 
@@ -153,40 +148,6 @@ def check_version(value: object, records: int) -> None:
     if not (isinstance(value, int) and not isinstance(value, bool) and value in SPOKEN_VERSIONS):
         raise UnspokenVersion(value, records)
 
-
-class VersionRefusals:
-    """Records refused for their protocol version since this process started, by transport
-    (``http``, ``nats``) and version label: what ``kvcanary_traffic_version_refused_records_total``
-    exports (``monitor/metrics/versions.py``). Thread-safe (messages are read on reader threads);
-    each (transport, version) is logged at most once a minute."""
-
-    LOG_SECONDS = 60.0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[tuple[str, str], int] = {}
-        self._logged: dict[tuple[str, str], float] = {}
-
-    def add(self, transport: str, refusal: UnspokenVersion) -> None:
-        """Count ``refusal``'s records (at least one) under ``transport``, and say it."""
-        key = (transport, refusal.version)
-        now = time.monotonic()
-        with self._lock:
-            self._counts[key] = self._counts.get(key, 0) + max(refusal.records, 1)
-            due = now - self._logged.get(key, -self.LOG_SECONDS) >= self.LOG_SECONDS
-            if due:
-                self._logged[key] = now
-        if due:
-            log.warning("traffic: refused %d record(s) over %s: %s", refusal.records, transport, refusal)
-
-    def counts(self) -> dict[tuple[str, str], int]:
-        """Return the records refused so far, by (transport, version)."""
-        with self._lock:
-            return dict(self._counts)
-
-
-#: This process's refusals by version, the HTTP ingest's and the stream consumer's.
-REFUSED_VERSIONS = VersionRefusals()
 
 # --- what pydantic reads: the models the API documents and names refusals by ----------------------
 

@@ -15,9 +15,9 @@ import pytest
 from nats.aio.msg import Msg
 
 from kvcanary import wire
+from kvcanary.monitor.metrics.versions import REFUSED_VERSIONS
 from kvcanary.monitor.traffic.messages import by_partition, decode
 from kvcanary.monitor.traffic.schema import (
-    REFUSED_VERSIONS,
     TrafficRecord,
     UnspokenVersion,
     read_batch,
