@@ -1,4 +1,4 @@
-"""Blast radius figures (issue 19), in one run on this machine:
+"""Blast radius figures, in one run on this machine:
 
 - ``postgres``: an incident's blast radius over 10 M kept traffic rows in PostgreSQL (8 targets,
   30 days, the incident's target holding 1.25 M of them, its window 13 days as the incident's

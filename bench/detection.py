@@ -1,4 +1,4 @@
-"""Detection figures of the traffic checks (issue 34), in one run, on traffic of real text nobody
+"""Detection figures of the traffic checks, in one run, on traffic of real text nobody
 here wrote (``bench/overlap_corpus.py``):
 
 - ``overlap``: for each overlap rule asked (``--rules``: ``8`` is a run of 8 prints of anything,

@@ -3,7 +3,7 @@
     .venv/bin/python bench/isolation.py [--hung 100] [--slow 1000] [--healthy 5] [--interval 30]
                                         [--timeout 30] [--slow-seconds 5] [--measure 180]
 
-Two scenarios of issue #16, each in one `kvcanary` monitor (its Monitor, scheduler, runner and
+Two scenarios, each in one `kvcanary` monitor (its Monitor, scheduler, runner and
 SQLite database, in this process) against bench/stub_engine.py processes on loopback:
 
 - **hung**: ``--hung`` targets whose engine never answers beside ``--healthy`` targets on a fast one;

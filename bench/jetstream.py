@@ -1,4 +1,4 @@
-"""Gateway traffic through NATS JetStream (issue 26), in one run, on real processes of this machine:
+"""Gateway traffic through NATS JetStream, in one run, on real processes of this machine:
 
 - ``throughput``: records judged per second, and per CPU-second of the consuming monitor: one
   ``kvcanary serve`` (``traffic.source: jetstream``, PostgreSQL) holds all 16 partitions; the bench

@@ -1,4 +1,4 @@
-"""The tap's added time per request inside a real LiteLLM proxy (issue 18), beside the proxy's own.
+"""The tap's added time per request inside a real LiteLLM proxy, beside the proxy's own.
 
 Three paths to the same backend, measured in one run, sequential requests of 1 KB, 16 KB and 1 MB
 exchanges (three quarters prompt, one quarter answer), p50 and p99 in milliseconds:
@@ -9,7 +9,7 @@ exchanges (three quarters prompt, one quarter answer), p50 and p99 in millisecon
   callback costs there: LiteLLM builds its logging payload once one is registered);
 - ``proxy+tap``: through LiteLLM with ``kvcanary.tap.litellm.tap`` posting to a sink;
 - ``proxy+tap+q``: the same with the quarantine filter and the admission guard on
-  (``KVCANARY_TAP_QUARANTINE=1``, issue 36), the sink serving a set of 50 quarantined deployments,
+  (``KVCANARY_TAP_QUARANTINE=1``), the sink serving a set of 50 quarantined deployments,
   none of them this group's, and a guard on this group's deployment whose pool (a million tokens)
   holds every prompt sent: what the two add to every request that they let through.
 

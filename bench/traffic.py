@@ -1,4 +1,4 @@
-"""Gateway traffic throughput (issue 18), in one run, as rates of this machine:
+"""Gateway traffic throughput, in one run, as rates of this machine:
 
 - ``judge``: records judged per CPU-second by the monitor from a posted body's bytes (validation,
   the checks, the windows filling), in batches of 300 records of 1 KB exchanges;

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field, replace
 #: SGLang's model gateway (``workers.pd_api``); ``disaggregated`` runs both halves in one process.
 MODES = ("aggregated", "disaggregated", "prefill", "decode")
 PD_MODES = ("prefill", "decode")
-# 0.1 called the aggregated mode "single" (a word that also named its pool and the monitor's node role).
-# The old spelling still runs for one release and keeps 0.1's wire names (mode="single", pool="single"),
-# so dashboards and queries written against them keep working until they move to the new ones.
+# "single" is 0.1's name for the aggregated mode (a word that also named its pool and the monitor's node
+# role). It runs until 0.3 refuses it, under 0.1's wire names (mode="single", pool="single"), so that
+# dashboards and queries written against them keep working until they move (CHANGELOG.md, "Upgrading
+# from 0.1").
 DEPRECATED_MODES = {"single": "aggregated"}
 UNIFIED_POOL = "unified"
 ADMISSIONS = ("reject", "placeholder")

@@ -203,7 +203,8 @@ class NodeConfig(Strict):
     @field_validator("role", mode="before")
     @classmethod
     def _deprecated_role(cls, v: object) -> object:
-        # 0.1 called the aggregated role "single"; accepted for one release (CHANGELOG.md, Upgrading).
+        # "single" is 0.1's name for the aggregated role: read as it, with a warning, until 0.3 refuses
+        # it, so a file written for 0.1 keeps loading (CHANGELOG.md, "Upgrading from 0.1").
         if v == "single":
             log.warning("nodes: role 'single' is deprecated and will be refused in 0.3: write 'aggregated'")
             return "aggregated"

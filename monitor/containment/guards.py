@@ -1,6 +1,6 @@
 """The admission guard's facts: what a gateway needs to refuse, before any upstream call, a prompt
-a deployment's KV pool surely cannot hold (issue 36; the admission check the incident's engine
-lacked, enforced from what kvcanary measured).
+a deployment's KV pool surely cannot hold (the admission check the incident's engine lacked,
+enforced from what kvcanary measured).
 
 For each target whose containment policy sets ``admission_guard`` to ``observe`` or ``enforce``
 (``config/targets.py``), the monitor publishes beside the quarantine set (``GET /api/v1/quarantine``,

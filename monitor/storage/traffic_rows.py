@@ -66,8 +66,8 @@ def write_traffic(
             for t, n, c, m in sorted(minutes)  # one order for every writer: no deadlock between them
         ]
         # One statement for every minute row, compiled once per process: executed with a list of
-        # rows, SQLAlchemy sends it as multi-row VALUES (it was one statement a row, compiled each
-        # time: the stream path's largest cost after judging, bench/jetstream.py).
+        # rows, SQLAlchemy sends it as multi-row VALUES (a statement a row, compiled each time, is
+        # the stream path's largest cost after judging, bench/jetstream.py).
         session.execute(_minute_upsert(dialect), counts)
 
 

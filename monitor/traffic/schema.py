@@ -1,61 +1,22 @@
-"""The wire of ``POST /api/v1/traffic``: a batch of per-request records from a gateway tap.
+"""The wire of ``POST /api/v1/traffic`` as the monitor reads it: a batch of per-request records
+from a gateway tap, every field bounded.
 
-Every field is bounded, so a hostile or broken tap costs a 4xx naming the field and nothing else:
-no string longer than a name, no list longer than the tap sends, no number out of range. The
-envelope (:class:`TrafficBatch`) is validated first; then each record on its own
-(:func:`valid_records`), so one bad record is refused, named, and costs none of the others. A record
-carries no text: sizes, usage, timings, marker-shaped strings and keyed fingerprints
-(``kvcanary/tap/record.py`` builds them). The bounds, the caller kinds and the marker pattern are
-the protocol's, stated once in ``kvcanary/wire.py`` for the tap and the monitor alike.
+A hostile or broken tap costs a 4xx naming the field and nothing else. The envelope
+(:class:`TrafficBatch`) is validated first, then each record on its own (:func:`valid_records`), so
+one bad record is refused, named, and costs none of the others. A record carries no text
+(``kvcanary/tap/record.py`` builds it); its bounds, caller kinds and marker pattern are the
+protocol's, stated once in ``kvcanary/wire.py`` for the tap and the monitor alike. A batch of a
+tap protocol version this monitor does not speak, or of none, is refused whole
+(:class:`UnspokenVersion`) and counted (``monitor/metrics/versions.py``), never judged: two versions
+print the same text differently, and one deployment's fingerprint window must hold one.
 
-A batch says its tap protocol version (``version``; a NATS message, its ``Kvcanary-Version``
-header). One this monitor does not speak, or none (a tap before version 4), is refused whole
-(:class:`UnspokenVersion`: a 400 naming the versions spoken, or a message dropped) and counted
-(``monitor/metrics/versions.py``), never judged: two versions print the same text differently, and one
-deployment's fingerprint window must hold one.
-
-The bounds are written twice, once for each of two readers of one body (``read_batch``):
-
-- msgspec decodes the envelope, then each good record straight into a :class:`TrafficRecord`
-  struct (the common case: less than half of pydantic's CPU for ``bench/traffic.py``'s bodies, and
-  a struct is cheaper to read in the judge and to keep), one record a call, so that reading a large
-  body never holds the GIL for longer than a record takes;
-- the pydantic models (``*Wire``) read any record (or body) msgspec refused, and are what names a
-  bad field in a 422, what the API documents, and what :meth:`TrafficRecord.model_validate`
-  validates with.
-
-msgspec is written to be at least as strict as pydantic, never laxer (ASCII where pydantic's
-regex folds Unicode case, no lax numbers or booleans, ``\\Z`` where Python's ``$`` passes a
-trailing newline): a record it refuses is read again by pydantic, so what is accepted, refused and
-named is pydantic's decision, as it was, and a body both accept reads the same
-(``tests/monitor/traffic/test_traffic_wire.py`` holds them to that). Two bounds are checked beside the
-decoder rather than by a regex in it (a regex costs a third of the decoding): no string may hold
-a NUL, and JSON writes one only as the escape ``\\u0000`` (a raw one is malformed), so a record with
-that escape anywhere goes to pydantic; and a key hash is 64 lowercase hex digits or empty.
-
-What a refusal costs is bounded too, whatever the body holds: pydantic stops a list at its first
-bad item (``FailFast``: 2,048 bad fingerprints are one error, not 2,048), a record's unknown keys
-are named up to ``MAX_ERRORS_PER_RECORD`` of them, and :class:`ValidRecords` keeps the first
-``MAX_ERRORS_PER_RECORD`` errors of each record and ``MAX_ERRORS`` of a batch, counting the rest
-(``omitted``), each error's text bounded. A 422 is then a few kilobytes naming the failing paths.
-
-A record's identity is its ``id``, which the tap makes once per exchange (``tap-`` and 24 hex
-digits): exactly-once (a JetStream redelivery, a tap's resend) keys on it, so it must differ
-between any two responses. The id the gateway reports (the engine's response id) rides as
-``upstream_id``, data only: engines repeat it (a fixed id on every stream, a counter that restarts
-with the process), and keyed on it a second response was acknowledged as a duplicate and never
-judged. A record from an older tap has no ``upstream_id`` (None): its ``id`` is the gateway's, and
-is read as it always was, identity and upstream id alike (:attr:`TrafficRecord.upstream`). A
-monitor before this field refuses a record that carries it (unknown fields are refused): upgrade
-the monitors before the taps.
-
-A record's names (``NAMES``: its id, upstream id, caller, api base, model, model group, finish reason) are
-the gateway's and its customers' to write (a customer sets ``end_user``), and they reach incident
-titles, Alertmanager annotations, the incident page and CSV. A name that is not printable (a
-control or C1 character, a newline, a bidi override or isolate, a zero-width character) is made
-printable here, at the monitor's edge, by the protocol's own rule, the tap's
-(``kvcanary.wire.printable_name``): breaks become spaces, hidden characters U+FFFD so that
-tampering shows. A name a conforming tap sent is kept as sent.
+The bounds are written twice, for two readers of one body (``read_batch``): msgspec decodes each
+good record straight into a :class:`TrafficRecord`, and the pydantic models (``*Wire``) read what
+msgspec refused, name the bad field in a 422 and are what the API documents. msgspec is never laxer
+than pydantic, so what is accepted and refused is pydantic's decision. How the two are kept alike,
+what a refusal may cost, and why a record's identity is its ``id`` and never the engine's:
+``docs/architecture.md``, "Gateway traffic". A record's names (``NAMES``) are made printable on
+reading, by the protocol's rule (``kvcanary.wire.printable_name``).
 """
 
 from __future__ import annotations
@@ -484,7 +445,7 @@ def read_batch(body: bytes, *, versioned: bool = True) -> tuple[TrafficBatch, Va
     loop run between records (a C call holds the GIL for as long as it runs: one call over a body of
     1,000 records with every print a side held it for 177 ms; a record's call takes 0.2 ms). A body
     msgspec cannot read as an envelope, or holding JSON that pydantic reads otherwise, is read whole
-    by pydantic, as it was."""
+    by pydantic."""
     try:
         envelope = _ENVELOPE.decode(body)
     except msgspec.DecodeError:  # malformed, or a bad envelope: pydantic names it

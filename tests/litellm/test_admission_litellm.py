@@ -1,4 +1,4 @@
-"""The admission guard end to end (issue 36): ``kvcanary serve`` publishes each guarded
+"""The admission guard end to end: ``kvcanary serve`` publishes each guarded
 deployment's smallest KV pool, and a real LiteLLM proxy with the tap keeps every prompt that pool
 surely cannot hold off the deployment, before any upstream call.
 

@@ -1,4 +1,4 @@
-"""The incident reproduced end to end, and its blast radius against the ground truth (issue 19).
+"""The incident reproduced end to end, and its blast radius against the ground truth.
 
 A real LiteLLM proxy (with the kvcanary tap, and a logger of its own standard logging payloads as
 JSON lines, as its bucket loggers keep them) stands in front of the defective disaggregated

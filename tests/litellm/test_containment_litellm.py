@@ -1,4 +1,4 @@
-"""Containment end to end (issue 36): ``kvcanary serve`` finds a leak, and a real LiteLLM proxy with
+"""Containment end to end: ``kvcanary serve`` finds a leak, and a real LiteLLM proxy with
 the tap stops sending customers to the leaking deployment within 2 s of the verdict.
 
 Two reference workers are the two deployments of one model group: ``glm`` has the incident's

@@ -1,5 +1,5 @@
 """Customer traffic through a real LiteLLM proxy onto NATS JetStream, judged by two ``kvcanary
-serve`` replicas on PostgreSQL, across the three restarts an operator lives through (issue 26).
+serve`` replicas on PostgreSQL, across the three restarts an operator lives through.
 
 The proxy's tap publishes to the machine's NATS (a stream of this test's own); the replicas share
 its partitions. Customers send requests without pause while

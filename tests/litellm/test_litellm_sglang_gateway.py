@@ -1,5 +1,5 @@
 """Customers' traffic through LiteLLM, then SGLang's model gateway, then reference PD servers, judged
-as the tap's traffic is judged everywhere else (issue #35).
+as the tap's traffic is judged everywhere else.
 
 Every part is a real process on loopback: one prefill server with the incident's small KV pool
 (1,024 tokens under an 8,192-token window) and the placeholder defect, two decode servers,

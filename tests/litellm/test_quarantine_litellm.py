@@ -1,4 +1,4 @@
-"""The gateway side of containment (issue 36): a real LiteLLM proxy with the tap and
+"""The gateway side of containment: a real LiteLLM proxy with the tap and
 ``KVCANARY_TAP_QUARANTINE=1`` keeps the deployments the monitor quarantined out of routing.
 
 Two reference workers are two deployments of one model group. The monitor's
@@ -62,7 +62,7 @@ WORKER_ARGS = (
     "--page-size",
     "16",
 )
-#: The promise of issue 36: every replica stops routing to a quarantined deployment within this.
+#: What containment promises: every replica stops routing to a quarantined deployment within this.
 CONTAINMENT_SECONDS = 2.0
 
 

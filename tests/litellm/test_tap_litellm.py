@@ -1,4 +1,4 @@
-"""Customer traffic through a real LiteLLM proxy, judged by a real monitor (issue 18).
+"""Customer traffic through a real LiteLLM proxy, judged by a real monitor.
 
 Three callers (teams of LiteLLM keys) send realistic traffic with the ``openai`` SDK, streamed and
 not, through the proxy with the kvcanary tap, to reference workers as processes; ``kvcanary serve``

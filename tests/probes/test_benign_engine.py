@@ -3,7 +3,7 @@
 The engine (``tests/support/benign_engine.py``) is correct where isolation is concerned and does what real
 engines do that is no fault: long greedy answers drift after about a hundred tokens, answers come
 wrapped in prefixes and quotes, one request in 25 fails with a 503. A monitor that pages for that
-is switched off by the people it pages (issue #34). Each kind runs :data:`RUNS_PER_STYLE` times
+is switched off by the people it pages. Each kind runs :data:`RUNS_PER_STYLE` times
 against each answering style (a copy model and an instruction model), its state carried between
 runs as the runner carries it, all kinds at once as the scheduler runs them: at least 300 runs a
 kind. ``error`` is allowed (a 503, a cache the engine does not show): it never pages as a leak.

@@ -94,7 +94,7 @@ def test_names_timings_and_keys_are_made_to_fit_and_no_key_leaves() -> None:
 
 
 def test_every_exchange_gets_an_id_of_its_own_and_the_gateways_repeated_id_is_kept_as_data() -> None:
-    """An engine that gives every response one id (issue #33 item 11): the records' ids differ
+    """An engine that gives every response one id: the records' ids differ
     (the monitor judges each once by its id), the engine's id rides as ``upstream_id``."""
     first, second = record_of(request_id="chatcmpl-same"), record_of(request_id="chatcmpl-same")
     for record in (first, second):

@@ -176,7 +176,7 @@ def test_it_names_its_prefix_cache_mode_in_server_info(serve: Callable[..., Test
 def test_the_deprecated_single_mode_runs_as_aggregated_under_0_1s_wire_names(
     serve: Callable[..., TestClient],
 ) -> None:
-    """``--mode single`` (0.1) keeps ``pool="single"`` for one release, so old queries still match."""
+    """``--mode single`` (0.1's name, refused in 0.3) keeps ``pool="single"``, so 0.1's queries match."""
     old, new = serve(mode="single", kv_pool_tokens=1024), serve(mode="aggregated", kv_pool_tokens=1024)
     old_info, new_info = old.get("/get_server_info").json(), new.get("/get_server_info").json()
     assert old_info["kv_pools"] == {"single": 1024}

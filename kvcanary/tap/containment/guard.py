@@ -1,4 +1,4 @@
-"""The admission guard in the gateway (issue 36): a prompt that a deployment's KV pool surely
+"""The admission guard in the gateway: a prompt that a deployment's KV pool surely
 cannot hold is kept off that deployment before any upstream call, and refused when no deployment
 of its model group can hold it. The incident's engine admitted such prompts and answered them from
 stale pages; this is the check it lacked, made from what kvcanary measured (``monitor/containment/guards.py``

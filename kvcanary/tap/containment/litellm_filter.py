@@ -1,4 +1,4 @@
-"""Deployments the monitor quarantined, kept out of a LiteLLM router's choice (issue 36).
+"""Deployments the monitor quarantined, kept out of a LiteLLM router's choice.
 
 LiteLLM's router hands each callback that overrides ``CustomLogger.async_filter_deployments`` the
 deployments of the model group a request asked for, before it picks one (on every try, a retry's

@@ -167,8 +167,8 @@ def test_the_config_and_the_cli_name_exactly_the_formats_the_reader_maps() -> No
 
 
 def test_a_log_with_no_newline_is_told_in_bounded_memory_and_left_out_with_a_note(tmp_path: Path) -> None:
-    """Issue 33 item 2: a 2 GB file with no newline took the monitor to 4.4 GB (its first line read
-    whole to tell its format). Here 256 MB files, plain (sparse) and gzipped, with a prompt at their
+    """A file with no newline is never read whole to tell its format (a 2 GB one would take the
+    monitor to 4.4 GB). Here 256 MB files, plain (sparse) and gzipped, with a prompt at their
     start: telling their formats must stay under +64 MB, and the note must quote nothing of them."""
     import gzip
     import os

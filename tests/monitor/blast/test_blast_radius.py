@@ -377,7 +377,7 @@ def blast_app(factory: Factory, blast: dict[str, Any]) -> TestClient:
 def test_the_api_and_the_page_show_a_spend_log_url_as_scheme_host_port_and_database_only(
     session_factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 33 item 9: a password in the URL's query was echoed; only ``user:pw@`` was masked."""
+    """A password in the URL's query is masked as ``user:pw@`` is, in the API and on the page."""
     url = "postgresql://spender:hunter1@127.0.0.1:1/litellm?password=hunter2&sslpassword=hunter3#hunter4"
     monkeypatch.setenv("KVC_TEST_LITELLM_DB", url)
     with blast_app(session_factory, {"litellm_db_url_env": "KVC_TEST_LITELLM_DB"}) as client:
@@ -394,7 +394,8 @@ def test_the_api_and_the_page_show_a_spend_log_url_as_scheme_host_port_and_datab
 def test_the_api_notes_a_configured_log_with_no_newline_without_quoting_or_naming_it(
     session_factory: Factory, tmp_path: Path
 ) -> None:
-    """Issue 33 item 2, as the API answers it: the file is left out with a note of its problem only."""
+    """A configured log with no newline, as the API answers it: the file is left out with a note of
+    its problem only."""
     import os
 
     from kvcanary.monitor.blast.logs import LONG_LINE

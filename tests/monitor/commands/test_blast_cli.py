@@ -102,7 +102,7 @@ STRIPPED = {"Cc", "Cf", "Zl", "Zp"}
 
 
 def test_the_notification_csv_neutralises_formulas_and_control_characters(tmp_path: Path) -> None:
-    """Issue 33 item 8: callers starting with = + - @ opened formulas in the CSV (OWASP CSV injection)."""
+    """A caller starting with = + - @ (or a tab or CR) opens no formula in the CSV (OWASP CSV injection)."""
     import csv
     import unicodedata
 
@@ -138,7 +138,7 @@ def test_the_notification_csv_neutralises_formulas_and_control_characters(tmp_pa
 
 
 def test_a_spend_log_url_is_shown_without_user_password_query_or_fragment(tmp_path: Path) -> None:
-    """Issue 33 item 9: ``?password=`` and ``?sslpassword=`` were echoed; only ``user:pw@`` was masked."""
+    """``?password=`` and ``?sslpassword=`` are masked as ``user:pw@`` is: none is ever echoed."""
     config, incident = setup(tmp_path)
     url = "postgresql://spender:hunter1@127.0.0.1:1/litellm?password=hunter2&sslpassword=hunter3#hunter4"
     shown = '"LiteLLM_SpendLogs" at postgresql://127.0.0.1:1/litellm'

@@ -1,7 +1,7 @@
 """Hung and slow targets cost their own probes only: `kvcanary serve` against engines on loopback.
 
-Today's figures (issue #16): 40 targets whose engine answered after 120 s kept five healthy
-targets from running for ~110 s, because one first-come semaphore was shared by all.
+Why: with one first-come semaphore shared by all, 40 targets whose engine answers after 120 s keep
+five healthy targets from running for ~110 s.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Hostile traffic bodies (issue 33, items 1, 7 and 10): what one input may cost and move.
+"""Hostile traffic bodies: what one input may cost and move.
 
 - One body of records whose fingerprints are all bad (2.4 MB) is answered, by a real ``kvcanary
   serve`` on PostgreSQL, within a second, in a bounded 422, while ``/healthz`` keeps answering
-  and the process grows by less than 50 MB (it took 24 s, 740 MB and an 81 MB 422 before).
+  and the process grows by less than 50 MB (a body validated whole costs 24 s, 740 MB and an
+  81 MB 422).
 - Names holding bidi overrides, zero-width, C1 and escape characters and newlines reach neither
   the stored row, nor the alert Alertmanager holds, nor the incident page.
 - One batch cannot report more than ``MAX_DROPPED`` dropped records.
@@ -56,11 +57,11 @@ def hidden(text: str) -> list[str]:
     return [c for c in text if unicodedata.category(c) in {"Cc", "Cf", "Zl", "Zp", "Cs", "Co"}]
 
 
-# --- item 1: one body's cost ------------------------------------------------------------------------
+# --- one body's cost --------------------------------------------------------------------------------
 
 
 def all_bad_fingerprints(records: int = 300) -> bytes:
-    """The issue's body: ``records`` records whose 2,048 fingerprints are all -1 (about 2.4 MB)."""
+    """The hostile body: ``records`` records whose 2,048 fingerprints are all -1 (about 2.4 MB)."""
     bad = {"prompt": [-1] * MAX_FINGERPRINTS, "response": [-1] * MAX_FINGERPRINTS}
     body = {
         "version": VERSION,
@@ -141,7 +142,7 @@ def test_a_body_of_bad_fingerprints_is_refused_in_a_second_without_stalling_the_
     assert max(watch.health_seconds) < 0.75, f"/healthz took {max(watch.health_seconds):.2f} s"
 
 
-# --- item 7: names that cannot forge a page ---------------------------------------------------------
+# --- names that cannot forge a page -----------------------------------------------------------------
 
 
 class Results:
@@ -241,7 +242,7 @@ def test_hostile_names_reach_no_row_alert_or_page(
     assert "req-1\n" not in page.text and "\x1b" not in page.text
 
 
-# --- item 10: a batch's drops are bounded -----------------------------------------------------------
+# --- a batch's drops are bounded --------------------------------------------------------------------
 
 
 def test_a_batch_cannot_report_more_drops_than_a_taps_queue_holds(

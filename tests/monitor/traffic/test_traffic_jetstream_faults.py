@@ -1,5 +1,5 @@
 """``traffic.source: jetstream`` under faults and forged input, on the real NATS server, one monitor
-in process (issue #33): an idle stream's empty pulls cost no backoff and no warning; a deleted
+in process: an idle stream's empty pulls cost no backoff and no warning; a deleted
 stream or consumer is recreated and reported until then; a header cannot claim more records than
 its message could carry; a record on a partition its deployment does not hash to is refused.
 """

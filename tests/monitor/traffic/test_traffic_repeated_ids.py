@@ -1,9 +1,9 @@
-"""An engine that gives every response one id (issue #33 item 11): two customers' responses under
+"""An engine that gives every response one id: two customers' responses under
 one upstream id are both judged and both in the blast radius, over HTTP and over JetStream.
 
 Engines and gateways repeat response ids (a fixed id on every stream, a counter that restarts with
-the process). Exactly-once keyed on that id acknowledged the second response as a duplicate and
-never judged it: a leak in it was missed and the blast radius undercounted. The records here are
+the process). Exactly-once keyed on that id would acknowledge the second response as a duplicate
+and never judge it: a leak in it missed, and the blast radius undercounted. The records here are
 made by the real tap (``summarize``) from exchanges whose gateway id is the same, both prompts over
 the node's pool and answered 200 (the leak's signature), inside an over-pool incident's window.
 """
