@@ -6,49 +6,19 @@ with the disclosed defect counts each over-capacity request it swapped for a pla
 configured to zero freed pages must never hand out a dirty one. These counters see every request,
 so an increase between two reads is a finding, whatever the canaries say.
 
-Why the check is sound:
+Why the check is sound (each rule and its reason: ``docs/detection-research.md`` §4, "Counters"):
 
-- The page is parsed with prometheus-client's parser (by the target client), never regexes, and
-  each canonical counter is read under the names its engine really uses
-  (:mod:`probes.engine_counters`, one table). A counter the engine does not expose is reported as
-  such; a node exposing none of the judged ones is an ``error`` ("cannot judge"), never a pass.
-- Increases are taken between this read and the previous one, series by series (one data-parallel
-  engine restarting is not the node starting again), kept in the probe's state (stored by the
-  runner with each result, so restarts and replicas continue the series). A series below its
-  previous value restarted: its increase is the new value, as Prometheus's ``increase()`` takes
-  it; a changed ``process_start_time_seconds`` restarts them all, even one already climbed back
-  above its old value. A series missing from one page keeps its last value. On the first read of
-  a node the increase is counted from zero: the counters then cover the node's whole life so
-  far, which the evidence says.
-- A finding holds for ``lookback_seconds`` (900): a counter judged on the increase between two
-  reads alone reads pass, mismatch, pass, ... when its fault recurs every other read (the
-  monitor's own ``boundary`` runs provoke a defective node's substitutions once a run), and an
-  operator reads each pass as a recovery. So each read's increases are kept in the state with
-  their times, and a counter is judged on what it gained within the lookback, as Prometheus's
-  ``increase(x[15m])`` would; the detail says this read's increase and the lookback's, read by
-  read. A node whose fault stopped passes once its last increase is older than the lookback, or
-  at its first read after a restart (the fix deployed: the old process's increases are not held
-  against the new one).
-- Verdicts: ownership violations increased → ``leak``; placeholder substitutions, corrupted
-  requests or KV read after its release (vLLM's NIXL ``notifications_after_expiry``) increased →
-  ``mismatch``; dirty page reuse increased on a node that must zero freed pages (its
-  ``kvcanary_worker_info{zero_freed_pages="true"}``, or ``require_zeroed_pages: true``) →
-  ``mismatch``; metrics unreachable or unparseable → ``error``. The evidence names the node, each
-  series, and its values before and after.
-- Balances (:data:`~probes.engine_counters.ENGINE_BALANCES`): vLLM counts every prompt token once in
-  ``prompt_tokens_total`` and once by source; a whole above the sum of its parts at this read and at
-  the previous one (the same process) earns the balance's verdict (``mismatch``). One read alone is
-  not enough: a scrape can fall between the engine's two increments. The counters are totals since
-  the process started, so a shortfall holds until it restarts. A balance that holds is no isolation
-  counter: a node whose only judged figures are balances still says ``not_exposed`` when they hold.
-- State gauges (LMCache's load-error blocks and health inside vLLM) are read as they stand and listed
-  in the evidence, never judged.
-- What an engine only logs is read from a second page, the node's ``log_metrics_url``: SGLang's own
-  KV canary (``--kv-canary``) writes each violation as a log line, which mtail turns into counters
-  (``alerts/mtail/sglang_kv_canary.mtail``). Only the samples the engine's table names are taken
-  from it. A canary violation a request read is a ``leak``, one written a ``mismatch``. A log page
-  that cannot be read leaves a clean engine page an ``error`` (``log_metrics_unreachable``): the
-  canary's word went unheard, which is no pass; findings on the engine's page stand.
+- each counter is read under the names its engine really uses (:mod:`probes.engine_counters`), from
+  a page parsed by prometheus-client; a node exposing none of the judged ones is an ``error``;
+- increases are taken series by series between reads kept in the probe's state, a series below its
+  previous value (or a new ``process_start_time_seconds``) read as restarted, as ``increase()`` does;
+- a counter is judged on what it gained within ``lookback_seconds``, so a fault that recurs every
+  other read never reads as a recovery;
+- ownership violations are a ``leak``; placeholder substitutions, corrupted requests, KV read after
+  its release, dirty reuse where pages must be zeroed, and a balance short at two reads are a
+  ``mismatch``; state gauges are listed, never judged;
+- what an engine only logs (SGLang's KV canary) is read from ``log_metrics_url``; a log page that
+  cannot be read leaves a clean engine page an ``error``.
 """
 
 from __future__ import annotations

@@ -5,43 +5,16 @@ models of the engine tests), where no nonce can be asked back: decode over pages
 a prefix-cache hit on the wrong entry, KV written late into reused pages, batch slots crossed. Each
 changes what a request computes, so a fixed prompt at temperature 0 stops producing its own answer.
 
-How it works. A handful of fixed prompts of different lengths (no marker in them: fixed prompts are
-the point), temperature 0, seed 0, at most 32 new tokens (benign nondeterminism shows around token
-100; ``docs/detection-research.md`` §5). The **baseline** is each prompt's output under isolated
-conditions: the probe sends every prompt ``baseline_runs`` times (3), one request at a time, and
-keeps the outputs only if all runs of every prompt agree; else it is an ``error``
-(``not_deterministic``) with the measured agreement. It baselines on its first run, when the state has
-no baseline for these prompts and settings, and on demand (``rebaseline``). Later runs send each
-prompt ``repeats`` times (2), interleaved across prompts and tenants, ``concurrency`` (2) at a time:
-batching is exactly the benign nondeterminism to tolerate, and mixed lengths side by side are the
-trigger of known faults.
-
-Why an alarm means something (``docs/detection-research.md`` G4):
-
-- A deviation is an output whose SHA-256 differs from the baseline's. Deviations are judged against
-  the model's OWN rate of benign deviation, kept in the state as counts (comparisons, deviations).
-  The counts start with the baseline's own agreeing repeats and grow with every run that does not
-  alarm; a run that alarms is left out, so a lasting fault keeps alarming instead of teaching the
-  probe that failure is normal.
-- The rate tested against is ``p0 = max(rate_floor, (D + 1) / (N + 2))``: Laplace's estimate (never
-  0, so one deviation after a clean history is not infinitely surprising; large while the history is
-  short) with a floor of 1%, because a rare rate measured over a few thousand comparisons is noisy.
-- One-sided exact binomial test: ``p = P(X >= d)`` for ``X ~ Binomial(n, p0)``, ``n`` the run's
-  comparisons and ``d`` its deviations (:func:`binomial_tail`, exact, summed in log space). Alarm
-  (``mismatch``, ``replay_diverged``) when ``p < alpha`` (1e-6).
-- False-alarm rate: at most ``alpha`` per run whenever the true benign rate is at most ``p0``. With
-  the defaults (n = 8, p0 = 0.01) an alarm needs 4 deviations of 8, ``P = 6.8e-7`` per run: at worst
-  (a true rate at the floor) one false alarm in 2.8 years of runs every 60 s. Measured on vLLM's CPU
-  build and on llama-cpp-python (tiny models): 0 deviations in 1,280 concurrent comparisons each.
-- Power: a fault that changes every output alarms on its first run once ``p0 <= 0.177``
-  (0.177**8 < 1e-6); right after a baseline ``p0 = 1/10``. A run whose ``n`` comparisons could not
-  reach ``alpha`` even if all deviated is an ``error`` (``replay_powerless``): raise ``repeats`` or
-  make the engine deterministic.
-- The test takes deviations as independent. Benign ones can cluster (a batch effect may flip both
-  of two overlapping requests); at the defaults an alarm needs half the run to deviate, so a
-  flipped pair (2 of 8) stays far from one, and the clusters raise the measured rate in turn.
-- Any foreign marker in any output is still a ``leak`` (:func:`~probes.base.judge`): the other kinds'
-  markers in a stale page come back here too. A baseline that carried one is not kept.
+Why an alarm means something (``docs/detection-research.md`` §5.3, with the figures): the
+**baseline** is each prompt's output sent alone ``baseline_runs`` times, kept only if every run of
+every prompt agrees (else ``error``, ``not_deterministic``) and none carried a foreign marker. Later
+runs send each prompt ``repeats`` times, interleaved across prompts and tenants, ``concurrency`` at
+a time, and test the run's deviations (outputs whose SHA-256 differs from the baseline's) against
+the model's own measured rate of benign deviation, ``p0 = max(rate_floor, (D + 1) / (N + 2))``, by
+an exact one-sided binomial tail (:func:`binomial_tail`): ``mismatch`` (``replay_diverged``) below
+``alpha``. A run that alarms is left out of the rate, so a lasting fault keeps alarming; a run that
+could not reach ``alpha`` even if all deviated is an ``error`` (``replay_powerless``), never a
+pass. Any foreign marker in any output is a ``leak`` (:func:`~probes.base.judge`).
 
 State (JSON, kept by the runner): ``version``, ``conditions`` (SHA-256 of the prompts and settings),
 ``rebaseline`` (the token last honoured), ``baseline`` (per prompt: ``prompt_sha256``,
