@@ -119,58 +119,20 @@ def judge_counters(
     ``now`` is the read's time (seconds since the epoch; None: the clock's); a judged counter's
     increases within ``lookback_seconds`` before it, kept in the state, count with this read's."""
     now = time.time() if now is None else now
-    names = names_for(engine)
-    before: dict[str, float] = dict(previous.get("counters", {}))
     started = samples.get(_STARTED)
     # The process began again since the last read: every counter did too, whatever its value.
     restarted = started is not None and previous.get("started") not in (None, started)
-    before_series = {} if restarted else dict(previous.get("series", {}))
-    by_series = "series" in previous and not restarted
-    values: dict[str, float] = {}
-    kept: dict[str, float] = {}
-    series, not_exposed, missing = [], [], []
-    increases: dict[str, float] = {}  # this read's, of the counters judged on this node
-    began_again: set[str] = set()  # counters a series of which went down: its process restarted
-    findings: list[tuple[Canonical, float, float]] = []  # (counter, this read's, the lookback's)
-    for counter in CANONICAL:
-        if not names[counter.name]:
-            not_exposed.append(counter.name)
-            continue
-        present = [n for n in names[counter.name] if n in samples]
-        if not present:
-            missing.append(counter.name)
-            continue
-        current = {k: v for n in present for k, v in series_of(samples, n).items()}
-        value = sum(samples[n] for n in present)
-        values[counter.name] = value
-        if by_series:  # each series against its own last value: one of them restarting is not all
-            increase = sum(_increase(before_series.get(k), v) for k, v in current.items())
-            if any(v < before_series.get(k, v) for k, v in current.items()):
-                began_again.add(counter.name)
-        else:  # the first read, a restart, or a state written before series were kept
-            increase = _increase(None if restarted else before.get(counter.name), value)
-        # A series absent from this page keeps its last value: back later, it is not new.
-        kept.update({k: v for k, v in before_series.items() if _of(k, present)}, **current)
-        series.append(
-            {"counter": counter.name, "series": present, "before": before.get(counter.name), "after": value,
-             "increase": increase}
-        )  # fmt: skip
-        if _judged(counter, zeroing):
-            increases[counter.name] = increase
+    reading = _read_counters(engine, samples, previous, restarted=restarted, zeroing=zeroing)
     # A restarted process (the fix deployed, as often as not) starts a lookback of its own: what the
     # process before it did is not held against it. Without a start time, a counter that went
     # down says its process began again (engines without process_start_time_seconds).
-    forget = {c.name for c in CANONICAL} if restarted else began_again
-    recent = _recent(previous, increases, now, lookback_seconds, forget)
-    for counter in CANONICAL:
-        gained = sum(r["increases"].get(counter.name, 0) for r in recent)
-        if counter.name in increases and gained > 0:
-            findings.append((counter, increases[counter.name], gained))
+    forget = {c.name for c in CANONICAL} if restarted else reading.began_again
+    recent = _recent(previous, reading.increases, now, lookback_seconds, forget)
     gaps = balance_gaps(engine, samples)
     prior = previous.get("balances")  # absent from states written before balances were kept
     short = _short_balances(engine, gaps, prior if isinstance(prior, dict) and not restarted else {})
     state = {
-        "counters": values, "series": kept, "started": started,
+        "counters": reading.values, "series": reading.kept, "started": started,
         "read_at": datetime.fromtimestamp(now, UTC).isoformat(), "recent": recent,
         "balances": {name: figures["gap"] for name, figures in gaps.items()},
     }  # fmt: skip
@@ -178,11 +140,11 @@ def judge_counters(
         "node": node.name,
         "role": node.role,
         "engine": engine,
-        "first_read": not before,
+        "first_read": reading.first_read,
         "restarted": restarted,
-        "series": series,
-        "not_exposed": not_exposed,
-        "missing": missing,
+        "series": reading.series,
+        "not_exposed": reading.not_exposed,
+        "missing": reading.missing,
         "zeroing_required": zeroing,
         "lookback_seconds": lookback_seconds,
         "recent_increases": recent,
@@ -190,11 +152,91 @@ def judge_counters(
         "gauges": gauge_readings(engine, samples),
     }
     said = [(c.verdict or Verdict.PASS, f"{c.name}_increased",
-             _finding(c, n, g, recent, lookback_seconds, node)) for c, n, g in findings]  # fmt: skip
+             _finding(c, n, g, recent, lookback_seconds, node))
+            for c, n, g in _lookback_findings(reading.increases, recent)]  # fmt: skip
     said += [(b.verdict, f"{b.name}_unbalanced", _unbalanced(b, gaps[b.name], n, node)) for b, n in short]
-    judged = [c for c in CANONICAL if c.verdict is not None and c.name in values]
+    return _verdict(said, engine, node, reading, evidence, state)
+
+
+@dataclasses.dataclass
+class _Reading:
+    """What one read says of each counter against the previous read."""
+
+    first_read: bool  # no counter was read before
+    values: dict[str, float] = dataclasses.field(default_factory=dict)  # each counter's total now
+    #: Each series' last value: one absent from this page keeps its old one (back later, it is not new).
+    kept: dict[str, float] = dataclasses.field(default_factory=dict)
+    series: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the evidence's rows
+    not_exposed: list[str] = dataclasses.field(default_factory=list)  # no name on this engine
+    missing: list[str] = dataclasses.field(default_factory=list)  # named, absent from the page
+    increases: dict[str, float] = dataclasses.field(default_factory=dict)  # of the counters judged here
+    #: Counters a series of which went down: its process restarted.
+    began_again: set[str] = dataclasses.field(default_factory=set)
+
+
+def _read_counters(
+    engine: str, samples: dict[str, float], previous: dict[str, Any], *, restarted: bool, zeroing: bool
+) -> _Reading:
+    """Return each canonical counter's value and increase since the ``previous`` read."""
+    names = names_for(engine)
+    before: dict[str, float] = dict(previous.get("counters", {}))
+    before_series = {} if restarted else dict(previous.get("series", {}))
+    by_series = "series" in previous and not restarted
+    reading = _Reading(first_read=not before)
+    for counter in CANONICAL:
+        if not names[counter.name]:
+            reading.not_exposed.append(counter.name)
+            continue
+        present = [n for n in names[counter.name] if n in samples]
+        if not present:
+            reading.missing.append(counter.name)
+            continue
+        current = {k: v for n in present for k, v in series_of(samples, n).items()}
+        value = sum(samples[n] for n in present)
+        reading.values[counter.name] = value
+        if by_series:  # each series against its own last value: one of them restarting is not all
+            increase = sum(_increase(before_series.get(k), v) for k, v in current.items())
+            if any(v < before_series.get(k, v) for k, v in current.items()):
+                reading.began_again.add(counter.name)
+        else:  # the first read, a restart, or a state written before series were kept
+            increase = _increase(None if restarted else before.get(counter.name), value)
+        reading.kept.update({k: v for k, v in before_series.items() if _of(k, present)}, **current)
+        reading.series.append(
+            {"counter": counter.name, "series": present, "before": before.get(counter.name), "after": value,
+             "increase": increase}
+        )  # fmt: skip
+        if _judged(counter, zeroing):
+            reading.increases[counter.name] = increase
+    return reading
+
+
+def _lookback_findings(
+    increases: dict[str, float], recent: list[dict[str, Any]]
+) -> list[tuple[Canonical, float, float]]:
+    """Return each judged counter that gained within the lookback: (counter, this read's increase,
+    the lookback's)."""
+    findings = []
+    for counter in CANONICAL:
+        gained = sum(r["increases"].get(counter.name, 0) for r in recent)
+        if counter.name in increases and gained > 0:
+            findings.append((counter, increases[counter.name], gained))
+    return findings
+
+
+def _verdict(
+    said: list[tuple[Verdict, str, str]],
+    engine: str,
+    node: Node,
+    reading: _Reading,
+    evidence: dict[str, Any],
+    state: dict[str, Any],
+) -> ProbeResult:
+    """Return the worst of the findings ``said``; without one, a pass where a judged counter was
+    read, else an error (``not_exposed``: nothing to judge is no pass)."""
+    judged = [c for c in CANONICAL if c.verdict is not None and c.name in reading.values]
     if not said and not judged:
-        detail = f"{engine} exposes none of the judged counters on {_where(node)} ({', '.join(not_exposed)})"
+        exposed = ", ".join(reading.not_exposed)
+        detail = f"{engine} exposes none of the judged counters on {_where(node)} ({exposed})"
         return ProbeResult(Verdict.ERROR, "not_exposed", detail, evidence, {}, state)
     if not said:
         detail = f"{len(judged)} isolation counter(s) unchanged on {_where(node)}"
