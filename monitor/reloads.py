@@ -4,7 +4,7 @@
 
 A new configuration is refused whole (logged, ``kvcanary_config_reload_success`` 0, the settings in
 force stay) when it does not load or changes a key only a restart can. Otherwise the plan
-(``config/reload.py``) says what changed, and this module applies it to the monitor's parts in one
+(``config/reload_plan.py``) says what changed, and this module applies it to the monitor's parts in one
 step: clients of added and changed targets made (old ones closed once their runs in flight end),
 their series dropped, every part handed the new settings, probe jobs removed and added, joined and
 left nodes audited at once. Runs in flight, open incidents, states and the spool stay.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from apscheduler.jobstores.base import JobLookupError
 
-from kvcanary.monitor.config.reload import ReloadPlan, plan, restart_needed
+from kvcanary.monitor.config.reload_plan import ReloadPlan, plan, restart_needed
 from kvcanary.monitor.config.secrets import TenantKeys, tenant_keys
 from kvcanary.monitor.config.settings import ConfigError, Settings, load_settings
 from kvcanary.monitor.containment.signing import signer_of
