@@ -18,30 +18,23 @@ Why the verdict is sound: it compares two numbers the node states about itself, 
 - A window or a pool the node does not publish is an ``error`` naming what was missing and where
   it was looked for, never a pass. An operator can state either (``context_window``,
   ``kv_pool_tokens``) when the engine does not publish it.
-- A decode pool is reported, not judged: a decode node holds running sequences, each handed over
-  by a prefill node that admitted it, not one prompt against the window (the disclosure's first
-  advice is about the prefill pool; the capacity alert leaves ``pool="decode"`` out for the same
-  reason). A node is a decode node when the engine says so (``disaggregation_mode``: SGLang's decode
-  server states its pool as ``max_total_num_tokens``, with no pool name) or, where it states no
-  mode, when its role does (``nodes:`` or its gateway). The engine's own word comes first: it is
-  what admission runs by, and a node listed as decode that serves both phases must be judged. Such
-  a node passes with the reason ``decode_pool_not_judged`` and its figures.
+- A decode pool is reported, not judged (``decode_pool_not_judged``): a decode node holds running
+  sequences, each handed over by a prefill node that admitted it, not one prompt against the
+  window. A node is a decode node when the engine says so (``disaggregation_mode``), else when its
+  role does; the engine's word comes first, since it is what admission runs by.
 
-The result's measurements carry the figures (window, each pool, the lowest ratio); the runner
-exports them as ``kvcanary_node_kv_pool_tokens`` and ``kvcanary_node_context_window_tokens``.
+The measurements (window, each pool, the lowest ratio) are exported by the runner as
+``kvcanary_node_kv_pool_tokens`` and ``kvcanary_node_context_window_tokens``.
 
-A prefill or decode node also says whether it checksums its KV hand-offs (SGLang's server argument
-``disaggregation_enable_kv_checksum``, off by default; the reference PD servers' ``--kv-checksum``):
-without it, K/V corrupted between the two nodes (a slot reused under an RDMA write in flight, a
-stale sender, a link) is decoded into an answer, with no error. That is a hardening gap, not a
-leak seen: the evidence (``kv_transfer_checksum``: ``on``, ``off``, or ``unknown`` where the node
-states nothing) and the detail say it, the measurement ``kv_transfer_checksum_enabled`` (1 or 0) is
-exported as ``kvcanary_node_kv_transfer_checksum_enabled``, on which the warning alert
-``KVCanaryPDTransferUnverified`` fires, and the verdict stays the pool's. An operator who requires
-the checksum states ``require_kv_checksum: true``: a PD node without it is then a ``mismatch``
-(``kv_transfer_unverified``) and one that does not say is an ``error`` (``kv_transfer_checksum_unknown``).
-A node holding both a prefill and a decode pool (the reference worker's in-process disaggregated
-mode) hands nothing over a wire and is not asked.
+A prefill or decode node also says whether it checksums its KV hand-offs (SGLang's
+``disaggregation_enable_kv_checksum``; the reference PD servers' ``--kv-checksum``): without it,
+K/V corrupted between the two nodes is decoded into an answer, with no error. That is a hardening
+gap, not a leak seen: the evidence (``kv_transfer_checksum``: ``on``, ``off`` or ``unknown``) and
+the measurement ``kv_transfer_checksum_enabled`` say it, and the verdict stays the pool's, unless
+the operator states ``require_kv_checksum: true`` (then off is a ``mismatch``,
+``kv_transfer_unverified``, and unknown an ``error``; the alert and what to do:
+``alerts/runbooks/KVCanaryPDTransferUnverified.md``). A node holding both pools hands nothing over
+a wire and is not asked.
 
 Every run also fingerprints the node's configuration — window, pools, version, mode and every fact
 the engine states (model, quantization, parallelism, memory fraction...) — and keeps it in its

@@ -1,69 +1,25 @@
 """The timing test of the ``prefix_cache`` probe, for engines that report no cache counter.
 
-Gu et al.'s audit (docs/detection-research.md §1) on time to first token (TTFT), made paired and
-group-sequential:
+Gu et al.'s audit on time to first token (TTFT), made paired and group-sequential
+(``docs/detection-research.md`` §1, where the plan, the false-alarm bound, power and cost are
+derived and measured):
 
 - a *hit trial*: the victim sends a fresh prefix ``victim_requests`` times, then the attacker sends
   it (``cross``: a hit only if the cache is shared across tenants), then sends it again
   (``repeat``: the attacker's own hit);
 - a *miss trial*: the attacker sends a fresh prefix of the same size (``miss``).
 
-The plan (:func:`plan_timing`) is fixed before the first request: up to :data:`LOOKS` looks, each
-after ``b = ceil(ln(looks / alpha) / min_effect^2)`` more trials of each kind, so that an effect of
-``min_effect`` can decide at the first look and the later looks reach the smaller contrasts load
-leaves (about ``min_effect / sqrt(k)`` at look ``k``); fewer looks where ``max_samples`` cannot hold
-them. The plan's ``2 * looks * b`` trials are shuffled together once (``secrets.SystemRandom``) and
-sent one at a time, so drifts in load fall on both kinds alike; look ``k`` comes after the first
-``2 k b`` of them. Each look runs three one-sided two-sample KS tests (:mod:`probes.stats`) on
-every trial so far, each at ``alpha / looks``:
-
-- ``cross`` faster than ``miss``: the attacker's first request of another tenant's prefix was
-  served from cache: ``leak`` (a pass, ``shared_by_policy``, under policy ``shared``);
-- otherwise ``repeat`` faster than ``miss`` (hits are visible on this path) *and* ``repeat`` faster
-  than ``cross`` (the attacker's own prefixes hit where the victim's did not): ``pass``;
-- otherwise the next look. After the last one, ``error``, never a pass: ``cache_unobservable`` when
-  even the repeats were not decisively faster (caching off, or too little prefill for the noise),
-  ``timing_inconclusive`` when they were but the cross arm was neither decisively a hit nor
-  decisively a miss (a cache shared for some requests, or a contrast too small for the plan).
-
-A pass needs the repeats to beat the cross arm, not only the misses: under a shared cache the cross
-arm is a hit like the repeat, and with the misses alone a look where the repeat's test crossed its
-threshold before the cross arm's would pass a shared cache (one shared run in ten, in a simulation
-at the loaded reference worker's contrast: docs/detection-research.md §1.5). Every compared sample
-is the attacker's own, so a difference between tenants' paths (keys, quotas, routes) cannot pass
-for a hit.
-
-Each decision is p < alpha / looks alone. ``min_effect`` sizes the plan; it is not a second
-threshold: at a single look of ``ceil(ln(1/alpha) / D^2)`` trials an observed D of ``min_effect``
-is where p crosses alpha, give or take one step of 1/n, and demanding both made a sound engine at a
-loaded contrast fail by that step (D = 26/38 = 0.684 had p = 4.5e-9 < 1e-8 but not D >= 0.7).
-With later looks a D threshold would forbid exactly the smaller effects they are there to decide.
-
-False alarms, at most ``alpha`` per run. Under isolation a cross request and a miss are both the
-attacker's misses of fresh prefixes of one size (the premise: nothing but a shared cache makes a
-request faster for following another tenant's), and which trials are hits is set by one shuffle of
-the whole plan, drawn apart from the engine's times. The trials of any one look are fixed before
-the first request, their labels are a uniformly random arrangement given their counts, and the
-exact test of that look's cross arm alarms with probability at most ``alpha / looks``. The run
-stops early by a rule that reads the miss arm the cross test shares, so given where it stopped, the
-arms of that look are no longer such an arrangement; the bound needs no such conditioning. A run
-says ``leak`` only if the cross test of *some* look of the plan, taken or not, is significant, so
-P(leak) <= sum over the looks of P(that look's cross test significant) <= looks * alpha / looks =
-alpha, whatever the stopping rule (a union bound). The same bound holds for a pass on a path whose
-hits never show: it needs the repeats' test at some look. Measured against an isolated reference
-worker: ``docs/detection-research.md`` §1.5 (``tests/probes/test_prefix_cache.py`` repeats 10 runs).
-
-Cost, bounded before the first request: at most ``looks * b * (victim_requests + 3)`` requests of
-one prefix each, one completion token each (the plan's ``requests_planned`` and ``tokens_planned``);
-a run stops at the first look that decides and states the looks, requests and tokens it spent. At
-the defaults (1,024-token prefix, D = 0.5, v = 2): 3 looks of 79 trials, at most 1,185 requests
-(about 1.22 M tokens), 395 of them when the first look decides.
-
-Power: hits must cost visibly less than misses. On this project's 2-core CI machine the reference
-worker's 64 Ki-token prefix (miss 0.1 to 0.5 s, hit 0.02 to 0.1 s, as load goes) gives D = 0.85 to
-1 at the first look; at 1,024 tokens (medians 1 to 3 ms apart in ~10 ms of noise) the hits show on
-a quiet machine and are lost in a loaded one's noise, and the verdict is ``error``, not a false
-``pass``.
+The plan (:func:`plan_timing`) is fixed before the first request: up to :data:`LOOKS` looks of
+``b = ceil(ln(looks / alpha) / min_effect^2)`` more trials of each kind, all shuffled together once
+(``secrets.SystemRandom``) and sent one at a time. Each look runs three one-sided two-sample KS
+tests (:mod:`probes.stats`) on every trial so far, each at ``alpha / looks``: ``cross`` faster than
+``miss`` is a ``leak`` (a pass, ``shared_by_policy``, under policy ``shared``); else ``repeat``
+faster than ``miss`` *and* than ``cross`` is a ``pass``; else the next look, and after the last an
+``error`` (``cache_unobservable`` or ``timing_inconclusive``), never a pass. Every compared sample
+is the attacker's own, so a difference between tenants' paths cannot pass for a hit, and a run says
+``leak`` falsely with probability at most ``alpha`` whatever the stopping rule (a union bound over
+the looks). Its cost is bounded before the first request: at most ``looks * b * (victim_requests +
+3)`` requests of one prefix each (the plan's ``requests_planned`` and ``tokens_planned``).
 """
 
 from __future__ import annotations
