@@ -240,11 +240,18 @@ def canary_runs(monitor: Served, path: str) -> list[dict[str, Any]]:
 
 
 def wait_judged(monitor: Served, fleet: Fleet, runs: int) -> dict[str, list[str]]:
-    """Wait until each probed pair has ``runs`` canary verdicts; return them by path."""
+    """Wait until each probed pair has ``runs`` canary verdicts; return them by path.
+
+    A run whose request timed out judged nothing (a loaded machine, the hosts' first answers): it is
+    left out. A key refused, or any other answer, is a verdict and counts."""
 
     def judged() -> dict[str, list[str]] | None:
         seen = {
-            fleet.path(p, d): [r["verdict"] for r in canary_runs(monitor, fleet.path(p, d))]
+            fleet.path(p, d): [
+                r["verdict"]
+                for r in canary_runs(monitor, fleet.path(p, d))
+                if (r["verdict"], r["reason"]) != ("error", "timeout")
+            ]
             for p, d in PROBED
         }
         return seen if all(len(v) >= runs for v in seen.values()) else None
