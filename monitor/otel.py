@@ -34,7 +34,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
-from datetime import datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -53,16 +52,17 @@ from prometheus_client import Counter
 from kvcanary.monitor.config.settings import ConfigError, OtelConfig
 from kvcanary.monitor.incidents import RecordOutcome
 from kvcanary.monitor.recording.pending import PendingResult
+from kvcanary.probes.base import Verdict
 
 log = logging.getLogger(__name__)
 
 EVENT_NAME = "gen_ai.evaluation.result"
-SCORES = {"pass": 1.0, "leak": 0.0, "mismatch": 0.0}
+SCORES = {Verdict.PASS: 1.0, Verdict.LEAK: 0.0, Verdict.MISMATCH: 0.0}
 SEVERITIES = {
-    "pass": SeverityNumber.INFO,
-    "error": SeverityNumber.WARN,
-    "mismatch": SeverityNumber.ERROR,
-    "leak": SeverityNumber.ERROR,
+    Verdict.PASS: SeverityNumber.INFO,
+    Verdict.ERROR: SeverityNumber.WARN,
+    Verdict.MISMATCH: SeverityNumber.ERROR,
+    Verdict.LEAK: SeverityNumber.ERROR,
 }
 #: How long stopping waits for the events still queued to be sent.
 STOP_SECONDS = 5.0
@@ -99,7 +99,8 @@ def response_id(item: PendingResult) -> str | None:
     """Return the id of the response judged, where the verdict names one: a traffic result's first
     record's engine response id (else the gateway's id of it). A probe's verdict judges responses
     of its own making and names none."""
-    records = item.evidence.get("records") if isinstance(item.evidence, dict) else None
+    evidence = item.result.evidence
+    records = evidence.get("records") if isinstance(evidence, dict) else None
     if not records or not isinstance(records, list) or not isinstance(records[0], dict):
         return None
     found = records[0].get("upstream_id") or records[0].get("request_id")
@@ -108,20 +109,21 @@ def response_id(item: PendingResult) -> str | None:
 
 def event_attributes(item: PendingResult, incident_id: int | None, result_id: int | None) -> dict[str, Any]:
     """Return the ``gen_ai.evaluation.result`` attributes of one verdict (the module's docstring)."""
+    result = item.result
     attributes: dict[str, Any] = {
         "gen_ai.evaluation.name": item.kind,
-        "gen_ai.evaluation.score.label": item.verdict,
-        "gen_ai.evaluation.explanation": item.reason,
+        "gen_ai.evaluation.score.label": result.verdict.value,
+        "gen_ai.evaluation.explanation": result.reason,
         "gen_ai.request.model": item.model,
         "kvcanary.target": item.target,
         "kvcanary.node": item.node,
-        "kvcanary.source": item.source,
-        "kvcanary.certainty": item.certainty,
+        "kvcanary.source": item.source.value,
+        "kvcanary.certainty": result.certainty,
     }
-    if item.verdict in SCORES:
-        attributes["gen_ai.evaluation.score.value"] = SCORES[item.verdict]
+    if result.verdict in SCORES:
+        attributes["gen_ai.evaluation.score.value"] = SCORES[result.verdict]
     else:
-        attributes["error.type"] = item.reason or "error"
+        attributes["error.type"] = result.reason or "error"
     if (found := response_id(item)) is not None:
         attributes["gen_ai.response.id"] = found
     if incident_id is not None:
@@ -214,9 +216,9 @@ class VerdictEvents:
     def _send(self, batch: list[_Item]) -> None:
         for item, incident, result in batch:
             self._logger.emit(
-                timestamp=_nanoseconds(item.started_at),
-                severity_number=SEVERITIES.get(item.verdict, SeverityNumber.INFO),
-                severity_text=item.verdict,
+                timestamp=int(item.started_at.timestamp() * 1e9),
+                severity_number=SEVERITIES[item.result.verdict],
+                severity_text=item.result.verdict.value,
                 attributes=event_attributes(item, incident, result),
                 event_name=EVENT_NAME,
             )
@@ -236,13 +238,6 @@ class VerdictEvents:
             else:
                 log.warning("OpenTelemetry events are not taken by %s; dropping and counting them",
                             self.config.endpoint)  # fmt: skip
-
-
-def _nanoseconds(iso: str) -> int:
-    try:
-        return int(datetime.fromisoformat(iso).timestamp() * 1e9)
-    except ValueError:
-        return time.time_ns()
 
 
 def _version() -> str:

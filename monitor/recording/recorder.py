@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
-from datetime import datetime
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy.exc import (
@@ -42,9 +42,12 @@ from kvcanary.monitor.storage.probe_states import load_state, load_states, save_
 from kvcanary.monitor.storage.result_rows import insert_rows, probe_result_values
 from kvcanary.monitor.storage.retention import without_excerpts
 from kvcanary.monitor.storage.target_rows import upsert_targets
-from kvcanary.probes.base import ProbeResult
+from kvcanary.probes.base import ProbeResult, Verdict
 
 log = logging.getLogger("kvcanary.recorder")
+
+#: What stands in for excerpts the settings keep out of the database.
+EXCERPTS_OFF = "not stored (evidence.excerpts: false)"
 
 # Errors that say nothing about the row: the database is not there (or not ready) right now.
 # ProgrammingError is among them: a database restored without its schema refuses every row alike;
@@ -125,8 +128,9 @@ class Recorder:
         for index, item in enumerate(items):
             target_id = known[id(item)]
             pair = (target_id, item.kind, item.node)
-            changed = bool(item.measurements.get("config_changed"))
-            if item.verdict == "pass" and target_id is not None and pair not in open_now and not changed:
+            changed = bool(item.result.measurements.get("config_changed"))
+            passed = item.result.verdict is Verdict.PASS
+            if passed and target_id is not None and pair not in open_now and not changed:
                 quiet.append((index, target_id, self._quiet_row(session, item, target_id)))
                 outcomes.append(None)
                 continue
@@ -151,15 +155,14 @@ class Recorder:
     def _quiet_row(self, session: Session, item: PendingResult, target_id: int) -> dict[str, Any]:
         """Return the row of a pass that changes no incident; store the state it carries."""
         result = self._prepared(item)
-        started_at = datetime.fromisoformat(item.started_at)
         values = probe_result_values(
-            item.kind, item.node, result, started_at, item.duration_seconds, self.settings.retention
+            item.kind, item.node, result, item.started_at, item.duration_seconds, self.settings.retention
         )
-        if item.state is not None:
-            now = datetime.fromisoformat(item.attempted_at)
+        if result.state is not None:
             save_state(
-                session, target_id=target_id, probe=item.kind, node=item.node, state=item.state, now=now
-            )
+                session, target_id=target_id, probe=item.kind, node=item.node, state=result.state,
+                now=item.attempted_at,
+            )  # fmt: skip
         return {**values, "target_id": target_id}
 
     def replay(self) -> int:
@@ -192,7 +195,7 @@ class Recorder:
         log.warning(
             "database unavailable (%s): %s %s/%s %s",
             type(exc).__name__,
-            item.verdict,
+            item.result.verdict,
             item.target,
             item.kind,
             f"spooled in {self.spool.where} ({len(self.spool)} waiting)" if kept else "DROPPED: spool full",
@@ -210,22 +213,21 @@ class Recorder:
             "could not store %s/%s %s (%s); recording it without evidence",
             item.target,
             item.kind,
-            item.verdict,
+            item.result.verdict,
             refused,
         )
-        bare = item.result()
-        bare.evidence = {"evidence_unstorable": refused}
-        bare.detail = bare.detail.encode("ascii", "replace").decode("ascii")
+        detail = item.result.detail.encode("ascii", "replace").decode("ascii")
+        bare = replace(item.result, evidence={"evidence_unstorable": refused}, detail=detail)
         try:
             return self._insert(item, bare)
         except _UNAVAILABLE:
             raise
         except Exception as exc:
             self.unstorable += 1
-            self.spool.dropped[item.verdict] += 1
+            self.spool.dropped[item.result.verdict.value] += 1
             log.critical(
                 "DROPPED %s result of %s/%s: the database refuses it (%s)",
-                item.verdict,
+                item.result.verdict,
                 item.target,
                 item.kind,
                 _describe(exc),
@@ -266,10 +268,10 @@ class Recorder:
             return None
 
     def _prepared(self, item: PendingResult) -> ProbeResult:
-        result = item.result()
-        if not self.settings.evidence.excerpts:
-            result.evidence = without_excerpts(result.evidence, "not stored (evidence.excerpts: false)")
-        return result
+        """Return the result as it is stored: without its excerpts where the settings keep none."""
+        if self.settings.evidence.excerpts:
+            return item.result
+        return replace(item.result, evidence=without_excerpts(item.result.evidence, EXCERPTS_OFF))
 
     def _known(self, item: PendingResult) -> int | None:
         return self._target_ids.get(item.target_key)
@@ -307,11 +309,11 @@ class Recorder:
             model=item.model,
             probe=item.kind,
             result=result,
-            started_at=datetime.fromisoformat(item.started_at),
+            started_at=item.started_at,
             duration_seconds=item.duration_seconds,
             policy=self.settings.incidents,
             retention=self.settings.retention,
-            now=datetime.fromisoformat(item.attempted_at),
+            now=item.attempted_at,
             node=item.node,
             target_id=target_id,
         )
@@ -320,16 +322,16 @@ class Recorder:
                 session,
                 target_id=outcome.target_id,
                 result_id=outcome.result_id,
-                now=datetime.fromisoformat(item.attempted_at),
+                now=item.attempted_at,
             )
-        if item.state is not None:
+        if result.state is not None:
             save_state(
                 session,
                 target_id=outcome.target_id,
                 probe=item.kind,
                 node=item.node,
-                state=item.state,
-                now=datetime.fromisoformat(item.attempted_at),
+                state=result.state,
+                now=item.attempted_at,
             )
         return outcome
 

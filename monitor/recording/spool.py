@@ -25,16 +25,16 @@ import logging
 import os
 import threading
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.recording.pending import PendingResult
+from kvcanary.probes.base import Verdict
 
 log = logging.getLogger("kvcanary.spool")
 
 #: Which entries yield their room to which: a higher rank displaces a lower one when full.
-RANK = {"pass": 0, "error": 1, "mismatch": 2, "leak": 3}
+RANK = {Verdict.PASS: 0, Verdict.ERROR: 1, Verdict.MISMATCH: 2, Verdict.LEAK: 3}
 
 
 class Spool:
@@ -61,9 +61,11 @@ class Spool:
     def append(self, item: PendingResult) -> bool:
         """Queue ``item``; return False when it was dropped because the spool is full of worse news."""
         with self._lock:
-            if len(self._entries) >= self.max_entries and not self._make_room(item.verdict):
-                self.dropped[item.verdict] += 1
-                log.error("spool full: dropped a %s result of %s/%s", item.verdict, item.target, item.kind)
+            if len(self._entries) >= self.max_entries and not self._make_room(item.result.verdict):
+                self.dropped[item.result.verdict.value] += 1
+                log.error(
+                    "spool full: dropped a %s result of %s/%s", item.result.verdict, item.target, item.kind
+                )
                 return False
             item.seq = self._next
             self._next += 1
@@ -90,15 +92,15 @@ class Spool:
 
     # --- internals ---------------------------------------------------------------------------------
 
-    def _make_room(self, verdict: str) -> bool:
+    def _make_room(self, verdict: Verdict) -> bool:
         """Drop the oldest entry of the lowest rank below ``verdict``'s; False when there is none."""
         for rank in range(RANK[verdict]):
-            victim = next((e for e in self._entries.values() if RANK[e.verdict] == rank), None)
+            victim = next((e for e in self._entries.values() if RANK[e.result.verdict] == rank), None)
             if victim is not None:
-                self.dropped[victim.verdict] += 1
+                self.dropped[victim.result.verdict.value] += 1
                 log.error(
                     "spool full: dropped a queued %s of %s/%s to keep a %s",
-                    victim.verdict,
+                    victim.result.verdict,
                     victim.target,
                     victim.kind,
                     verdict,
@@ -136,7 +138,7 @@ class Spool:
         try:
             fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(asdict(item), out, default=str)
+                json.dump(item.stored(), out, default=str)
                 out.flush()
                 os.fsync(out.fileno())
             tmp.replace(final)

@@ -18,10 +18,12 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
 from kvcanary.monitor.incidents import RecordOutcome
 from kvcanary.monitor.recording.pending import PendingResult
 from kvcanary.monitor.recording.recorder import Recorder
+from kvcanary.probes.base import Verdict
 
 log = logging.getLogger("kvcanary.writer")
 
@@ -39,7 +41,7 @@ Waiting = tuple[
 
 
 class BatchWriter:
-    """Records submitted results from one thread, many to a transaction."""
+    """Records submitted results from one thread, many to a transaction (a ``ResultWriter``)."""
 
     def __init__(self, recorder: Recorder, linger_seconds: float = LINGER_SECONDS):
         self.recorder = recorder
@@ -60,6 +62,10 @@ class BatchWriter:
     def enqueue(self, item: PendingResult) -> None:
         """Queue one result without waiting for it (a run being cancelled cannot await its record)."""
         self._queue.put((item, None, None))
+
+    def load_state(self, target: str, kind: str, node: str) -> dict[str, Any] | None:
+        """Return the state a probe stored for (target, kind, node): :meth:`Recorder.load_state`."""
+        return self.recorder.load_state(target, kind, node)
 
     def close(self, timeout: float = 30.0) -> int:
         """Record what is queued, then stop the thread; return how many results were spooled instead.
@@ -99,7 +105,7 @@ class BatchWriter:
         """Return a batch starting with ``first``, and whether close() was asked meanwhile."""
         batch = [first]
         deadline = time.monotonic() + self.linger_seconds
-        all_passed = first[0].verdict == "pass"
+        all_passed = first[0].result.verdict is Verdict.PASS
         while len(batch) < MAX_BATCH:
             wait = deadline - time.monotonic() if all_passed else 0.0
             try:
@@ -109,7 +115,7 @@ class BatchWriter:
             if more is None:
                 return batch, True
             batch.append(more)
-            all_passed = all_passed and more[0].verdict == "pass"
+            all_passed = all_passed and more[0].result.verdict is Verdict.PASS
         return batch, False
 
     def _record(self, batch: list[Waiting]) -> None:

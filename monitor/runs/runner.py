@@ -23,8 +23,7 @@ from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.incidents import RecordOutcome
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.recording.pending import PendingResult
-from kvcanary.monitor.recording.port import RecordingPort
-from kvcanary.monitor.recording.writer import BatchWriter
+from kvcanary.monitor.recording.result_writer import ResultWriter
 from kvcanary.monitor.runs.coverage import Where, bound_to, declare_coverage, nodes_of_run, run_keys
 from kvcanary.monitor.runs.execute import execute_probe
 from kvcanary.monitor.runs.slots import FairSlots
@@ -84,8 +83,11 @@ class ProbeRunner:
     and a target known to hang gets one timeout per run, not the kind's whole budget.
 
     ``writer`` is the one way results are recorded (the recording port, which pages on a change;
-    a bare writer in tests) and stored states read; without one (a
-    dry run) nothing is recorded and every run starts from an empty state.
+    a bare writer in tests; ``NotRecorded`` in a dry run, every run from an empty state) and stored
+    states read. ``on_summary`` is called with each run's summary; ``owns`` says whether this
+    replica runs (target, kind) on its clock (``monitor/runs/replicas.py``; all by default);
+    ``on_config_change`` is called with (target, node) when a capacity audit saw the node's
+    configuration change.
     """
 
     def __init__(
@@ -94,21 +96,20 @@ class ProbeRunner:
         clients: Mapping[str, TargetClient],
         markers: MarkerBook,
         metrics: MonitorMetrics,
-        writer: RecordingPort | BatchWriter | None,
+        writer: ResultWriter,
         on_summary: Callable[[RunSummary], None] | None = None,
+        *,
+        owns: Callable[[str, str], bool] = lambda target, kind: True,
+        on_config_change: Callable[[TargetConfig, str], None] | None = None,
     ):
         self.settings = settings
         self.clients = clients
         self.markers = markers
         self.metrics = metrics
-        #: Batches recordings, many to a transaction (``monitor/recording/writer.py``).
         self.writer = writer
         self.on_summary = on_summary
-        #: Called with (target, node) when a capacity audit saw the node's configuration change.
-        self.on_config_change: Callable[[TargetConfig, str], None] | None = None
-        #: Whether this replica runs (target, kind) on its clock (``monitor/runs/replicas.py``);
-        #: all by default.
-        self.owns: Callable[[str, str], bool] = lambda target, kind: True
+        self.owns = owns
+        self.on_config_change = on_config_change
         scheduler = settings.scheduler
         self.slots = FairSlots(
             scheduler.max_concurrency,
@@ -212,7 +213,7 @@ class ProbeRunner:
         async with self._locks.setdefault(key, asyncio.Lock()):
             run = await self._in_slot(target, kind, node, client, key, due)
             item = PendingResult.of(target, kind, run.result, run.started_at, run.duration, node=key[2])
-            outcome = await self._record(item)
+            outcome = await self.writer.submit(item)
         result = run.result
         now_target = self.settings.target(target.name)
         if now_target is not None and kind in now_target.probes:  # a reload may have removed it meanwhile
@@ -322,14 +323,14 @@ class ProbeRunner:
         """Record what a cancelled run had already found, if it is a leak or a mismatch: a marker read
         before shutdown is as much a leak as one read at the end. Queued, not awaited (the run is
         being cancelled); the writer records it before it stops."""
-        if item.verdict not in (Verdict.LEAK.value, Verdict.MISMATCH.value):
+        verdict = item.result.verdict
+        if not verdict.is_failure:
             return
-        log.warning("%s/%s cancelled after finding a %s: recording it", item.target, item.kind, item.verdict)
+        log.warning("%s/%s cancelled after finding a %s: recording it", item.target, item.kind, verdict)
         self.metrics.observe(
-            item.target, item.kind, item.result(), item.duration_seconds, time.time(), item.node
+            item.target, item.kind, item.result, item.duration_seconds, time.time(), item.node
         )
-        if self.writer is not None:
-            self.writer.enqueue(item)
+        self.writer.enqueue(item)
 
     async def drain(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for runs in flight, then cancel the rest; return how many."""
@@ -370,13 +371,8 @@ class ProbeRunner:
         """Return what the probe left at its last run: kept in memory, read from the database once;
         None while the database cannot say (read again at the next run)."""
         if key not in self._states:
-            stored: dict[str, Any] | None = {}
-            if self.writer is not None:
-                stored = await asyncio.to_thread(self.writer.recorder.load_state, *key)
+            stored = await asyncio.to_thread(self.writer.load_state, *key)
             if stored is None:
                 return None
             self._states[key] = stored
         return self._states[key]
-
-    async def _record(self, item: PendingResult) -> RecordOutcome | None:
-        return None if self.writer is None else await self.writer.submit(item)

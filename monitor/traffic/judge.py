@@ -33,7 +33,7 @@ from typing import Any
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.metrics.registry import MonitorMetrics
-from kvcanary.monitor.recording.pending import TRAFFIC, PendingResult
+from kvcanary.monitor.recording.pending import PendingResult, Source
 from kvcanary.monitor.routing import api_base_key, routes_of
 from kvcanary.monitor.storage.traffic_rows import MinuteCounts, MinuteKey
 from kvcanary.monitor.traffic.checks import (
@@ -390,7 +390,9 @@ class TrafficJudge:
                 continue
             deployment.last_pass[(node, check.name)] = now
             out.append(
-                PendingResult.of(target, check.result_kind, result, received, 0.0, node=node, source=TRAFFIC)
+                PendingResult.of(
+                    target, check.result_kind, result, received, 0.0, node=node, source=Source.TRAFFIC
+                )
             )
         return out
 

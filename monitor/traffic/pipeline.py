@@ -37,7 +37,7 @@ from typing import TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from kvcanary.monitor.recording.port import RecordingPort
+from kvcanary.monitor.recording.result_writer import ResultWriter
 from kvcanary.monitor.storage.judged_rows import Mark, judged_already, mark_judged
 from kvcanary.monitor.storage.target_rows import upsert_targets
 from kvcanary.monitor.storage.traffic_rows import write_traffic
@@ -88,7 +88,7 @@ class TrafficPipeline:
     def __init__(
         self,
         judge: TrafficJudge,
-        port: RecordingPort | None,
+        port: ResultWriter | None,
         session_factory: sessionmaker[Session],
         partitions: int = PARTITIONS,
     ):

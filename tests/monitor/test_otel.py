@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcanary.monitor.config.settings import ConfigError, OtelConfig, parse_settings
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.otel import EVENT_NAME, VerdictEvents, otlp_headers
-from kvcanary.monitor.recording.pending import TRAFFIC, PendingResult
+from kvcanary.monitor.recording.pending import PendingResult, Source
 from kvcanary.monitor.storage.incident_rows import RecordOutcome
+from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.record import Exchange, summarize
 from kvcanary.wire import VERSION
@@ -45,18 +47,23 @@ def dropped(metrics: MonitorMetrics, reason: str) -> float:
     return metrics.otel_dropped.labels(reason)._value.get()
 
 
-def traffic_verdict(**fields: Any) -> PendingResult:
+def traffic_verdict(
+    *, kind: str = "traffic_tokens", source: Source = Source.TRAFFIC, **said: Any
+) -> PendingResult:
     """A traffic check's mismatch as the judge files it: its evidence names a customer's record."""
     record = {"request_id": "rec-1", "upstream_id": "chatcmpl-7Qx", "caller": "team-blue", "reason": "x"}
-    base: dict[str, Any] = {
-        "target": "glm-prod", "engine": "sglang", "base_url": "http://10.0.0.5:30000", "model": "glm-5.3",
-        "kind": "traffic_tokens", "verdict": "mismatch", "reason": "prompt_tokens_low",
+    result: dict[str, Any] = {
+        "verdict": Verdict.MISMATCH, "reason": "prompt_tokens_low",
         "detail": f"1 record of 1 caller failed: first: request chatcmpl-7Qx of team-blue: {CUSTOMER_ANSWER}",
         "evidence": {"gateway": "gw-1", "records": [record], "excerpt": CUSTOMER_ANSWER},
-        "measurements": {"records": 1.0}, "started_at": "2026-12-06T10:00:00+00:00", "duration_seconds": 0.0,
-        "attempted_at": "2026-12-06T10:00:00+00:00", "node": "prefill-0", "source": TRAFFIC,
+        "measurements": {"records": 1.0},
     }  # fmt: skip
-    return PendingResult(**{**base, **fields})
+    at = datetime(2026, 12, 6, 10, 0, tzinfo=UTC)
+    return PendingResult(
+        target="glm-prod", engine="sglang", base_url="http://10.0.0.5:30000", model="glm-5.3", kind=kind,
+        result=ProbeResult(**{**result, **said}), started_at=at, duration_seconds=0.0, attempted_at=at,
+        node="prefill-0", source=source,
+    )  # fmt: skip
 
 
 def events_until(receiver: OtlpReceiver, count: int, timeout: float = 15) -> list[dict[str, Any]]:
@@ -80,8 +87,10 @@ def test_a_verdict_arrives_as_one_genai_evaluation_event_and_nothing_of_the_cust
         events.offer(
             traffic_verdict(), RecordOutcome(result_id=41, incident_id=17, change="opened", severity="high")
         )
-        events.offer(traffic_verdict(kind="canary", verdict="pass", reason="", evidence={}, source="probe"))
-        events.offer(traffic_verdict(kind="boundary", verdict="error", reason="timeout", evidence={}))
+        events.offer(
+            traffic_verdict(kind="canary", verdict=Verdict.PASS, reason="", evidence={}, source=Source.PROBE)
+        )
+        events.offer(traffic_verdict(kind="boundary", verdict=Verdict.ERROR, reason="timeout", evidence={}))
         mismatch, passed, error = events_until(receiver, 3)
         events.stop()
     assert {e["event_name"] for e in (mismatch, passed, error)} == {EVENT_NAME}

@@ -25,7 +25,7 @@ def pending(verdict: str, n: int = 0) -> PendingResult:
 def drain(spool: Spool) -> list[tuple[str, str]]:
     out = []
     while (item := spool.head()) is not None:
-        out.append((item.verdict, item.reason))
+        out.append((item.result.verdict, item.result.reason))
         spool.remove(item)
     return out
 
@@ -73,13 +73,42 @@ def test_a_second_process_cannot_share_a_spool_folder(tmp_path: Path) -> None:
     Spool(tmp_path / "spool").close()
 
 
-def test_a_damaged_entry_is_set_aside_and_the_rest_replayed(tmp_path: Path) -> None:
+def damaged(**fields: object) -> str:
+    """A spooled entry with ``fields`` replaced (None: left out), as JSON."""
+    import json
+
+    entry = {**pending("leak", 1).stored(), "seq": 1, **fields}
+    return json.dumps({k: v for k, v in entry.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        damaged(reason=None),
+        damaged(verdict="maybe"),
+        damaged(started_at="yesterday"),
+        damaged(attempted_at=None),
+        damaged(source="gossip"),
+        damaged(colour="red"),
+    ],
+    ids=[
+        "not-json",
+        "no-reason",
+        "no-such-verdict",
+        "not-a-time",
+        "no-attempt",
+        "no-such-source",
+        "unknown-field",
+    ],
+)
+def test_a_damaged_entry_is_set_aside_and_the_rest_replayed(tmp_path: Path, text: str) -> None:
     spool = Spool(tmp_path / "spool")
     spool.append(pending("leak", 1))
     spool.append(pending("leak", 2))
     spool.close()
     first = sorted((tmp_path / "spool").glob("*.json"))[0]
-    first.write_text("{not json")
+    first.write_text(text)
     reopened = Spool(tmp_path / "spool")
     assert drain(reopened) == [("leak", "r2")]
     assert first.with_suffix(".json.bad").exists()
@@ -91,7 +120,7 @@ def test_an_entry_round_trips_everything_the_database_needs(tmp_path: Path) -> N
     spool.close()
     item = Spool(tmp_path / "spool").head()
     assert item is not None
-    result = item.result()
+    result = item.result
     assert (item.target, item.engine, item.base_url, item.model) == (
         "glm",
         "reference",
@@ -104,7 +133,7 @@ def test_an_entry_round_trips_everything_the_database_needs(tmp_path: Path) -> N
         {"n": 7},
         {"latency_seconds": 0.1},
     )
-    assert datetime.fromisoformat(item.started_at) == NOW
+    assert item.started_at == NOW
 
 
 def test_in_memory_spools_are_bounded_the_same_way() -> None:
@@ -117,13 +146,16 @@ def test_in_memory_spools_are_bounded_the_same_way() -> None:
 
 def test_an_entry_spooled_by_the_previous_release_naming_its_kind_probe_is_replayed(tmp_path: Path) -> None:
     import json
-    from dataclasses import asdict
 
     folder = tmp_path / "spool"
     folder.mkdir(mode=0o700)
-    old = asdict(pending("leak", 7))
+    old = pending("leak", 7).stored()
     old["probe"] = old.pop("kind")  # 0.1.0 wrote the kind under "probe"
     old["seq"] = 1
     (folder / f"{1:016d}.json").write_text(json.dumps(old))
     entry = Spool(folder).head()
-    assert entry is not None and (entry.kind, entry.verdict, entry.reason) == ("canary", "leak", "r7")
+    assert entry is not None and (entry.kind, entry.result.verdict, entry.result.reason) == (
+        "canary",
+        "leak",
+        "r7",
+    )

@@ -30,7 +30,7 @@ class CountingRecorder(Recorder):
     batches: list[list[str]]
 
     def record_many(self, items: list[PendingResult]) -> list:  # type: ignore[type-arg]
-        self.batches.append([item.verdict for item in items])
+        self.batches.append([item.result.verdict for item in items])
         return super().record_many(items)
 
 
@@ -129,7 +129,7 @@ def test_close_spools_what_a_hung_database_holds_back(db_engine: Engine, session
             later = T0 + timedelta(seconds=i + 1)
             writer.enqueue(pending(target, ProbeResult(Verdict.LEAK, "foreign_marker"), later))
         assert writer.close(timeout=2.0) == 3
-        assert len(recorder.spool) == 3 and recorder.spool.head().verdict == "leak"  # type: ignore[union-attr]
+        assert len(recorder.spool) == 3 and recorder.spool.head().result.verdict == "leak"  # type: ignore[union-attr]
         blocker.rollback()  # the lock goes: the hung batch completes on its own
     writer._thread.join(10)
     recorder.replay()

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from kvcanary.monitor.config.settings import Settings, parse_settings
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.recording.recorder import Recorder
+from kvcanary.monitor.recording.result_writer import NotRecorded
 from kvcanary.monitor.recording.spool import Spool
 from kvcanary.monitor.recording.writer import BatchWriter
 from kvcanary.monitor.runs.runner import ProbeRunner, RunSummary
@@ -60,7 +61,12 @@ def runner_for(settings: Settings, summaries: list[RunSummary] | None = None) ->
     clients = {t.name: OpenAIHttpTarget(t, {tn.name: None for tn in t.tenants}) for t in settings.targets}
     metrics = MonitorMetrics(CollectorRegistry())
     return ProbeRunner(
-        settings, clients, MarkerBook(), metrics, None, summaries.append if summaries is not None else None
+        settings,
+        clients,
+        MarkerBook(),
+        metrics,
+        NotRecorded(),
+        summaries.append if summaries is not None else None,
     )
 
 

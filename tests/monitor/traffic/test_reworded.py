@@ -136,8 +136,8 @@ def test_the_judge_runs_it_and_its_results_are_stored_under_traffic_reworded() -
     judge = TrafficJudge(settings, {"t": Target()}, MarkerBook(), MonitorMetrics(CollectorRegistry()))
     records = [exchange("acme", NOTES, "Noted."), exchange("initech", "Weather?", LEAKED)]
     done = asyncio.run(judge.judge(records, "gw"))
-    (leak,) = [r for r in done.results if r.kind == "traffic_reworded" and r.verdict == "leak"]
-    assert leak.source == "traffic" and leak.reason == "another_callers_tokens"
+    (leak,) = [r for r in done.results if r.kind == "traffic_reworded" and r.result.verdict == "leak"]
+    assert leak.source == "traffic" and leak.result.reason == "another_callers_tokens"
     off = settings.model_copy(
         update={"traffic": settings.traffic.model_copy(update={"reworded_min_tokens": None})}
     )

@@ -94,7 +94,7 @@ def result_of(judged: Judged, kind: str) -> PendingResult:
 
 def said(result: PendingResult) -> tuple[str, str, str]:
     """What a result says and who said it."""
-    return (result.verdict, result.reason, result.source)
+    return (result.result.verdict, result.result.reason, result.source)
 
 
 def kept_rows(judged: Judged) -> list[dict[str, Any]]:

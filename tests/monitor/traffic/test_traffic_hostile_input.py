@@ -34,7 +34,6 @@ from kvcanary.monitor.traffic.ingest import HttpIngest
 from kvcanary.monitor.traffic.judge import TrafficJudge
 from kvcanary.monitor.traffic.pipeline import TrafficPipeline
 from kvcanary.monitor.traffic.schema import MAX_DROPPED, MAX_ERRORS, MAX_FINGERPRINTS
-from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.wire import VERSION
 from tests.monitor.paging.test_pager import LINK_KEY, drain, pager_for
@@ -188,15 +187,12 @@ def judged_client(session_factory: Factory) -> Iterator[tuple[TestClient, Result
 
 def record_pending(factory: Factory, item: PendingResult) -> int:
     """Record one of the judge's results as the recorder does; return its incident's id."""
-    from datetime import datetime
-
-    result = ProbeResult(Verdict(item.verdict), item.reason, item.detail, item.evidence, item.measurements)
     with factory() as s, s.begin():
         outcome = record_result(
             s, target_name=item.target, engine=item.engine, base_url=item.base_url, model=item.model,
-            probe=item.kind, result=result, started_at=datetime.fromisoformat(item.started_at),
+            probe=item.kind, result=item.result, started_at=item.started_at,
             duration_seconds=item.duration_seconds, policy=POLICY, retention=RETENTION,
-            now=datetime.fromisoformat(item.started_at), node=item.node,
+            now=item.started_at, node=item.node,
         )  # fmt: skip
     assert outcome.incident_id is not None
     return outcome.incident_id
@@ -221,8 +217,8 @@ def test_hostile_names_reach_no_row_alert_or_page(
         for stored in (row.request_id, row.caller, row.model):
             assert not hidden(stored), stored
 
-    (pending,) = [p for p in results.pending if p.verdict != "pass"]
-    assert not any(c in pending.detail for c in HOSTILE), pending.detail
+    (pending,) = [p for p in results.pending if p.result.verdict != "pass"]
+    assert not any(c in pending.result.detail for c in HOSTILE), pending.result.detail
     incident_id = record_pending(session_factory, pending)
 
     pager, _ = pager_for(session_factory, alertmanager.url)
