@@ -102,7 +102,7 @@ async def measure(
             late = (summary.started_at - when).total_seconds()
             (warmup if first or when <= window_opens else lags).append(late)
 
-    monitor = Monitor(settings, on_summary=summarised)
+    monitor = Monitor.open(settings, on_summary=summarised)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
     noted = monitor.runner.note_due

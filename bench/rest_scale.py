@@ -222,7 +222,7 @@ def serve(url: str, port: int, token: str) -> None:
     settings = Settings.model_validate(
         {"database_url": url, "spool": {"in_memory": True}, "targets": targets}
     )
-    app = create_app(Monitor(settings), start_scheduler=False)
+    app = create_app(Monitor.open(settings), start_scheduler=False)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

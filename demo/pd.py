@@ -255,7 +255,7 @@ def run_pd_demo(*, duration: float | None, port: int, workdir: Path | None, unti
         settings = pd_settings(workdir, fleet.gateway, port)
         upgrade(settings.database_url)
         printer = PathPrinter(fleet)
-        monitor = Monitor(settings, on_summary=printer)
+        monitor = Monitor.open(settings, on_summary=printer)
         print(f"  monitor http://127.0.0.1:{port}  target 'incident': base_url and sglang_router both the "
               f"gateway; probes {', '.join(KINDS)} every {INTERVAL:.0f}s\n", flush=True)  # fmt: skip
         asyncio.run(_serve(monitor, settings, printer, until_caught, duration))

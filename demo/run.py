@@ -252,7 +252,7 @@ def run_demo(*, duration: float | None, port: int, workdir: Path | None, until_c
         settings = write_config(config_path, config)
         upgrade(settings.database_url)
         printer = DemoPrinter(INTERVALS)
-        monitor = Monitor(settings, on_summary=printer, config_path=config_path)
+        monitor = Monitor.open(settings, on_summary=printer, config_path=config_path)
         print(f"  monitor   http://127.0.0.1:{port}  probes {', '.join(INTERVALS)}\n", flush=True)
         asyncio.run(_serve(monitor, settings, printer, obs, duration, until_caught, gateway))
         STOP.exit_if_terminated()

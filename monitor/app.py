@@ -1,8 +1,12 @@
 """The composition root: the only place where settings, storage, targets, probes, the scheduler,
 the REST API and the metrics are wired together.
 
-``Monitor`` owns the long-lived parts; ``create_app`` serves them over HTTP and starts and stops
-the scheduler with the app's lifespan, so SIGTERM to ``kvcanary serve`` drains cleanly.
+``Monitor.open`` reads what the monitor needs from the world (``opening.py``: its secrets, the
+traffic stream, the database and the spool) and builds it: every part made here, once, handed
+what it works with; ``start`` takes up the world and starts the loops. ``create_app`` serves the
+monitor over HTTP and starts and stops it with the app's lifespan, so SIGTERM to ``kvcanary
+serve`` drains cleanly. Taking up new settings while running is ``reloads.py``'s, given the parts
+it changes.
 """
 
 from __future__ import annotations
@@ -20,29 +24,22 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
 
 from kvcanary.monitor.api.main import build_http_app
 from kvcanary.monitor.api.state import ApiState
-from kvcanary.monitor.config.secrets import (
-    TenantKeys,
-    alertmanager_headers,
-    api_token,
-    ingest_token,
-    marker_key,
-    tenant_keys,
-)
+from kvcanary.monitor.config.secrets import TenantKeys
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.containment import Containment, Verifier
 from kvcanary.monitor.metrics.registry import MonitorMetrics
+from kvcanary.monitor.opening import Database, Secrets, check_stream
 from kvcanary.monitor.paging.pager import Delivery, Pager, paging_health
+from kvcanary.monitor.recording.health import WriteHealth
 from kvcanary.monitor.recording.pending import PendingResult
 from kvcanary.monitor.recording.port import RecordingPort
 from kvcanary.monitor.recording.recorder import Recorder
-from kvcanary.monitor.recording.spool import open_spool
 from kvcanary.monitor.recording.writer import BatchWriter
-from kvcanary.monitor.reloads import take_up_file, take_up_nodes
+from kvcanary.monitor.reloads import InForce, Reloader
 from kvcanary.monitor.runs.coverage import run_keys
 from kvcanary.monitor.runs.discovery import DISCOVERY_TICK_SECONDS, GatewayDiscovery
 from kvcanary.monitor.runs.replicas import HEARTBEAT_SECONDS, Membership
@@ -51,15 +48,14 @@ from kvcanary.monitor.runs.runner import ProbeRunner, RunSummary
 from kvcanary.monitor.runs.scheduler import (
     PRUNE_INTERVAL_SECONDS,
     REPLAY_INTERVAL_SECONDS,
+    Housekeeping,
     assign,
     build_scheduler,
     run_now,
 )
 from kvcanary.monitor.storage import outbox
-from kvcanary.monitor.storage.db import check_migrated, make_engine, make_session_factory
 from kvcanary.monitor.storage.incident_rows import open_incident_counts
 from kvcanary.monitor.storage.retention import prune_round
-from kvcanary.monitor.storage.sqlite_file import sqlite_file_of
 from kvcanary.monitor.targets.http import HttpClient
 from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
@@ -80,111 +76,81 @@ FILE_CHECK_SECONDS = 2
 
 
 class Monitor:
-    """Everything ``kvcanary serve`` runs. Construction validates secrets and the database.
+    """Everything ``kvcanary serve`` runs, built from what :meth:`open` read without reading
+    anything itself; :meth:`start` starts it and :meth:`stop` drains and closes it.
 
-    Raises ``ConfigError`` for missing secrets and ``DatabaseNotMigrated`` for an old schema.
+    ``on_summary`` is called with each probe run's summary (the demo prints them); ``config_path``
+    is the file SIGHUP and ``POST /-/reload`` read again (None: nothing to reload from).
     """
 
-    def __init__(
-        self,
+    @classmethod
+    def open(
+        cls,
         settings: Settings,
         *,
         metrics: MonitorMetrics | None = None,
         on_summary: Callable[[RunSummary], None] | None = None,
         config_path: Path | None = None,
-    ):
-        self.settings = settings
-        #: The file SIGHUP and POST /-/reload read again (None: nothing to reload from).
-        self.config_path = config_path
-        #: Called with the new settings after each successful reload (the HTTP app's state).
-        self.on_reload: list[Callable[[Settings], None]] = []
-        self.token = api_token(settings)
-        keys = tenant_keys(settings)
-        #: What a reload compares: a rotated key file replaces the target's client.
-        self.tenant_keys = keys
-        self._reloading = asyncio.Lock()
-        am_headers = alertmanager_headers(settings)
-        self.engine = make_engine(settings.database_url)
-        check_migrated(self.engine)
-        self.sqlite = sqlite_file_of(settings.database_url)
-        if self.sqlite is not None:
-            self.sqlite.lock()  # raises DatabaseInUse: SQLite is one process
-            self.sqlite.guard(self.engine)
-        self.session_factory: sessionmaker[Session] = make_session_factory(self.engine)
-        self.read_session_factory = make_session_factory(self.engine, read_only=True)
-        self.metrics = metrics or MonitorMetrics()
-        self.markers = MarkerBook(
-            ttl_seconds=settings.marker_ttl_seconds, key=marker_key(settings, self.token)
+    ) -> Monitor:
+        """Read the secrets, check the traffic stream where one is used, open the database and the
+        spool; return the monitor built on them, not started.
+
+        Raises ``ConfigError`` (a secret missing or unusable, NATS not reached), ``DatabaseNotMigrated``
+        (an old schema) or ``DatabaseInUse`` (a SQLite file another process holds).
+        """
+        secrets = Secrets.read(settings)
+        if settings.traffic.source == "jetstream":
+            check_stream(settings, secrets.nats_token)
+        database = Database.open(settings)
+        return cls(
+            settings, secrets, database, metrics=metrics, on_summary=on_summary, config_path=config_path
         )
-        limits = Limits(**settings.limits.model_dump())
+
+    def __init__(
+        self,
+        settings: Settings,
+        secrets: Secrets,
+        database: Database,
+        *,
+        metrics: MonitorMetrics | None = None,
+        on_summary: Callable[[RunSummary], None] | None = None,
+        config_path: Path | None = None,
+    ):
+        self.config_path = config_path
+        #: The settings and tenant keys in force, which the reloader replaces.
+        self.in_force = InForce(settings, secrets.tenant_keys)
+        self.token = secrets.api_token
+        self.ingest_token = secrets.ingest_token
+        self.database = database
+        self.session_factory = database.session_factory
+        self.read_session_factory = database.read_session_factory
+        self.spool = database.spool
+        self.metrics = metrics or MonitorMetrics()
+        self.markers = MarkerBook(ttl_seconds=settings.marker_ttl_seconds, key=secrets.marker_key)
+        self._limits = Limits(**settings.limits.model_dump())
         # One connection pool and TLS context for every target (not one per target). Runs in
         # overtime keep their connections: the pool must not become a first-come semaphore again.
         scheduler = settings.scheduler
         self.http = HttpClient(max(64, (scheduler.max_concurrency + scheduler.max_overtime_runs) * 4))
-        self._limits = limits
-        self.clients = {t.name: self.client_of(t, keys) for t in settings.targets}
-        self.spool = open_spool(settings)
-        self.metrics.watch_spool(self.spool)
-        self.recorder = Recorder(settings, self.session_factory, self.spool)
-        if self.sqlite is not None:
-            self.recorder.health.file_check = self.sqlite.check
-        self.metrics.watch_incidents(
-            self._open_incident_counts, lambda: run_keys(self.settings), self.recorder.health
-        )
-        self.on_summary = on_summary
+        #: The targets' clients by name, shared by the runner, the judge and containment; a reload
+        #: replaces them in place.
+        self.clients = {t.name: self.client_of(t, secrets.tenant_keys) for t in settings.targets}
         self._stop_asked_at: float | None = None  # time.monotonic() of the signal; set: stopping
-        self.writer = BatchWriter(self.recorder)
-        # Opt-in: every verdict as an OpenTelemetry GenAI evaluation event (monitor/otel.py).
-        self.events: VerdictEvents | None = None
-        if settings.otel is not None:
-            from kvcanary.monitor.otel import VerdictEvents, otlp_headers  # the SDK only when used
-
-            self.events = VerdictEvents(
-                settings.otel, self.metrics.otel_dropped, headers=otlp_headers(settings.otel)
-            )
-        # Probe runs and gateway traffic record through one port, which pages at once on a change.
-        self.port = RecordingPort(
-            self.writer, on_change=self._page_now, on_suspicion=self._verify,
-            on_recorded=self.events.offer if self.events is not None else None,
-        )  # fmt: skip
-        self.runner = ProbeRunner(
-            settings, self.clients, self.markers, self.metrics, self.port, self.on_summary
-        )
-        self.runner.on_config_change = self._reaudit
-        shared = self.engine.dialect.name == "postgresql"
-        self.membership = Membership(self.session_factory, shared=shared, url=settings.api.base_url)
-        self.runner.owns = self.membership.owns
-        self.ingest_token = ingest_token(settings)
-        judge = TrafficJudge(settings, self.clients, self.markers, self.metrics, own_key_digests(keys))
-        # One pipeline for posted and streamed records; posts are published to the stream if used.
-        jetstream = settings.traffic.jetstream
-        pipeline = TrafficPipeline(judge, self.port, self.session_factory, jetstream.partitions)
-        self.stream: TrafficStream | None = None
-        publisher = None
-        if settings.traffic.source == "jetstream":
-            from kvcanary.monitor.traffic.jetstream import TrafficStream  # nats-py only when used
-            from kvcanary.monitor.traffic.stream_setup import nats_token
-
-            self.stream = TrafficStream(jetstream, pipeline, self.membership.id, nats_token(jetstream))
-            self.metrics.watch_stream(self.stream.report)
-            publisher = StreamPublisher(jetstream, self.stream.connection)
-        self.traffic = HttpIngest(pipeline, self.membership, publisher)
-        self._beat()  # know the other replicas before the first run, not a heartbeat later
-        self.recorder.ensure_targets(settings.targets)
-        if (stored := self.recorder.load_states()) is not None:
-            self.runner.preload_states(stored)
-        self.metrics.watch_replicas(self._replica_counts)
-        self.pager: Pager | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
         self._pager_task: asyncio.Task[None] | None = None
-        if settings.alertmanagers:
-            self.metrics.declare_alertmanagers(am_headers)
-            self.metrics.watch_outbox(self._outbox_backlog)
-            delivery = Delivery(am_headers, self.metrics, settings.alerting.timeout_seconds)
-            self.pager = Pager(settings, self.session_factory, delivery, link_key=self.token)
+        self._guards_read: asyncio.Task[None] | None = None
+        self._build_recording(settings, secrets)
+        self.membership = Membership(self.session_factory, shared=database.shared, url=settings.api.base_url)
+        self.runner = ProbeRunner(
+            settings, self.clients, self.markers, self.metrics, self.port, on_summary,
+            owns=self.membership.owns, on_config_change=self._reaudit,
+        )  # fmt: skip
+        self._build_traffic(settings, secrets)
+        self.pager = self._pager(settings, secrets)
         # What the gateways are told to do about each deployment (monitor/containment/): the
         # quarantines, the admission guards' facts and, on NATS, the bucket the taps watch.
         self.containment = Containment(
-            self.session_factory, lambda: self.settings, self.clients, self.traffic.judge.facts,
+            self.session_factory, lambda: self.settings, self.clients, self.judge.facts,
             on_change=self._quarantine_changed,
             connection=self.stream.connection if self.stream is not None else None,
             # A suspected leak is verified at once by the probes that can prove it.
@@ -192,33 +158,107 @@ class Monitor:
                 lambda: self.settings, self.runner.run, self.session_factory,
                 self.metrics.suspicion_verifications,
             ),
+            signer=secrets.signer,
         )  # fmt: skip
-        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
-        self._guards_read: asyncio.Task[None] | None = None
-        self.metrics.watch_containment(
+        # Nodes found from SGLang gateways (monitor/runs/discovery.py), taken up as a reload would.
+        self.discovery = GatewayDiscovery(settings, self.http, self._limits)
+        self.scheduler = build_scheduler(
+            settings, self.runner, housekeeping=self._housekeeping(), owns=self.membership.owns
+        )
+        #: Called with the new settings after each reload that took (the HTTP app's state).
+        self.on_reload: list[Callable[[Settings], None]] = []
+        self.reloader = Reloader(
+            self.in_force, config_path=config_path, clients=self.clients,
+            client_of=self.client_of, runner=self.runner, recorder=self.recorder, judge=self.judge,
+            pager=self.pager, containment=self.containment, discovery=self.discovery,
+            scheduler=self.scheduler, owns=self.membership.owns, metrics=self.metrics,
+            listeners=self.on_reload,
+        )  # fmt: skip
+        self._watch(secrets)
+
+    def _build_recording(self, settings: Settings, secrets: Secrets) -> None:
+        """Make the recorder, its batching writer, the verdicts' events and the one port in front."""
+        sqlite = self.database.sqlite
+        health = WriteHealth(file_check=sqlite.check if sqlite is not None else None)
+        self.recorder = Recorder(settings, self.session_factory, self.spool, health)
+        self.writer = BatchWriter(self.recorder)
+        # Opt-in: every verdict as an OpenTelemetry GenAI evaluation event (monitor/otel.py).
+        self.events: VerdictEvents | None = None
+        if settings.otel is not None:
+            from kvcanary.monitor.otel import VerdictEvents  # the SDK only when used
+
+            dropped = self.metrics.otel_dropped
+            self.events = VerdictEvents(settings.otel, dropped, headers=secrets.otlp_headers)
+        # Probe runs and gateway traffic record through one port, which pages at once on a change.
+        self.port = RecordingPort(
+            self.writer, on_change=self._page_now, on_suspicion=self._verify,
+            on_recorded=self.events.offer if self.events is not None else None,
+        )  # fmt: skip
+
+    def _build_traffic(self, settings: Settings, secrets: Secrets) -> None:
+        """Make the traffic judge and the one pipeline for posted and streamed records; posts are
+        published to the stream where one is used."""
+        keys = own_key_digests(secrets.tenant_keys)
+        self.judge = TrafficJudge(settings, self.clients, self.markers, self.metrics, keys)
+        jetstream = settings.traffic.jetstream
+        pipeline = TrafficPipeline(self.judge, self.port, self.session_factory, jetstream.partitions)
+        self.stream: TrafficStream | None = None
+        publisher = None
+        if settings.traffic.source == "jetstream":
+            from kvcanary.monitor.traffic.jetstream import TrafficStream  # nats-py only when used
+
+            self.stream = TrafficStream(jetstream, pipeline, self.membership.id, secrets.nats_token)
+            publisher = StreamPublisher(jetstream, self.stream.connection)
+        self.traffic = HttpIngest(pipeline, self.membership, publisher)
+
+    def _pager(self, settings: Settings, secrets: Secrets) -> Pager | None:
+        """Return the pager of every Alertmanager configured; None when there is none."""
+        if not settings.alertmanagers:
+            return None
+        headers = secrets.alertmanager_headers
+        delivery = Delivery(headers, self.metrics, settings.alerting.timeout_seconds)
+        return Pager(settings, self.session_factory, delivery, link_key=self.token)
+
+    def _housekeeping(self) -> list[Housekeeping]:
+        """Return the clock's jobs besides the probes: (name, what it runs, every how many seconds)."""
+        jobs: list[Housekeeping] = [
+            ("gateway-discovery", self.discover, DISCOVERY_TICK_SECONDS),
+            *self.containment.jobs(),
+            ("prune", self.prune, PRUNE_INTERVAL_SECONDS),
+            ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
+            ("heartbeat", self.heartbeat, HEARTBEAT_SECONDS),
+        ]
+        if self.database.sqlite is not None:
+            jobs.append(("database-file", self.watch_database_file, FILE_CHECK_SECONDS))
+        return jobs
+
+    def _watch(self, secrets: Secrets) -> None:
+        """Hand ``/metrics`` what it reads of each part at a scrape."""
+        metrics = self.metrics
+        metrics.watch_spool(self.spool)
+        metrics.watch_incidents(
+            self._open_incident_counts, lambda: run_keys(self.settings), self.recorder.health
+        )
+        if self.stream is not None:
+            metrics.watch_stream(self.stream.report)
+        metrics.watch_replicas(lambda: self.membership.counts(self.settings))
+        if self.pager is not None:
+            metrics.declare_alertmanagers(secrets.alertmanager_headers)
+            metrics.watch_outbox(self._outbox_backlog)
+        metrics.watch_containment(
             lambda: [t.name for t in self.settings.targets],
             lambda: [(q.target, q.enforced) for q in self.containment.known],
             self.containment.report,
         )
-        # Nodes found from SGLang gateways (monitor/runs/discovery.py), taken up as a reload would.
-        self.discovery = GatewayDiscovery(settings, self.http, limits)
-        self.metrics.watch_gateways(
+        metrics.watch_gateways(
             lambda: self.discovery.health, lambda: self.discovery.circuits,
-            lambda: self.discovery, lambda: self.traffic.judge.facts.untrusted,
+            lambda: self.discovery, lambda: self.judge.facts.untrusted,
         )  # fmt: skip
-        self.scheduler = build_scheduler(
-            settings,
-            self.runner,
-            housekeeping=[
-                ("gateway-discovery", self.discover, DISCOVERY_TICK_SECONDS),
-                *self.containment.jobs(),
-                ("prune", self.prune, PRUNE_INTERVAL_SECONDS),
-                ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
-                ("heartbeat", self.heartbeat, HEARTBEAT_SECONDS),
-                *([("database-file", self.watch_database_file, FILE_CHECK_SECONDS)] if self.sqlite else []),
-            ],
-            owns=self.membership.owns,
-        )
+
+    @property
+    def settings(self) -> Settings:
+        """The settings in force (a reload replaces them)."""
+        return self.in_force.settings
 
     def _page_now(self) -> None:
         if self.pager is not None:
@@ -238,7 +278,7 @@ class Monitor:
         """A node's configuration changed: run the deployment audits now, not at their next interval,
         and let probes that size their prompts by the node's capacity read it again."""
         self.clients[target.name].forget_capacity()
-        self.traffic.judge.facts.forget_pools(target.name)  # gateway records: judged by the new pool
+        self.judge.facts.forget_pools(target.name)  # gateway records: judged by the new pool
         # The capacity audit that saw the change has just run; the kinds that say so run again now.
         due = [k for k in target.probes if REGISTRY[k].reaudit_on_config_change]
         run_now(self.scheduler, target.name, due)
@@ -271,27 +311,16 @@ class Monitor:
             log.info("pruned %d expired probe results; purged the excerpts of %d", removed, purged)
 
     async def heartbeat(self) -> None:
-        before = self.membership.live
-        await asyncio.to_thread(self._beat)
-        if self.membership.live != before:
+        """Say this replica is alive; where the live replicas changed, take up and hand over jobs."""
+        if await asyncio.to_thread(self.membership.beat):
             gained, lost = assign(self.scheduler, self.settings, self.membership.owns)
             self.runner.forget_states(gained)
             log.info("replicas changed: %d probe jobs taken up, %d handed over", len(gained), len(lost))
 
-    def _beat(self) -> None:
-        try:
-            self.membership.heartbeat()
-        except Exception as exc:  # the database is away: keep the last view of the replicas
-            log.warning("replica heartbeat failed (%s); keeping the last view", type(exc).__name__)
-
-    def _replica_counts(self) -> tuple[int, int]:
-        owned = sum(self.membership.owns(t.name, k) for t in self.settings.targets for k in t.probes)
-        return len(self.membership.live), owned
-
     async def watch_database_file(self) -> None:
         """Notice a SQLite file deleted or replaced under the process: save what it held, spool the rest."""
-        if self.sqlite is not None:
-            await asyncio.to_thread(self.sqlite.take_over_if_lost, self.recorder.health, self.engine)
+        if (sqlite := self.database.sqlite) is not None:
+            await asyncio.to_thread(sqlite.take_over_if_lost, self.recorder.health, self.database.engine)
 
     async def replay(self) -> None:
         if len(self.spool):
@@ -320,25 +349,20 @@ class Monitor:
     async def reload(self, why: str) -> str | None:
         """Read the config file again and take it up; return None, or why it was refused (logged,
         and the settings in force stay): ``monitor/reloads.py``."""
-        async with self._reloading:  # a SIGHUP and a POST at once: one after the other, in order
-            return await take_up_file(self, why)
+        return await self.reloader.take_up_file(why)
 
     async def discover(self) -> None:
         """Read the SGLang gateways that are due; a change of their nodes is taken up as a reload."""
-        changes = await self.discovery.refresh()
-        if changes:
-            async with self._reloading:
-                # Counted under the lock, for targets still configured: a reload that removed one
-                # while its gateway was read has dropped its series, not to be made again.
-                for target, change in changes.items():
-                    if self.discovery.configured.target(target) is not None:
-                        self.metrics.gateway_node_changes.labels(target, "joined").inc(len(change.joined))
-                        self.metrics.gateway_node_changes.labels(target, "left").inc(len(change.left))
-                await take_up_nodes(self)
+        if changes := await self.discovery.refresh():
+            await self.reloader.take_up_nodes(changes)
 
     def start(self) -> None:
-        if self._stop_asked_at is not None:  # SIGTERM came during start-up: start nothing
+        """Take up the world, then start the clock, the pager, the traffic stream, the verdicts'
+        events and containment's first reading of the pools. Once a stop was asked (SIGTERM during
+        start-up) nothing starts."""
+        if self._stop_asked_at is not None:
             return
+        self._take_up_world()
         self._loop = asyncio.get_running_loop()
         if not self.scheduler.running:
             self.scheduler.start()
@@ -349,6 +373,15 @@ class Monitor:
         if self.events is not None:
             self.events.start()
         self._guards_read = self.containment.start()
+
+    def _take_up_world(self) -> None:
+        """What the first runs need: the other replicas known (their pairs' jobs paused now, not a
+        heartbeat later), every target's row, and every stored probe state read in one go."""
+        self.membership.beat()
+        assign(self.scheduler, self.settings, self.membership.owns)
+        self.recorder.ensure_targets(self.settings.targets)
+        if (stored := self.recorder.load_states()) is not None:
+            self.runner.preload_states(stored)
 
     def begin_shutdown(self) -> None:
         """Stop scheduling now (a signal arrived); :meth:`stop` follows once uvicorn lets go."""
@@ -391,11 +424,8 @@ class Monitor:
                 len(self.spool),
                 self.spool.where,
             )
-        self.spool.close()
         await asyncio.to_thread(self.membership.leave)
-        self.engine.dispose()
-        if self.sqlite is not None:
-            self.sqlite.close()
+        self.database.close()
         log.info("kvcanary stopped cleanly")
 
 

@@ -21,13 +21,12 @@ log = logging.getLogger("kvcanary")
 def serve_forever(settings: Settings, config_path: Path | None = None) -> None:
     """Run the scheduler, REST API and /metrics until SIGTERM/SIGINT; SIGHUP reloads ``config_path``.
 
-    Raises ConfigError (missing secrets) or DatabaseNotMigrated before anything listens.
+    Raises ConfigError (a secret missing, NATS not reached), DatabaseNotMigrated or DatabaseInUse
+    before anything listens (``Monitor.open``).
     """
     # Until the loop's own handler is in place (startup), a SIGHUP must not end the process.
     signal.signal(signal.SIGHUP, lambda *_: log.warning("SIGHUP while starting: ignored; send it again"))
-    if settings.traffic.source == "jetstream":
-        _check_stream(settings)
-    monitor = Monitor(settings, config_path=config_path)
+    monitor = Monitor.open(settings, config_path=config_path)
     _raise_open_file_limit(monitor.http.max_connections + 256)  # the pool, the database, the API
     app = create_app(monitor)
     api = settings.api
@@ -48,18 +47,6 @@ def serve_forever(settings: Settings, config_path: Path | None = None) -> None:
         timeout_graceful_shutdown=max(1, round(grace)),
     )
     _Server(config, monitor).run()
-
-
-def _check_stream(settings: Settings) -> None:
-    """Reach NATS and create or update the traffic stream before anything starts; raise ConfigError
-    naming the URL (``kvcanary serve`` exits 2 with that one line) when it cannot."""
-    from kvcanary.monitor.traffic.stream_setup import nats_token, verify  # nats-py only when used
-
-    jetstream = settings.traffic.jetstream
-    asyncio.run(verify(jetstream, nats_token(jetstream)))
-    log.info(
-        "traffic stream %s ready at %s (%d partitions)", jetstream.stream, jetstream.url, jetstream.partitions
-    )
 
 
 def _raise_open_file_limit(wanted: int) -> None:

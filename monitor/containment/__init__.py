@@ -66,10 +66,9 @@ class Containment:
     ``settings`` returns the settings in force; ``clients`` are the targets' clients by name (kept
     up to date by reloads) and ``facts`` the traffic judge's, which read and keep each node's pool;
     ``on_change`` is called (from a worker thread) after the set changed; ``connection`` returns
-    the replica's JetStream context while connected, where the set is put in a bucket.
-
-    Raises ``ConfigError`` naming the key where the set must be signed and no key is readable
-    (``containment/signing.py``).
+    the replica's JetStream context while connected, where the set is put in a bucket; ``signer``
+    signs the set (``containment/signing.py``'s ``signer_of``; None: no key, and no set is served
+    or put until a reload brings one).
     """
 
     def __init__(
@@ -82,13 +81,14 @@ class Containment:
         on_change: Callable[[], None] | None = None,
         connection: Callable[[], tuple[JetStreamContext, int] | None] | None = None,
         verifier: Verifier | None = None,
+        signer: SetSigner | None = None,
     ):
         self.settings = settings
         self.session_factory = session_factory
         #: Runs the proving probes when a suspicion is recorded (``containment/verification.py``).
         self.verifier = verifier
         #: Signs the set (None: no key, and none needed: no set is served or put).
-        self.signer: SetSigner | None = signer_of(settings())
+        self.signer = signer
         if self.signer is None:
             log.info("containment: no signing key (containment_signing.key_env): the gateways read no "
                      "quarantine set until one is set")  # fmt: skip

@@ -62,13 +62,19 @@ _UNAVAILABLE = (
 class Recorder:
     """Writes results through ``session_factory``; spools them while the database is away."""
 
-    def __init__(self, settings: Settings, session_factory: sessionmaker[Session], spool: Spool):
+    def __init__(
+        self,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        spool: Spool,
+        health: WriteHealth | None = None,
+    ):
         self.settings = settings
         self.session_factory = session_factory
         self.spool = spool
         self.unstorable = 0
         #: Whether results are landing (``/healthz``, ``kvcanary_database_up``).
-        self.health = WriteHealth()
+        self.health = health or WriteHealth()
         self._replaying = threading.Lock()
         # Target rows by (name, engine, base_url, model): the upsert's SELECT is not paid on every run.
         self._target_ids: dict[tuple[str, str, str, str], int] = {}

@@ -27,6 +27,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session, sessionmaker
 
+from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.storage.db import utcnow
 from kvcanary.monitor.storage.models import MonitorReplica
 
@@ -81,6 +82,21 @@ class Membership:
         if live != self.live:
             log.info("replicas: %d live (%s); this one is %s", len(live), ", ".join(live), self.id)
         self.live = live
+
+    def beat(self) -> bool:
+        """Heartbeat; return whether the live replicas changed. While the database is away the last
+        view is kept (the next beat tries again)."""
+        before = self.live
+        try:
+            self.heartbeat()
+        except Exception as exc:
+            log.warning("replica heartbeat failed (%s); keeping the last view", type(exc).__name__)
+        return self.live != before
+
+    def counts(self, settings: Settings) -> tuple[int, int]:
+        """Return how many replicas are live, and how many probe jobs of ``settings`` are this one's."""
+        owned = sum(self.owns(t.name, k) for t in settings.targets for k in t.probes)
+        return len(self.live), owned
 
     def leave(self) -> None:
         """Delete this replica's row, so the others take its pairs at their next heartbeat."""

@@ -314,7 +314,7 @@ def test_the_docs_page_loads_its_assets_from_the_monitor_not_a_cdn(tmp_path: pat
     upgrade(url)
     config = {"database_url": url, "api": {"local_only": True}, "spool": {"in_memory": True}}
     settings = parse_settings(config)
-    with TestClient(create_app(Monitor(settings), start_scheduler=False)) as c:
+    with TestClient(create_app(Monitor.open(settings), start_scheduler=False)) as c:
         page = c.get("/docs").text
         assert "cdn" not in page.lower() and "/docs/static/swagger-ui-bundle.js" in page
         assert c.get("/docs/static/swagger-ui-bundle.js").status_code == 200

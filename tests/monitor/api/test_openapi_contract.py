@@ -36,6 +36,7 @@ from kvcanary.monitor.api.main import build_http_app
 from kvcanary.monitor.api.state import ApiState
 from kvcanary.monitor.config.settings import ContainmentSigningConfig
 from kvcanary.monitor.containment import Containment
+from kvcanary.monitor.containment.signing import signer_of
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.runs.run_now import RunNow
 from kvcanary.monitor.storage.db import make_engine, make_session_factory
@@ -159,7 +160,7 @@ def monitor_app(factory: Factory) -> FastAPI:
         ingest_token=INGEST,
         traffic=HttpIngest(TrafficPipeline(judge, None, factory)),
         judge=judge,
-        containment=Containment(factory, lambda: settings, {}, judge.facts),
+        containment=Containment(factory, lambda: settings, {}, judge.facts, signer=signer_of(settings)),
     )
     app = build_http_app(state)
     with TestClient(app) as tap:

@@ -191,7 +191,7 @@ def test_sigterm_during_start_up_starts_no_probe_clock(tmp_path: Path) -> None:
         "spool": {"in_memory": True},
         "targets": [target],
     }
-    monitor = Monitor(parse_settings(config))
+    monitor = Monitor.open(parse_settings(config))
 
     async def signalled_while_starting() -> bool:
         monitor.begin_shutdown()

@@ -90,7 +90,7 @@ def test_two_monitors_with_one_token_read_each_others_markers(
     for name in ("one", "two"):
         url = f"sqlite:///{tmp_path / name}.db"
         upgrade(url)
-        monitors.append(Monitor(parse_settings({"database_url": url, "spool": {"in_memory": True},
+        monitors.append(Monitor.open(parse_settings({"database_url": url, "spool": {"in_memory": True},
                                                 "targets": [target]})))  # fmt: skip
     _, marker = monitors[0].markers.plant("glm", "alice")
     (hit,) = monitors[1].markers.scan(f"...{marker}...", target="glm", reader="bob")
