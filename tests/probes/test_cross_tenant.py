@@ -56,13 +56,19 @@ def test_its_planted_markers_come_back_as_a_leak_when_another_tenant_reads_stale
     # go to the front of the free list, ahead of bob's.
     worker = reference(*PLACEHOLDER)
     book = MarkerBook()
+    plant = 900  # characters, one token each: 57 pages of 16
 
     async def scene() -> tuple[ProbeResult, ProbeResult]:
         async with worker.target() as target:
-            # Long prompts, as a long-context tenant sends: bob's last plant fills most of the pages
-            # that alice's over-capacity request is handed next.
-            planted = await run_probe("cross_tenant", target, book, plant_chars=900)
-            overflow = await run_probe("boundary", target, book, prime=False)
+            # Long prompts, as a long-context tenant sends. Bob's plant is the last long request, so
+            # its pages lie at the front of the free list behind the probe's small reads (12 pages
+            # each). The over-capacity request decodes what its pages hold from position 0 for
+            # max_tokens positions: a plant's length reaches bob's plant whichever reads were served.
+            # (The boundary's 256 reached four of bob's pages, no whole marker among them, and bob's
+            # marker came back only in bob's read: one the probe may go without, as when a loaded
+            # worker closed the kept-alive connection it was sent on before reading it.)
+            planted = await run_probe("cross_tenant", target, book, plant_chars=plant)
+            overflow = await run_probe("boundary", target, book, prime=False, max_tokens=plant)
         return planted, overflow
 
     planted, overflow = asyncio.run(scene())
