@@ -92,9 +92,9 @@ def result_of(judged: Judged, kind: str) -> PendingResult:
     return found
 
 
-def said(result: PendingResult) -> tuple[str, str, str]:
+def said(item: PendingResult) -> tuple[str, str, str]:
     """What a result says and who said it."""
-    return (result.result.verdict, result.result.reason, result.source)
+    return (item.result.verdict, item.result.reason, item.source)
 
 
 def kept_rows(judged: Judged) -> list[dict[str, Any]]:
@@ -123,10 +123,11 @@ def test_a_live_marker_in_a_customers_answer_is_a_marker_leak_whose_row_names_th
         exchange(3, "initech", "Hello.", "Hello to you."),
     ]
     _, judged = judge(records, markers=book)
-    result = result_of(judged, "traffic_marker")
-    assert said(result) == ("leak", "probe_marker_in_customer_response", "traffic")
-    assert (result.evidence["flagged"], result.evidence["passed"]) == (1, 2)  # the forged one is nobody's
-    (named,) = result.evidence["records"]
+    item = result_of(judged, "traffic_marker")
+    assert said(item) == ("leak", "probe_marker_in_customer_response", "traffic")
+    evidence = item.result.evidence
+    assert (evidence["flagged"], evidence["passed"]) == (1, 2)  # the forged one is nobody's
+    (named,) = evidence["records"]
     assert (named["request_id"], named["markers"]) == (records[0].id, 1)  # a count: the result stays small
     (row,) = kept_rows(judged)
     assert row["verdict"] == "leak" and row["checks"] == ",marker,"
@@ -143,10 +144,10 @@ def test_an_impossible_prompt_token_count_is_a_tokens_mismatch_and_a_plausible_o
         exchange(3, "initech", prompt[:500], "Done.", prompt_tokens=1),  # too short to say
     ]
     _, judged = judge(records)
-    result = result_of(judged, "traffic_tokens")
-    assert said(result) == ("mismatch", "prompt_tokens_impossible", "traffic")
-    assert (result.evidence["flagged"], result.evidence["passed"]) == (1, 1)
-    (named,) = result.evidence["records"]
+    item = result_of(judged, "traffic_tokens")
+    assert said(item) == ("mismatch", "prompt_tokens_impossible", "traffic")
+    assert (item.result.evidence["flagged"], item.result.evidence["passed"]) == (1, 1)
+    (named,) = item.result.evidence["records"]
     assert (named["request_id"], named["prompt_tokens"], named["floor"]) == (records[0].id, 1, 125.0)
     (row,) = kept_rows(judged)
     assert row["findings"]["tokens"]["verdict"] == "mismatch" and row["checks"] == ",tokens,"
@@ -160,10 +161,10 @@ def test_an_answered_prompt_over_the_nodes_pool_is_a_capacity_mismatch() -> None
         exchange(3, "initech", prompt, "", prompt_tokens=1000, status=503),  # refused: not judged
     ]
     _, judged = judge(records, pool=500)
-    result = result_of(judged, "traffic_capacity")
-    assert said(result) == ("mismatch", "over_pool_answered", "traffic")
-    assert (result.evidence["flagged"], result.evidence["passed"]) == (1, 1)
-    (named,) = result.evidence["records"]
+    item = result_of(judged, "traffic_capacity")
+    assert said(item) == ("mismatch", "over_pool_answered", "traffic")
+    assert (item.result.evidence["flagged"], item.result.evidence["passed"]) == (1, 1)
+    (named,) = item.result.evidence["records"]
     assert (named["estimated_prompt_tokens"], named["kv_pool_tokens"]) == (1000, 500)
     flagged = [row for row in kept_rows(judged) if row["verdict"] != "pass"]
     assert [row["request_id"] for row in flagged] == [records[0].id]  # the refused one: kept, unflagged
@@ -176,9 +177,9 @@ def test_another_callers_text_in_an_answer_is_an_overlap_leak() -> None:
         exchange(3, "initech", "Summarize my meeting.", "Sure: " + GPL[2000:3500]),
     ]
     _, judged = judge(records)
-    result = result_of(judged, "traffic_overlap")
-    assert said(result) == ("leak", "another_callers_text", "traffic")
-    (named,) = result.evidence["records"]
+    item = result_of(judged, "traffic_overlap")
+    assert said(item) == ("leak", "another_callers_text", "traffic")
+    (named,) = item.result.evidence["records"]
     assert named["caller"] == "initech" and named["other_caller"] == "acme" and named["run"] >= 8
 
 
@@ -235,10 +236,10 @@ def test_a_newcomers_check_is_one_object_whose_verdict_becomes_a_traffic_result(
         exchange(3, "initech", "Hello again.", "Hi.", latency_seconds=None),
     ]
     made, judged = judge(records, checks=(*REGISTRY, LongWaitCheck()))
-    result = result_of(judged, "traffic_long_wait")
-    assert said(result) == ("mismatch", "answered_after_a_minute", "traffic")
-    assert (result.evidence["flagged"], result.evidence["passed"]) == (1, 1)
-    assert result.evidence["records"][0]["seconds"] == 95.0
+    item = result_of(judged, "traffic_long_wait")
+    assert said(item) == ("mismatch", "answered_after_a_minute", "traffic")
+    assert (item.result.evidence["flagged"], item.result.evidence["passed"]) == (1, 1)
+    assert item.result.evidence["records"][0]["seconds"] == 95.0
     (row,) = kept_rows(judged)
     assert row["checks"] == ",long_wait,"
     assert row["findings"]["long_wait"]["reason"] == "answered_after_a_minute"
