@@ -363,6 +363,8 @@ class Monitor:
         if self._stop_asked_at is not None:
             return
         self._take_up_world()
+        if self._stop_asked_at is not None:  # the signal came while the database was read
+            return
         self._loop = asyncio.get_running_loop()
         if not self.scheduler.running:
             self.scheduler.start()
