@@ -80,6 +80,8 @@ CHECK_SECONDS = 5.0
 STOP_WAIT_SECONDS = LEASE_SECONDS / 3
 #: How long stopping waits for batches cut at a hand-over to be stored and recorded.
 LANDING_WAIT_SECONDS = 10.0
+#: How long stopping waits for the sharing loop to end (a step's requests each wait 5 s at most).
+RUN_STOP_WAIT_SECONDS = 10.0
 
 
 class ConsumerGone(Exception):
@@ -107,6 +109,9 @@ class TrafficStream:
         self._js: JetStreamContext | None = None
         self.partitions: Partitions | None = None
         self._task: asyncio.Task[None] | None = None
+        #: Set by ``stop()``: the sharing loop ends at its next check even where the cancellation
+        #: that ``stop()`` sends it is lost (``_end``).
+        self._stopping = False
         self._consumers: dict[int, tuple[asyncio.Event, asyncio.Task[None]]] = {}
         #: Batches being stored and recorded, which a cut consumer leaves to finish (``_land``).
         self._landing: set[asyncio.Task[int]] = set()
@@ -131,10 +136,9 @@ class TrafficStream:
 
     async def stop(self) -> None:
         """Finish the batches in hand, release the partitions to the others, and disconnect."""
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await _end(self._task, RUN_STOP_WAIT_SECONDS)
         if self.partitions is not None and self._client is not None and self._client.is_connected:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.partitions.leave(), 10)
@@ -173,7 +177,7 @@ class TrafficStream:
         self._js = self._client.jetstream(timeout=5)
         failures = 0
         kv: KeyValue | None = None
-        while True:
+        while not self._stopping:
             began = time.monotonic()
             try:
                 if kv is None:
@@ -190,6 +194,8 @@ class TrafficStream:
                 if failures == 0:
                     log.warning("traffic stream: cannot share out the partitions (%s); retrying", why(exc))
                 failures += 1
+            if self._stopping:  # stop() cancelled this loop, and a request in the step took the cancellation
+                return
             if self._missing:
                 await self._recreate()
             # A steady beat, however long a step took: the claims must be refreshed within a lease.
@@ -358,6 +364,28 @@ class TrafficStream:
         self._landing.add(task)
         task.add_done_callback(_landed(self._landing))
         return await asyncio.shield(task)
+
+
+async def _end(task: asyncio.Task[None], timeout: float) -> None:
+    """Cancel ``task`` and wait for it to end, ``timeout`` seconds at most; say where it waits if it
+    does not.
+
+    A cancellation can be lost: on Python 3.11, ``asyncio.wait_for`` (through which nats-py sends
+    every request) returns the reply instead of raising when the cancellation comes in the loop
+    iteration that brought the reply (CPython gh-86296, fixed in 3.12). The task then runs on, so it
+    is cancelled again every second, and the sharing loop also ends at its next check of ``_stopping``.
+    """
+    deadline = time.monotonic() + timeout
+    while not task.done() and (left := deadline - time.monotonic()) > 0:
+        task.cancel()
+        await asyncio.wait({task}, timeout=min(left, 1.0))
+    if not task.done():
+        frames = task.get_stack()
+        where = f"{frames[-1].f_code.co_filename}:{frames[-1].f_lineno}" if frames else "an unknown place"
+        log.warning("traffic stream: the partitions' loop did not end within %.0f s of stop (waiting at %s); "
+                    "stopping without it", timeout, where)  # fmt: skip
+    elif not task.cancelled() and (error := task.exception()) is not None:
+        log.warning("traffic stream: the partitions' loop failed (%s)", why(error))
 
 
 def _landed(landing: set[asyncio.Task[int]]) -> Callable[[asyncio.Task[int]], None]:

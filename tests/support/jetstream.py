@@ -12,11 +12,11 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import nats
@@ -40,6 +40,8 @@ from tests.support import free_port
 
 if TYPE_CHECKING:
     from tests.monitor.served import Served
+
+T = TypeVar("T")
 
 NATS_URL = "nats://127.0.0.1:4222"
 NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
@@ -199,6 +201,31 @@ async def until(what: str, check: Callable[[], bool], timeout: float = 30.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def within(seconds: float, work: Coroutine[Any, Any, T]) -> T:
+    """Return ``work``'s result; after ``seconds``, raise AssertionError saying where each task of
+    the loop waits (``asyncio.wait_for`` raises a bare TimeoutError, which names nothing)."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        task.cancel()
+        where = "\n".join(map(_waits_at, others))
+        raise AssertionError(f"not done within {seconds:g} s; its tasks wait at:\n{where}")
+    return task.result()
+
+
+def _waits_at(task: asyncio.Task[Any]) -> str:
+    """Return a task's name and where it waits: each coroutine it awaits, down to the innermost
+    (``Task.get_stack`` shows only the outermost of a suspended task)."""
+    frames, awaited = [], task.get_coro()
+    while awaited is not None:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        if frame is not None:
+            frames.append(f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})")
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    return f"  {task.get_name()}: {' > '.join(frames) or 'not running'}"
 
 
 class Port:

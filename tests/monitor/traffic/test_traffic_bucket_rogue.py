@@ -26,7 +26,7 @@ from kvcanary.monitor.metrics.stream import StreamCollector
 from kvcanary.monitor.traffic.jetstream import TrafficStream
 from kvcanary.monitor.traffic.partitions import LEASE_SECONDS, LOGGED_REPLICAS, MAX_REPLICAS, STEP_SECONDS
 from kvcanary.monitor.traffic.stream_setup import verify
-from tests.support.jetstream import NATS_URL, StreamNames, in_process, until
+from tests.support.jetstream import NATS_URL, StreamNames, in_process, until, within
 
 pytestmark = pytest.mark.external_service
 
@@ -104,7 +104,7 @@ def test_forged_claims_starve_the_replica_and_its_metric_says_so(
             await bucket.put(f"partition.{n}", b"ghost")
 
     during, held, after, held_after = asyncio.run(
-        asyncio.wait_for(under_a_rogue_writer(tmp_path, stream_names, forge_claims), 120)
+        within(120, under_a_rogue_writer(tmp_path, stream_names, forge_claims))
     )
     assert held == ()  # starved: every partition is claimed by a replica that does not exist
     assert during == {"replicas_over_limit": 0, "claims_without_heartbeat": 16, "partitions_withheld": 16}
@@ -119,7 +119,7 @@ def test_300_fake_heartbeats_are_more_replicas_than_plausible_and_logged_bounded
 
     caplog.set_level(logging.INFO, logger="kvcanary.traffic")
     during, held, after, held_after = asyncio.run(
-        asyncio.wait_for(under_a_rogue_writer(tmp_path, stream_names, fake_heartbeats), 120)
+        within(120, under_a_rogue_writer(tmp_path, stream_names, fake_heartbeats))
     )
     # The fakes top most partitions and never claim them: this replica holds only its own share.
     assert len(held) < 16
@@ -160,6 +160,8 @@ def test_two_replicas_sharing_the_bucket_read_no_anomaly(tmp_path: Path, stream_
         finally:
             await asyncio.gather(*(r.stop() for r in replicas))
 
-    # 180 s: a full suite on a slow day ran out of 90 s before the two had shared the partitions.
-    seen = asyncio.run(asyncio.wait_for(run(), 180))
+    # Every wait in it is bounded (the sharing by until(), each stop by its own): past 180 s one is
+    # not, and within() names where it waits. (A stop whose cancellation nats-py lost waited for
+    # ever, and a bare TimeoutError said nothing: test_traffic_jetstream_faults.py has that stop.)
+    seen = asyncio.run(within(180, run()))
     assert seen == [dict.fromkeys(seen[0], 0)] * len(seen) and len(seen[0]) == 3

@@ -1,7 +1,8 @@
 """``traffic.source: jetstream`` under faults and forged input, on the real NATS server, one monitor
 in process: an idle stream's empty pulls cost no backoff and no warning; a deleted
 stream or consumer is recreated and reported until then; a header cannot claim more records than
-its message could carry; a record on a partition its deployment does not hash to is refused.
+its message could carry; a record on a partition its deployment does not hash to is refused; a
+stop ends though a request in flight swallowed its cancellation.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.traffic.jetstream import TrafficStream
+from kvcanary.monitor.traffic.partitions import STEP_SECONDS, Partitions
 from kvcanary.monitor.traffic.stream_setup import durable_name, verify
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.jetstream import partition_of
@@ -34,6 +36,7 @@ from tests.support.jetstream import (
     in_process,
     tap,
     until,
+    within,
 )
 
 pytestmark = pytest.mark.external_service
@@ -254,3 +257,37 @@ def test_a_record_on_a_partition_its_deployment_does_not_hash_to_is_refused_once
     assert (stream.judged, stream.report()["misrouted"]) == (1, 2)
     assert sample(metrics, "kvcanary_traffic_stream_records_total", outcome="misrouted") == 2.0
     assert counted(factory) == (1, 1)
+
+
+def test_a_stop_ends_when_a_request_in_flight_swallows_its_cancellation(
+    tmp_path: Path, stream_names: StreamNames, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reply to a request of the sharing loop's step comes in the loop iteration that stop()
+    cancels it in: Python 3.11's asyncio.wait_for, which nats-py sends every request through,
+    returns the reply and the cancellation is lost (CPython gh-86296). stop() still ends, at once,
+    and the loop with it; before, it waited for a loop that stepped on for ever."""
+    cfg = stream_names.settings()
+    _, ingest = in_process(tmp_path, cfg)
+
+    async def run() -> tuple[float, bool]:
+        await verify(cfg, None)
+        loop = asyncio.get_running_loop()
+        replies: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
+
+        async def step(self: Partitions) -> None:  # a step's request, as nats-py awaits one
+            reply = loop.create_future()
+            replies.put_nowait(reply)
+            await asyncio.wait_for(reply, 5)
+
+        monkeypatch.setattr(Partitions, "step", step)
+        stream = TrafficStream(cfg, ingest, "replica-a", None)
+        stream.start()
+        reply = await asyncio.wait_for(replies.get(), 30)
+        reply.set_result(None)  # the reply is in: its waiter wakes in the next loop iteration
+        began = time.monotonic()
+        await within(30, stream.stop())  # cancels the loop before that iteration
+        assert stream._task is not None
+        return time.monotonic() - began, stream._task.done()
+
+    took, ended = asyncio.run(within(60, run()))
+    assert ended and took < STEP_SECONDS, took
