@@ -114,24 +114,17 @@ class DemoIncident:
 
     def radius(self) -> dict[str, Any]:
         """The blast radius as the API answers it (what the page shows)."""
-        answer = httpx.get(
-            f"{self.base_url}/api/v1/incidents/{self.incident_id}/blast-radius",
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=30,
-        )
-        answer.raise_for_status()
-        radius: dict[str, Any] = answer.json()
-        return radius
+        return self._get("/blast-radius")
 
     def incident(self) -> dict[str, Any]:
-        answer = httpx.get(
-            f"{self.base_url}/api/v1/incidents/{self.incident_id}",
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=30,
-        )
+        return self._get("")
+
+    def _get(self, tail: str) -> dict[str, Any]:
+        url = f"{self.base_url}/api/v1/incidents/{self.incident_id}{tail}"
+        answer = httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
         answer.raise_for_status()
-        detail: dict[str, Any] = answer.json()
-        return detail
+        body: dict[str, Any] = answer.json()
+        return body
 
     def affected_by_caller(self, start: float, end: float) -> dict[str, int]:
         """The over-pool 2xx responses each customer got between ``start`` and ``end`` (epoch)."""
