@@ -16,6 +16,10 @@ import aiohttp
 
 #: Errors that mean no connection could be made at all (refused, unreachable, unresolvable).
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ClientConnectorCertificateError)
+#: Errors that mean a connection was made (or taken from the pool) and closed under the request.
+#: (``ClientConnectorError`` is a ``ClientOSError`` too, but no connection was made: callers test
+#: for ``CONNECT_ERRORS`` first.)
+UNHEARD_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 #: How long an idle pooled connection is kept for reuse. Engines served by uvicorn close theirs after
 #: 5 s (its default, and SGLang's, vLLM's and the reference worker's); aiohttp keeps them 15 s. A
 #: probe sent on one between the two races the server's close and reads "Server disconnected": a

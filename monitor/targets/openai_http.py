@@ -8,6 +8,8 @@ hosted OpenAI-compatible APIs and the reference worker. Its contract:
   (``config.timeout_seconds`` passed; ``status`` None unless headers had arrived), ``protocol`` (a
   body or stream that is not what the API promises), ``stream`` (the engine reported an error inside
   a 200 stream) or ``http`` (a non-2xx answer). Lookups return None fields instead.
+- A request the server closed before a byte of answer is sent once more (a pooled connection the
+  server let go of as it went out); one the server began to answer is never sent again.
 - A non-2xx answer keeps its raw body, bounded to :data:`ERROR_BODY_BYTES`, in ``text``: an error
   body is output a tenant sees, so probes scan it for foreign markers like any other output.
 - Every request it makes goes through :meth:`OpenAIHttpTarget.request`, which alone sets
@@ -33,7 +35,7 @@ from kvcanary.monitor.config.credentials import Credentials
 from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.targets.calibration import TokenCalibration
 from kvcanary.monitor.targets.capacity import apply_overrides, read_capacity
-from kvcanary.monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
+from kvcanary.monitor.targets.http import CONNECT_ERRORS, UNHEARD_ERRORS, HttpClient, chunks
 from kvcanary.monitor.targets.openai_format import (
     DEFAULT_LIMITS,
     ERROR_BODY_BYTES,
@@ -142,13 +144,24 @@ class OpenAIHttpTarget:
         """
         path, body = request_body(request, self._config.model, takes_rid=self.engine in RID_ENGINES)
         state = StreamState(chat=request.chat, started=time.monotonic())
+
+        def deliver(state: StreamState) -> Coroutine[Any, Any, None]:
+            if send is None:
+                return self.exchange(tenant, self._url(path), body, request, state)
+            return send(tenant, path, body, request, state)
+
         try:
             async with asyncio.timeout(self._timeout):
-                if send is None:
-                    delivered = self.exchange(tenant, self._url(path), body, request, state)
-                else:
-                    delivered = send(tenant, path, body, request, state)
-                await self._hang_up_in_time(request, delivered)
+                try:
+                    await self._hang_up_in_time(request, deliver(state))
+                except UNHEARD_ERRORS as exc:
+                    if isinstance(exc, CONNECT_ERRORS) or state.status is not None:
+                        raise
+                    # Closed before a byte of answer: a pooled connection the server let go of as
+                    # the request went out (a loaded host's loop can see an idle spell late). The
+                    # engine never answered it, so it is sent once more (that connection is not pooled again).
+                    state = StreamState(chat=request.chat, started=time.monotonic())
+                    await self._hang_up_in_time(request, deliver(state))
         except HungUp as hung_up:
             state.fail("hung_up", str(hung_up))
         except TimeoutError:
