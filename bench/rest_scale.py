@@ -3,7 +3,7 @@
 Creates a throw-away database on 127.0.0.1:5432, migrates it to the revision before the list
 indexes, fills it by COPY with ``--rows`` probe results (50 targets x 3 probes over 90 days, 1% of
 them leak, mismatch or error, with the incidents those open and resolve), migrates it to the head
-(timing the index build), VACUUM ANALYZE, then serves the real app (``monitor.app.create_app``,
+(timing the index build), VACUUM ANALYZE, then serves the real app (``monitor.http_app.create_app``,
 scheduler off) with uvicorn on loopback in its own process and sends each query ``--requests``
 times in a row with httpx, after a few unmeasured warm-up requests. Parameters rotate (targets,
 days, incidents) so that a query does not hit one cached page. The database is dropped at the end
@@ -210,8 +210,9 @@ def serve(url: str, port: int, token: str) -> None:
     """Run the real app on 127.0.0.1:``port`` with the scheduler off (in a child process)."""
     import uvicorn
 
-    from kvcanary.monitor.app import Monitor, create_app
+    from kvcanary.monitor.app import Monitor
     from kvcanary.monitor.config.settings import Settings
+    from kvcanary.monitor.http_app import create_app
 
     os.environ["KVCANARY_API_TOKEN"] = token
     tenants = [{"name": "alice"}, {"name": "bob"}]

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcanary.demo.stop import DemoServer, DemoStop
-from kvcanary.monitor.app import Monitor, create_app
+from kvcanary.monitor.app import Monitor
 from kvcanary.monitor.config.settings import Settings, parse_settings
 from kvcanary.monitor.config.targets import PATH_KINDS
+from kvcanary.monitor.http_app import create_app
 from kvcanary.monitor.runs.runner import RunSummary
 from kvcanary.monitor.storage.db import upgrade
 from kvcanary.processes import free_port, stop_processes, wait_http

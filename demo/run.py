@@ -34,8 +34,9 @@ from kvcanary.demo.gateway import (
 from kvcanary.demo.printer import DemoPrinter
 from kvcanary.demo.stack import Observability, missing_binaries, start_observability
 from kvcanary.demo.stop import DemoServer, DemoStop
-from kvcanary.monitor.app import Monitor, create_app
+from kvcanary.monitor.app import Monitor
 from kvcanary.monitor.config.settings import Settings, load_settings
+from kvcanary.monitor.http_app import create_app
 from kvcanary.monitor.storage.db import upgrade
 from kvcanary.processes import free_port, stop_processes, wait_http
 

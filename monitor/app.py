@@ -1,32 +1,23 @@
-"""The composition root: the only place where settings, storage, targets, probes, the scheduler,
-the REST API and the metrics are wired together.
+"""The composition root: the only place where settings, storage, targets, probes, the scheduler
+and the metrics are wired together (``http_app.py`` puts the REST API in front).
 
 ``Monitor.open`` reads what the monitor needs from the world (``opening.py``: its secrets, the
 traffic stream, the database and the spool) and builds it: every part made here, once, handed
-what it works with; ``start`` takes up the world and starts the loops. ``create_app`` serves the
-monitor over HTTP and starts and stops it with the app's lifespan, so SIGTERM to ``kvcanary
-serve`` drains cleanly. Taking up new settings while running is ``reloads.py``'s, given the parts
-it changes.
+what it works with; ``start`` takes up the world and starts the loops; ``stop`` drains and closes.
+``http_app.py`` serves it over HTTP. Taking up new settings while running is ``reloads.py``'s, given
+the parts it changes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
-from sqlalchemy.exc import SQLAlchemyError
-
-from kvcanary.monitor.api.main import build_http_app
-from kvcanary.monitor.api.state import ApiState
 from kvcanary.monitor.config.secrets import TenantKeys
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import TargetConfig
@@ -38,24 +29,16 @@ from kvcanary.monitor.recording.health import WriteHealth
 from kvcanary.monitor.recording.pending import PendingResult
 from kvcanary.monitor.recording.port import RecordingPort
 from kvcanary.monitor.recording.recorder import Recorder
+from kvcanary.monitor.recording.upkeep import StorageUpkeep
 from kvcanary.monitor.recording.writer import BatchWriter
 from kvcanary.monitor.reloads import InForce, Reloader
 from kvcanary.monitor.runs.coverage import run_keys
 from kvcanary.monitor.runs.discovery import DISCOVERY_TICK_SECONDS, GatewayDiscovery
 from kvcanary.monitor.runs.replicas import HEARTBEAT_SECONDS, Membership
-from kvcanary.monitor.runs.run_now import RunNow
 from kvcanary.monitor.runs.runner import ProbeRunner, RunSummary
-from kvcanary.monitor.runs.scheduler import (
-    PRUNE_INTERVAL_SECONDS,
-    REPLAY_INTERVAL_SECONDS,
-    Housekeeping,
-    assign,
-    build_scheduler,
-    run_now,
-)
+from kvcanary.monitor.runs.scheduler import Housekeeping, assign, build_scheduler, run_now
 from kvcanary.monitor.storage import outbox
 from kvcanary.monitor.storage.incident_rows import open_incident_counts
-from kvcanary.monitor.storage.retention import prune_round
 from kvcanary.monitor.targets.http import HttpClient
 from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
@@ -70,9 +53,6 @@ if TYPE_CHECKING:
     from kvcanary.monitor.traffic.jetstream import TrafficStream
 
 log = logging.getLogger("kvcanary")
-
-#: How often a SQLite file is checked for having been deleted or replaced under the process.
-FILE_CHECK_SECONDS = 2
 
 
 class Monitor:
@@ -182,6 +162,9 @@ class Monitor:
         health = WriteHealth(file_check=sqlite.check if sqlite is not None else None)
         self.recorder = Recorder(settings, self.session_factory, self.spool, health)
         self.writer = BatchWriter(self.recorder)
+        self.upkeep = StorageUpkeep(
+            lambda: self.settings, self.session_factory, self.recorder, self.database.engine, sqlite
+        )
         # Opt-in: every verdict as an OpenTelemetry GenAI evaluation event (monitor/otel.py).
         self.events: VerdictEvents | None = None
         if settings.otel is not None:
@@ -221,16 +204,12 @@ class Monitor:
 
     def _housekeeping(self) -> list[Housekeeping]:
         """Return the clock's jobs besides the probes: (name, what it runs, every how many seconds)."""
-        jobs: list[Housekeeping] = [
+        return [
             ("gateway-discovery", self.discover, DISCOVERY_TICK_SECONDS),
             *self.containment.jobs(),
-            ("prune", self.prune, PRUNE_INTERVAL_SECONDS),
-            ("replay", self.replay, REPLAY_INTERVAL_SECONDS),
+            *self.upkeep.jobs(),
             ("heartbeat", self.heartbeat, HEARTBEAT_SECONDS),
         ]
-        if self.database.sqlite is not None:
-            jobs.append(("database-file", self.watch_database_file, FILE_CHECK_SECONDS))
-        return jobs
 
     def _watch(self, secrets: Secrets) -> None:
         """Hand ``/metrics`` what it reads of each part at a scrape."""
@@ -293,38 +272,12 @@ class Monitor:
         with self.read_session_factory() as session:
             return list(open_incident_counts(session))
 
-    async def prune(self) -> None:
-        """Delete expired results and purge expired excerpts, a batch per transaction. While the
-        database is away this round is skipped with one line (the next, an interval on, tries
-        again): a traceback per round would only bury the outage's own log lines."""
-        # Judged ids are needed while a record can still come again: twice the duplicate window.
-        keep = 2 * self.settings.traffic.jetstream.duplicate_window_seconds
-        days = self.settings.retention.failure_days
-        try:
-            removed, purged = await asyncio.to_thread(
-                prune_round, self.session_factory, minute_days=days, judged_keep_seconds=keep
-            )
-        except SQLAlchemyError as exc:
-            log.warning("pruning skipped: the database did not answer (%s)", type(exc).__name__)
-            return
-        if removed or purged:
-            log.info("pruned %d expired probe results; purged the excerpts of %d", removed, purged)
-
     async def heartbeat(self) -> None:
         """Say this replica is alive; where the live replicas changed, take up and hand over jobs."""
         if await asyncio.to_thread(self.membership.beat):
             gained, lost = assign(self.scheduler, self.settings, self.membership.owns)
             self.runner.forget_states(gained)
             log.info("replicas changed: %d probe jobs taken up, %d handed over", len(gained), len(lost))
-
-    async def watch_database_file(self) -> None:
-        """Notice a SQLite file deleted or replaced under the process: save what it held, spool the rest."""
-        if (sqlite := self.database.sqlite) is not None:
-            await asyncio.to_thread(sqlite.take_over_if_lost, self.recorder.health, self.database.engine)
-
-    async def replay(self) -> None:
-        if len(self.spool):
-            await asyncio.to_thread(self.recorder.replay)
 
     def health(self) -> dict[str, Any]:
         report: dict[str, Any] = {
@@ -429,40 +382,3 @@ class Monitor:
         await asyncio.to_thread(self.membership.leave)
         self.database.close()
         log.info("kvcanary stopped cleanly")
-
-
-def create_app(monitor: Monitor, *, start_scheduler: bool = True) -> FastAPI:
-    """Return the HTTP app: ``/api/v1`` (bearer token), ``/healthz`` and ``/metrics``."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if start_scheduler:
-            monitor.start()
-        # Everything built at start-up lives as long as the process: keep it out of the collector's
-        # full passes, which otherwise stall every request and probe for ~100 ms at scale.
-        gc.collect()
-        gc.freeze()
-        try:
-            yield
-        finally:
-            await monitor.stop()
-
-    state = ApiState(
-        session_factory=monitor.read_session_factory,
-        api_token=monitor.token,
-        settings=monitor.settings,
-        run_now=RunNow(monitor.runner.run_target, monitor.settings.api.run_now_min_interval_seconds),
-        health=monitor.health,
-        metrics_page=monitor.metrics.exposition,
-        reload=monitor.reload,
-        ingest_token=monitor.ingest_token,
-        traffic=monitor.traffic,
-        judge=monitor.traffic.judge,
-        containment=monitor.containment,
-    )
-    app = build_http_app(state, lifespan=lifespan)
-    # Routers read the settings in force: a reload hands them the new ones.
-    monitor.on_reload.append(
-        lambda new: setattr(app.state, "api", dataclasses.replace(app.state.api, settings=new))
-    )
-    return app

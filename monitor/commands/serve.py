@@ -12,8 +12,9 @@ from types import FrameType
 
 import uvicorn
 
-from kvcanary.monitor.app import Monitor, create_app
+from kvcanary.monitor.app import Monitor
 from kvcanary.monitor.config.settings import Settings
+from kvcanary.monitor.http_app import create_app
 
 log = logging.getLogger("kvcanary")
 

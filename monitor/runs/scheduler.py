@@ -22,11 +22,8 @@ from kvcanary.monitor.runs.runner import ProbeRunner
 
 log = logging.getLogger("kvcanary.scheduler")
 
-PRUNE_INTERVAL_SECONDS = 3600
 #: Housekeeping first runs this soon after start (or at its interval, when shorter).
 FIRST_HOUSEKEEPING_SECONDS = 30
-#: How often spooled results are offered to the database again.
-REPLAY_INTERVAL_SECONDS = 5
 
 Housekeeping = tuple[str, Callable[[], Awaitable[None]], float]
 #: Whether this replica runs (target, kind) (``monitor/runs/replicas.py``).

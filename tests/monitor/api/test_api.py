@@ -306,8 +306,9 @@ def test_the_openapi_document_declares_models_auth_and_errors(client: TestClient
 
 
 def test_the_docs_page_loads_its_assets_from_the_monitor_not_a_cdn(tmp_path: pathlib.Path) -> None:
-    from kvcanary.monitor.app import Monitor, create_app
+    from kvcanary.monitor.app import Monitor
     from kvcanary.monitor.config.settings import parse_settings
+    from kvcanary.monitor.http_app import create_app
     from kvcanary.monitor.storage.db import upgrade
 
     url = f"sqlite:///{tmp_path / 'k.db'}"
