@@ -45,8 +45,8 @@ except ImportError:
         longest_unexcused_run,
         overlap_check,
     )
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.monitor.traffic.overlap import OverlapWindow
-from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.tap.fingerprints import Fingerprinter
 
 # The benign corpus and the throughput bench's helpers beside this file (after the tree: a tree

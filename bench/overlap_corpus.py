@@ -19,7 +19,7 @@ import sysconfig
 from pathlib import Path
 from typing import NamedTuple
 
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.record import Exchange, summarize
 

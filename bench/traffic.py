@@ -42,7 +42,8 @@ from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.targets.calibration import TokenCalibration
 from kvcanary.monitor.traffic.judge import TrafficJudge
-from kvcanary.monitor.traffic.schema import TrafficRecord, read_batch
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
+from kvcanary.monitor.traffic.reading import read_batch
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity
 from kvcanary.tap.fingerprints import Fingerprinter

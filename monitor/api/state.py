@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from kvcanary.monitor.containment import Containment
     from kvcanary.monitor.runs.run_now import RunNow
     from kvcanary.monitor.traffic.judge import TrafficJudge
-    from kvcanary.monitor.traffic.schema import TrafficBatch, TrafficRecord
+    from kvcanary.monitor.traffic.judged_record import TrafficRecord
+    from kvcanary.monitor.traffic.schema import TrafficBatch
 
 
 @dataclass(frozen=True)

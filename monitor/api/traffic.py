@@ -42,15 +42,8 @@ from kvcanary.monitor.storage.models import TrafficVerdict
 from kvcanary.monitor.traffic.checks import CHECKS
 from kvcanary.monitor.traffic.ingest import NotTakenHere
 from kvcanary.monitor.traffic.pipeline import read_off_loop
-from kvcanary.monitor.traffic.schema import (
-    BATCH_SCHEMA,
-    MAX_BODY_BYTES,
-    MAX_ERRORS,
-    MAX_ERRORS_PER_RECORD,
-    UnspokenVersion,
-    bounded_errors,
-    read_batch,
-)
+from kvcanary.monitor.traffic.reading import MAX_ERRORS, MAX_ERRORS_PER_RECORD, bounded_errors, read_batch
+from kvcanary.monitor.traffic.schema import BATCH_SCHEMA, MAX_BODY_BYTES, UnspokenVersion
 from kvcanary.wire import SPOKEN_VERSIONS
 
 ingest_router = APIRouter(prefix="/api/v1/traffic", tags=["traffic"])

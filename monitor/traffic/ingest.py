@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 from kvcanary.monitor.config.settings import JetStreamConfig
 from kvcanary.monitor.runs.replicas import Membership
 from kvcanary.monitor.traffic.judge import TrafficJudge
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.monitor.traffic.pipeline import TrafficPipeline, arrivals, read_off_loop
-from kvcanary.monitor.traffic.schema import TrafficBatch, TrafficRecord
+from kvcanary.monitor.traffic.schema import TrafficBatch
 from kvcanary.wire import DROPPED_HEADER, Message, message_limit, messages_of
 
 if TYPE_CHECKING:  # nats-py is imported only where the stream is used

@@ -46,9 +46,9 @@ from kvcanary.monitor.traffic.checks import (
 )
 from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
 from kvcanary.monitor.traffic.facts import TargetFacts
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.monitor.traffic.overlap import OverlapWindow
 from kvcanary.monitor.traffic.refusals import RefusalRows, refused_row
-from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.probes.markers import MarkerBook
 

@@ -24,13 +24,8 @@ from pydantic import ValidationError
 
 from kvcanary.monitor.metrics.versions import REFUSED_VERSIONS
 from kvcanary.monitor.traffic.pipeline import Arrival
-from kvcanary.monitor.traffic.schema import (
-    MAX_DROPPED,
-    MAX_RECORDS,
-    UnspokenVersion,
-    check_version,
-    read_batch,
-)
+from kvcanary.monitor.traffic.reading import read_batch
+from kvcanary.monitor.traffic.schema import MAX_DROPPED, MAX_RECORDS, UnspokenVersion, check_version
 from kvcanary.wire import DROPPED_HEADER, GATEWAY_HEADER, RECORDS_HEADER, VERSION_HEADER, partition_of
 
 if TYPE_CHECKING:

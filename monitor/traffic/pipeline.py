@@ -42,7 +42,7 @@ from kvcanary.monitor.storage.judged_rows import Mark, judged_already, mark_judg
 from kvcanary.monitor.storage.target_rows import upsert_targets
 from kvcanary.monitor.storage.traffic_rows import write_traffic
 from kvcanary.monitor.traffic.judge import Judged, TrafficJudge
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.wire import PARTITIONS, partition_of
 
 #: Bodies read at once, each in its own thread (the rest wait): reading is CPU, and the GIL is one.

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 
 #: The kept row's verdict (``storage/models.py``: TRAFFIC_VERDICTS).
 REFUSED = "refused"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.tap import Tap
 from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.litellm_payload import exchange_of

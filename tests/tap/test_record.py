@@ -7,8 +7,8 @@ import json
 import re
 from pathlib import Path
 
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.monitor.traffic.overlap import OWN as MONITOR_OWN
-from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.probes.markers import MARKER_RE as PROBE_MARKER_RE
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.tap.fingerprints import MAX_TEXT_CHARS, OWN, Fingerprinter

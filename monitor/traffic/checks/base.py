@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.monitor.traffic.overlap import OverlapWindow
-from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.probes.base import Certainty, Verdict
 from kvcanary.probes.markers import MarkerBook
 

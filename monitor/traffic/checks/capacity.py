@@ -9,7 +9,7 @@ one flagged on the floor is over.
 from __future__ import annotations
 
 from kvcanary.monitor.traffic.checks.base import CheckContext, Finding, TrafficCheck
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.probes.base import Verdict
 
 #: A prompt this close to its node's pool is kept as a row (what a blast radius needs later).

@@ -6,7 +6,7 @@ book (``probes/markers.py``) knows only the live, sealed ones.
 from __future__ import annotations
 
 from kvcanary.monitor.traffic.checks.base import CheckContext, Finding, TrafficCheck
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.probes.base import Verdict
 
 

@@ -16,8 +16,8 @@ the same text), and the exchange joins the window after it is judged.
 from __future__ import annotations
 
 from kvcanary.monitor.traffic.checks.base import CheckContext, Finding, TrafficCheck
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.monitor.traffic.overlap import Overlap, OverlapWindow, Runs
-from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.probes.base import Verdict
 
 #: A run of anything another caller holds that an operator may count as a suspected leak (about 40

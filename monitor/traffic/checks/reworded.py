@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kvcanary.monitor.traffic.checks.base import CheckContext, Finding, TrafficCheck
 from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.probes.base import Verdict
 
 #: Private tokens of one other caller's prompt that make a suspected leak (the settings'

@@ -11,7 +11,7 @@ and the judge's near-the-pool rows read it, and a blast radius over log files fo
 from __future__ import annotations
 
 from kvcanary.monitor.traffic.checks.base import CheckContext, Finding, TrafficCheck
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.probes.base import Verdict
 from kvcanary.wire import SURE_DENSITY_MARGIN
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcanary.monitor.traffic.checks import overlap_check
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.monitor.traffic.overlap import OverlapWindow
-from kvcanary.monitor.traffic.schema import TrafficRecord
 from kvcanary.tap.fingerprints import OWN, Fingerprinter
 from kvcanary.tap.record import Exchange, summarize
 

@@ -3,8 +3,8 @@ record to its row, its count and no incident, is ``test_traffic_api.py``'s."""
 
 from __future__ import annotations
 
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.monitor.traffic.refusals import REFUSED, ROWS_PER_MINUTE, RefusalRows, refused_row
-from kvcanary.monitor.traffic.schema import TrafficRecord
 
 
 def refusal(time: float, caller: str = "acme", by: str = "quarantine") -> TrafficRecord:

@@ -16,7 +16,7 @@ from kvcanary.monitor.targets.calibration import TokenCalibration
 from kvcanary.monitor.traffic.checks.reworded import reworded_check
 from kvcanary.monitor.traffic.distinctive import DistinctiveWindow
 from kvcanary.monitor.traffic.judge import TrafficJudge
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity
 from kvcanary.tap.fingerprints import Fingerprinter

@@ -35,7 +35,7 @@ from kvcanary.monitor.traffic.checks import (
     TrafficCheck,
 )
 from kvcanary.monitor.traffic.judge import Judged, TrafficJudge
-from kvcanary.monitor.traffic.schema import TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.probes.base import Verdict
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity

@@ -33,7 +33,8 @@ from kvcanary.monitor.storage.models import Incident, TrafficRecordRow
 from kvcanary.monitor.traffic.ingest import HttpIngest
 from kvcanary.monitor.traffic.judge import TrafficJudge
 from kvcanary.monitor.traffic.pipeline import TrafficPipeline
-from kvcanary.monitor.traffic.schema import MAX_DROPPED, MAX_ERRORS, MAX_FINGERPRINTS
+from kvcanary.monitor.traffic.reading import MAX_ERRORS
+from kvcanary.monitor.traffic.schema import MAX_DROPPED, MAX_FINGERPRINTS
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.wire import VERSION
 from tests.monitor.paging.test_pager import LINK_KEY, drain, pager_for

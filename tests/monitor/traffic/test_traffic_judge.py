@@ -18,7 +18,8 @@ from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.targets.calibration import TokenCalibration
 from kvcanary.monitor.traffic import judge as judge_module
 from kvcanary.monitor.traffic.judge import TrafficJudge
-from kvcanary.monitor.traffic.schema import MAX_FINGERPRINTS, MAX_TOKENS, TrafficRecord
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
+from kvcanary.monitor.traffic.schema import MAX_FINGERPRINTS, MAX_TOKENS
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServerCapacity
 from kvcanary.tap.fingerprints import Fingerprinter

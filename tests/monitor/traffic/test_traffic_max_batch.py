@@ -29,13 +29,8 @@ from kvcanary.monitor.metrics.registry import MonitorMetrics
 from kvcanary.monitor.storage.db import make_engine, make_session_factory
 from kvcanary.monitor.traffic.judge import TrafficJudge
 from kvcanary.monitor.traffic.partitions import LEASE_SECONDS, STEP_SECONDS, Partitions
-from kvcanary.monitor.traffic.schema import (
-    MAX_BODY_BYTES,
-    MAX_FINGERPRINTS,
-    MAX_RECORDS,
-    MAX_TOKENS,
-    read_batch,
-)
+from kvcanary.monitor.traffic.reading import read_batch
+from kvcanary.monitor.traffic.schema import MAX_BODY_BYTES, MAX_FINGERPRINTS, MAX_RECORDS, MAX_TOKENS
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.processes import wait_until
 from kvcanary.wire import VERSION

@@ -19,13 +19,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvcanary import wire
+from kvcanary.monitor.traffic import reading as body_reading
 from kvcanary.monitor.traffic import schema
-from kvcanary.monitor.traffic.schema import (
-    BATCH_SCHEMA,
-    TrafficRecord,
-    TrafficRecordWire,
-    read_batch,
-)
+from kvcanary.monitor.traffic.judged_record import RECORD_DECODER, TrafficRecord, decoded, fits
+from kvcanary.monitor.traffic.reading import read_batch
+from kvcanary.monitor.traffic.schema import BATCH_SCHEMA, TrafficRecordWire
 
 HASH = "ab" * 32
 MARKER = "KVC-0123abcd-" + "0" * 32
@@ -59,15 +57,15 @@ def reading(read: Any, raw: bytes) -> tuple[Any, ...]:
 def fast_reader_takes(raw: bytes) -> bool:
     """Whether msgspec reads ``raw`` alone: its envelope, and each of its records."""
     try:
-        envelope = schema._ENVELOPE.decode(raw)
+        envelope = body_reading._ENVELOPE.decode(raw)
     except msgspec.DecodeError:
         return False
-    records = [schema._decoded(schema._RECORD, bytes(r)) for r in envelope.records]
-    return all(r is not None and schema._fits([r]) for r in records)
+    records = [decoded(RECORD_DECODER, bytes(r)) for r in envelope.records]
+    return all(r is not None and fits([r]) for r in records)
 
 
 def assert_read_alike(raw: bytes) -> None:
-    assert reading(read_batch, raw) == reading(schema._read_by_pydantic, raw)
+    assert reading(read_batch, raw) == reading(body_reading._read_by_pydantic, raw)
 
 
 BAD_RECORDS = [
@@ -246,7 +244,7 @@ def test_a_record_reads_alike_either_way_and_dumps_as_the_wire_does() -> None:
 def test_the_judged_record_has_the_wire_records_fields_and_defaults() -> None:
     assert list(TrafficRecordWire.model_fields) == list(TrafficRecord.__struct_fields__)
     least = json.dumps({"id": "r", "time": 0, "api_base": "x", "status": 200})
-    fast, wire = schema._RECORD.decode(least), TrafficRecordWire.model_validate_json(least)
+    fast, wire = RECORD_DECODER.decode(least), TrafficRecordWire.model_validate_json(least)
     assert fast.model_dump() == wire.model_dump(mode="json")
 
 

@@ -16,12 +16,10 @@ from nats.aio.msg import Msg
 
 from kvcanary import wire
 from kvcanary.monitor.metrics.versions import REFUSED_VERSIONS
+from kvcanary.monitor.traffic.judged_record import TrafficRecord
 from kvcanary.monitor.traffic.messages import by_partition, decode
-from kvcanary.monitor.traffic.schema import (
-    TrafficRecord,
-    UnspokenVersion,
-    read_batch,
-)
+from kvcanary.monitor.traffic.reading import read_batch
+from kvcanary.monitor.traffic.schema import UnspokenVersion
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire"
 
