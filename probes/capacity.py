@@ -1,45 +1,19 @@
 """Capacity: does each node's KV pool hold what its context window promises? Zero requests sent.
 
-Targets the incident's configuration: an advertised context window of 1,048,576 tokens on a node
-whose prefill pool held 681,280. A prompt could fit the window and still not fit the pool, and the
-defective engine served it from stale pages. The disclosure's advice is to measure each node's
-pool (prefill and decode separately) against the window after every change of weights,
-quantization, parallelism or memory fraction: this probe does it on every node, on a clock, and at
-every configuration change, from what the engine itself publishes (``/server_info``,
-``/v1/models``, ``vllm:cache_config_info``, ``/props``; see ``monitor/targets/capacity.py``).
+Targets the incident's configuration: a node whose KV pool is smaller than its advertised context
+window, so a prompt can fit the window and not the pool. It compares two numbers the node states
+about itself (see ``monitor/targets/capacity.py``), on every node, on a clock and at every
+configuration change.
 
-Why the verdict is sound: it compares two numbers the node states about itself, no inference.
+Verdicts: a pool below the window is a ``mismatch``; one below ``headroom`` times it (default 2.0) a
+``pass`` with reason ``headroom_below_target``; a window or pool the node does not publish an
+``error``, never a pass. A decode pool is reported, not judged: it holds running sequences, not one
+prompt against the window. A prefill or decode node also says whether it checksums its KV hand-offs,
+reported beside the pool's verdict (off is a ``mismatch`` only under ``require_kv_checksum``). Every
+run fingerprints the node's configuration; a change re-runs the deployment audits.
 
-- Any pool below the window (ratio < 1) is a ``mismatch``: some request inside the window cannot
-  be held, and whether it is refused or served from stale pages is then down to the engine's
-  admission code (the boundary probe tests that).
-- A pool below ``headroom`` times the window (default 2.0, what the fixed deployment used) passes
-  with the reason ``headroom_below_target``: a finding to see on the dashboard, not a page.
-- A window or a pool the node does not publish is an ``error`` naming what was missing and where
-  it was looked for, never a pass. An operator can state either (``context_window``,
-  ``kv_pool_tokens``) when the engine does not publish it.
-- A decode pool is reported, not judged (``decode_pool_not_judged``): a decode node holds running
-  sequences, each handed over by a prefill node that admitted it, not one prompt against the
-  window. A node is a decode node when the engine says so (``disaggregation_mode``), else when its
-  role does; the engine's word comes first, since it is what admission runs by.
-
-The measurements (window, each pool, the lowest ratio) are exported by the runner as
-``kvcanary_node_kv_pool_tokens`` and ``kvcanary_node_context_window_tokens``.
-
-A prefill or decode node also says whether it checksums its KV hand-offs (SGLang's
-``disaggregation_enable_kv_checksum``; the reference PD servers' ``--kv-checksum``): without it,
-K/V corrupted between the two nodes is decoded into an answer, with no error. That is a hardening
-gap, not a leak seen: the evidence (``kv_transfer_checksum``: ``on``, ``off`` or ``unknown``) and
-the measurement ``kv_transfer_checksum_enabled`` say it, and the verdict stays the pool's, unless
-the operator states ``require_kv_checksum: true`` (then off is a ``mismatch``,
-``kv_transfer_unverified``, and unknown an ``error``; the alert and what to do:
-``alerts/runbooks/KVCanaryPDTransferUnverified.md``). A node holding both pools hands nothing over
-a wire and is not asked.
-
-Every run also fingerprints the node's configuration — window, pools, version, mode and every fact
-the engine states (model, quantization, parallelism, memory fraction...) — and keeps it in its
-state. A fingerprint that differs from the previous run's is a configuration change: the evidence
-says what changed (``config_change``) and the runner re-runs the deployment audits at once.
+Judging rules, the hand-off checksum and the fingerprint in full: ``docs/detection.md``, "Probe
+contracts in full".
 """
 
 from __future__ import annotations

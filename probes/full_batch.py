@@ -1,56 +1,22 @@
 """Full batch, mixed parameters: in a batch filled with every tenant's requests, each answer is its
 own, and obeys its own parameters.
 
-Targets: batch rows whose sampling parameters or outputs get crossed when a batch is full and its
-rows differ: vllm#5607 (a greedy request's output depended on a concurrent one with
-``repetition_penalty``), vllm#14645 (batch order inferred from dict keys: tokens "leaked" from
-other requests with mixed speculative lengths), vllm#39146 (11 of 21 concurrent mixed requests
-diverged), mlx-lm#965 (answers to other concurrent prompts at 16 requests, 15 of 20 runs),
-sglang#4593, tabbyAPI#107; and per-request parameters read from another request's batch row once
-rows move: vLLM GHSA-fpch-3xrf-7q96 (one request's forced reasoning-end string in a concurrent
-request's output), CVE-2026-114049 (a recycled row's ``allowed_token_ids`` applied to another
-request), CVE-2026-93840 (one request's allowlist corrupting others' logits). A bleed of parameters
-breaks no marker, so each answer is judged against the parameters its own request sent.
+Targets batch rows whose outputs or per-request sampling parameters get crossed when a full batch's
+rows differ and move (rows ending at staggered steps, rows recycled or compacted). A bleed of
+parameters breaks no marker, so each answer is also judged against the parameters its own request
+sent.
 
-Each run sends ``size`` requests at once: the node's published maximum of running requests
-(SGLang's and the reference worker's ``max_running_requests``), else 32, at most
-``max_requests``; tenants in turn, each request with its own fresh marker and the canary's
-question, then a filler tail, and its parameters varied by position:
+Each run sends ``size`` requests at once (the node's published ``max_running_requests``, else 32, at
+most ``max_requests``), tenants in turn, each with its own fresh marker, new-token budget and stop
+string, and by position sampled, penalised, ``n`` = 2, allowlisted or thinking-budgeted rows where the
+engine takes them.
 
-- a new-token budget (128, 144, 160, 176, changing every second row so that neither tenant owns one)
-  and a stop string of its own (``<stop-NNN>``, the row's number) that its tail holds 16 characters
-  before the budget: a model that copies its prompt reaches it, so rows end at staggered steps while
-  the others run (the batch's composition changes), and each ends on its own stop;
-- every second row sampled (temperature 0.7 with a seed), every third with ``repetition_penalty``
-  1.1 where the engine takes it (vLLM, SGLang, the reference worker), every fifth with ``n`` = 2,
-  sampled and not streamed where the engine takes it (vLLM, SGLang; every choice is scanned; vLLM
-  refuses ``n`` > 1 when greedy);
-- on the reference worker (one byte one token, so token ids are known), every fourth row from the
-  second with ``allowed_token_ids``: the marker's alphabet and its stop string's characters;
-- where the operator states the target's reasoning-end string (``reasoning_end``; vLLM's reasoning
-  configuration, the reference worker's ``--reasoning-end-str``), every fourth row from the third
-  with a ``thinking_token_budget`` (12 tokens past its stop, so its own answer ends first).
+Verdicts: another tenant's marker is a ``leak``; another request's marker, a greedy answer without its
+own marker, or an answer that breaks its own parameters (``stop_ignored``, ``token_not_allowed``,
+``foreign_forced_string``, ``budget_exceeded``) is a ``mismatch``.
 
-Judged as the canary (:mod:`probes.triggers`): another tenant's marker anywhere is a ``leak``,
-another request's marker a ``mismatch``; a greedy answer without its own marker is a ``mismatch``
-where the model repeats (the marker ends within the first 65 characters sent, before greedy answers
-can drift), while sampled and penalised answers are judged on other markers only. And each answer
-against its own parameters, a ``mismatch`` naming the parameter and what came instead, where a
-correct engine leaves no doubt whatever its model, its sampling or its drift:
-
-- ``stop_ignored``: the answer holds its own stop string (an engine never sends one: the answer
-  ends before it, and a stream holds back what may become one);
-- ``token_not_allowed``: a character outside the row's allowlist (the engine samples only among the
-  allowed tokens; judged on the byte tokenizer only);
-- ``foreign_forced_string``: a row that set no thinking budget holds the reasoning-end string, which
-  its prompt does not (judged only where the operator named the string, since a model's own
-  reasoning is parsed out of the answer by the engines that force it);
-- ``budget_exceeded``: the engine reports more completion tokens than the row's budget allows
-  (``max_tokens`` times its choices).
-
-Cost: ``size`` requests (32 by default) of 136 to 184 prompt tokens on a byte tokenizer and at
-most 176 new ones each (9,792 tokens in all at 32 on the reference worker), plus the lone canary
-every 10 minutes; default interval 1,800 s.
+Rows, judging and cost in full, and the engine defects it targets: ``docs/detection.md``, "Probe
+contracts in full".
 """
 
 from __future__ import annotations

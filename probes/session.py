@@ -1,46 +1,20 @@
 """Session revisited: a conversation that comes back after other traffic carries only its own markers.
 
-Targets: a tier that keeps finished conversations' K/V and restores it when they return, restoring
-the wrong one: llama.cpp#27148 (``--cache-ram``: a fresh slot restored an unrelated finished
-conversation and continued it, 20 of 20 rounds, ``cached_tokens`` 0; about one trigger a day in
-production), LMCache#4385 (a long session paged to disk came back answering with facts from another
-conversation), LMCache#4991 (failed stores stayed visible to lookups), TensorRT-LLM#8813 (host KV
-offload: "output includes tokens from other prompts").
+Targets a tier that keeps finished conversations' K/V and restores the wrong one when they return
+(a host-memory session cache, an offload tier paged to disk or host).
 
-Each run opens one conversation per tenant, its fresh marker in the first turn (``first_turn``,
-all tenants at once), then makes traffic the conversations must survive: one canary per tenant
-(``other_traffic``), a **churn burst** of marker-carrying prompts from every tenant in turn,
-``concurrency`` at a time, sized from the node's KV pool (``churn_tokens``, default the pool,
-at most ``max_churn_tokens``; 0 sends none), so that a cache that holds the conversations must
-evict, offload or overwrite them, and last a **plant**: every tenant's own long conversation,
-``plant_turns`` turns taken in turn across tenants (``plant``), each turn a note opening with a
-fresh tag and a fresh marker, the whole conversation sent back each time, the last about
-``plant_chars`` characters. So whatever a wrong restore hands back, the newest long context of every other
-tenant, and of this tenant's other conversation, carries markers: a tier that answers a returning
-conversation with another caller's latest long prompt (LMCache#4385; a hidden engine doing so after
-eight or more other requests passed every kind before: nothing long and marked was there to hand
-over) returns a foreign marker, not an innocent text; and with two tenants at least eight other
-requests always come between a first turn and its revisit. Then every conversation continues at
-once (``revisit``): the whole history sent back, as clients do, and the question "what was the
-code?". Judged as the canary (:mod:`probes.triggers`), on what a correct engine must reproduce
-exactly:
-- any other tenant's marker, in any answer, is a ``leak``; so is another request's marker of the
-  same tenant in a continued conversation (``restored_foreign_conversation``): only another
-  conversation's K/V holds it, and one API key often serves many end users;
-- the own marker is judged in the answers that ask for it (the other traffic's canaries and the
-  revisit, whose history opens with the marker: the first 96 characters sent), never in the first
-  turn, which asks for "OK"; a continued answer without it is a ``mismatch`` where the model
-  repeats. Benign divergence of long answers starts after about a hundred tokens and cannot reach
-  a code that an echo writes in its first hundred and an instruction model answers with;
-- the plant's answers on other requests' markers only: each turn asks for "OK".
+Each run opens one conversation per tenant, a fresh marker in its first turn; then makes traffic the
+conversations must survive: a canary per tenant, a churn burst sized from the node's KV pool, and a
+plant (every tenant's own long conversation, each turn opening with a fresh marker, so that any
+context a wrong restore hands back carries one); then continues every conversation at once, the
+whole history sent back, asking for the code.
 
-Cost: ``3 T`` chat requests (the revisit's prompt holds the first turn and its answer: a few
-hundred tokens), the burst (the pool's size in prompt tokens, one new token each: 4,096 prompt
-tokens on the test worker, at most 262,144 by default), the plant (``plant_turns`` requests a
-tenant, about ``plant_chars`` * (turns + 1) / 2 prompt tokens a tenant on a byte tokenizer:
-5,120 at the defaults, at most 16 new tokens each: 23,280 tokens a run in all at an 8,192-token
-pool), plus the lone canary every 10 minutes; default interval 3,600 s, since the burst is sized to
-the pool.
+Verdicts: another tenant's marker in any answer, or another request's marker of the same tenant in a
+continued conversation (``restored_foreign_conversation``), is a ``leak``; a continued answer without
+its own marker is a ``mismatch`` where the model repeats.
+
+Phases and options, judging and cost in full, and the defects it targets: ``docs/detection.md``,
+"Probe contracts in full".
 """
 
 from __future__ import annotations

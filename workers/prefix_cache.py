@@ -1,46 +1,23 @@
 """PrefixCache: full KV pages reused across requests, keyed by a chained and salted hash of their tokens.
 
-Why the worker has one: a prefix cache is both the biggest prefill saving of a serving engine and an
-isolation boundary. A hit makes the first token come sooner, and ``usage.prompt_tokens_details
-.cached_tokens`` says so, which lets one tenant learn what another tenant sent (``--prefix-cache
-shared``, the finding a cross-tenant audit must detect). ``per-tenant`` salts every page with the
-tenant of the API key, so tenants never share a page (the fix).
+A prefix cache is both an engine's biggest prefill saving and an isolation boundary: a hit shows in
+the first token's time and ``cached_tokens``, so a cache shared across tenants (``--prefix-cache
+shared``) lets one tenant learn what another sent; ``per-tenant`` (the fix) salts every page with the
+tenant of the API key.
 
-Keys (in the style of vLLM's and nano-vllm's block managers, not their code). Full page ``i`` of a
-prompt is keyed by ``digest_i = sha256(digest_{i-1}, tokens_i, extra_i)``, ``digest_{-1}`` being 32
-zero bytes, so a digest covers the whole prefix. ``extra_i`` holds the tenant on every page in
-``per-tenant`` mode and, on page 0 only, the request's ``cache_salt`` (as vLLM does). Every field is
-tagged and length-prefixed: a tenant name can never pose as a salt, nor the salt as tokens. A hit
-needs the digest AND the stored parent digest, tokens and extra to be equal (nano-vllm compares the
-tokens too), so a digest collision alone never shares a page. Only full pages are cached, and a hit
-leaves at least one prompt token to compute (vLLM's rule): the last page is always recomputed.
-
-Life of a page: free (the pool's LIFO free list) → allocated to one request → published, once its
-request's prefill wrote it whole (cached, ``refs`` users) → evictable when its last user releases it
-(cached, ``refs == 0``, least recently released first) → evicted by an allocation that finds the
-free list short, which hands it to ``PagePool.free`` (LIFO, zeroed with ``--zero-freed-pages``, as
-any freed page) and takes it straight back. A page with users is never on the free list, and a page
-on the free list is never cached.
-
-Ownership. A published page belongs to the cache, not to a request: its word becomes
-``ownership_word(-entry, page_size)``, ``entry`` numbering publications (never reused). Requests
-own words ``>= page_size + 1`` and cache entries words ``<= -1``, so the exact-word check of
-``workers.model.entries_owned`` accepts a reader of a cached page only when the page still holds the
-word the cache recorded when it published it: a foreign write, an eviction behind a reader's back
-or a stale entry pointing at a reused page all change the word. ``PagePool.alloc`` counts an evicted
-page as a dirty reuse (its owner is not 0 nor the allocating request); a hit is a share, not an
-allocation, and counts in neither.
-
+A full page's key chains the digest of the pages before it with its own tokens, the tenant
+(``per-tenant``) and, on page 0 only, the request's ``cache_salt``; a hit also compares the stored
+parent, tokens and extra, so a digest collision alone never shares a page. Only full pages are
+cached, and the last page is always recomputed. A published page belongs to the cache (a word no
+request owns), so the worker's exact-word check refuses a reader of a page changed behind its back.
 Off (``--prefix-cache off``), the same object only passes allocations and frees through to the pool.
 Only the engine thread uses a cache.
 
-``--bug prefix-key-partial`` (the bug zoo): a page's key covers the prompt's first
-:data:`PARTIAL_KEY_PAGES` pages and the page's index only (a second index, by those keys, after the
-exact one: its trigger is a prompt that shares a cached prompt's first pages and then differs, and
-``--bug-rate`` decides on each), as caches keyed on a prompt's prefix are
-(the two prompts of llama.cpp#27422 differed after a shared start; CVE-2025-25183 let different
-contents meet under one key). Two prompts that share those pages then share every later full page
-too, whatever tokens it held: the second request decodes the first one's text.
+``--bug prefix-key-partial`` keys a page on the prompt's first :data:`PARTIAL_KEY_PAGES` pages and
+its index only, so two prompts that share those pages share every later full page too.
+
+Keys, a page's life, ownership words and the defect in full: ``docs/architecture.md``, "Inside the
+reference worker" (the prefix cache's paragraph).
 """
 
 from __future__ import annotations

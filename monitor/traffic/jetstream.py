@@ -1,43 +1,20 @@
 """Gateway traffic read from NATS JetStream (``traffic.source: jetstream``), judged exactly once.
 
-Taps publish records on ``<subject_prefix>.<partition>`` (``kvcanary/tap/jetstream.py``), a
-batch's records of one partition to a message, ``{"records": [...]}`` as the HTTP ingest takes them
-(header ``Kvcanary-Records``: their count); the stream, its consumers and the ownership bucket are
-made by ``stream_setup.py``, and each partition is consumed by one replica at a time (``partitions.py``).
+Taps publish a batch's records of one partition as one message (``kvcanary/tap/jetstream.py``); the
+replica that holds a partition (``partitions.py``) pulls batches of messages, reads them as records
+(``messages.py``) and hands them to the one traffic pipeline (:meth:`TrafficPipeline.take`), as the
+HTTP ingest does. It acknowledges a batch only once its rows are stored and its results recorded, so
+a replica that dies midway has its batch delivered again to whichever replica holds the partition
+then.
 
-The replica that holds a partition pulls up to ``BATCH_MESSAGES`` messages (waiting at most
-``BATCH_WAIT_SECONDS``), decodes them into :class:`TrafficRecord` s, and hands them to the one
-traffic pipeline (:meth:`TrafficPipeline.take`, ``pipeline.py``), as the HTTP ingest does. It
-acknowledges a batch only once its rows are stored and its results recorded, so a replica that
-dies midway has its batch delivered again (after ``ack_wait_seconds``) to whichever replica holds
-the partition then. Posted records reach it the same way: with the stream configured, the HTTP
-ingest publishes them as a tap does (``ingest.py``).
+Exactly once, by the tap's record id: the pipeline writes it into ``traffic_judged`` with the
+record's rows, and ids found there are acknowledged without being judged again. A record that is not
+valid, or that sits on a partition its ``api_base`` does not hash to, is acknowledged and counted
+(rejected, misrouted), never judged. An empty pull is an idle partition, not a failure; one idle for
+``CHECK_SECONDS`` asks whether its consumer is still there, and reports it ``missing`` if not.
 
-Exactly once, by record id (the tap's, made once per exchange; never the engine's response id, which
-engines repeat and which the record carries as ``upstream_id``, data only: keyed on it, a second
-response under a seen id was acknowledged unjudged): the pipeline writes ``(partition, record id)``
-into ``traffic_judged`` in the same transaction as the record's rows (``storage/judged_rows.py``),
-and first drops the ids of a batch found there; those (a redelivery after a death or a lost
-acknowledgement, a tap's resend after the stream's duplicate window) are acknowledged without being
-judged again. A record id is remembered twice the duplicate window. The alternative, a last-judged
-stream sequence per partition, would lose records: a new owner judges new messages while the dead
-owner's unacknowledged ones wait out ``ack_wait``, and a checkpoint past them would skip them when they
-come back. A record that is not valid is acknowledged with its message and counted as rejected (it can
-never become valid); the others of its message are judged. A batch being judged when its consumer is cut
-(a hand-over outlasting ``STOP_WAIT_SECONDS``, a stop) is left to finish storing and recording
-(``_land``).
-
-A message is read as records by ``messages.py``, which bounds what it says of itself by what it
-carries. A record on a partition its ``api_base`` does not hash to (a tap configured with other
-partitions, or a record published on several) is refused: acknowledged, counted as misrouted,
-never judged, so one deployment's records are judged once and in one fingerprint window.
-
-An empty pull is an idle partition, the normal case: no backoff, no warning, no failure counted
-(nats-py answers one with a timeout or with an empty list). A deleted consumer or stream looks the
-same to a pull, so a partition that pulled nothing for ``CHECK_SECONDS`` asks whether its consumer
-is still there; one that is not stops pulling and is reported (``report()``: ``missing``, not in
-``consuming``) until the next step makes the stream and consumers again (``stream_setup.prepare``,
-idempotent, as at start).
+Wire shape, why the record id and not a stream checkpoint, hand-over and recovery in full:
+``docs/architecture.md``, "Through NATS JetStream".
 """
 
 from __future__ import annotations

@@ -1,52 +1,24 @@
 """Prefix cache: does one tenant's prompt warm another tenant's KV cache?
 
-Targets: a prefix cache shared across tenants. Engines reuse the KV pages of a prompt's prefix
-for any later request that starts the same way, which makes the later request's first token come
-sooner and its ``cached_tokens`` non-zero. Across tenants that is a side channel: a tenant can
-test whether anyone sent a given text (Gu et al. found global sharing at 7 of 17 API providers;
-PromptPeek, InputSnatch and "The Early Bird" rebuild prompts token by token from it). vLLM's fix is
-a per-tenant ``cache_salt`` set by the gateway; salts get lost in connectors and routers (LMCache
-#4825, llm-d #1389), so isolation must be re-verified, not assumed (docs/detection-research.md §1-2).
+Targets a prefix cache shared across tenants: a hit makes a later request's first token come sooner
+and its ``cached_tokens`` non-zero, a side channel that tells one tenant what another sent. A
+per-tenant ``cache_salt`` is the fix, and salts get lost around the engine, so isolation is
+re-verified, not assumed. Every check runs on fresh random prompts (:mod:`probes.prefix_cache.prompts`):
+no real tenant's data is ever read or sent, and no marker either.
 
-Three checks, all on fresh random prompts (:mod:`probes.prefix_cache.prompts`): no real tenant's data is
-ever read or sent, and no marker either.
+- counter test (:mod:`probes.prefix_cache.counter`), where the engine reports ``cached_tokens``;
+- paired salt check (:mod:`probes.prefix_cache.salts`), where it takes ``cache_salt``: by body and
+  by header, tier by tier (:mod:`probes.prefix_cache.tiers`);
+- timing test (:mod:`probes.prefix_cache.timing`), where no counter is reported; ``method: auto``
+  starts with the counter test and falls back to timing.
 
-- **Counter test** (:mod:`probes.prefix_cache.counter`), where the engine reports ``cached_tokens``: the
-  victim sends a fresh prefix, repeats it (the control: its own repeat must hit, else ``error``
-  "cannot judge: caching off or not reported", never ``pass``), then every other tenant sends it.
-  Cached tokens for another tenant can only come from the victim's request: with ``policy:
-  isolated`` that is a ``leak`` (``prefix_cache_shared_across_tenants``); with ``policy: shared``
-  (operators who share on purpose) a ``pass`` with reason ``shared_by_policy``, recorded, not paged.
-  Deterministic: one request per tenant decides, certain either way once the control hit.
-- **Paired salt check** (:mod:`probes.prefix_cache.salts`), where the engine takes ``cache_salt``
-  (``salt_check``, on by default for vLLM, the reference worker and wherever a salt header is
-  known): the same salt must hit and a different salt must miss (vLLM pull request #53347: "no
-  reuse" alone also passes with caching off). A hit under another salt is a ``mismatch``; a miss
-  under the same one is an ``error`` ("cannot judge"): nothing crossed, and the other half then
-  proves nothing. Asserted tier by tier where the engine counts cached tokens per tier
-  (:mod:`probes.prefix_cache.tiers`: a tier below the accelerator's is reached by pushing the
-  prefix out of the tiers above it), and by header as by body where the engine takes the salt
-  from a header a gateway sets (``salt_header``: a body salt must never take a request out of its
-  header's domain). Deterministic as well.
-- **Timing test** (:mod:`probes.prefix_cache.timing`), where no counter is reported (hosted APIs,
-  llama.cpp builds behind proxies, vLLM without ``--enable-prompt-tokens-details``): shuffled hit
-  and miss trials of time to first token in up to 3 looks of ``ceil(ln(3/alpha)/min_effect^2)``
-  trials per arm each (79 at D = 0.5), one-sided two-sample KS tests (:mod:`probes.stats`) at
-  ``alpha / 3`` per look, stopping at the first look that decides; a pass needs the attacker's own
-  repeats faster than both its misses and its first requests of the victim's prefixes (no visible
-  hits: ``error``, never ``pass``). A false alarm needs the cross arm's p < alpha / 3 at some look
-  on exchangeable arms: at most 1e-8 per run by the exact test and a union bound over the looks.
+Verdicts: another tenant's hit under ``policy: isolated`` is a ``leak`` (under ``policy: shared``, a
+``pass`` with reason ``shared_by_policy``); a hit under another salt is a ``mismatch``; a control that
+did not hit is an ``error`` ("cannot judge"), never a ``pass``, and so is a plan over
+``max_tokens_per_run``, before the first request. It runs daily by default.
 
-``method: auto`` starts the counter test and falls back to timing when no response reported the
-counter. Cost, ``L`` the tokens of one request (~1,033 at the default 1,024-token prefix), ``v`` the
-victim's sends (2), ``T`` the tenants: counter ``(v + T - 1) L`` and salt check ``3 L`` (6,192
-tokens spent for two tenants on the reference worker, 5,839 on vLLM with a 959-token prefix), ``4 L``
-more with a salt header, and per lower tier reached the fresh prompts that empty the tiers above it
-(a session ring's slots plus one, a KV pool's tokens) and ``2 L``;
-timing at most ``looks n (v + 3) L`` (about 1.22 M tokens at 3 looks of n = 79; a run stops at the
-first look that decides), plus the counter attempt (``v L``) under ``auto``.
-A plan over ``max_tokens_per_run`` is an ``error`` before the first request, not a silent skip;
-every result states the tokens it planned and spent. It runs daily by default.
+Each check, its statistics and its cost in full: ``docs/detection.md``, "Probe contracts in full";
+the research behind it: ``docs/detection-research.md`` §1-2.
 """
 
 from __future__ import annotations
