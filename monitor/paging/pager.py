@@ -164,8 +164,11 @@ class Pager:
             if self.failures:
                 await asyncio.sleep(wait)  # a nudge does not shorten a backoff
             else:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that
+                # lands with the nudge (CPython gh-86296), and the pager would outlive its stop.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
 
     def _next_wait(self) -> float:
         """Return the wait before the next round: the poll, or a jittered, bounded backoff."""

@@ -393,3 +393,30 @@ def test_a_failing_alertmanager_is_retried_with_a_bounded_jittered_backoff(sessi
     assert min(gaps[-3:]) < 3.9  # jittered: capped waits are drawn between 2 and 4 s, not all 4
     assert events(session_factory)[0].processed_at is not None  # delivered once it answered
     assert metrics.registry.get_sample_value("kvcanary_alert_delivery_failures") == 0
+
+
+def test_a_stop_that_lands_with_a_nudge_still_stops_the_pager(session_factory: Factory) -> None:
+    """A nudge (an incident changed) and the stop in one loop iteration: on Python 3.11,
+    ``asyncio.wait_for`` returns the wake-up it was waiting for and drops the cancellation
+    (CPython gh-86296), and the pager paged on for ever while ``kvcanary serve`` waited to stop."""
+    server = Loopback(lambda request: httpx.Response(200, json={}))
+    pager, _ = pager_for(session_factory, server.url)
+
+    async def go() -> bool:
+        task = asyncio.create_task(pager.run_forever())
+        for _ in range(100):  # until a round is done (nothing to send) and it waits for a nudge
+            await asyncio.sleep(0.05)
+            if pager._wake._waiters:  # type: ignore[attr-defined]  # asyncio.Event's own waiters
+                break
+        pager.nudge()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=3)
+        if not done:
+            task.cancel()  # once more, so the loop is not left running under the next test
+        await pager.delivery.aclose()
+        return task in done and task.cancelled()
+
+    try:
+        assert asyncio.run(go()), "the pager ran on past its cancellation"
+    finally:
+        server.close()
