@@ -58,7 +58,9 @@ PRIVATE = (
     "diligence ends. Legal keeps the settlement with the county confidential until the audit closes. "
 )
 DAY = 86400.0
-PROBES = {"probes": ["canary", "cross_tenant", "boundary"], "interval_seconds": DAY, "timeout_seconds": 15}
+# A request's time bound leaves a loaded machine's CPU workers room: a verification's run that timed
+# out is no proof, and with runs a day apart nothing would run again within the wait.
+PROBES = {"probes": ["canary", "cross_tenant", "boundary"], "interval_seconds": DAY, "timeout_seconds": 45}
 ACME, GLOBEX, INITECH = "sk-acme-0001", "sk-globex-0002", "sk-initech-0003"
 
 
@@ -178,6 +180,16 @@ def verification(monitor: Served, incident: Incident) -> IncidentEvent | None:
     return done[0] if done else None
 
 
+def story(monitor: Served, target: str) -> str:
+    """Each incident on ``target`` and its timeline's events, a line each."""
+    lines = []
+    for incident in incidents(monitor, target):
+        i = incident
+        lines.append(f"{i.id} {i.probe} {i.severity} {i.certainty} opened {i.opened_at:%H:%M:%S.%f}")
+        lines += [f"  {e.kind} {e.reason} {e.note or ''}" for e in timeline(monitor, incident.id)]
+    return "\n".join(lines) or "none"
+
+
 def test_customers_sharing_a_public_text_quarantine_nothing_and_a_real_leak_is_proven_and_contained(
     scene: Scene,
 ) -> None:
@@ -205,7 +217,10 @@ def test_customers_sharing_a_public_text_quarantine_nothing_and_a_real_leak_is_p
     assert ask(scene, GLOBEX, "lab", PRIVATE * 2, 16).status_code == 200  # in the pages, then freed
     stale = ask(scene, ACME, "lab", "Continue this log: " + "x" * 2000, 600)
     assert stale.status_code == 200  # the defect: a 200 from pages another customer wrote
-    proof = monitor.wait_for("a probe's certain leak on lab", lambda: proven_leak(monitor, "lab"), timeout=60)
+    try:
+        proof = monitor.wait_for("a certain leak on lab", lambda: proven_leak(monitor, "lab"), timeout=90)
+    except AssertionError as missed:  # what the monitor made of lab, which a log's tail can have lost
+        raise AssertionError(f"{missed}\n--- lab's incidents ---\n{story(monitor, 'lab')}") from None
     found = [(i.probe, i.severity, i.certainty) for i in incidents(monitor, "lab")]
     hints = [i for i in incidents(monitor, "lab") if i.certainty == "suspected"]
     assert hints and hints[0].opened_at <= proof.opened_at, found
