@@ -108,6 +108,8 @@ class ServerCapacity:
     #: Each data-parallel rank's pool where the node lists them (SGLang's ``internal_states``);
     #: ``kv_pool_tokens`` is then the smallest, so a node's audit sees its smallest rank.
     rank_pools: dict[int, int] = field(default_factory=dict)
+    #: A lookup went unanswered (no connection, a timeout, a 5xx): what is missing may be there.
+    unanswered: bool = False
 
     @property
     def admission_limit(self) -> int | None:

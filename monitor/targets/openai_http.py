@@ -314,6 +314,7 @@ class OpenAIHttpTarget:
             found = ServerCapacity(source="lookup failed")
         if lookups.failures and not (found.context_window or found.kv_pool_tokens):
             found.source = f"{found.source} ({'; '.join(lookups.failures[:3])})"
+        found.unanswered = lookups.transient or found.source.startswith("lookup failed")
         return found
 
     async def capacity(self, max_age: float = 0.0) -> ServerCapacity:
@@ -334,9 +335,9 @@ class OpenAIHttpTarget:
         except Exception:  # A lookup never breaks a probe: unknown is an answer.
             found = ServerCapacity(source="lookup failed")
         found = apply_overrides(found, self.overrides)
+        found.unanswered = lookups.transient or found.source.startswith("lookup failed")
         # A reading made while a lookup timed out (the pool unread) would size plants wrong for long.
-        whole = not lookups.transient and found.source != "lookup failed"
-        self._capacity = (now, found) if whole else None
+        self._capacity = None if found.unanswered else (now, found)
         return found
 
     @property

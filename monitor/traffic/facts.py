@@ -6,9 +6,11 @@ and kept a while.
   density no tokenizer can make (:func:`plausible_density`) is none: one tokenizer answering
   nonsense must not make every prompt look short or long;
 - each node's smallest KV pool: the node's own capacity reading (``node_capacity``; the target's
-  ``capacity`` for a target without named nodes), kept ``POOL_SECONDS``, and a reading that found
-  no pool kept ``UNKNOWN_POOL_SECONDS`` so that a node that does not answer is not asked again
-  for every batch.
+  ``capacity`` for a target without named nodes), kept ``POOL_SECONDS``; a reading that found no
+  pool is kept ``UNKNOWN_POOL_SECONDS`` (an engine that publishes none is not asked for every
+  batch), and one whose lookup went unanswered (a timeout, a 5xx) only ``UNANSWERED_POOL_SECONDS``:
+  the node's last pool stands meanwhile, and a first reading missed on a loaded node does not leave
+  a guarded deployment unguarded for a minute.
 
 A pool reading is believed only where a real engine could have made it (:meth:`TargetFacts.reading`):
 
@@ -50,6 +52,7 @@ log = logging.getLogger("kvcanary.traffic")
 
 POOL_SECONDS = 600.0
 UNKNOWN_POOL_SECONDS = 60.0
+UNANSWERED_POOL_SECONDS = 5.0
 FACT_WAIT_SECONDS = 2.5
 #: The smallest KV pool believed: 256 tokens, 16 pages of 16. No engine serving a model is run
 #: with less (a chat template and one short question fill it; the reference worker's smallest pool
@@ -112,7 +115,7 @@ class TargetFacts:
         #: The pool readings not trusted now, by (target, node): why (``DOUBTS``).
         self.untrusted: dict[tuple[str, str], str] = {}
         self._counted: dict[str, float] = {}  # when the judge last counted SAMPLE_TEXT, by target
-        self._pools: dict[tuple[str, str], tuple[float, PoolReading]] = {}
+        self._pools: dict[tuple[str, str], tuple[float, PoolReading]] = {}  # until when, the reading
         self._reading: dict[tuple[str, str], asyncio.Task[PoolReading]] = {}
         self._baseline: dict[tuple[str, str], int] = {}  # each node's last trusted pool
         self._moved: dict[tuple[str, str], tuple[int, float]] = {}  # a moved pool, since when
@@ -162,7 +165,7 @@ class TargetFacts:
         now = self.clock()
         key = (target, node)
         kept = self._pools.get(key)
-        if kept is not None and now - kept[0] < (POOL_SECONDS if kept[1].trusted else UNKNOWN_POOL_SECONDS):
+        if kept is not None and now < kept[0]:
             return _known(kept[1])
         reading = self._reading.get(key)
         if reading is None:
@@ -184,16 +187,33 @@ class TargetFacts:
             # only a prompt over the largest of their pools surely did not fit.
             admitting = [n for n in nodes if n.name and n.role != "decode"] if not node else []
             if named:
-                found = self._judged((target, node), await client.node_capacity(named[0]))
+                capacity = await client.node_capacity(named[0])
             elif admitting:
                 pools = await asyncio.gather(*(self.pool(target, n.name) for n in admitting))
                 known = [pool for pool in pools if pool is not None]
-                # One unknown or untrusted: no sure bound.
+                # One unknown or untrusted: no sure bound (asked again soon: each node keeps its own).
                 found = PoolReading(max(known) if len(known) == len(pools) else None)
+                lifetime = POOL_SECONDS if found.tokens is not None else UNANSWERED_POOL_SECONDS
+                self._pools[(target, node)] = (now + lifetime, found)
+                return found
             else:
-                found = self._judged((target, ""), await client.capacity(max_age=POOL_SECONDS))
-        self._pools[(target, node)] = (now, found)
+                capacity = await client.capacity(max_age=POOL_SECONDS)
+            if capacity.unanswered and smallest_pool(capacity) is None:
+                return self._unanswered((target, node), now, capacity)
+            found = self._judged((target, node), capacity)
+        lifetime = POOL_SECONDS if found.trusted is not None else UNKNOWN_POOL_SECONDS
+        self._pools[(target, node)] = (now + lifetime, found)
         return found
+
+    def _unanswered(self, key: tuple[str, str], now: float, capacity: ServerCapacity) -> PoolReading:
+        """A node whose lookup went unanswered: its last reading stands (a pool is fixed while the
+        engine runs), and it is asked again ``UNANSWERED_POOL_SECONDS`` on."""
+        last = self._pools.get(key)
+        standing = last[1] if last is not None else PoolReading(None)
+        if last is None:  # once: a node that never answers is asked again quietly
+            log.info("%s: the KV pool is not read yet: %s", _where(key), capacity.source or "no answer")
+        self._pools[key] = (now + UNANSWERED_POOL_SECONDS, standing)
+        return standing
 
     def _judged(self, key: tuple[str, str], capacity: ServerCapacity) -> PoolReading:
         """Return the pool ``capacity`` states and whether to believe it (module doc); keep a

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvcanary.monitor.traffic.facts import TargetFacts
+from kvcanary.monitor.traffic.facts import POOL_SECONDS, UNANSWERED_POOL_SECONDS, TargetFacts
 from tests.probes.probe_harness import FakeEngine
 
 
@@ -52,6 +52,50 @@ def test_a_hung_target_costs_a_batch_a_bounded_wait_and_is_read_once() -> None:
             assert await known.chars_per_token("t") is not None
         finally:
             engine.released.set()
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+@dataclass
+class FlakyEngine(FakeEngine):
+    """The reference engine, whose server info answers 503 while ``down`` is set."""
+
+    down: bool = True
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.down and request.url.path in ("/get_server_info", "/server_info"):
+            self.info_reads += 1
+            return httpx.Response(503, json={"error": "busy"})
+        return await super().__call__(request)
+
+
+def test_an_unanswered_pool_lookup_is_asked_again_soon_and_never_unsays_a_known_pool() -> None:
+    """A first reading missed on a loaded node left a guarded deployment unguarded for a minute
+    (the no-pool reading kept as if the engine published none); and a node that stopped answering
+    for a moment lost the pool it had."""
+    engine = FlakyEngine()
+    now = [1000.0]
+
+    async def run() -> None:
+        client = engine.target()
+        known = TargetFacts({"t": client}, clock=lambda: now[0], wait_seconds=5)
+        try:
+            assert await known.pool("t", "") is None  # 503: not read
+            engine.down = False
+            now[0] += UNANSWERED_POOL_SECONDS + 1  # well within UNKNOWN_POOL_SECONDS
+            assert await known.pool("t", "") == 1024
+            engine.down = True
+            now[0] += POOL_SECONDS + 1  # due again, and unanswered: the pool it had stands
+            client.forget_capacity()  # the client's own reading as old (it keeps it POOL_SECONDS too)
+            reads = engine.info_reads
+            assert await known.pool("t", "") == 1024 and engine.info_reads > reads
+            reads = engine.info_reads
+            assert await known.pool("t", "") == 1024 and engine.info_reads == reads  # not asked at once
+            now[0] += UNANSWERED_POOL_SECONDS + 1
+            await known.pool("t", "")
+            assert engine.info_reads > reads  # asked again soon
+        finally:
             await client.aclose()
 
     asyncio.run(run())
