@@ -93,8 +93,11 @@ def _logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    # httpx logs every request URL at INFO; keep the monitor's own lines readable.
+    # httpx logs every request URL at INFO, and APScheduler each job's start and end (the clock's
+    # own jobs run every half second): keep the monitor's own lines readable, unless debugging.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 
 @app.command()
