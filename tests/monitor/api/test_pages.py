@@ -240,7 +240,7 @@ def test_a_refusal_reads_the_same_whether_the_incident_exists_or_not(
         for incident_id in (incident, 999_999):
             statements.clear()
             assert client.get(f"/incidents/{incident_id}", params={"sig": "0" * 32}).status_code == 403
-            reads[incident_id] = [s.replace(str(incident_id), "?") for s in statements]
+            reads[incident_id] = list(statements)  # bound parameters: the id is not in the text
         statements.clear()
         link = signed(session_factory, incident)
         assert client.get(f"/incidents/{incident}", params=link).status_code == 200
