@@ -35,9 +35,11 @@ def test_a_worker_writing_each_slots_prompt_before_prefill_passes(reference) -> 
 def test_a_worker_prefilling_a_reused_slot_from_its_previous_occupant_leaks(reference) -> None:  # type: ignore[no-untyped-def]
     verdict, reason, evidence = run_kind("slot_reuse", reference(*BUGGY))
     assert (verdict, reason) == (Verdict.LEAK, "foreign_marker"), evidence
-    # Each request after the first took the slot its predecessor (the other tenant) just left.
+    # Requests that took the slot their predecessor (the other tenant) had just left: how many join
+    # while the batch still runs is the machine's pace (6 of 8 on a quiet host, 4 with 3 pairs while
+    # busy under a loaded test run), so at least one pair's both halves, and only pairs.
     crossed = [t["step"] for t in evidence["tenants"] if t["reason"] == "other_request_marker"]
-    assert len(crossed) >= 6 and all(step.startswith("pair") for step in crossed), evidence
+    assert len(crossed) >= 2 and all(step.startswith("pair") for step in crossed), evidence
     assert {leak["owner_tenant"] for leak in evidence["leaks"]} == {"alice", "bob"}
 
 
