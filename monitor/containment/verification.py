@@ -12,6 +12,9 @@ What the runs found is written in the suspected incident's timeline as a ``verif
 (born delivered: the proof, if any, pages by itself) and counted in
 ``kvcanary_suspicion_verifications_total{target,outcome}``. A target is verified at most once per
 ``COOLDOWN_SECONDS``, and never twice at once: a flood of suspected records costs one round of runs.
+A kind whose runs all ended in an error (a node busy or restarting for a moment) is run once more
+``RETRY_SECONDS`` later when nothing else proved the leak: its next scheduled run may be a day away,
+and a suspicion left unverified for a day is a page nobody can act on.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ log = logging.getLogger("kvcanary.containment")
 
 #: The least time between two verifications of one target: the runs are real requests.
 COOLDOWN_SECONDS = 60.0
+#: How long a verification waits before it runs again the kinds none of whose runs was judged.
+RETRY_SECONDS = 15.0
 #: What a verification can come to (the counter's ``outcome`` label and the event's reason).
 OUTCOMES = ("leak_found", "mismatch_found", "none_found", "not_judged", "no_verifying_probe")
 
@@ -54,12 +59,14 @@ class Verifier:
         session_factory: sessionmaker[Session],
         counter: Counter,
         clock: Callable[[], float] = time.monotonic,
+        pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         self.settings = settings
         self.run = run
         self.session_factory = session_factory
         self.counter = counter
         self.clock = clock
+        self.pause = pause
         self._last: dict[str, float] = {}
         self._running: dict[str, asyncio.Task[str]] = {}
 
@@ -83,8 +90,12 @@ class Verifier:
         began = self.clock()
         log.warning("%s: suspected leak (incident %d): verifying by %s now", target, incident_id,
                     ", ".join(kinds) or "nothing (no kind that can prove a leak is configured)")  # fmt: skip
-        runs = await asyncio.gather(*(self.run(target, kind) for kind in kinds), return_exceptions=True)
-        summaries = [s for each in runs if not isinstance(each, BaseException) for s in each]
+        summaries = await self._run_kinds(target, kinds)
+        if again := _unjudged(summaries, kinds):
+            log.warning("%s: verification of incident %d: %s not judged; again in %.0f s",
+                        target, incident_id, ", ".join(again), RETRY_SECONDS)  # fmt: skip
+            await self.pause(RETRY_SECONDS)
+            summaries += await self._run_kinds(target, again)
         outcome = _outcome(summaries, bool(kinds))
         note = _note(summaries, self.clock() - began)
         self.counter.labels(target, outcome).inc()
@@ -96,6 +107,11 @@ class Verifier:
                 "%s: verification not noted on incident %d (%s)", target, incident_id, type(exc).__name__
             )
         return outcome
+
+    async def _run_kinds(self, target: str, kinds: Sequence[str]) -> list[RunSummary]:
+        """Run ``kinds`` on ``target`` side by side; a kind that raised gave no summary."""
+        runs = await asyncio.gather(*(self.run(target, kind) for kind in kinds), return_exceptions=True)
+        return [s for each in runs if not isinstance(each, BaseException) for s in each]
 
     def _note(self, incident_id: int, outcome: str, note: str) -> None:
         """Write the ``verification`` event in the incident's timeline (delivered: it pages nobody)."""
@@ -123,6 +139,14 @@ def _outcome(summaries: Sequence[RunSummary], any_kind: bool) -> str:
     if Verdict.MISMATCH in verdicts:
         return "mismatch_found"
     return "none_found" if Verdict.PASS in verdicts else "not_judged"
+
+
+def _unjudged(summaries: Sequence[RunSummary], kinds: Sequence[str]) -> list[str]:
+    """The kinds to run once more: none, where a run proved the leak; else those with no judged run."""
+    if any(s.result.verdict.is_failure for s in summaries):
+        return []
+    judged = {s.kind for s in summaries if s.result.verdict is not Verdict.ERROR}
+    return [kind for kind in kinds if kind not in judged]
 
 
 def _note(summaries: Sequence[RunSummary], seconds: float) -> str:
