@@ -180,8 +180,8 @@ def _change_for(
         return _row(target_id, now, True, enforced, "incident", leak.id, why)
     if last.cause != "incident":
         return None  # an operator's quarantine ends by hand
-    if last.enforced != enforced:  # the policy changed meanwhile: tell the gateways
-        return _row(target_id, now, True, enforced, "incident", last.incident_id, last.reason)
+    if last.enforced != enforced and (told := _as_policy_says(session, last, enforced, hints, now)):
+        return told  # the policy changed meanwhile: tell the gateways
     if _open_leak(session, target_id, after=None, hints=True) is not None:
         return None  # the deployment is still suspect: a hint keeps a quarantine on, never puts one on
     last_failure = session.scalar(
@@ -192,6 +192,25 @@ def _change_for(
     reason = f"no failure for {policy.lift_after_seconds:g}s since incident {last.incident_id} resolved"
     log.warning("%s: quarantine lifted: %s", target.name, reason)
     return _row(target_id, now, False, last.enforced, "recovered", last.incident_id, reason)
+
+
+def _as_policy_says(
+    session: Session, last: QuarantineChange, enforced: bool, hints: bool, now: datetime
+) -> QuarantineChange | None:
+    """Return the row that tells the gateways a changed policy's word on ``last`` (an incident's
+    quarantine), or None where it stays as it is. Enforcing takes what the policy now counts as
+    proof: a quarantine a suspicion put on under ``suspected: quarantine`` stays observed under
+    ``suspected: page`` until a leak is proven or confirmed."""
+    target_id = last.target_id
+    if not enforced:
+        return _row(target_id, now, True, False, "incident", last.incident_id, last.reason)
+    held_by = session.get(Incident, last.incident_id) if last.incident_id is not None else None
+    if held_by is None or (held_by.certainty == "suspected" and not hints):
+        held_by = _open_leak(session, target_id, after=None, hints=hints)
+    if held_by is None:
+        return None
+    why = f"{held_by.title} ({held_by.certainty})"
+    return _row(target_id, now, True, True, "incident", held_by.id, why)
 
 
 def _row(

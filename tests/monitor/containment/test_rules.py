@@ -180,3 +180,26 @@ def test_a_suspicion_keeps_a_quarantine_on_but_a_dismissed_one_lets_recovery_lif
     with session_factory() as s, s.begin():
         dismiss(s, incident_id=incident_id, note="a public text", now=now(-50))
     assert [q.cause for q in containment.sync()] == ["recovered"]
+
+
+def test_enforcing_a_quarantine_a_suspicion_put_on_waits_for_what_the_new_policy_counts_as_proof(
+    session_factory: Factory,
+) -> None:
+    hints_observed = settings("observe", containment={"suspected": "quarantine"})
+    incident_id = suspected(session_factory, now(-10))
+    assert [q.enforced for q in watch(session_factory, hints_observed).sync()] == [False]
+    enforcing = watch(session_factory, settings("quarantine", containment={"suspected": "page"}))
+    assert enforcing.sync() == [] and [q.enforced for q in enforcing.current()] == [False]
+    assert changes(session_factory) == [(True, False, "incident")]
+    with session_factory() as s, s.begin():
+        confirm(s, incident_id=incident_id, note="a private contract, confirmed", now=now())
+    made = enforcing.sync()
+    assert [(q.incident_id, q.enforced) for q in made] == [(incident_id, True)]
+    assert made[0].reason.endswith("(confirmed)")
+
+
+def test_enforcing_a_quarantine_a_proof_put_on_tells_the_gateways_at_once(session_factory: Factory) -> None:
+    proof = record(session_factory, "leak", at=now(-5))
+    watch(session_factory, settings("observe")).sync()
+    made = watch(session_factory, settings("quarantine")).sync()
+    assert [(q.incident_id, q.enforced) for q in made] == [(proof.incident_id, True)]
