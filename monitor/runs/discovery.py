@@ -29,13 +29,15 @@ No gateway and no node can hold up or break another's discovery:
   (:class:`ReadTrouble`, ``kvcanary_gateway_read_errors_total``) and logged once an episode; a
   node whose join-time read failed joins with what is known (one rank, no refusal);
 - what the gateway lists is bounded (``targets/sglang_gateway.py``: at most 1,000 workers, URLs
-  no engine can have refused, names made plain); refused workers are counted by why
-  (``kvcanary_gateway_workers_refused``) and logged once each time that count changes.
+  no engine can have refused, names made plain) and takes nothing the file gives another target
+  (``claimed``); refused workers are counted by why (``kvcanary_gateway_workers_refused``) and
+  logged once each time that count changes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -44,6 +46,7 @@ from typing import TypeVar
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import NodeConfig, TargetConfig
+from kvcanary.monitor.routing import api_base_key, routes_of
 from kvcanary.monitor.targets.http import HttpClient
 from kvcanary.monitor.targets.openai_format import Limits
 from kvcanary.monitor.targets.sglang_gateway import (
@@ -250,12 +253,12 @@ class GatewayDiscovery:
         listed = reading.listed
         if listed is None:  # counted and logged as it failed; the last known nodes stay
             return None
+        after, claimed = self._unclaimed(name, reading.nodes)
         self.health[name] = listed.healthy
-        self._note_refused(target, listed)
+        self._note_refused(target, listed, claimed)
         self._read_circuits(target, listed.nodes)
         self.trouble.keep(name, {node.name for node in listed.nodes})
         before = {node.name: node for node in self.found.get(name, [])}
-        after = reading.nodes
         if before == after and name in self.found:
             return None
         self.found[name] = list(after.values())
@@ -269,14 +272,33 @@ class GatewayDiscovery:
             log.warning("node %s left gateway %s (target %s)", node, reading.gateway, name)
         return change if change.joined or change.left else None
 
-    def _note_refused(self, target: TargetConfig, listed: WorkerList) -> None:
-        """Keep the workers the listing named that are no nodes, by why; log when that changes."""
-        refused = dict(sorted(listed.refused.items()))
+    def _unclaimed(self, name: str, nodes: dict[str, NodeConfig]) -> tuple[dict[str, NodeConfig], list[str]]:
+        """Split a reading's nodes into those at a URL the file gives no other target, and the URLs
+        of the rest (another target's base URL, a node it lists, a gateway API base it maps). The
+        file's word on a URL outranks a gateway's: a gateway cannot take another target's node into
+        its own, where that node's records would be judged, and its leaks quarantine, under the
+        wrong target. (Two gateways listing one worker both take it, as they both route to it.)"""
+        taken = routes_of(self.configured)
+        kept: dict[str, NodeConfig] = {}
+        claimed: list[str] = []
+        for node_name, node in nodes.items():
+            url = node.info_url or ""  # a listed worker's node always has its URL
+            if taken.get(api_base_key(url), (name, ""))[0] == name:
+                kept[node_name] = node
+            else:
+                claimed.append(url)
+        return kept, claimed
+
+    def _note_refused(self, target: TargetConfig, listed: WorkerList, claimed: list[str]) -> None:
+        """Keep the workers the listing named that are no nodes of this target, by why (``claimed``:
+        the URLs another target routes); log when that changes."""
+        refused = dict(sorted((listed.refused + collections.Counter(claimed=len(claimed))).items()))
         if refused and refused != self.refused.get(target.name):
             why = ", ".join(f"{n} {reason}" for reason, n in refused.items())
+            example = listed.example or (claimed[0] if claimed else "no URL")
             log.warning("%s: gateway %s lists %d worker(s) kvcanary does not take as nodes (%s; the first: "
                         "%s): see kvcanary_gateway_workers_refused", target.name, target.sglang_router,
-                        listed.skipped, why, listed.example or "no URL")  # fmt: skip
+                        listed.skipped + len(claimed), why, example)  # fmt: skip
         self.refused[target.name] = refused
 
     def _read_circuits(self, target: TargetConfig, nodes: list[NodeConfig]) -> None:

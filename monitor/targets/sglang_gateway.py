@@ -50,7 +50,7 @@ MAX_HOST_CHARS = 253
 _LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
 #: Why a listed worker is not taken as a node: ``type`` (no worker type kvcanary knows), ``url``
 #: (a URL no engine can have), ``cut`` (past :data:`MAX_WORKERS`), ``unreadable`` (anything else).
-REFUSALS_BY = ("type", "url", "cut", "unreadable")
+REFUSALS_BY = ("type", "url", "cut", "unreadable", "claimed")
 #: The gateway's worker types as node roles; ``regular`` is an aggregated (non-PD) worker.
 ROLES = {"prefill": "prefill", "decode": "decode", "regular": "aggregated"}
 #: A data-parallel-aware gateway lists each rank as ``URL@rank``: the ranks share one server.
@@ -91,14 +91,18 @@ def node_name(role: str, url: str) -> str:
     """Return a stable node name for a worker: its role, host and port (``prefill-10.0.0.7-30000``).
 
     The same worker gets the same name at every reading and on every replica, so its results, its
-    state and its metrics stay one series while it is listed. A name longer than a node name may be
-    is cut and keeps a short hash of the whole, so two long host names never collide.
+    state and its metrics stay one series while it is listed. Where the plain name loses part of
+    the URL (an IPv6 address's colons, a letter outside ASCII, a path, the scheme when it is https)
+    or is longer than a node name may be, it keeps a short hash of the whole URL: two workers never
+    meet in one name, and the second is never taken for the first listed twice.
     """
     parsed = httpx.URL(url)
     port = parsed.port or {"http": 80, "https": 443}.get(parsed.scheme, 0)
-    name = _NOT_IN_NAME.sub("_", f"{role}-{parsed.host}-{port}").strip("_.-") or role
-    if len(name) > _NAME_CHARS:
-        digest = hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+    plain = f"{role}-{parsed.host}-{port}"
+    name = _NOT_IN_NAME.sub("_", plain).strip("_.-") or role
+    lossy = name != plain or parsed.path.strip("/") != "" or parsed.scheme != "http"
+    if lossy or len(name) > _NAME_CHARS:
+        digest = hashlib.blake2b(f"{role} {url}".encode(), digest_size=4).hexdigest()
         name = f"{name[: _NAME_CHARS - 9].rstrip('_.-')}-{digest}"
     return name
 
