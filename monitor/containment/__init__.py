@@ -94,7 +94,7 @@ class Containment:
                      "quarantine set until one is set")  # fmt: skip
         self.rules = QuarantineRules(session_factory, settings, on_change)
         self.guards = AdmissionFacts(settings, clients, facts)
-        self.reads = SetReads()
+        self.reads = SetReads(lambda: self.signer.trusted if self.signer is not None else ())
         self.bucket: QuarantineBucket | None = None
         if connection is not None:
             from kvcanary.monitor.containment.bucket import QuarantineBucket  # nats-py only when used

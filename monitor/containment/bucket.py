@@ -107,7 +107,7 @@ class QuarantineBucket:
         self.connection = connection
         self.signer = signer
         self.signing = signing
-        self.reads = reads or SetReads()
+        self.reads = reads or SetReads(lambda: signed.trusted if (signed := signer()) is not None else ())
         self.clock = clock
         self._kv: KeyValue | None = None
         self._listening: Any = None  # the NATS client the acknowledgements are heard on

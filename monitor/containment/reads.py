@@ -10,8 +10,9 @@ which gateways follow the new key: one without it keeps the old key's set). Each
 only its own HTTP reads: a rule over them takes ``max`` across replicas
 (``KVCanaryContainmentUnapplied``).
 
-At most ``MAX_GATEWAYS`` names are kept; reads under any other count as ``OVERFLOW``, so a caller
-naming a new gateway each time cannot grow the monitor's series without bound.
+At most ``MAX_GATEWAYS`` names are kept; reads under any other count as ``OVERFLOW``, and a key id
+the monitors do not hold (their signing key and the keys they trust) counts as ``UNKNOWN_KEY``, so
+a caller naming a new gateway or a new key each time cannot grow the monitor's series without bound.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from kvcanary.wire import GATEWAY_PATTERN
@@ -27,6 +29,8 @@ MAX_GATEWAYS = 256
 #: The gateway reads are counted under past ``MAX_GATEWAYS`` names, and under without a valid name.
 OVERFLOW = "(more)"
 UNNAMED = "(unnamed)"
+#: The key id reads are counted under when the set the gateway held was signed by no key of ours.
+UNKNOWN_KEY = "(unknown)"
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,9 @@ class Read:
 class SetReads:
     """Reads of the quarantine set by gateway (module doc); thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, known_keys: Callable[[], Collection[str]]) -> None:
+        """``known_keys``: the ids of the keys whose sets are the monitors' (the signer's ``trusted``)."""
+        self.known_keys = known_keys
         self._reads: dict[tuple[str, str, str], Read] = {}
         self._gateways: set[str] = set()
         self._lock = threading.Lock()
@@ -49,6 +55,7 @@ class SetReads:
         """Count a read by ``gateway`` over ``via`` (http, nats), which held a set signed by
         ``key_id`` ("": none yet)."""
         name = gateway if gateway and re.fullmatch(GATEWAY_PATTERN, gateway) else UNNAMED
+        key_id = key_id if not key_id or key_id in self.known_keys() else UNKNOWN_KEY
         with self._lock:
             if name not in self._gateways:
                 if len(self._gateways) >= MAX_GATEWAYS:

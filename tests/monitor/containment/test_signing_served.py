@@ -26,7 +26,7 @@ import yaml
 from kvcanary.tap.containment.bucket import BucketWatch
 from kvcanary.tap.containment.signed import parse_public_keys
 from kvcanary.tap.containment.watch import QuarantineWatch
-from kvcanary.wire import api_base_key
+from kvcanary.wire import GATEWAY_HEADER, QUARANTINE_HELD_HEADER, api_base_key
 from tests.monitor.served import Served, reference_target
 from tests.support.jetstream import NATS_URL, StreamNames
 from tests.support.services import start_prometheus
@@ -111,6 +111,19 @@ def test_reads_are_counted_per_gateway_and_unapplied_fires_until_a_gateway_reads
         )
         assert last is not None and time.time() - last < 10
         assert watch.current.key_id == keys.key_id and not watch.failing
+        for held in ("7 0123456789abcdef", "8 fedcba9876543210"):  # key ids no monitor holds: one series
+            forged = {
+                "Authorization": f"Bearer {INGEST}",
+                GATEWAY_HEADER: "gw-forged",
+                QUARANTINE_HELD_HEADER: held,
+            }
+            assert httpx.get(monitor.url + "/api/v1/quarantine", headers=forged).status_code == 200
+        forged_keys = {
+            labels["key_id"]
+            for labels, _ in monitor.samples("kvcanary_quarantine_set_last_read_timestamp_seconds")
+            if labels["gateway"] == "gw-forged"
+        }
+        assert forged_keys == {"(unknown)"}
     finally:
         if watch is not None:
             watch.close()

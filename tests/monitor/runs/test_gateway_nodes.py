@@ -209,8 +209,9 @@ def test_the_gateways_breakers_are_read_by_node_a_ranks_worst_and_strangers_left
                     worker_node({"worker_type": "decode", "url": decode}).name: 1}  # type: ignore[union-attr]  # fmt: skip
     with pytest.raises(GatewayUnreadable, match="HTTP 404"):
         circuits_from("no page", status=404)
-    with pytest.raises(GatewayUnreadable, match="not a Prometheus page"):
-        circuits_from("smg_worker_cb_state{worker= 1 2 3\n")
+    with pytest.raises(GatewayUnreadable, match="not a Prometheus page") as unreadable:
+        circuits_from('smg_worker_cb_state{worker="a",forged\x1b[2J 1\n')  # the parser quotes that
+    assert "forged" not in str(unreadable.value) and "\x1b" not in str(unreadable.value)  # none of the page
 
 
 # --- merging into a target's nodes --------------------------------------------------------------------
