@@ -18,7 +18,7 @@ from pydantic import Field
 from kvcanary.monitor.api.deps import NAME_PATTERN, _bearer, require_ingest
 from kvcanary.monitor.api.schemas import Problem, _Out
 from kvcanary.monitor.api.state import api_state
-from kvcanary.monitor.containment import Containment, Quarantine, UnknownTarget
+from kvcanary.monitor.containment import Containment, GuardsUnread, Quarantine, UnknownTarget
 from kvcanary.monitor.containment.document import api_bases
 from kvcanary.wire import GATEWAY_HEADER, QUARANTINE_HELD_HEADER, QUARANTINE_PAYLOAD_TYPE
 
@@ -90,11 +90,19 @@ async def quarantine_set(
     guard's facts of the guarded targets. The read is counted by the ``Kvcanary-Gateway`` header's
     gateway and the key of the set it says it holds (``Kvcanary-Quarantine-Held: <revision> <key
     id>``, none before its first). 503 where this monitor has no signing key
-    (``containment_signing.key_env``)."""
+    (``containment_signing.key_env``), and (with ``Retry-After``) while its admission guards' pools
+    were never read: a set without guards would lift every gateway's."""
     require_ingest(request, credentials)
     held = request.headers.get(QUARANTINE_HELD_HEADER, "")
     key = held.split(" ")[-1] if re.fullmatch(r"\d{1,19} [0-9a-f]{16}", held) else ""
-    body = await _containment(request).signed(request.headers.get(GATEWAY_HEADER), key)
+    try:
+        body = await _containment(request).signed(request.headers.get(GATEWAY_HEADER), key)
+    except GuardsUnread:  # a tap keeps the set it holds and asks again
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            "the admission guards' pools are not read yet (this replica just started): ask again",
+            headers={"Retry-After": "1"},
+        ) from None
     if body is None:
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE,

@@ -59,6 +59,15 @@ ROUND_SECONDS = 0.5
 Job = tuple[str, Callable[[], Awaitable[None]], float]
 
 
+#: How long a read of the set waits for the admission guards' first reading before it is refused:
+#: under the 2 s a tap gives a read, so it hears the refusal rather than its own timeout.
+FIRST_READ_WAIT_SECONDS = 1.0
+
+
+class GuardsUnread(Exception):
+    """The set cannot be served yet: the admission guards' pools were never read."""
+
+
 class Containment:
     """The quarantine rules, the guards' facts and, where the traffic stream is used, the bucket,
     behind one interface.
@@ -177,10 +186,13 @@ class Containment:
     async def signed(self, gateway: str | None, held_key: str = "") -> bytes | None:
         """Return the set, signed, as ``GET /api/v1/quarantine`` serves it to ``gateway``, which
         holds a set signed by ``held_key`` ("": none yet), a read counted; None where there is no
-        key to sign it with."""
+        key to sign it with. Raise :class:`GuardsUnread` while the pools were never read: a set
+        without guards would lift every gateway's (a replica just started, its first read slow)."""
         signer = self.signer
         if signer is None:
             return None
+        if not await self.guards.read_once(FIRST_READ_WAIT_SECONDS):
+            raise GuardsUnread
         body = signer.sign(await self.document())
         self.reads.note(gateway, "http", held_key)
         return body

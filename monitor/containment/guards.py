@@ -36,6 +36,7 @@ poll reads memory only and never waits for a node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ class AdmissionFacts:
         self._facts: dict[str, list[GuardFacts]] = {}
         #: Whether the pools were read once: before, no guard is known, which is not "none".
         self.refreshed = False
+        self._first_read: asyncio.Event | None = None  # made on the loop that waits for it
 
     def current(self) -> list[GuardFacts]:
         """Return the guard of every guarded deployment with a known, trusted pool, by target and
@@ -93,6 +95,17 @@ class AdmissionFacts:
         found = await asyncio.gather(*(self._read(t, mode, routes) for t, mode in guarded))
         self._facts = {target.name: guards for (target, _), guards in zip(guarded, found, strict=True)}
         self.refreshed = True
+        if self._first_read is not None:
+            self._first_read.set()
+
+    async def read_once(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for the pools' first reading; return whether it was made."""
+        if not self.refreshed:
+            self._first_read = self._first_read or asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await self._first_read.wait()
+        return self.refreshed
 
     async def _read(
         self, target: TargetConfig, mode: str, routes: Mapping[str, tuple[str, str]]

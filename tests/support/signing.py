@@ -5,6 +5,7 @@ environment name of it, and sets signed with it (or with another key: a forger's
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -79,9 +80,13 @@ def document(
 def served_set(url: str, token: str, keys: SigningKeys, gateway: str = "tests") -> dict[str, Any]:
     """The set a monitor at ``url`` serves at ``GET /api/v1/quarantine`` to ``gateway``, its
     signature checked with ``keys`` as a tap checks it (raises if it is not theirs)."""
-    answer = httpx.get(
-        url + "/api/v1/quarantine", headers={"Authorization": f"Bearer {token}", GATEWAY_HEADER: gateway}
-    )
+    headers = {"Authorization": f"Bearer {token}", GATEWAY_HEADER: gateway}
+    answer = httpx.get(url + "/api/v1/quarantine", headers=headers)
+    for _ in range(30):  # a replica whose guards' pools are not read yet says when to ask again
+        if answer.status_code != 503 or "Retry-After" not in answer.headers:
+            break
+        time.sleep(float(answer.headers["Retry-After"]))
+        answer = httpx.get(url + "/api/v1/quarantine", headers=headers)
     assert answer.status_code == 200, answer.text
     payload, signer = open_envelope(answer.content, keys.public_keys)
     assert signer == keys.key_id

@@ -17,6 +17,7 @@ A failure prints the request as a ``curl`` command; rerun it with the same seed 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 from collections.abc import Iterator
@@ -150,6 +151,8 @@ def monitor_app(factory: Factory) -> FastAPI:
     async def run_nothing(name: str) -> list[dict[str, Any]]:
         return []
 
+    containment = Containment(factory, lambda: settings, {}, judge.facts, signer=signer_of(settings))
+    asyncio.run(containment.guards.refresh())  # as the service's start does: no guarded target here
     state = ApiState(
         session_factory=factory,
         api_token=TOKEN,
@@ -160,7 +163,7 @@ def monitor_app(factory: Factory) -> FastAPI:
         ingest_token=INGEST,
         traffic=HttpIngest(TrafficPipeline(judge, None, factory)),
         judge=judge,
-        containment=Containment(factory, lambda: settings, {}, judge.facts, signer=signer_of(settings)),
+        containment=containment,
     )
     app = build_http_app(state)
     with TestClient(app) as tap:

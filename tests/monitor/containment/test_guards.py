@@ -24,6 +24,7 @@ from kvcanary.monitor.targets.openai_http import OpenAIHttpTarget
 from kvcanary.monitor.traffic.facts import MIN_CHARS_PER_TOKEN, POOL_SETTLE_SECONDS, TargetFacts
 from kvcanary.tap.containment.document import parse_quarantine
 from kvcanary.wire import api_base_key
+from tests.monitor.runs.test_gateway_hostile import Held
 from tests.monitor.served import Served, reference_target
 from tests.probes.probe_harness import KEYS, FakeEngine
 from tests.support import WorkerProcess
@@ -71,6 +72,33 @@ def test_each_guarded_target_publishes_its_smallest_admitting_pool_under_its_own
     # Only the ingest token and the API token read it; nobody else.
     stranger = httpx.get(monitor.url + "/api/v1/quarantine", headers={"Authorization": "Bearer nope"})
     assert stranger.status_code == 401
+
+
+def test_a_replica_whose_pools_are_not_read_yet_serves_no_set_without_guards(
+    served: Callable[..., Served], tmp_path: Path
+) -> None:
+    """A set with no guard lifts every gateway's: a replica whose first pool reading is still under
+    way (its node slow to answer) refuses the read, and a tap keeps the set it holds."""
+    keys = make_keys(tmp_path / "keys")
+    slow = Held(httpx.Response(200, json=info(16384)))
+    monitor = served({
+        "targets": [reference_target("glm", slow.url, containment={"admission_guard": "enforce"},
+                                     probes=["canary"], probe_intervals={"canary": 3600.0},
+                                     timeout_seconds=60)],
+        "containment_signing": keys.monitor_config(),
+        "traffic": {"ingest_token_env": "KVC_TEST_INGEST"},
+    })  # fmt: skip
+    monitor.env["KVC_TEST_INGEST"] = INGEST
+    monitor.start()
+    try:
+        early = httpx.get(monitor.url + "/api/v1/quarantine", headers={"Authorization": f"Bearer {INGEST}"})
+        assert early.status_code == 503 and early.headers["Retry-After"] == "1", early.text
+        assert "not read yet" in early.json()["detail"]
+        slow.released.set()
+        published = monitor.wait_for("the guard published", lambda: guards(monitor, keys), 30)
+        assert [(g["target"], g["kv_pool_tokens"]) for g in published] == [("glm", 16384)]
+    finally:
+        slow.close()
 
 
 # --- one node cannot poison the guards ---------------------------------------------------------------
