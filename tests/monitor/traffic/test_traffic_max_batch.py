@@ -214,7 +214,9 @@ def test_the_partitions_leases_are_refreshed_beside_the_judge_at_work_on_a_batch
                 stepped = time.perf_counter()
                 await partitions.step()
                 steps.append(time.perf_counter() - stepped)
-                await asyncio.wait({judging}, timeout=STEP_SECONDS)
+                # A tenth of the steps' cadence apart: several land while the judge works, however
+                # fast this machine judges (at the cadence itself, a judge done in 2.01 s saw one).
+                await asyncio.wait({judging}, timeout=STEP_SECONDS / 10)
             judged = (await judging).accepted
             assert judged == MAX_RECORDS
             return steps, time.perf_counter() - began, lost, dict(partitions.claims)
@@ -223,7 +225,7 @@ def test_the_partitions_leases_are_refreshed_beside_the_judge_at_work_on_a_batch
             await client.close()
 
     steps, took, lost, claims = asyncio.run(run())
-    assert took > STEP_SECONDS and len(steps) >= 2, (took, steps)  # steps while the judge worked
+    assert len(steps) >= 2, (took, steps)  # steps while the judge worked
     assert not lost and sorted(claims) == list(range(16))
     # The behaviour, not a speed: no step of the partitions' heartbeat may take a lease (the claims
     # would lapse). bench/ingest_max_batch.py measures how far under it they stay.
