@@ -112,13 +112,18 @@ def test_a_node_down_through_both_rounds_is_not_judged_and_not_tried_a_third_tim
     assert check.counter.labels("t", "not_judged")._value.get() == 1
 
 
-@pytest.mark.parametrize(("worker", "found"), [(REJECT, "none_found"), (PLACEHOLDER, "leak_found")])
+#: The defective node's boundary run finds a leak where stale pages hold the other tenant's marker,
+#: else the over-capacity answer itself (a mismatch): which, the two kinds' order on the node decides.
+PROOFS = {"leak_found", "mismatch_found"}
+
+
+@pytest.mark.parametrize(("worker", "found"), [(REJECT, {"none_found"}), (PLACEHOLDER, PROOFS)])
 def test_a_round_that_judged_every_kind_is_not_run_again(
-    session_factory: Factory, start_worker: StartWorker, worker: tuple[str, ...], found: str
+    session_factory: Factory, start_worker: StartWorker, worker: tuple[str, ...], found: set[str]
 ) -> None:
     node = start_worker(*worker)
     check = Verification(settings_for(node.port, ["cross_tenant", "boundary"]), session_factory)
-    assert check.run() == found
+    assert check.run() in found
     assert check.pauses == []
     [(reason, note)] = timeline(session_factory, check.incident_id)
-    assert reason == found and note.count("boundary: ") == 1, note
+    assert reason in found and note.count("boundary: ") == 1, note
