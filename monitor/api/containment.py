@@ -94,9 +94,10 @@ async def quarantine_set(
     were never read: a set without guards would lift every gateway's."""
     require_ingest(request, credentials)
     held = request.headers.get(QUARANTINE_HELD_HEADER, "")
-    key = held.split(" ")[-1] if re.fullmatch(r"\d{1,19} [0-9a-f]{16}", held) else ""
+    revision, key = held.split(" ") if re.fullmatch(r"\d{1,19} [0-9a-f]{16}", held) else (None, "")
+    gateway = request.headers.get(GATEWAY_HEADER)
     try:
-        body = await _containment(request).signed(request.headers.get(GATEWAY_HEADER), key)
+        body = await _containment(request).signed(gateway, key, int(revision) if revision else None)
     except GuardsUnread:  # a tap keeps the set it holds and asks again
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE,

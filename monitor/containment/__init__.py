@@ -113,6 +113,7 @@ class Containment:
                 signing=lambda: self.settings().containment_signing, reads=self.reads,
             )  # fmt: skip
         self._round: asyncio.Task[None] | None = None
+        self._said_older = -1  # the highest held revision said to be above the database's
 
     @property
     def known(self) -> list[Quarantine]:
@@ -138,14 +139,29 @@ class Containment:
     async def round(self) -> None:
         """Apply the quarantine rules and put the set in the bucket where one is used; a database
         away skips a round."""
+        held = self.reads.held_newest  # before the read: a change made since is no sign
         try:
             await asyncio.to_thread(self.rules.sync)
         except SQLAlchemyError as exc:
             log.warning("quarantine rules skipped: the database did not answer (%s)", type(exc).__name__)
             return
+        self._say_if_older(held)
         # Not before the pools were read once: a set without guards would lift every gateway's.
         if self.bucket is not None and self.guards.refreshed:
             await self.bucket.publish(self.published(self.rules.known))
+
+    def _say_if_older(self, held: int) -> None:
+        """Say once (per higher revision) when a gateway holds a set of ours numbered above the
+        database's newest change: the database is older than what the gateways apply, most likely
+        restored from a backup. They keep that set, whose quarantines are real, until the next
+        change, which ``rules.next_revision`` numbers above it."""
+        if held > self.rules.revision and held > self._said_older:
+            self._said_older = held
+            log.warning("quarantine set: a gateway holds revision %d, signed by the monitors, above the "
+                        "database's newest change (%d): the database is older than the set the gateways "
+                        "apply (restored from a backup?). They keep theirs until the next quarantine "
+                        "change, which is numbered above it: put or lift one by hand to move them now",
+                        held, self.rules.revision)  # fmt: skip
 
     def suspect(self, item: PendingResult, incident_id: int) -> None:
         """A suspected failure was recorded on ``incident_id``: verify it by the target's proving
@@ -183,18 +199,21 @@ class Containment:
         """Return the set as the gateways read it, from the rows as they are now."""
         return self.published(await asyncio.to_thread(self.rules.current))
 
-    async def signed(self, gateway: str | None, held_key: str = "") -> bytes | None:
+    async def signed(
+        self, gateway: str | None, held_key: str = "", held_revision: int | None = None
+    ) -> bytes | None:
         """Return the set, signed, as ``GET /api/v1/quarantine`` serves it to ``gateway``, which
-        holds a set signed by ``held_key`` ("": none yet), a read counted; None where there is no
-        key to sign it with. Raise :class:`GuardsUnread` while the pools were never read: a set
-        without guards would lift every gateway's (a replica just started, its first read slow)."""
+        holds a set signed by ``held_key`` ("": none yet) at ``held_revision``, a read counted; None
+        where there is no key to sign it with. Raise :class:`GuardsUnread` while the pools were never
+        read: a set without guards would lift every gateway's (a replica just started, its first
+        read slow)."""
         signer = self.signer
         if signer is None:
             return None
         if not await self.guards.read_once(FIRST_READ_WAIT_SECONDS):
             raise GuardsUnread
         body = signer.sign(await self.document())
-        self.reads.note(gateway, "http", held_key)
+        self.reads.note(gateway, "http", held_key, held_revision)
         return body
 
     def report(self) -> ContainmentReport:

@@ -234,7 +234,10 @@ class QuarantineBucket:
             said = None
         key = said.get("key_id") if isinstance(said, dict) else None
         fit = isinstance(key, str) and re.fullmatch(r"[0-9a-f]{16}", key) is not None
-        self.reads.note(gateway, "nats", key if fit and isinstance(key, str) else "")
+        revision = said.get("revision") if isinstance(said, dict) else None
+        whole = isinstance(revision, int) and not isinstance(revision, bool) and 0 <= revision < 10**19
+        self.reads.note(gateway, "nats", key if fit and isinstance(key, str) else "",
+                        revision if whole and isinstance(revision, int) else None)  # fmt: skip
 
     def _failed(self, reason: str) -> bool:
         if not self._failing:

@@ -13,6 +13,10 @@ only its own HTTP reads: a rule over them takes ``max`` across replicas
 At most ``MAX_GATEWAYS`` names are kept; reads under any other count as ``OVERFLOW``, and a key id
 the monitors do not hold (their signing key and the keys they trust) counts as ``UNKNOWN_KEY``, so
 a caller naming a new gateway or a new key each time cannot grow the monitor's series without bound.
+
+:attr:`SetReads.held_newest` is the highest revision a gateway said it holds of a set signed by a
+key of ours: above the set this replica reads from the database, it says that database is older
+than what the gateways apply (restored from a backup: ``containment/__init__.py`` says so).
 """
 
 from __future__ import annotations
@@ -50,13 +54,17 @@ class SetReads:
         self._reads: dict[tuple[str, str, str], Read] = {}
         self._gateways: set[str] = set()
         self._lock = threading.Lock()
+        #: The highest revision a gateway said it holds of a set one of our keys signed (-1: none).
+        self.held_newest = -1
 
-    def note(self, gateway: str | None, via: str, key_id: str) -> None:
+    def note(self, gateway: str | None, via: str, key_id: str, revision: int | None = None) -> None:
         """Count a read by ``gateway`` over ``via`` (http, nats), which held a set signed by
-        ``key_id`` ("": none yet)."""
+        ``key_id`` ("": none yet) at ``revision`` (None: not said)."""
         name = gateway if gateway and re.fullmatch(GATEWAY_PATTERN, gateway) else UNNAMED
         key_id = key_id if not key_id or key_id in self.known_keys() else UNKNOWN_KEY
         with self._lock:
+            if revision is not None and key_id not in ("", UNKNOWN_KEY):
+                self.held_newest = max(self.held_newest, revision)
             if name not in self._gateways:
                 if len(self._gateways) >= MAX_GATEWAYS:
                     name = OVERFLOW

@@ -19,6 +19,10 @@ A target is quarantined while its latest ``quarantine_change`` row says so. The 
 :meth:`QuarantineRules.sync` applies the first two rules (every second, and at once when a recording
 changed an incident); every replica may run it: a target's rows are added under a lock of its
 target row (PostgreSQL), and a rule that finds its row already added adds nothing.
+
+Each row carries the ``revision`` the gateways' taps order sets by (:func:`next_revision`): above
+every row's, and at least the time in milliseconds. Not the row's id: a database restored from a
+backup hands its ids out again, below the sets the gateways hold, which they refuse as a rollback.
 ``GET /api/v1/quarantine`` serves the set to the gateways' taps (``docs/tap-protocol.md``).
 """
 
@@ -29,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, or_, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvcanary.monitor.config.settings import Settings
@@ -41,6 +45,8 @@ log = logging.getLogger("kvcanary.containment")
 #: The severity of a leak's incident: what quarantines.
 LEAK_SEVERITY = "critical"
 REASON_CHARS = 300
+#: The PostgreSQL advisory lock under which a change takes its revision ("kvcq" in ASCII).
+REVISION_LOCK = 0x6B766371
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ class QuarantineRules:
         self.on_change = on_change
         #: The set as the last :meth:`sync` left it: what ``/metrics`` exports without a read.
         self.known: list[Quarantine] = []
-        #: The newest change row that set was read from (0: none): a set's version, which only
+        #: The newest change's revision that set was read at (0: none): a set's version, which only
         #: grows, so that a replica that read an older set never puts it over a newer one.
         self.revision = 0
 
@@ -84,7 +90,7 @@ class QuarantineRules:
             return self._quarantined(_latest_changes(session))
 
     def _quarantined(self, latest: dict[str, QuarantineChange]) -> list[Quarantine]:
-        self.revision = max(self.revision, max((row.id for row in latest.values()), default=0))
+        self.revision = max(self.revision, max((row.revision for row in latest.values()), default=0))
         names = {t.name for t in self.settings().targets}
         return [
             Quarantine(name, row.enforced, row.cause, row.incident_id, row.reason, row.at)
@@ -105,7 +111,7 @@ class QuarantineRules:
             with self.session_factory() as session, session.begin():
                 row = _change_for(session, target, settings, datetime.now(UTC))
                 if row is not None:
-                    session.add(row)
+                    _add(session, row)
                     changes.append(_said(target.name, row))
         # The set as read above, unless a rule changed it (then read again: another replica may too).
         self.known = self.current() if changes else self._quarantined(latest)
@@ -137,7 +143,7 @@ class QuarantineRules:
                 target_id=target_id, at=datetime.now(UTC), quarantined=quarantined, enforced=True,
                 cause="operator", incident_id=None, reason=reason[:REASON_CHARS],
             )  # fmt: skip
-            session.add(row)
+            _add(session, row)
         said = _said(name, row)
         log.warning("%s: %s by an operator: %s", name, "quarantined" if quarantined else "lifted", row.reason)
         self.known = self.current()
@@ -157,6 +163,26 @@ def changes_since(session: Session, target_name: str, since: datetime) -> list[Q
         .limit(50)
     )
     return list(session.scalars(query))
+
+
+def next_revision(session: Session, now: datetime) -> int:
+    """Return the revision of a change added now: above every row's, and at least ``now`` in
+    milliseconds. A database restored from a backup lacks the rows added since, but not their
+    time: its next change is numbered above every set the monitors signed before the restore, and
+    the gateways take it (until then they keep the newer set they hold: its quarantines are real).
+    Above every row's, too, when a clock goes back."""
+    if session.get_bind().dialect.name == "postgresql":
+        # Replicas add changes of different targets at once; one at a time here, so that each
+        # revision is above every one committed before it. Taken after the target's row lock,
+        # and by nothing else, so the two are always taken in this order.
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": REVISION_LOCK})
+    newest = session.scalar(select(func.max(QuarantineChange.revision))) or 0
+    return max(newest + 1, int(now.timestamp() * 1000))
+
+
+def _add(session: Session, row: QuarantineChange) -> None:
+    row.revision = next_revision(session, row.at)
+    session.add(row)
 
 
 def _change_for(

@@ -424,7 +424,10 @@ class QuarantineChange(Base):
     (``monitor/containment/rules.py``), so a restarted monitor or another replica reads the same set.
 
     ``enforced`` is False for a quarantine the ``observe`` policy only records: the gateways are
-    told of it and route as before.
+    told of it and route as before. ``revision`` numbers the change for the gateways' taps, which
+    take only a set numbered above the one they hold: above every row's, and at least the time in
+    milliseconds, so that a database restored from a backup numbers its next change above every set
+    the monitors signed before it (``rules.next_revision``).
     """
 
     __tablename__ = "quarantine_change"
@@ -443,3 +446,4 @@ class QuarantineChange(Base):
     incident_id: Mapped[int | None] = mapped_column(ForeignKey("incident.id", ondelete="SET NULL"))
     # One line: the incident's title, or what the operator wrote.
     reason: Mapped[str] = mapped_column(String(300))
+    revision: Mapped[int] = mapped_column(BigInteger)

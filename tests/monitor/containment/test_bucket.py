@@ -179,10 +179,9 @@ def test_the_taps_acknowledgements_count_as_reads_by_their_gateway(
 
     async def acknowledge() -> None:
         client = await nats.connect(NATS_URL)
-        said = json.dumps({"revision": 1, "key_id": keys.key_id}).encode()
-        for gateway in ("gw-a", "gw-a", "gw.b:2"):
+        for gateway, revision in (("gw-a", 1), ("gw-a", 1), ("gw.b:2", 9), ("g" * 65, "12")):
+            said = json.dumps({"revision": revision, "key_id": keys.key_id}).encode()
             await client.publish(applied_subject(stream_names.quarantine_bucket, gateway), said)
-        await client.publish(applied_subject(stream_names.quarantine_bucket, "g" * 65), said)
         await client.flush()
         await client.close()
 
@@ -199,3 +198,4 @@ def test_the_taps_acknowledgements_count_as_reads_by_their_gateway(
     last = monitor.bucket.reads.last()
     assert set(last) == {("gw-a", keys.key_id), ("gw.b:2", keys.key_id), ("(unnamed)", keys.key_id)}
     assert all(time.time() - at < 30 for at in last.values())
+    assert monitor.bucket.reads.held_newest == 9  # the highest a gateway said it holds ("12" is no revision)

@@ -4,6 +4,8 @@ read it. ``kvcanary serve`` and the REST endpoints: ``tests/monitor/scenes/test_
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -203,3 +205,60 @@ def test_enforcing_a_quarantine_a_proof_put_on_tells_the_gateways_at_once(sessio
     watch(session_factory, settings("observe")).sync()
     made = watch(session_factory, settings("quarantine")).sync()
     assert [(q.incident_id, q.enforced) for q in made] == [(proof.incident_id, True)]
+
+
+def revisions(factory: Factory) -> list[int]:
+    with factory() as s:
+        return list(s.scalars(select(QuarantineChange.revision).order_by(QuarantineChange.id)))
+
+
+def test_a_database_restored_from_a_backup_numbers_its_next_change_above_every_set_signed_since(
+    session_factory: Factory,
+) -> None:
+    record(session_factory, "pass", at=now(-5))
+    before = watch(session_factory, settings())
+    before.put(TARGET, "taken out for maintenance")
+    backed_up = before.revision
+    for turn in range(2):  # the changes after the backup, each served to the gateways
+        before.lift(TARGET, f"back {turn}")
+        before.put(TARGET, f"out {turn}")
+    signed = before.revision
+    assert revisions(session_factory) == sorted(set(revisions(session_factory)))
+    with session_factory() as s, s.begin():  # the restore: the rows after the backup are gone
+        s.query(QuarantineChange).filter(QuarantineChange.revision > backed_up).delete()
+    restored = watch(session_factory, settings())
+    assert restored.current() and restored.revision == backed_up < signed  # the gateways keep theirs
+    time.sleep(0.01)  # a restore takes longer than this
+    restored.lift(TARGET, "lifted after the restore")
+    assert restored.revision > signed  # a gateway takes it
+    assert restored.current() == []
+
+
+def test_a_change_is_numbered_above_one_a_clock_ahead_numbered(session_factory: Factory) -> None:
+    record(session_factory, "pass", at=now(-5))
+    containment = watch(session_factory, settings())
+    containment.put(TARGET, "out")
+    ahead = int(now(3600).timestamp() * 1000)  # a replica whose clock ran an hour ahead
+    with session_factory() as s, s.begin():
+        s.query(QuarantineChange).update({QuarantineChange.revision: ahead})
+    containment.lift(TARGET, "back")
+    assert revisions(session_factory) == [ahead, ahead + 1]
+    assert containment.revision == ahead + 1
+
+
+def test_replicas_changing_two_targets_at_once_number_their_changes_in_the_order_they_land(
+    session_factory: Factory,
+) -> None:
+    record(session_factory, "pass", at=now(-5))
+    record(session_factory, "pass", at=now(-5), target="vllm-b")
+
+    def toggle(name: str) -> None:
+        replica = watch(session_factory, settings())  # its own rules, as another replica has
+        for turn in range(15):
+            replica.put(name, f"out {turn}")
+            replica.lift(name, f"back {turn}")
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(toggle, [TARGET, "vllm-b"]))
+    found = revisions(session_factory)
+    assert len(found) == 60 and found == sorted(set(found)), found

@@ -130,6 +130,31 @@ def test_downgrade_to_base_leaves_no_tables(scratch_url: str) -> None:
     assert schema_diff(scratch_url) == []
 
 
+def test_quarantine_changes_made_before_revisions_keep_their_id_as_their_revision(scratch_url: str) -> None:
+    upgrade(scratch_url, "d2f4a6c8e0b3")  # the migration before quarantine_change.revision
+    engine = make_engine(scratch_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO target (id, name, engine, base_url, model, created_at, updated_at) "
+                "VALUES (1, 'glm', 'sglang', 'http://127.0.0.1:1', 'm', :at, :at)"
+            ), {"at": T0})  # fmt: skip
+            for row_id in (3, 7):
+                conn.execute(text(
+                    "INSERT INTO quarantine_change (id, target_id, at, quarantined, enforced, cause, reason) "
+                    "VALUES (:id, 1, :at, :on, true, 'operator', 'by hand')"
+                ), {"id": row_id, "at": T0, "on": row_id == 3})  # fmt: skip
+        upgrade(scratch_url)
+        with engine.connect() as conn:
+            found = conn.execute(text("SELECT id, revision FROM quarantine_change ORDER BY id")).all()
+        assert [tuple(row) for row in found] == [(3, 3), (7, 7)]  # the sets the gateways hold stay
+    finally:
+        engine.dispose()
+    downgrade(scratch_url, "d2f4a6c8e0b3")
+    upgrade(scratch_url)
+    assert schema_diff(scratch_url) == []
+
+
 def test_check_migrated_refuses_an_empty_database_and_says_what_to_run(scratch_url: str) -> None:
     engine = make_engine(scratch_url)
     try:
