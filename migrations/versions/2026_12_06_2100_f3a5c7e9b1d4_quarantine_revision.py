@@ -11,6 +11,8 @@ Create Date: 2026-12-06 21:00:00
   milliseconds (``monitor/containment/rules.py``, ``next_revision``).
 
 Existing rows keep their id as their revision: the sets the gateways hold stay where they are.
+A downgrade (with the code before it) numbers sets by row id again, far below the revisions the
+gateways then hold: they refuse every set until the bucket's key is deleted and their taps restart.
 
 Hand-written to match monitor/storage/models.py (tests/monitor/storage/test_migrations.py compares them).
 """

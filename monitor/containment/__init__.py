@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.containment.document import quarantine_set
 from kvcanary.monitor.containment.guards import REFRESH_SECONDS, AdmissionFacts, GuardFacts
 from kvcanary.monitor.containment.reads import SetReads
-from kvcanary.monitor.containment.rules import Quarantine, QuarantineRules, UnknownTarget
+from kvcanary.monitor.containment.rules import Quarantine, QuarantineRead, QuarantineRules, UnknownTarget
 from kvcanary.monitor.containment.signing import SetSigner, signer_of
 from kvcanary.monitor.containment.verification import Verifier
 from kvcanary.monitor.incidents import NotSuspected, confirm, dismiss
@@ -62,6 +63,8 @@ Job = tuple[str, Callable[[], Awaitable[None]], float]
 #: How long a read of the set waits for the admission guards' first reading before it is refused:
 #: under the 2 s a tap gives a read, so it hears the refusal rather than its own timeout.
 FIRST_READ_WAIT_SECONDS = 1.0
+#: A database older than the gateways' set is said at most once in this long.
+OLDER_QUIET_SECONDS = 60.0
 
 
 class GuardsUnread(Exception):
@@ -114,6 +117,7 @@ class Containment:
             )  # fmt: skip
         self._round: asyncio.Task[None] | None = None
         self._said_older = -1  # the highest held revision said to be above the database's
+        self._said_older_at = float("-inf")
 
     @property
     def known(self) -> list[Quarantine]:
@@ -148,20 +152,26 @@ class Containment:
         self._say_if_older(held)
         # Not before the pools were read once: a set without guards would lift every gateway's.
         if self.bucket is not None and self.guards.refreshed:
-            await self.bucket.publish(self.published(self.rules.known))
+            await self.bucket.publish(self.published(self.rules.last))
 
     def _say_if_older(self, held: int) -> None:
-        """Say once (per higher revision) when a gateway holds a set of ours numbered above the
-        database's newest change: the database is older than what the gateways apply, most likely
-        restored from a backup. They keep that set, whose quarantines are real, until the next
-        change, which ``rules.next_revision`` numbers above it."""
-        if held > self.rules.revision and held > self._said_older:
-            self._said_older = held
-            log.warning("quarantine set: a gateway holds revision %d, signed by the monitors, above the "
-                        "database's newest change (%d): the database is older than the set the gateways "
-                        "apply (restored from a backup?). They keep theirs until the next quarantine "
-                        "change, which is numbered above it: put or lift one by hand to move them now",
-                        held, self.rules.revision)  # fmt: skip
+        """Say when a gateway says it holds a set of ours numbered above the database's newest
+        change (once per higher revision, at most once an ``OLDER_QUIET_SECONDS``): the database is
+        older than what the gateways apply, most likely restored from a backup. They keep that set,
+        whose quarantines are real, until the next change, which ``rules.next_revision`` numbers
+        above it and which then lifts the quarantines put after the backup."""
+        revision = self.rules.last.revision
+        if (
+            held <= max(revision, self._said_older)
+            or time.monotonic() - self._said_older_at < OLDER_QUIET_SECONDS
+        ):
+            return
+        self._said_older, self._said_older_at = held, time.monotonic()
+        log.warning("quarantine set: a gateway says it holds revision %d of the monitors' set, above the "
+                    "database's newest change (%d): the database is older than the set the gateways apply "
+                    "(restored from a backup?). They keep theirs until the next quarantine change, which "
+                    "lifts every quarantine put after the backup until the probes find those leaks again: "
+                    "put them back by hand (the gateways' logs name them)", held, revision)  # fmt: skip
 
     def suspect(self, item: PendingResult, incident_id: int) -> None:
         """A suspected failure was recorded on ``incident_id``: verify it by the target's proving
@@ -197,7 +207,7 @@ class Containment:
 
     async def document(self) -> dict[str, Any]:
         """Return the set as the gateways read it, from the rows as they are now."""
-        return self.published(await asyncio.to_thread(self.rules.current))
+        return self.published(await asyncio.to_thread(self.rules.read))
 
     async def signed(
         self, gateway: str | None, held_key: str = "", held_revision: int | None = None
@@ -228,7 +238,7 @@ class Containment:
             key_id=self.signer.key_id if self.signer is not None else None,
         )
 
-    def published(self, quarantines: list[Quarantine]) -> dict[str, Any]:
-        """Return the set of ``quarantines`` with the guards' facts, at the rules' revision."""
+    def published(self, read: QuarantineRead) -> dict[str, Any]:
+        """Return the set as ``read`` found it, at its revision, with the guards' facts."""
         now = datetime.now(UTC)
-        return quarantine_set(quarantines, self.guards.current(), self.settings(), now, self.rules.revision)
+        return quarantine_set(read.quarantines, self.guards.current(), self.settings(), now, read.revision)

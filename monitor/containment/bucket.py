@@ -15,7 +15,8 @@ anyway, it reads the bucket's value, opens it with the monitors' public keys
   ``kvcanary_quarantine_bucket_foreign_total``), and one line a ``FOREIGN_QUIET_SECONDS`` episode
   says it: something other than the monitors writes the bucket;
 - puts its own over a missing value, or a set of theirs read at an older ``revision`` (the newest
-  quarantine change row: it only grows); leaves a newer revision for this replica to catch up with;
+  quarantine change's: it only grows); leaves a newer revision for this replica to catch up with
+  (or, after a database restored from a backup, for the next change, numbered above it);
 - at the same revision, puts its own when its set changed and differs (its guards: each replica
   reads the pools itself), or when the set held is ``renew_seconds`` old (re-signed, so the taps
   see it move forward and its ``expires_at`` never passes while a monitor runs).

@@ -27,7 +27,7 @@ def quarantine_set(
 ) -> dict[str, Any]:  # fmt: skip
     """Return the set as JSON-ready data: every quarantined target (``enforced: false``: the
     observe policy's, counted and not filtered), the guarded targets' admission facts, the
-    ``revision`` it was read at (the newest quarantine change row: it only grows), when it was
+    ``revision`` it was read at (the newest quarantine change's: it only grows), when it was
     generated (``now``) and when it expires (``containment_signing.expires_seconds`` later)."""
     bases = api_bases(settings)
     expires = now + timedelta(seconds=settings.containment_signing.expires_seconds)

@@ -16,7 +16,10 @@ a caller naming a new gateway or a new key each time cannot grow the monitor's s
 
 :attr:`SetReads.held_newest` is the highest revision a gateway said it holds of a set signed by a
 key of ours: above the set this replica reads from the database, it says that database is older
-than what the gateways apply (restored from a backup: ``containment/__init__.py`` says so).
+than what the gateways apply (restored from a backup: ``containment/__init__.py`` says so). It is a
+claim no signature backs, so it only ever reaches a log line, and a revision more than
+``CLAIM_AHEAD_MS`` past the time (the monitors number changes by it) is not taken: one claim of
+10¹⁹ would hide every real one.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ OVERFLOW = "(more)"
 UNNAMED = "(unnamed)"
 #: The key id reads are counted under when the set the gateway held was signed by no key of ours.
 UNKNOWN_KEY = "(unknown)"
+#: How far past the time a held revision may be and still be taken (a replica's clock ahead).
+CLAIM_AHEAD_MS = 3_600_000
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,9 @@ class SetReads:
         ``key_id`` ("": none yet) at ``revision`` (None: not said)."""
         name = gateway if gateway and re.fullmatch(GATEWAY_PATTERN, gateway) else UNNAMED
         key_id = key_id if not key_id or key_id in self.known_keys() else UNKNOWN_KEY
+        believable = revision is not None and revision <= time.time() * 1000 + CLAIM_AHEAD_MS
         with self._lock:
-            if revision is not None and key_id not in ("", UNKNOWN_KEY):
+            if believable and revision is not None and key_id not in ("", UNKNOWN_KEY):
                 self.held_newest = max(self.held_newest, revision)
             if name not in self._gateways:
                 if len(self._gateways) >= MAX_GATEWAYS:

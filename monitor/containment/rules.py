@@ -61,6 +61,17 @@ class Quarantine:
     since: datetime
 
 
+@dataclass(frozen=True)
+class QuarantineRead:
+    """The set as one read of the rows found it, and the newest change's ``revision`` it was read
+    at (0: none): a set's version, which the taps order sets by. Taken from that read alone, never
+    from an earlier one: a database restored while the monitor runs then serves a lower revision,
+    which the gateways refuse, not its older set numbered as the newer one they hold."""
+
+    quarantines: list[Quarantine]
+    revision: int
+
+
 class UnknownTarget(LookupError):
     """No configured target has that name."""
 
@@ -78,25 +89,31 @@ class QuarantineRules:
         self.settings = settings
         #: Called (from whichever thread made it) after a change: the pager re-sends at once.
         self.on_change = on_change
-        #: The set as the last :meth:`sync` left it: what ``/metrics`` exports without a read.
-        self.known: list[Quarantine] = []
-        #: The newest change's revision that set was read at (0: none): a set's version, which only
-        #: grows, so that a replica that read an older set never puts it over a newer one.
-        self.revision = 0
+        #: The set as the last :meth:`sync` (or change by hand) read it: what ``/metrics`` exports
+        #: and the bucket is offered without another read.
+        self.last = QuarantineRead([], 0)
+
+    @property
+    def known(self) -> list[Quarantine]:
+        return self.last.quarantines
 
     def current(self) -> list[Quarantine]:
         """Return every configured target that is quarantined now, enforced or observed."""
-        with self.session_factory() as session:
-            return self._quarantined(_latest_changes(session))
+        return self.read().quarantines
 
-    def _quarantined(self, latest: dict[str, QuarantineChange]) -> list[Quarantine]:
-        self.revision = max(self.revision, max((row.revision for row in latest.values()), default=0))
+    def read(self) -> QuarantineRead:
+        """Return the set as the rows are now, with its revision."""
+        with self.session_factory() as session:
+            return self._read_from(_latest_changes(session))
+
+    def _read_from(self, latest: dict[str, QuarantineChange]) -> QuarantineRead:
         names = {t.name for t in self.settings().targets}
-        return [
+        quarantines = [
             Quarantine(name, row.enforced, row.cause, row.incident_id, row.reason, row.at)
             for name, row in sorted(latest.items())
             if row.quarantined and name in names
         ]
+        return QuarantineRead(quarantines, max((row.revision for row in latest.values()), default=0))
 
     def sync(self) -> list[Quarantine]:
         """Apply the incident and recovery rules to every target; return the changes made."""
@@ -114,7 +131,7 @@ class QuarantineRules:
                     _add(session, row)
                     changes.append(_said(target.name, row))
         # The set as read above, unless a rule changed it (then read again: another replica may too).
-        self.known = self.current() if changes else self._quarantined(latest)
+        self.last = self.read() if changes else self._read_from(latest)
         if changes and self.on_change is not None:
             self.on_change()
         return changes
@@ -146,7 +163,7 @@ class QuarantineRules:
             _add(session, row)
         said = _said(name, row)
         log.warning("%s: %s by an operator: %s", name, "quarantined" if quarantined else "lifted", row.reason)
-        self.known = self.current()
+        self.last = self.read()
         if self.on_change is not None:
             self.on_change()
         return said

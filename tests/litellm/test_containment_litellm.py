@@ -356,11 +356,11 @@ def by_hand(method: str, target: str, replica: Served) -> float:
 
 
 def forgeries(stack: ForgedStack, forger: SigningKeys, replayed: bytes) -> list[bytes]:
-    """(a) an unsigned lift at revision 1e12; (b) another key's set one revision above the held one,
+    """(a) an unsigned lift at revision 2**53 - 1; (b) another key's set one revision above the held one,
     quarantining calm and lifting glm; (c) the monitors' own set from before the quarantine."""
     calm = entry("calm", [stack.calm.url + "/v1"], None)
     above = {**signing_document(revision=stack.sampled.current.revision + 1), "deployments": [calm]}
-    return [json.dumps(signing_document(revision=10**12)).encode(), forger.signer.sign(above), replayed]
+    return [json.dumps(signing_document(revision=2**53 - 1)).encode(), forger.signer.sign(above), replayed]
 
 
 def test_a_forged_set_moves_no_gateway_for_a_moment_and_operator_changes_still_reach_every_tap(

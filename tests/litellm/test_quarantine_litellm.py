@@ -12,7 +12,7 @@ header and checked against the workers' own request counters.
 - both quarantined: a 503 at once, naming the quarantine, the target and the incident;
 - the monitor stalled, then gone: the last set holds, requests are not slowed, one log line each way;
 - observe mode: nothing filtered, one log line;
-- the monitor's place taken by a forger (an unsigned lift at revision 1e12, a set signed by another
+- the monitor's place taken by a forger (an unsigned lift at revision 2**53 - 1, a set signed by another
   key one revision above): no answer comes from the quarantined deployment while it forges, the
   gateway says what it refused, and the next set the monitors sign reaches it within 2 s;
 - and the watch alone: unreadable answers keep the last set, a forked child polls on its own.
@@ -355,7 +355,7 @@ def test_a_forger_in_the_monitors_place_moves_no_request_and_the_next_signed_set
         forging_from = time.monotonic()
         # An unsigned lift of everything at a revision no monitor reaches, then a set signed by
         # another key one revision above the real one, keeping the healthy deployment off instead.
-        stack.monitor.forged = json.dumps(document(revision=10**12)).encode()
+        stack.monitor.forged = json.dumps(document(revision=2**53 - 1)).encode()
         time.sleep(3 * CONTAINMENT_SECONDS)
         above = {
             **document(revision=stack.monitor.revision + 1),

@@ -151,7 +151,7 @@ def test_values_the_monitors_did_not_put_are_counted_said_once_and_replaced(
     envelope = json.loads(monitor.held())
     tampered = {**envelope, "payload": base64.b64encode(json.dumps(document(revision=6)).encode()).decode()}
     rogue_values = {
-        "unsigned": json.dumps(document(revision=10**12)).encode(),
+        "unsigned": json.dumps(document(revision=2**53 - 1)).encode(),
         "unknown_key": forger.signer.sign(document("other", revision=7)),
         "bad_signature": json.dumps(tampered).encode(),
         "malformed": b"\x00 not a set",

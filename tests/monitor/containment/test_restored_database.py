@@ -9,7 +9,9 @@ handed out again below them: the gateways refused every new quarantine until the
 from __future__ import annotations
 
 import shutil
+import sqlite3
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import httpx
@@ -43,10 +45,12 @@ def reason(watch: QuarantineWatch) -> str:
     return next((e.reason for e in watch.current.enforced.values() if e.target == TARGET), "")
 
 
-def restart_on(monitor: Served, database: Path, copy_from: Path | None = None) -> None:
+def restore(monitor: Served, database: Path, backup: Path) -> None:
+    """Stop the monitor, put the backup in the database's place, start it again."""
     monitor.stop()
-    if copy_from is not None:
-        shutil.copy(copy_from, database)
+    for journal in database.parent.glob(database.name + "-*"):  # -wal, -shm: the backup is whole
+        journal.unlink()
+    shutil.copy(backup, database)
     monitor.start(migrate=False)
 
 
@@ -63,18 +67,17 @@ def test_a_restored_database_leaves_the_gateways_set_until_its_next_change_which
     watch = QuarantineWatch(monitor.url, INGEST, keys=keys.public_keys, gateway="gw-east", poll_seconds=0.2)
     try:
         monitor.wait_for("the gateway to take the quarantine", lambda: reason(watch), 15)
-        monitor.stop()
-        shutil.copy(database, backup)  # the night's backup
-        restart_on(monitor, database)
+        with closing(sqlite3.connect(database)) as live, closing(sqlite3.connect(backup)) as copy:
+            live.backup(copy)  # the night's backup, taken while the monitor runs
         change(monitor, False, "maintenance over")
         change(monitor, True, "leaking: taken out again")
         monitor.wait_for("the gateway to take the second quarantine", lambda: "again" in reason(watch), 15)
         held = watch.current
 
-        restart_on(monitor, database, copy_from=backup)  # the restore: the last two changes are gone
+        restore(monitor, database, backup)  # the last two changes are gone
         said = lambda: "the database is older than the set the gateways apply" in monitor.log()  # noqa: E731
         monitor.wait_for("the monitor to say its database is older than the gateways' set", said, 30)
-        assert watch.refused["older"] >= 1, watch.refused
+        monitor.wait_for("the gateway to refuse the restored set", lambda: watch.refused["older"] >= 1, 10)
         assert watch.current.revision == held.revision and "again" in reason(watch)
 
         change(monitor, False, "lifted after the restore")

@@ -3,7 +3,7 @@
 and a tap's watch (``kvcanary/tap/containment/bucket.py``), while a plain NATS client with the
 rights to write the bucket puts, 20 times a second, each kind for 3 s,
 
-(a) an unsigned set lifting everything at revision 1e12,
+(a) an unsigned set lifting everything at revision 2**53 - 1,
 (b) a set signed by another key one revision above the real one, quarantining a healthy target and
     lifting the leaking one,
 (c) the monitors' own set from before the quarantine, replayed.
@@ -178,7 +178,7 @@ def test_a_rogue_writer_moves_no_tap_for_a_moment_and_the_monitors_next_change_r
         wait_until("the quarantine taken", lambda: watch.quarantined(SHARED), timeout=10)
         sampler = Sampler(watch)
         forged = [
-            json.dumps(document(revision=10**12)).encode(),  # (a)
+            json.dumps(document(revision=2**53 - 1)).encode(),  # (a)
             forger.signer.sign(document("healthy", revision=3)),  # (b)
             replayed,  # (c)
         ]

@@ -87,7 +87,7 @@ def test_a_forging_server_in_the_monitors_place_moves_no_tap(
     assert watch.poll_once() and held(watch, SHARED) is not None and watch.current.revision == 5
     forged = {
         # a lift of every quarantine, at a revision no monitor will reach
-        "unsigned": json.dumps(document(revision=10**12)).encode(),
+        "unsigned": json.dumps(document(revision=2**53 - 1)).encode(),
         # a healthy target quarantined and the leaking one lifted, one revision above the real one
         "unknown_key": forger.signer.sign(document("healthy", revision=6)),
         "bad_signature": tampered(genuine, {"deployments": [], "revision": 6}),
