@@ -26,7 +26,9 @@ def test_a_worker_writing_each_slots_prompt_before_prefill_passes(reference) -> 
     for _ in range(2):
         verdict, reason, evidence = run_kind("slot_reuse", worker)
         assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence
-        assert evidence["pairs_while_busy"] == 4  # every next request joined while the batch ran
+        # A pass says something only where a pair joined while the batch ran; how many did is the
+        # machine's pace (4 of 4 on a quiet host, 2 of 4 beside a second suite on 2 cores).
+        assert evidence["pairs_while_busy"] >= 1, evidence
         steps = [t["step"] for t in evidence["tenants"]]
         assert steps[:8] == [f"pair {k} {half}" for k in range(4) for half in ("first", "next")]
         assert steps[8:] == ["busy 0", "busy 1"]
