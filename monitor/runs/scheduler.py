@@ -3,6 +3,10 @@
 Each job fires at the target's interval for that kind with jitter, ``max_instances=1`` so a slow
 run is never overlapped by the next, and ``coalesce=True`` so a backlog after a pause collapses
 into one run. Concurrency across jobs is bounded by the runner's semaphore.
+
+A run due while the last one still runs is skipped. APScheduler says so on every skip, which a
+half-second housekeeping job on a slow database turns into two lines a second; the monitor says it
+instead, once a ``SKIPS_QUIET_SECONDS`` episode per job, with how many were skipped.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
-from apscheduler.events import EVENT_JOB_SUBMITTED, JobSubmissionEvent
+from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_SUBMITTED, JobSubmissionEvent
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
@@ -28,6 +33,40 @@ FIRST_HOUSEKEEPING_SECONDS = 30
 Housekeeping = tuple[str, Callable[[], Awaitable[None]], float]
 #: Whether this replica runs (target, kind) (``monitor/runs/replicas.py``).
 Owns = Callable[[str, str], bool]
+
+#: Skipped runs of one job this close together are one episode, said in one line.
+SKIPS_QUIET_SECONDS = 60.0
+#: What APScheduler's own line for a skipped run says (``apscheduler.scheduler``, a warning).
+_APSCHEDULER_SKIP = "maximum number of running instances reached"
+
+
+class _NotSkips(logging.Filter):
+    """Lets through every APScheduler line but a skipped run's: :class:`_Skips` says those."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _APSCHEDULER_SKIP not in str(record.msg)
+
+
+_NOT_SKIPS = _NotSkips()
+
+
+class _Skips:
+    """Says a job's skipped runs once an episode, with how many the last line did not say."""
+
+    def __init__(self) -> None:
+        self.said_at: dict[str, float] = {}
+        self.unsaid: dict[str, int] = {}
+
+    def __call__(self, event: JobSubmissionEvent) -> None:
+        job, now = event.job_id, time.monotonic()
+        if now - self.said_at.get(job, float("-inf")) < SKIPS_QUIET_SECONDS:
+            self.unsaid[job] = self.unsaid.get(job, 0) + 1
+            return
+        since = self.unsaid.pop(job, 0)
+        self.said_at[job] = now
+        log.warning("%s: a run was due while the last one still ran, and was skipped%s: the job takes "
+                    "longer than its interval (a slow database or engine, or a loaded machine)", job,
+                    f" ({since} more since this was last said)" if since else "")  # fmt: skip
 
 
 def spread(target: str, kind: str) -> float:
@@ -80,6 +119,10 @@ def build_scheduler(
             next_run_time=now + timedelta(seconds=min(interval, FIRST_HOUSEKEEPING_SECONDS)),
         )
     scheduler.add_listener(_noting_due(runner), EVENT_JOB_SUBMITTED)
+    scheduler.add_listener(_Skips(), EVENT_JOB_MAX_INSTANCES)
+    apscheduler_log = logging.getLogger("apscheduler.scheduler")
+    if _NOT_SKIPS not in apscheduler_log.filters:
+        apscheduler_log.addFilter(_NOT_SKIPS)
     return scheduler
 
 

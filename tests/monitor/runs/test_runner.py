@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import socket
 import time
@@ -159,6 +160,32 @@ def test_a_replica_keeps_paused_the_jobs_it_does_not_own_and_resumes_them_in_pha
     steps = max(0, math.ceil((now - trigger.start_date) / trigger.interval))
     phase = trigger.start_date + steps * trigger.interval
     assert phase <= boundary.next_run_time <= phase + timedelta(seconds=trigger.jitter or 0)
+
+
+def test_runs_skipped_while_the_last_still_runs_are_said_once_not_on_every_skip(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = settings_for("http://127.0.0.1:1")
+    ran = []
+
+    async def slow() -> None:  # a round on a slow database: six times its interval
+        ran.append(time.monotonic())
+        await asyncio.sleep(0.6)
+
+    async def go() -> None:
+        scheduler = build_scheduler(settings, runner, [("slow", slow, 0.1)], owns=lambda target, kind: False)
+        scheduler.start()
+        await asyncio.sleep(2.0)
+        scheduler.shutdown(wait=False)
+
+    runner = runner_for(settings)
+    with caplog.at_level(logging.INFO):
+        run_and_close(runner, go())
+    said = [r.getMessage() for r in caplog.records if "was skipped" in r.getMessage()]
+    theirs = [r for r in caplog.records if "maximum number of running instances" in r.getMessage()]
+    assert len(ran) >= 2, ran  # it ran again once the last run ended
+    assert len(said) == 1 and said[0].startswith("housekeeping:slow: a run was due"), said
+    assert theirs == [], [r.getMessage() for r in theirs]  # APScheduler's line on every skip is gone
 
 
 def test_a_leak_read_before_shutdown_cancels_the_run_is_still_recorded(
