@@ -233,12 +233,13 @@ class QuarantineBucket:
             said = json.loads(message.data) if len(message.data) <= MAX_ACK_BYTES else None
         except ValueError:
             said = None
-        key = said.get("key_id") if isinstance(said, dict) else None
-        fit = isinstance(key, str) and re.fullmatch(r"[0-9a-f]{16}", key) is not None
-        revision = said.get("revision") if isinstance(said, dict) else None
-        whole = isinstance(revision, int) and not isinstance(revision, bool) and 0 <= revision < 10**19
-        self.reads.note(gateway, "nats", key if fit and isinstance(key, str) else "",
-                        revision if whole and isinstance(revision, int) else None)  # fmt: skip
+        said = said if isinstance(said, dict) else {}
+        key, revision = said.get("key_id"), said.get("revision")
+        if not isinstance(key, str) or re.fullmatch(r"[0-9a-f]{16}", key) is None:
+            key = ""
+        if not isinstance(revision, int) or isinstance(revision, bool) or revision < 0:
+            revision = None  # how far ahead a claim may be is the reads' to judge
+        self.reads.note(gateway, "nats", key, revision)
 
     def _failed(self, reason: str) -> bool:
         if not self._failing:

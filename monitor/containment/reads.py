@@ -67,9 +67,9 @@ class SetReads:
         ``key_id`` ("": none yet) at ``revision`` (None: not said)."""
         name = gateway if gateway and re.fullmatch(GATEWAY_PATTERN, gateway) else UNNAMED
         key_id = key_id if not key_id or key_id in self.known_keys() else UNKNOWN_KEY
-        believable = revision is not None and revision <= time.time() * 1000 + CLAIM_AHEAD_MS
         with self._lock:
-            if believable and revision is not None and key_id not in ("", UNKNOWN_KEY):
+            ours = key_id not in ("", UNKNOWN_KEY)
+            if ours and revision is not None and revision <= time.time() * 1000 + CLAIM_AHEAD_MS:
                 self.held_newest = max(self.held_newest, revision)
             if name not in self._gateways:
                 if len(self._gateways) >= MAX_GATEWAYS:
