@@ -8,8 +8,11 @@ handed out again below them: the gateways refused every new quarantine until the
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 import sqlite3
+import time
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from kvcanary.tap.containment.watch import QuarantineWatch
+from kvcanary.wire import GATEWAY_HEADER, QUARANTINE_HELD_HEADER
 from tests.monitor.containment.test_signing_served import INGEST, config
 from tests.monitor.served import Served
 from tests.support.signing import make_keys
@@ -73,6 +77,16 @@ def test_a_restored_database_leaves_the_gateways_set_until_its_next_change_which
         change(monitor, True, "leaking: taken out again")
         monitor.wait_for("the gateway to take the second quarantine", lambda: "again" in reason(watch), 15)
         held = watch.current
+        # A forger with the ingest token claims a revision no monitor reaches, under the monitors'
+        # own key id (every set names it): it moves no set and hides no real claim after it.
+        forged = {"Authorization": f"Bearer {INGEST}", GATEWAY_HEADER: "gw-forged",
+                  QUARANTINE_HELD_HEADER: f"{10**18} {keys.key_id}"}  # fmt: skip
+        answer = httpx.get(monitor.url + "/api/v1/quarantine", headers=forged, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert json.loads(base64.b64decode(answer.json()["payload"]))["revision"] == held.revision
+        time.sleep(1.5)  # three rounds
+        assert "the database is older" not in monitor.log()
+        assert watch.current.revision == held.revision
 
         restore(monitor, database, backup)  # the last two changes are gone
         said = lambda: "the database is older than the set the gateways apply" in monitor.log()  # noqa: E731
