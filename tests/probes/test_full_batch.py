@@ -28,6 +28,8 @@ END = "</think>"
 REASONING = (*BATCH, "--reasoning-end-str", END)
 STALE_ROWS = (*REASONING, "--bug", "sampling-rows-stale")
 PARAMETER_REASONS = {"stop_ignored", "token_not_allowed", "foreign_forced_string"}
+#: What a row handed another row's tokens shows, by where in its answer the crossing began.
+CROSSED = {"foreign_marker", "other_request_marker", "nonce_missing", "token_not_allowed"}
 
 
 def test_a_worker_keeping_rows_apart_passes_a_batch_of_its_published_size(reference) -> None:  # type: ignore[no-untyped-def]
@@ -39,10 +41,16 @@ def test_a_worker_keeping_rows_apart_passes_a_batch_of_its_published_size(refere
 
 def test_a_worker_crossing_the_rows_of_a_full_mixed_batch_leaks(reference) -> None:  # type: ignore[no-untyped-def]
     verdict, reason, evidence = run_kind("full_batch", reference(*BUGGY))
-    # Rows get other rows' answers whole: another tenant's marker (a leak), or, where the crossing
-    # stayed within a tenant (the batch's order follows arrival), another request's (a mismatch).
-    assert (verdict, reason) in ((Verdict.LEAK, "foreign_marker"), (Verdict.MISMATCH, "other_request_marker"))
-    crossed = [t for t in evidence["tenants"] if t["reason"] == "other_request_marker"]
+    # Rows get other rows' tokens from the step the batch filled: another tenant's marker (a leak),
+    # or, where the crossing stayed within a tenant (the batch's order follows arrival), another
+    # request's (a mismatch); a greedy row that lost its own marker or an allowlisted row handed a
+    # token it did not allow is crossed too. Which of these a row shows is the machine's pace: on a
+    # quiet machine the rows arrive within a few steps and nearly all carry another's marker whole;
+    # on a loaded one the batch fills later, past the early rows' markers (a CI run: one whole
+    # marker, the other rows crossed after theirs). The rows that join a full batch are crossed from
+    # their first token, whatever the pace.
+    assert verdict in (Verdict.LEAK, Verdict.MISMATCH) and reason in CROSSED, evidence
+    crossed = [t for t in evidence["tenants"] if t["reason"] in CROSSED]
     assert len(crossed) >= 2, evidence
 
 
