@@ -139,7 +139,8 @@ def test_offer_never_waits_a_full_queue_drops_and_counts(tmp_path: Path) -> None
         for _ in range(2000):
             events.offer(traffic_verdict())
         elapsed = time.perf_counter() - started
-        assert elapsed < 0.5, f"2,000 offers took {elapsed:.2f} s"
+        # An offer that waited for room would wait out an export (0.5 s per batch of 4): minutes in all.
+        assert elapsed < 5, f"2,000 offers took {elapsed:.2f} s"
         assert dropped(metrics, "queue_full") >= 2000 - 16 - 4 * 2
         deadline = time.monotonic() + 20
         while dropped(metrics, "export_failed") == 0 and time.monotonic() < deadline:

@@ -424,8 +424,9 @@ def test_given_only_the_gateway_every_node_is_found_and_audited_and_one_joins_an
     assert {kind: row["verdict"] for kind, row in first.items()} == dict.fromkeys(AUDITS, "pass"), first
     for kind, row in first.items():
         took = datetime.fromisoformat(row["started_at"]).timestamp() - listed_at
-        # One interval until the next reading, and slack for a loaded machine's scheduler.
-        assert took < DISCOVERY_SECONDS + 2, (
+        # One interval until the next reading, and slack for a loaded machine's scheduler (the join's
+        # own reads of the node wait up to a second each); the audits' own interval is an hour.
+        assert took < DISCOVERY_SECONDS + 10, (
             f"{kind} ran {took:.1f}s after the gateway listed it\n{monitor.log()[-3000:]}"
         )
     monitor.wait_for("5 joined", lambda: node_changes(monitor) == {"joined": 5.0, "left": 0.0}, 5)
