@@ -24,12 +24,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import httpx
 import pytest
 
 from kvcanary.monitor.config.settings import Settings
 from kvcanary.monitor.config.targets import NAME_RE, TargetConfig
+from kvcanary.monitor.runs import discovery as discovery_module
 from kvcanary.monitor.runs.discovery import GatewayDiscovery, NodeChange
 from kvcanary.monitor.targets.http import HttpClient
 from kvcanary.monitor.targets.openai_format import Limits
@@ -264,7 +266,10 @@ def discovered(
                 await http.aclose()
             return changes
 
-        return discovery, asyncio.run(read()), gateway.url
+        # Each call takes up its own reading: a refresh that gave up on a reading a loaded machine
+        # had not finished would hand it to the next call, which starts none of its own.
+        with patch.object(discovery_module, "ROUND_WAIT_SECONDS", 30):
+            return discovery, asyncio.run(read()), gateway.url
     finally:
         gateway.close()
 
