@@ -26,17 +26,15 @@ from tests.probes.probe_harness import (
     run_kind,
 )
 
-BUGGY = ("--mode", "aggregated", "--kv-pool-tokens", "4096", "--bug", "abort-in-flight")
-
-
 def judged(worker: Reference, **options: Any) -> tuple[Verdict, str, dict[str, Any]]:
     return run_kind("hangup", worker, **options)
 
 
 #: A worker whose abandoned answers run long: the copy model writes 512 tokens in about 60 ms, and
 #: on a loaded machine an answer that short was once over before the worker saw its client go (no
-#: abort to count, rightly). 4,096 tokens take it seconds.
+#: abort to count, rightly; and with the bug, no orphan to hand on). 4,096 tokens take it seconds.
 LONG_ANSWERS = ("--mode", "aggregated", "--kv-pool-tokens", "16384", "--context-window", "16384")
+BUGGY = (*LONG_ANSWERS, "--bug", "abort-in-flight")
 
 
 def test_a_worker_that_stops_abandoned_requests_passes_and_counts_the_aborts(reference) -> None:  # type: ignore[no-untyped-def]
@@ -54,7 +52,7 @@ def test_a_worker_that_stops_abandoned_requests_passes_and_counts_the_aborts(ref
 
 
 def test_a_worker_handing_an_abandoned_answer_to_the_next_request_is_caught(reference) -> None:  # type: ignore[no-untyped-def]
-    verdict, reason, evidence = judged(reference(*BUGGY))
+    verdict, reason, evidence = judged(reference(*BUGGY), abandoned_max_tokens=4096)
     # The next request admitted answers with the rest of the abandoned one: another tenant's
     # marker (a leak) or its own tenant's old one (its fresh nonce lost: a mismatch).
     assert (verdict, reason) == (Verdict.LEAK, "foreign_marker"), evidence

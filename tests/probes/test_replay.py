@@ -96,7 +96,7 @@ def test_the_false_alarm_rate_at_the_defaults_is_under_alpha_and_full_divergence
 
 
 def test_the_first_run_records_a_sequential_baseline_and_the_second_replays_concurrently() -> None:
-    engine = FakeEngine()
+    engine = FakeEngine(hold_seconds=0.25)  # neighbours sent together overlap, however loaded the machine
     (first, second), state = run(engine, 2)
     assert (first.verdict, first.reason) == (Verdict.PASS, "baseline_recorded"), first.detail
     assert first.measurements["baseline_agreement"] == 1.0
@@ -301,7 +301,7 @@ def test_the_config_refuses_bad_replay_options_and_the_runner_carries_the_state(
             TargetConfig(**base, probes=["replay"], options={"replay": bad})
     config = TargetConfig(**base, probes=["replay"], options={"replay": {"concurrency": 3}})
     assert config.options == {"replay": {"concurrency": 3}}
-    engine = FakeEngine()
+    engine = FakeEngine(hold_seconds=0.25)  # three sent together overlap, however loaded the machine
 
     async def go() -> list[ProbeResult]:
         results: list[ProbeResult] = []
