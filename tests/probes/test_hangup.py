@@ -26,6 +26,7 @@ from tests.probes.probe_harness import (
     run_kind,
 )
 
+
 def judged(worker: Reference, **options: Any) -> tuple[Verdict, str, dict[str, Any]]:
     return run_kind("hangup", worker, **options)
 

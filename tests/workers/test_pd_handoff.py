@@ -227,7 +227,7 @@ def test_a_prefill_request_aborted_before_its_room_was_staged_fails_the_decode_s
         started = time.monotonic()
         with pytest.raises(HandoffFailed, match="aborted"):
             fetch_kv("127.0.0.1", port, 31, timeout=5)
-        assert time.monotonic() - started < 1  # not the room's 30 s wait
+        assert time.monotonic() - started < 15  # not the room's 30 s wait
     finally:
         engine.bootstrap.close()
 

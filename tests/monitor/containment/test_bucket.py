@@ -125,14 +125,15 @@ def test_a_set_put_is_generated_after_the_one_it_replaces_whatever_the_replicas_
 def test_a_set_is_signed_anew_before_it_expires_though_nothing_changed(
     stream_names: StreamNames, keys: SigningKeys
 ) -> None:
-    signing = ContainmentSigningConfig(renew_seconds=1, expires_seconds=10)
+    # Renewal is by the wall clock: 3 s leaves a loaded machine room for the first check's NATS read.
+    signing = ContainmentSigningConfig(renew_seconds=3, expires_seconds=30)
     monitor = Monitor(stream_names, keys, signing=signing).connect()
     try:
         assert monitor.publish(document("shared"))
         first = payload(monitor)["generated_at"]
         monitor.now += RECHECK_SECONDS
         assert monitor.publish(document("shared")) and monitor.bucket.puts == 1  # not due yet
-        time.sleep(1.1)
+        time.sleep(3.1)
         monitor.now += RECHECK_SECONDS
         assert monitor.publish(document("shared")) and monitor.bucket.puts == 2
         renewed = payload(monitor)

@@ -58,8 +58,8 @@ def test_healthy_targets_keep_their_schedule_beside_many_hung_ones(
         threading.Event().wait(window)
         done = {name: runs(monitor, name) - before[name] for name in before}
         # Due once a second: a healthy target that waited for hung neighbours runs every 8 s or so
-        # (two or three times here); a skipped tick on a loaded machine costs one run.
-        assert all(n >= 0.6 * window for n in done.values()), (done, monitor.log()[-3000:])
+        # (two or three times here); each tick a loaded machine skips costs one run.
+        assert all(n >= 0.4 * window for n in done.values()), (done, monitor.log()[-3000:])
         assert monitor.value("kvcanary_run_slots_in_use") <= 4
         assert "waited out its timeout; next runs get one timeout each" in monitor.log()
     finally:

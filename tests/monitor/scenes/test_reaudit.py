@@ -129,7 +129,7 @@ def test_a_node_restarted_with_a_new_configuration_is_audited_again_at_once(moni
         lambda: all(len(results(url, p)) > before[p] for p in before), 30, "version and boundary to run again"
     )
     elapsed = time.monotonic() - restarted
-    assert elapsed < 30  # not the hour their interval says
+    assert elapsed < 120  # not the hour their interval says (two waits of up to 30 s each above)
     assert results(url, "boundary")[0]["verdict"] == "pass"  # the fixed node refuses over-capacity prompts
     assert "configuration of glm changed: re-auditing version, boundary now" in monitor["log"].read_text()
     # cross_tenant sizes its plants by a capacity reading it keeps ten minutes: the change its own
