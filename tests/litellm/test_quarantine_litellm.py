@@ -412,7 +412,9 @@ def test_a_stalled_then_gone_monitor_keeps_the_last_set_and_slows_no_request(sta
     took = {name: statistics.median(a.finished - a.started for a in answers)
             for name, answers in (("up", up), ("stalled", stalled), ("gone", gone))}  # fmt: skip
     print(f"\nmedian request time by monitor state: { {k: f'{v * 1000:.1f} ms' for k, v in took.items()} }")
-    assert took["stalled"] < 2 * took["up"] + 0.05 and took["gone"] < 2 * took["up"] + 0.05, took
+    # A request that waited on the stalled read would wait out the watch's 2 s timeout; medians of
+    # 20 requests differ by the machine's pace alone (71 ms up, 196 ms stalled on a loaded run).
+    assert took["stalled"] < took["up"] + 1.0 and took["gone"] < took["up"] + 1.0, took
     log = stack.gateway.output()
     assert log.count("cannot read the quarantine") == 2, log[-3000:]  # once per outage, not per poll
     assert log.count("read from the monitor again") == 1

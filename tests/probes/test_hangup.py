@@ -170,6 +170,32 @@ def test_canaries_follow_a_hang_up_once_the_engine_counted_it_the_tenant_that_hu
         assert tenants[-1] == abandoner and sorted(tenants) == ["alice", "bob"], followers
 
 
+class CountsAfterTheRun(SlowToSeeAborts):
+    """Counts the aborts only once all three hang-ups and their canaries are over (a loaded engine
+    that noticed its clients go late): seconds after each hang-up's own wait gave up."""
+
+    lag = 0.0
+
+    def aborted(self, now: float) -> int:
+        canaries = sum(1 for _, _, abandoned in self.came if not abandoned)
+        return 3 if canaries >= 7 and now - self.came[-1][0] >= 1.0 else 0  # the lone one and 3 x 2
+
+
+def test_an_abort_count_that_moves_only_after_the_run_is_waited_for_not_judged_a_mismatch() -> None:
+    fake = CountsAfterTheRun()
+
+    async def go() -> tuple[Verdict, str, dict[str, Any]]:
+        async with fake.target(engine="sglang") as target:
+            config = target._config.model_copy(update={"probes": ["hangup"]})
+            result, _ = await execute_probe("hangup", target, MarkerBook(), config)
+        return result.verdict, result.reason, result.evidence
+
+    verdict, reason, evidence = asyncio.run(go())
+    assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence
+    assert evidence["aborts_counted"] == 3
+    assert all(a["abort_seen_seconds"] is None for a in evidence["abandoned"])  # each wait gave up
+
+
 class MissesTheFirstAbort(SlowToSeeAborts):
     """Counts every abandoned request but the first at once (its answer was over before the
     engine saw its client go: nothing left to abort)."""

@@ -95,8 +95,9 @@ def test_a_leak_quarantines_its_deployment_within_a_second_and_a_lift_holds(
     seen_at = time.time()
     verdict_at = datetime.fromisoformat(str(leak["started_at"])).timestamp() + float(leak["duration_seconds"])
     print(f"in the set {seen_at - verdict_at:.2f}s after the verdict")
-    # Recorded, synced at once, and this test's poll: 0.17 s here; a loaded host's slack besides.
-    assert seen_at - verdict_at < 3.0
+    # Recorded, synced at once, and this test's poll: 0.17 s here, 4.3 s beside a second suite on
+    # 2 cores; a set synced only by a later round or a restart would be minutes.
+    assert seen_at - verdict_at < 10.0
     (entry,) = listed
     assert entry["target"] == "glm" and entry["enforced"] is True and entry["cause"] == "incident"
     assert api_base_key(monitor.config["targets"][0]["base_url"]) in entry["api_bases"]
