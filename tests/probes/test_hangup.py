@@ -74,9 +74,11 @@ async def slow_json(call: Call) -> httpx.Response:
     return sse_forever(call)
 
 
-def run_at_seam(fake: FakeEngine, **options: Any) -> tuple[Verdict, str, dict[str, Any]]:
+def run_at_seam(
+    fake: FakeEngine, engine: str = "llamacpp", **options: Any
+) -> tuple[Verdict, str, dict[str, Any]]:
     async def go() -> tuple[Verdict, str, dict[str, Any]]:
-        async with fake.target(engine="llamacpp") as target:
+        async with fake.target(engine=engine) as target:
             config = target._config.model_copy(update={"probes": ["hangup"], "options": {"hangup": options}})
             result, _ = await execute_probe("hangup", target, MarkerBook(), config)
         return result.verdict, result.reason, result.evidence
@@ -110,13 +112,7 @@ class SglangMetrics(FakeEngine):
 
 
 def test_an_abort_count_that_stands_still_after_real_hang_ups_is_a_mismatch() -> None:
-    async def go() -> tuple[Verdict, str, dict[str, Any]]:
-        async with SglangMetrics(reply=slow_json).target(engine="sglang") as target:
-            config = target._config.model_copy(update={"probes": ["hangup"]})
-            result, _ = await execute_probe("hangup", target, MarkerBook(), config)
-        return result.verdict, result.reason, result.evidence
-
-    verdict, reason, evidence = asyncio.run(go())
+    verdict, reason, evidence = run_at_seam(SglangMetrics(reply=slow_json), engine="sglang")
     assert (verdict, reason) == (Verdict.MISMATCH, "abort_not_counted"), evidence
     assert evidence["aborts_counted"] == 0
 
@@ -150,13 +146,7 @@ class SlowToSeeAborts(FakeEngine):
 def test_canaries_follow_a_hang_up_once_the_engine_counted_it_the_tenant_that_hung_up_last() -> None:
     fake = SlowToSeeAborts()
 
-    async def go() -> tuple[Verdict, str, dict[str, Any]]:
-        async with fake.target(engine="sglang") as target:
-            config = target._config.model_copy(update={"probes": ["hangup"]})
-            result, _ = await execute_probe("hangup", target, MarkerBook(), config)
-        return result.verdict, result.reason, result.evidence
-
-    verdict, reason, evidence = asyncio.run(go())
+    verdict, reason, evidence = run_at_seam(fake, engine="sglang")
     assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence
     starts = [i for i, (_, _, abandoned) in enumerate(fake.came) if abandoned]
     assert len(starts) == 3
@@ -184,13 +174,7 @@ class CountsAfterTheRun(SlowToSeeAborts):
 def test_an_abort_count_that_moves_only_after_the_run_is_waited_for_not_judged_a_mismatch() -> None:
     fake = CountsAfterTheRun()
 
-    async def go() -> tuple[Verdict, str, dict[str, Any]]:
-        async with fake.target(engine="sglang") as target:
-            config = target._config.model_copy(update={"probes": ["hangup"]})
-            result, _ = await execute_probe("hangup", target, MarkerBook(), config)
-        return result.verdict, result.reason, result.evidence
-
-    verdict, reason, evidence = asyncio.run(go())
+    verdict, reason, evidence = run_at_seam(fake, engine="sglang")
     assert (verdict, reason) == (Verdict.PASS, "nonce_intact"), evidence
     assert evidence["aborts_counted"] == 3
     assert all(a["abort_seen_seconds"] is None for a in evidence["abandoned"])  # each wait gave up
