@@ -172,13 +172,14 @@ def test_a_batch_at_the_bounds_costs_no_replica_a_partition_on_the_stream(
             wait_until("every record judged", lambda: counted(factory)[0] >= MAX_RECORDS, timeout=240,
                        state=state)  # fmt: skip
         assert counted(factory) == (MAX_RECORDS, MAX_RECORDS)  # judged once
-        assert all(stream_report(m)["judged"] for m in replicas)  # by both
+        # A replica that judged none lost its partitions (a lease lapsed) or never held them: say which.
+        assert not health.changes, health.changes  # no partition lost, none moved
+        assert not [m.url for m in replicas if "lapsed" in m.log()]
+        assert all(stream_report(m)["judged"] for m in replicas), state()  # by both
     finally:
         for monitor in replicas:
             monitor.stop()
         engine.dispose()
-    assert not health.changes, health.changes  # no partition lost, none moved
-    assert not [m.url for m in replicas if "lapsed" in m.log()]
     assert max(health.seconds) < HEALTH_BOUND_SECONDS, f"/healthz took {max(health.seconds):.2f} s"
 
 
