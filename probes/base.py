@@ -131,6 +131,9 @@ class ProbeContext:
         self.dropped_prompts: list[dict[str, Any]] = []
         #: Tokens spent, as the engine reported them: the cost of monitoring.
         self.tokens = {"prompt": 0, "completion": 0}
+        #: When (the event loop's clock) the runner cuts this run as a ``probe_timeout``; None where
+        #: nothing cuts it. A probe that waits on the engine by choice stops its wait before this.
+        self.deadline: float | None = None
 
     @property
     def tenants(self) -> list[str]:

@@ -65,6 +65,9 @@ ABORT_POLL_SECONDS = 0.05
 #: it judges ``abort_not_counted``: a loaded engine notices late (a benign worker beside a second
 #: test suite on 2 cores had counted none by the end of its run). Spent only where nothing moved.
 ABORT_LATE_SECONDS = 15.0
+#: What the late wait leaves of the run's budget for the last read and the verdict: a target with a
+#: short timeout gets a shorter wait, and a judged ``abort_not_counted`` rather than a cut run.
+ABORT_LATE_MARGIN_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -190,10 +193,12 @@ async def _abort_seen(ctx: ProbeContext, before: float) -> float | None:
 
 async def _aborts_at_end(ctx: ProbeContext, before: float | None, hung_up: int) -> float | None:
     """Return the abort count at the run's end; where the run hung up and the count has not moved,
-    wait for it up to ``ABORT_LATE_SECONDS`` first."""
+    wait for it up to ``ABORT_LATE_SECONDS`` first, and never past the run's own budget."""
     after = await _aborts(ctx)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ABORT_LATE_SECONDS
+    if ctx.deadline is not None:
+        deadline = min(deadline, ctx.deadline - ABORT_LATE_MARGIN_SECONDS)
     while hung_up and before is not None and after == before and loop.time() < deadline:
         await asyncio.sleep(ABORT_POLL_SECONDS * 5)
         after = await _aborts(ctx)

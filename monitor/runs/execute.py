@@ -43,9 +43,10 @@ async def execute_probe(
     probe = REGISTRY[kind]()
     ctx = ProbeContext(client, markers, options=target.options.get(kind, {}), node=node, state=state)
     started = time.monotonic()
+    if budget is None:
+        budget = target.timeout_seconds * probe.budget_timeouts
+    ctx.deadline = asyncio.get_running_loop().time() + budget
     try:
-        if budget is None:
-            budget = target.timeout_seconds * probe.budget_timeouts
         result = await asyncio.wait_for(probe.run(ctx), timeout=budget)
     except asyncio.CancelledError:
         if on_cancelled is not None:

@@ -75,11 +75,14 @@ async def slow_json(call: Call) -> httpx.Response:
 
 
 def run_at_seam(
-    fake: FakeEngine, engine: str = "llamacpp", **options: Any
+    fake: FakeEngine, engine: str = "llamacpp", timeout_seconds: float | None = None, **options: Any
 ) -> tuple[Verdict, str, dict[str, Any]]:
     async def go() -> tuple[Verdict, str, dict[str, Any]]:
         async with fake.target(engine=engine) as target:
-            config = target._config.model_copy(update={"probes": ["hangup"], "options": {"hangup": options}})
+            update: dict[str, Any] = {"probes": ["hangup"], "options": {"hangup": options}}
+            if timeout_seconds is not None:
+                update["timeout_seconds"] = timeout_seconds
+            config = target._config.model_copy(update=update)
             result, _ = await execute_probe("hangup", target, MarkerBook(), config)
         return result.verdict, result.reason, result.evidence
 
@@ -115,6 +118,14 @@ def test_an_abort_count_that_stands_still_after_real_hang_ups_is_a_mismatch() ->
     verdict, reason, evidence = run_at_seam(SglangMetrics(reply=slow_json), engine="sglang")
     assert (verdict, reason) == (Verdict.MISMATCH, "abort_not_counted"), evidence
     assert evidence["aborts_counted"] == 0
+
+
+def test_a_short_timeout_bounds_the_wait_for_a_late_count_so_the_run_is_judged_not_cut() -> None:
+    """A 1 s timeout gives the run 11 s: the wait for a late abort count stops before that, and an
+    engine that never counts gets its ``mismatch`` rather than a ``probe_timeout``."""
+    fake = SglangMetrics(reply=slow_json)
+    verdict, reason, evidence = run_at_seam(fake, engine="sglang", timeout_seconds=1.0)
+    assert (verdict, reason) == (Verdict.MISMATCH, "abort_not_counted"), (reason, evidence)
 
 
 class SlowToSeeAborts(FakeEngine):
