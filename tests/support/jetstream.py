@@ -36,6 +36,7 @@ from kvcanary.tap.fingerprints import Fingerprinter
 from kvcanary.tap.jetstream import JetStreamTransport
 from kvcanary.tap.record import Exchange
 from kvcanary.tap.sender import Sender
+from kvcanary.wire import partition_of
 from tests.support import free_port
 
 if TYPE_CHECKING:
@@ -269,3 +270,18 @@ def stream_report(monitor: Served) -> dict[str, Any]:
 def shares(total: int) -> list[list[int]]:
     """Every split of ``total`` partitions between two replicas that gives each some."""
     return [[k, total - k] for k in range(1, total)]
+
+
+def bases_covering(partitions: int) -> list[str]:
+    """Return 24 deployments' api_bases, and more until every partition holds one: whichever share
+    each replica settles on, both have records to judge."""
+    bases = [f"http://10.2.0.{i}:8000/v1" for i in range(1, 25)]
+    covered = {partition_of(base, partitions) for base in bases}
+    host = len(bases)
+    while len(covered) < partitions:
+        host += 1
+        base = f"http://10.2.0.{host}:8000/v1"
+        if partition_of(base, partitions) not in covered:
+            bases.append(base)
+            covered.add(partition_of(base, partitions))
+    return bases

@@ -25,12 +25,12 @@ from kvcanary.monitor.storage.models import Target, TrafficMinute
 from kvcanary.monitor.traffic.partitions import LEASE_SECONDS, STEP_SECONDS
 from kvcanary.monitor.traffic.stream_setup import verify
 from kvcanary.processes import wait_until
-from kvcanary.wire import partition_of
 from tests.monitor.served import Served
 from tests.support import free_port, own_database, stop_process
 from tests.support.jetstream import (
     NATS_URL,
     StreamNames,
+    bases_covering,
     counted,
     exchange,
     replica_config,
@@ -106,21 +106,6 @@ def test_two_replicas_share_the_partitions_and_a_killed_ones_records_are_judged_
             if monitor.proc is not None:
                 stop_process(monitor.proc, timeout=30)
         engine.dispose()
-
-
-def bases_covering(partitions: int) -> list[str]:
-    """Return 24 deployments' api_bases, and more until every partition holds one: whichever share
-    each replica settles on, both have records to judge."""
-    bases = [f"http://10.2.0.{i}:8000/v1" for i in range(1, 25)]
-    covered = {partition_of(base, partitions) for base in bases}
-    host = len(bases)
-    while len(covered) < partitions:
-        host += 1
-        base = f"http://10.2.0.{host}:8000/v1"
-        if partition_of(base, partitions) not in covered:
-            bases.append(base)
-            covered.add(partition_of(base, partitions))
-    return bases
 
 
 def settled(replicas: list[Served], timeout: float, state: Callable[[], str]) -> None:
