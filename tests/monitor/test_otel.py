@@ -221,7 +221,7 @@ def test_a_serve_whose_headers_variable_is_unset_exits_2_naming_it(
 ) -> None:
     monitor = served({"otel": {"endpoint": "http://127.0.0.1:9/", "headers_env": "KVC_OTEL_UNSET"}})
     monitor.migrate()
-    done = monitor.kvcanary("serve", "--config", str(monitor.config_path), timeout=60)
+    done = monitor.kvcanary("serve", "--config", str(monitor.config_path))
     assert done.returncode == 2 and "otel.headers_env" in done.stderr, done.stderr
 
 

@@ -43,7 +43,7 @@ def test_a_second_process_on_one_sqlite_file_refuses_to_start(
         first = served(config(server.url), tmp_path / "a").start()
         second = served({**config(server.url), "database_url": first.config["database_url"]}, tmp_path / "b")
         second.write_config()
-        done = second.kvcanary("serve", "--config", str(second.config_path), timeout=60)
+        done = second.kvcanary("serve", "--config", str(second.config_path))
         assert done.returncode == 2, (done.stdout, done.stderr)
         assert f"in use by another kvcanary process (pid {first.proc.pid})" in done.stderr  # type: ignore[union-attr]
         assert "PostgreSQL" in done.stderr
