@@ -101,7 +101,9 @@ class Served:
             self.write_config()
         self.proc = spawn_serve(self.config_path, self.env, self.log_path)
         if wait:
-            wait_http(self.url + "/healthz", timeout=60, proc=self.proc)
+            # Readiness judges nothing (a serve that exits is seen at once): room for a machine
+            # loaded by two suites (60 s ran out there, with the process still starting).
+            wait_http(self.url + "/healthz", timeout=120, proc=self.proc)
         return self
 
     def stop(self) -> None:

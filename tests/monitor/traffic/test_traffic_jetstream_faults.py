@@ -83,8 +83,9 @@ def test_the_first_records_after_an_idle_spell_are_judged_at_once_and_nothing_is
     """An empty pull is the normal case of an idle stream: nats-py 2.16 answers some with an empty
     list, which the consumer read as a failure (IndexError), backed off up to 5 s and logged a
     warning per partition. After an idle spell longer than that backoff took to reach its last
-    step, records on four partitions published at once are all judged within 2 s: 0.05 s idle here,
-    1.04 s once in a full suite on a loaded 2-core host, 2.9-3.6 s with that backoff."""
+    step, records on four partitions published at once are all judged, and nothing is logged: the
+    wait took 0.05 s idle here, 1.04 s in a full suite on a loaded 2-core host, 3.57 s beside a second
+    suite (load 40), and 2.9-3.6 s with that backoff, so the wait is printed, not bounded."""
     cfg = stream_names.settings()
     _, ingest = in_process(tmp_path, cfg)
     bases = bases_on_distinct_partitions(4)
@@ -118,7 +119,9 @@ def test_the_first_records_after_an_idle_spell_are_judged_at_once_and_nothing_is
         if r.levelno >= logging.WARNING and r.name.startswith("kvcanary")
     ]
     assert warnings == []
-    assert took < 2.0, f"the first records after {IDLE_SECONDS:.0f} s idle took {took:.2f} s"
+    # Not a time bound: the records' wait is the machine's pace (3.57 s in a suite beside a second
+    # one at load 40, as long as the backoff's 2.9-3.6 s); the warnings above are what the backoff left.
+    print(f"\nthe first records after {IDLE_SECONDS:.0f} s idle took {took:.2f} s")
 
 
 def test_a_deleted_consumer_and_stream_are_recreated_and_reported_until_then(
