@@ -132,11 +132,11 @@ def test_the_kinds_run_one_at_a_time_so_the_boundary_prime_is_what_a_stale_read_
     boundary run's own prime of another tenant's markers is, on every round."""
     node = start_worker(*PLACEHOLDER)
     kinds = ["canary", "cross_tenant", "boundary"]
-    for round in range(1, 4):
+    for rounds in range(1, 4):
         check = Verification(settings_for(node.port, kinds), session_factory)
         assert check.run() == "leak_found"
         notes = timeline(session_factory, check.incident_id)  # one incident: a round's note each
-        assert len(notes) == round and "boundary: leak (foreign_marker)" in notes[-1][1], notes
+        assert len(notes) == rounds and "boundary: leak (foreign_marker)" in notes[-1][1], notes
 
 
 def test_a_proof_ends_the_round(session_factory: Factory, start_worker: StartWorker) -> None:
