@@ -193,6 +193,10 @@ class Probe(ABC):
     #: Its findings are about a node's KV pool against the context window: a blast radius then
     #: starts at the node's first capacity reading below the window.
     judges_pool: ClassVar[bool] = False
+    #: Its evidence depends on what the node does between two of its own requests (``boundary``
+    #: primes the free list its over-capacity prompt's stale read meets): the runner runs it with no
+    #: run of another kind on the target in between (``monitor/runs/turns.py``).
+    runs_alone: ClassVar[bool] = False
     #: Its results carry the node's capacity figures, exported as the node's gauges.
     exports_node_capacity: ClassVar[bool] = False
 

@@ -104,6 +104,7 @@ class BoundaryProbe(Probe):
     verifies_suspicion = True
     reaudit_on_config_change = True
     judges_pool = True
+    runs_alone = True
     default_interval_seconds = 300.0
     options_model = BoundaryOptions
 

@@ -27,6 +27,8 @@ from kvcanary.monitor.recording.result_writer import ResultWriter
 from kvcanary.monitor.runs.coverage import Where, bound_to, declare_coverage, nodes_of_run, run_keys
 from kvcanary.monitor.runs.execute import execute_probe
 from kvcanary.monitor.runs.slots import FairSlots
+from kvcanary.monitor.runs.turns import SHARED, TargetTurns
+from kvcanary.probes import REGISTRY
 from kvcanary.probes.base import ProbeResult, Verdict
 from kvcanary.probes.markers import MarkerBook
 from kvcanary.probes.target import ServingPath, TargetClient
@@ -77,7 +79,8 @@ StateKey = tuple[str, str, str]
 
 
 class ProbeRunner:
-    """Runs probes with bounded concurrency, never two runs of one (target, kind, node) at once.
+    """Runs probes with bounded concurrency, never two runs of one (target, kind, node) at once,
+    and a kind that runs alone (``boundary``) with no other kind's run on its target.
 
     Slots are shared fairly (``monitor/runs/slots.py``): a hung or slow target costs its own runs,
     and a target known to hang gets one timeout per run, not the kind's whole budget.
@@ -131,6 +134,7 @@ class ProbeRunner:
                 len({target for target, _ in self.hanging}),
             )
         )
+        self.turns = TargetTurns()
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
         self._states: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._in_flight: set[asyncio.Task[Any]] = set()
@@ -208,10 +212,14 @@ class ProbeRunner:
         due: datetime | None = None,
     ) -> RunSummary:
         key = (target.name, kind, node.name if node else "")
-        # The pair's lock keeps its runs, and their recordings, in order; a slot bounds the runs
-        # talking to targets at once, and is given back before the (batched) recording.
+        # The pair's lock keeps its runs, and their recordings, in order; the target's turn keeps
+        # a lone kind's runs apart from the other kinds' (taken before a slot: a lone run waiting
+        # for its turn holds none); a slot bounds the runs talking to targets at once, and is
+        # given back before the (batched) recording.
+        group = kind if REGISTRY[kind].runs_alone else SHARED
         async with self._locks.setdefault(key, asyncio.Lock()):
-            run = await self._in_slot(target, kind, node, client, key, due)
+            async with self.turns.take(target.name, group):
+                run = await self._in_slot(target, kind, node, client, key, due)
             item = PendingResult.of(target, kind, run.result, run.started_at, run.duration, node=key[2])
             outcome = await self.writer.submit(item)
         result = run.result
