@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.pace import PROCESS_SECONDS
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -53,7 +55,7 @@ def test_the_monitor_cli_loads_without_torch() -> None:
         "kvcanary.monitor.commands.check; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=PROCESS_SECONDS)
 
 
 def documented_metrics(doc: str) -> set[str]:

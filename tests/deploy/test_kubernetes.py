@@ -28,6 +28,7 @@ import yaml
 from kvcanary.monitor.config.settings import parse_settings
 from tests.alerts import ALERTS, RULE_FILES, TEST_FILES, require_tool
 from tests.deploy import KUBERNETES, OVERLAYS, REPO, of_kind, one, render, render_warnings
+from tests.support.pace import PROCESS_SECONDS
 
 CORE_KINDS = {
     "Namespace", "ServiceAccount", "ConfigMap", "Service", "Deployment",
@@ -70,7 +71,7 @@ def test_the_generated_folder_is_what_generate_py_writes() -> None:
         [sys.executable, str(KUBERNETES / "generate.py"), "--check"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=PROCESS_SECONDS,
     )
     assert run.returncode == 0, run.stderr
 

@@ -37,6 +37,7 @@ from tests.support.jetstream import (
     new_names,
     own_server,
 )
+from tests.support.pace import PROCESS_SECONDS
 
 pytestmark = pytest.mark.external_service
 
@@ -320,7 +321,7 @@ def test_the_tap_imports_without_nats_and_takes_a_nats_url_without_a_token(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     code = "import sys, kvcanary.tap; assert 'nats' not in sys.modules, 'nats imported'"
-    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=PROCESS_SECONDS).returncode == 0
     monkeypatch.setenv("KVCANARY_TAP_URL", NATS_URL)
     monkeypatch.delenv("KVCANARY_TAP_TOKEN", raising=False)
     monkeypatch.setenv("KVCANARY_TAP_KEY", KEY.decode())
@@ -353,7 +354,7 @@ def test_a_gateway_that_exits_sends_what_its_tap_still_queues(stream_names: Stre
     make_stream(stream_names)
     env = {"KVCANARY_TAP_URL": NATS_URL, "KVCANARY_TAP_KEY": KEY.decode(),
            "KVCANARY_TAP_SUBJECT_PREFIX": stream_names.subject_prefix, "PATH": "/usr/bin:/bin"}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", EXITS_AT_ONCE], cwd=REPO, env=env, timeout=60,
+    done = subprocess.run([sys.executable, "-c", EXITS_AT_ONCE], cwd=REPO, env=env, timeout=PROCESS_SECONDS,
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "not sent at exit" not in done.stderr, done.stderr

@@ -13,6 +13,7 @@ import pytest
 from kvcanary.workers.cli import build_parser, config_from_args, main
 from kvcanary.workers.config import WorkerConfig
 from tests.support import REPO, WorkerProcess
+from tests.support.pace import PROCESS_SECONDS
 
 
 def test_it_documents_every_flag_in_help() -> None:
@@ -25,7 +26,7 @@ def test_it_documents_every_flag_in_help() -> None:
         capture_output=True,
         text=True,
         check=True,
-        timeout=60,
+        timeout=PROCESS_SECONDS,
     ).stdout
     for action in parser._actions:
         for flag in action.option_strings:

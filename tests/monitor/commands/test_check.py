@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.support import REPO, WorkerProcess, free_port
+from tests.support.pace import PROCESS_SECONDS
 
 DEFECTIVE = ["--mode", "disaggregated", "--admission", "placeholder"]
 POOLS = ["--prefill-pool-tokens", "1024", "--decode-pool-tokens", "8192", "--context-window", "8192"]
@@ -94,7 +95,7 @@ def test_check_with_nothing_to_check_is_no_pass(tmp_path: Path) -> None:
     """A deploy gate that probed nothing must not say 0 ("all passed")."""
     config = write_config(tmp_path, {})
     proc = subprocess.run([sys.executable, "-m", "monitor", "check", "--config", str(config)],
-                          capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
+                          capture_output=True, text=True, cwd=REPO, timeout=PROCESS_SECONDS)  # fmt: skip
     assert proc.returncode == 3 and "nothing was checked" in proc.stderr
 
 
@@ -116,7 +117,7 @@ def test_the_worker_command_documents_every_flag() -> None:
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=60,
+        timeout=PROCESS_SECONDS,
     )
     assert proc.returncode == 0, proc.stderr
     for flag in (

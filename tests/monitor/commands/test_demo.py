@@ -19,6 +19,7 @@ from kvcanary.demo.run import INTERVALS
 from kvcanary.monitor.runs.runner import RunSummary
 from kvcanary.probes.base import ProbeResult, Verdict
 from tests.support import REPO, free_port
+from tests.support.pace import PROCESS_SECONDS
 
 
 @pytest.mark.slow
@@ -37,7 +38,7 @@ def test_the_demo_catches_the_leak_and_shows_redacted_evidence(tmp_path: Path) -
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         demo.send_signal(signal.SIGINT)
-        demo.wait(timeout=60)
+        demo.wait(timeout=PROCESS_SECONDS)
     finally:
         if demo.poll() is None:
             demo.kill()
@@ -148,7 +149,7 @@ def test_sigterm_to_the_demo_stops_its_workers(tmp_path: Path) -> None:
     worker_pids = workers_of(tmp_path)
     assert len(worker_pids) == 2, "".join(lines)
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    proc.wait(timeout=PROCESS_SECONDS)
     assert proc.returncode == 128 + signal.SIGTERM  # stopped as a service manager expects
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(alive(pid) for pid in worker_pids):

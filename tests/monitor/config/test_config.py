@@ -14,6 +14,7 @@ import yaml
 from kvcanary.monitor.config.secrets import api_token, tenant_keys
 from kvcanary.monitor.config.settings import ConfigError, load_settings, parse_settings
 from kvcanary.probes import REGISTRY
+from tests.support.pace import PROCESS_SECONDS
 
 REPO = Path(__file__).resolve().parents[3]
 FIXTURES = REPO / "tests" / "fixtures" / "config"
@@ -33,7 +34,7 @@ def kvcanary(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
         text=True,
         cwd=REPO,
         env=env,
-        timeout=60,
+        timeout=PROCESS_SECONDS,
     )
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from kvcanary.monitor.config.secrets import tenant_keys
 from kvcanary.monitor.config.settings import ConfigError, parse_settings
+from tests.support.pace import PROCESS_SECONDS
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -126,7 +127,7 @@ def test_the_cli_exits_2_naming_a_bad_credential_host(tmp_path: Path) -> None:
         text=True,
         cwd=REPO,
         env=os.environ,
-        timeout=60,
+        timeout=PROCESS_SECONDS,
     )
     assert proc.returncode == 2, proc.stderr
     assert "targets[0].credential_hosts[0]: '10.0.0.1/8': not a CIDR" in proc.stderr

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary.monitor.runs.run_now import RunNow
 from tests.support import REPO, WorkerProcess, free_port, stop_process, wait_http
+from tests.support.pace import PROCESS_SECONDS
 
 TOKEN = "run-now-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -54,7 +55,9 @@ def serve(tmp: Path, base_url: str, **api: Any) -> tuple[str, subprocess.Popen[b
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "KVCANARY_API_TOKEN": TOKEN}
     run = [sys.executable, "-m", "monitor"]
-    subprocess.run([*run, "db", "upgrade", "--config", str(path)], check=True, cwd=REPO, env=env, timeout=60)
+    subprocess.run(
+        [*run, "db", "upgrade", "--config", str(path)], check=True, cwd=REPO, env=env, timeout=PROCESS_SECONDS
+    )
     log = tmp / "monitor.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([*run, "serve", "--config", str(path)], stdout=out, stderr=subprocess.STDOUT,

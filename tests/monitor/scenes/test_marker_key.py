@@ -18,6 +18,7 @@ from kvcanary.monitor.config.secrets import marker_key
 from kvcanary.monitor.config.settings import ConfigError, parse_settings
 from kvcanary.monitor.storage.db import upgrade
 from tests.support import REPO
+from tests.support.pace import PROCESS_SECONDS
 
 TOKEN = "replica-token-0123456789abcdef"
 KEY = "k" * 40
@@ -45,7 +46,7 @@ print(",".join(f"{h.owner_target}/{h.owner_tenant}" for h in hits))
 
 def in_a_new_process(code: str, env: dict[str, str], *args: str) -> str:
     run = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=60, check=True)  # fmt: skip
+                         text=True, timeout=PROCESS_SECONDS, check=True)  # fmt: skip
     return run.stdout.strip()
 
 

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.support import REPO, WorkerProcess, free_port, stop_process, wait_http
+from tests.support.pace import PROCESS_SECONDS
 from tests.support.services import wait_for
 
 POOL = ["--mode", "disaggregated", "--context-window", "8192", "--decode-pool-tokens", "16384"]
@@ -70,7 +71,9 @@ def monitor(tmp_path: Path, start_worker: Callable[..., WorkerProcess]) -> Itera
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "KVCANARY_API_TOKEN": TOKEN}
     run = [sys.executable, "-m", "monitor"]
-    subprocess.run([*run, "db", "upgrade", "--config", str(path)], check=True, cwd=REPO, env=env, timeout=60)
+    subprocess.run(
+        [*run, "db", "upgrade", "--config", str(path)], check=True, cwd=REPO, env=env, timeout=PROCESS_SECONDS
+    )
     log = tmp_path / "monitor.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([*run, "serve", "--config", str(path)], stdout=out, stderr=subprocess.STDOUT,
