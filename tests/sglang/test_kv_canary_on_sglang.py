@@ -47,6 +47,8 @@ pytestmark = pytest.mark.xdist_group("sglang")
 
 #: The canary's stats line every 10 forward steps (SGLang's default is 100).
 STATS_EVERY_STEPS = 10
+#: The engine's running total of violations, as its stats line says it.
+ENGINE_TOTAL = "sglang_kv_canary_engine_violations"
 #: Forward steps before the injector may act: the server's warm-up and the sound phase's one request
 #: (about 15 steps) stay well inside it.
 SOUND_STEPS = 60
@@ -132,12 +134,13 @@ def sound_then_faulty(server: SglangServer, mtail: Mtail, folder: Path) -> Story
     sound = read_counters(config)
     sound_samples = mtail.samples()
     assert not PERTURBED.search(server.log_text()), "the injector acted during the sound phase"
-    # Faulty: requests until the canary has logged a read violation, then the next read.
+    # Faulty: requests until the canary has logged a read violation and its stats line the running
+    # total (every 10 steps: the violating request may end before the next), then the next read.
     deadline = time.monotonic() + FAULT_TIMEOUT_S
     words = 8
-    while mtail.samples().get(READS, 0) == 0:
+    while not ((seen := mtail.samples()).get(READS, 0) and seen.get(ENGINE_TOTAL, 0)):
         assert time.monotonic() < deadline, (
-            f"no violation logged in {FAULT_TIMEOUT_S} s:\n{server.log_text()[-3000:]}"
+            f"no violation logged and totalled in {FAULT_TIMEOUT_S} s:\n{server.log_text()[-3000:]}"
         )
         words += 1  # a new prompt each time, so the radix cache does not answer it whole
         complete(server, words)
