@@ -110,8 +110,11 @@ def server_argv(python: Path, port: int, *extra: str) -> list[str]:
         "--device", "cpu",
         "--attention-backend", "torch_native",
         "--disable-cuda-graph",
-        # A share of the machine's memory for the pool, capped below by --max-total-tokens.
-        "--mem-fraction-static", "0.1",
+        # A share of the machine's memory for the pool, capped below by --max-total-tokens, so a
+        # large share costs nothing: SGLang measures free memory before and after loading the
+        # weights and refuses to start where the drop passes the share, and at 0.1 a second suite
+        # starting beside it took more than a tenth in that moment (the whole module errored).
+        "--mem-fraction-static", "0.5",
         "--max-total-tokens", str(KV_POOL_TOKENS),
         "--enable-metrics",
         # Fills usage.prompt_tokens_details.cached_tokens, which shows radix-cache hits.
