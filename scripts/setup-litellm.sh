@@ -40,8 +40,19 @@ WANT="${PACKAGES[*]} python=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.vers
 start=$(date +%s)
 log() { echo "setup-litellm: [$(( $(date +%s) - start ))s] $*"; }
 
-if [[ "${FORCE:-0}" != "1" && -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+set_up() { [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; }
+if [[ "${FORCE:-0}" != "1" ]] && set_up; then
     log "already set up in $VENV (litellm==$LITELLM_VERSION)"
+    exit 0
+fi
+
+# Two clones set up at once (parallel CI jobs) must not install into one venv together; the second
+# finds the first one's stamp once it holds the lock.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
+if [[ "${FORCE:-0}" != "1" ]] && set_up; then
+    log "set up meanwhile in $VENV (litellm==$LITELLM_VERSION)"
     exit 0
 fi
 log "creating $VENV with $PYTHON"

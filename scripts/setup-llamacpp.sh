@@ -33,16 +33,24 @@ WANT="llama-cpp-python[server]==$LLAMACPP_VERSION gguf==$GGUF_VERSION numpy pyth
 start=$(date +%s)
 log() { echo "setup-llamacpp: [$(( $(date +%s) - start ))s] $*"; }
 
-if [[ "${FORCE:-0}" != "1" && "${REBUILD:-0}" != "1" && -x "$VENV/bin/python" && -f "$STAMP" \
-      && "$(cat "$STAMP")" == "$WANT" ]]; then
+set_up() {
+    [[ "${FORCE:-0}" != "1" && "${REBUILD:-0}" != "1" && -x "$VENV/bin/python" && -f "$STAMP" \
+       && "$(cat "$STAMP")" == "$WANT" ]]
+}
+if set_up; then
     log "already set up in $VENV ($WANT)"
     exit 0
 fi
 
-# Two clones set up at once (parallel CI jobs) must not build the wheel twice or half-install the venv.
+# Two clones set up at once (parallel CI jobs) must not build the wheel twice or half-install the venv;
+# the second finds the first one's stamp once it holds the lock (and must not reinstall under its tests).
 mkdir -p "$WHEELS" "$(dirname "$VENV")"
 exec 9>"$WHEELS/.setup-llamacpp.lock"
 flock 9
+if set_up; then
+    log "set up meanwhile in $VENV ($WANT)"
+    exit 0
+fi
 
 if [[ "${FORCE:-0}" == "1" || "${REBUILD:-0}" == "1" || ! -x "$VENV/bin/python" ]]; then
     log "creating $VENV with $PYTHON"

