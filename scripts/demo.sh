@@ -11,8 +11,10 @@ need=()
 command -v prometheus >/dev/null || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)
 if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null; then
-  { as_root apt-get update -q && as_root env DEBIAN_FRONTEND=noninteractive \
-      apt-get install -y -q --no-install-recommends "${need[@]}"; } >/dev/null 2>&1 \
+  # The lock and the timeout: a test run setting up beside it would hold apt's lock (scripts/test.sh).
+  ( flock 9 && as_root apt-get -o DPkg::Lock::Timeout=300 update -q && as_root env DEBIAN_FRONTEND=noninteractive \
+      apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends "${need[@]}"
+  ) 9>"${TMPDIR:-/tmp}/kvcanary-apt.lock" >/dev/null 2>&1 \
     || echo "demo.sh: could not install ${need[*]}; the demo runs without them" >&2
 fi
 bash scripts/setup.sh

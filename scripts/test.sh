@@ -19,8 +19,14 @@ command -v npm >/dev/null || need+=(npm)
 command -v chromium >/dev/null || need+=(chromium)
 command -v chromedriver >/dev/null || need+=(chromium-driver)
 if [ ${#need[@]} -gt 0 ]; then
-  as_root apt-get update -q
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}"
+  # Two clones set up at once would meet at apt's own lock, which apt-get does not wait for: the
+  # second waits here for the first, and apt waits (5 min at most) for anyone else's dpkg.
+  (
+    flock 9
+    as_root apt-get -o DPkg::Lock::Timeout=300 update -q
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q \
+      --no-install-recommends "${need[@]}"
+  ) 9>"${TMPDIR:-/tmp}/kvcanary-apt.lock"
 fi
 if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
   as_root pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | sort | tail -n1)" main start || true
