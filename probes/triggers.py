@@ -121,6 +121,13 @@ def own_marker_due(request: CompletionRequest, marker: str) -> bool:
     return at >= 0 and at + len(marker) <= OWN_MARKER_HORIZON_CHARS
 
 
+#: A 2xx answer cut short on its way (the request's timeout, a broken stream): what came of it is
+#: still the engine's output for this request, so another request's marker in it is evidence at any
+#: pace (a follower handed an abandoned answer of 4,096 tokens ran past its timeout on a loaded
+#: machine, and the run's own verdict was an error beside the runner's leak).
+CUT_SHORT = frozenset({"timeout", "stream_error"})
+
+
 def judge_own(
     c: Completion,
     request: CompletionRequest,
@@ -141,8 +148,11 @@ def judge_own(
     repeats (the lone canary got no answer and none was kept), a missing own marker is an
     ``error``, not a mismatch."""
     others = live_markers(c.text, book) - {"KVC-" + marker[4:].lower()}
-    if others and unjudgeable(c) is None:
+    why = unjudgeable(c)
+    if others and (why is None or (c.ok and why in CUT_SHORT)):
         detail = f"the answer carries {len(others)} marker(s) given to other requests"
+        if why is not None:
+            detail += f" in the {len(c.text)} characters read before it was cut short ({why})"
         return Verdict.MISMATCH, "other_request_marker", detail
     due = asked and own_marker_due(request, marker)
     if (repeats is False or not due) and unjudgeable(c) is None and c.ok:

@@ -60,6 +60,17 @@ def test_a_worker_handing_an_abandoned_answer_to_the_next_request_is_caught(refe
     assert evidence["leak_count"] >= 1 and evidence["probe_verdict"] == "mismatch", evidence
 
 
+def test_an_abandoned_answer_handed_on_is_the_probes_mismatch_when_it_outlasts_the_timeout(reference) -> None:  # type: ignore[no-untyped-def]
+    """The answer handed on is the orphan's 4,096 tokens: where the next request's timeout ends it
+    first (on a loaded machine at 15 s; here at 2 s), what was read still carries the marker."""
+    verdict, reason, evidence = run_kind("hangup", reference(*BUGGY), timeout=2, abandoned_max_tokens=4096)
+    assert (verdict, reason) == (Verdict.LEAK, "foreign_marker"), evidence
+    assert evidence["probe_verdict"] == "mismatch", evidence
+    # judged in an answer its timeout ended:
+    cut = [t for t in evidence["tenants"] if t["reason"] == "other_request_marker" and "2s" in t["error"]]
+    assert cut, evidence["tenants"]
+
+
 def sse_forever(call: Call) -> httpx.Response:
     """A stream that would go on for long: the probe must hang up on it, not read it to the end."""
     if not call.body.get("stream") or call.body["max_tokens"] < 200:

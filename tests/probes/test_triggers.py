@@ -53,6 +53,20 @@ def test_another_live_marker_of_the_same_tenant_is_a_mismatch_even_where_the_mod
         assert (verdict, reason) == (Verdict.MISMATCH, "other_request_marker"), repeats
 
 
+def test_another_requests_marker_in_an_answer_cut_short_is_a_mismatch_and_in_a_5xx_no_evidence() -> None:
+    _, mine = BOOK.plant("t", "alice")
+    _, earlier = BOOK.plant("t", "alice")
+    for kind in ("timeout", "stream"):  # a 200 whose answer stopped coming: what came is the engine's
+        cut = Completion(status=200, text=f"{earlier} {earlier[:5]}", error_kind=kind, error="cut")
+        verdict, reason, detail = judge_own(cut, asking(mine), mine, True, BOOK)
+        assert (verdict, reason) == (Verdict.MISMATCH, "other_request_marker"), kind
+        assert "characters read before it was cut short" in detail
+    cut = Completion(status=200, text="the the", error_kind="timeout", error="cut")
+    assert judge_own(cut, asking(mine), mine, True, BOOK)[0] is Verdict.ERROR  # nothing in it: no verdict
+    failed = Completion(status=500, text=f"error while serving: {earlier}", error_kind="http", error="boom")
+    assert judge_own(failed, asking(mine), mine, True, BOOK)[0] is Verdict.ERROR
+
+
 def test_a_missing_own_marker_is_an_error_when_nobody_knows_whether_the_model_repeats() -> None:
     _, marker = BOOK.plant("t", "alice")
     assert judged("the the", marker, None) == (Verdict.ERROR, "repeats_unknown")

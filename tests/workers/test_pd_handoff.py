@@ -364,13 +364,14 @@ def test_a_verifying_decode_server_fails_the_placeholder_request_closed(servers:
 
 def test_a_refusal_of_the_prefill_server_is_the_decode_servers_400_at_once(servers: Servers) -> None:
     prefills, decodes = servers
-    started = time.monotonic()
-    prefill, decode = as_gateway(
-        prefills["reject"], decodes["plain"], pd_body(OVER_CAPACITY_PROMPT, prefills["reject"])
-    )
+    plain = decodes["plain"]
+    failed = metric(plain.url, "kvcanary_kv_transfer_failures_total", side="decode")
+    prefill, decode = as_gateway(prefills["reject"], plain, pd_body(OVER_CAPACITY_PROMPT, prefills["reject"]))
     assert prefill.status_code == 400 and "(1023 tokens)" in prefill.json()["error"]["message"]
     assert decode.status_code == 400 and "(1023 tokens)" in decode.json()["error"]["message"]
-    assert time.monotonic() - started < HANDOFF_TIMEOUT / 2  # the decode server did not wait out its hand-off
+    # The decode server did not wait out its hand-off (that is a transfer failure, counted), whatever
+    # the machine's pace: a bound on the time failed beside a second suite (5.0 s against 4).
+    assert metric(plain.url, "kvcanary_kv_transfer_failures_total", side="decode") == failed
 
 
 def test_a_refusal_of_the_decode_server_is_the_prefill_servers_too_and_frees_its_pages_at_once(
@@ -381,11 +382,12 @@ def test_a_refusal_of_the_decode_server_is_the_prefill_servers_too_and_frees_its
     pool filled with such rooms makes even small requests wait."""
     prefills, decodes = servers
     reject, narrow = prefills["reject"], decodes["narrow"]
-    started = time.monotonic()
+    failed = metric(reject.url, "kvcanary_kv_transfer_failures_total", side="prefill")
     prefill, decode = as_gateway(reject, narrow, pd_body("y" * 800, reject))
     assert decode.status_code == 400 and "(511 tokens)" in decode.json()["error"]["message"], decode.text
     assert prefill.status_code == 400 and prefill.json()["error"]["type"] == "decode_refused", prefill.text
-    assert time.monotonic() - started < HANDOFF_TIMEOUT / 2  # not the hand-off timeout
+    # Not the hand-off timeout: a room that expires is a transfer failure, counted.
+    assert metric(reject.url, "kvcanary_kv_transfer_failures_total", side="prefill") == failed
     assert metric(reject.url, "kvcanary_kv_pages_free", pool="prefill") == 64  # all given back
 
 
@@ -428,6 +430,7 @@ def test_a_prefill_request_whose_client_left_frees_its_staged_room_before_the_ha
     prefills, _ = servers
     reject = prefills["reject"]
     aborted = metric(reject.url, "kvcanary_requests_aborted_total")
+    failed = metric(reject.url, "kvcanary_kv_transfer_failures_total", side="prefill")
     started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):  # the client leaves; nobody ever fetches the room
         httpx.post(
@@ -437,9 +440,12 @@ def test_a_prefill_request_whose_client_left_frees_its_staged_room_before_the_ha
             timeout=httpx.Timeout(10, read=0.3),
         )
     while metric(reject.url, "kvcanary_kv_pages_free", pool="prefill") < 64:
-        assert time.monotonic() - started < HANDOFF_TIMEOUT / 2, "the room's pages were held until it expired"
+        assert time.monotonic() - started < 60, "the room's pages were never given back"
         time.sleep(0.05)
     assert metric(reject.url, "kvcanary_requests_aborted_total") == aborted + 1
+    # Let go by the abort, not by the room's expiry (a transfer failure, counted), at any pace.
+    failures = metric(reject.url, "kvcanary_kv_transfer_failures_total", side="prefill")
+    assert failures == failed, "the room's pages were held until it expired"
 
 
 def test_a_body_without_bootstrap_fields_is_a_400_naming_them(servers: Servers) -> None:

@@ -204,12 +204,13 @@ class QuarantineWatch:
             self._refuse(refused)
             return False
         if moved:
-            log_changes(self.current, found)
-            self.current = found
-            self.moved_at = time.monotonic()
+            # Said before the set is taken: whoever reads the watch fresh again finds the line said.
             if self._stale_said:
                 self._stale_said = False
                 log.warning("kvcanary tap: the quarantine set moves forward again (%s)", describe(found))
+            log_changes(self.current, found)
+            self.current = found
+            self.moved_at = time.monotonic()
         self.last_read_at = time.time()
         return True
 

@@ -19,6 +19,7 @@ from kvcanary.monitor.incidents import record_result
 from kvcanary.monitor.storage.db import make_engine, make_session_factory, upgrade
 from kvcanary.probes.base import ProbeResult, Verdict
 from tests.support import REPO, free_port
+from tests.support.pace import PROCESS_SECONDS
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 
@@ -26,7 +27,7 @@ NOW = datetime.now(UTC).replace(microsecond=0)
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "monitor", "blast-radius", *args], capture_output=True, text=True, cwd=REPO,
-        timeout=120,
+        timeout=PROCESS_SECONDS,
     )  # fmt: skip
 
 

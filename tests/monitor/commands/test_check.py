@@ -42,7 +42,7 @@ def check(config: Path, *extra: str) -> tuple[int, list[dict[str, str]]]:
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=180,
+        timeout=PROCESS_SECONDS,
     )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     return proc.returncode, lines

@@ -16,6 +16,7 @@ from kvcanary.monitor.incidents import record_result
 from kvcanary.monitor.storage.db import make_engine, make_session_factory, upgrade
 from kvcanary.probes.base import ProbeResult, Verdict
 from tests.support import REPO
+from tests.support.pace import PROCESS_SECONDS
 
 NOW = datetime.now(UTC)
 
@@ -23,7 +24,7 @@ NOW = datetime.now(UTC)
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "monitor", "quarantine", *args], capture_output=True, text=True, cwd=REPO,
-        timeout=120,
+        timeout=PROCESS_SECONDS,
     )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ import yaml
 
 from tests.monitor.served import spawn_serve
 from tests.support import REPO, WorkerProcess, free_port, stop_process, wait_http
+from tests.support.pace import PROCESS_SECONDS
 
 DEFECTIVE = [
     "--mode",
@@ -127,7 +128,7 @@ class Deployment:
             text=True,
             cwd=REPO,
             env=self.env,
-            timeout=120,
+            timeout=PROCESS_SECONDS,
         )
 
     def serve(self) -> None:
