@@ -155,7 +155,7 @@ def judge_own(
             detail += f" in the {len(c.text)} characters read before it was cut short ({why})"
         return Verdict.MISMATCH, "other_request_marker", detail
     due = asked and own_marker_due(request, marker)
-    if (repeats is False or not due) and unjudgeable(c) is None and c.ok:
+    if (repeats is False or not due) and why is None and c.ok:
         why = "the model does not repeat" if repeats is False else _not_due(asked)
         return Verdict.PASS, "no_foreign_marker", f"no foreign marker ({why})"
     verdict, reason, detail = judge_answer(c, request.prompt, marker, None)
