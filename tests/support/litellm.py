@@ -34,6 +34,11 @@ TAP_CALLBACK = "kvcanary.tap.litellm.tap"
 #: parallel workers, beside a vLLM or llama.cpp server busy on both cores, two CI runs saw starts pass
 #: 90 s: a start is not a test, so it gets room, and proxies start one at a time (``_one_start``).
 START_TIMEOUT_S = 240.0
+#: How long a start waits for the machine's start lock. A holder holds it for one start at most
+#: (``START_TIMEOUT_S``), so waiting is a queue, never a hang: two suites side by side with a third
+#: LiteLLM test beside them queued past twice a start's bound (five tests failed waiting, at a load of
+#: 20-30). Room for every worker of two suites (eight) to start ahead.
+LOCK_WAIT_S = 8 * START_TIMEOUT_S
 #: Customer keys → (team, key alias). The keys never reach the monitor; their teams do.
 CALLERS = {
     "sk-acme-0001": ("acme", "acme-prod"),
@@ -160,7 +165,7 @@ def _one_start() -> Iterator[None]:
     """Hold the machine's LiteLLM start lock (a file in the venv, which every clone's tests share):
     two proxies importing at once on 2 cores each take twice as long, and neither is a test."""
     with (VENV / ".kvcanary-start.lock").open("w") as lock:
-        deadline = time.monotonic() + 2 * START_TIMEOUT_S
+        deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

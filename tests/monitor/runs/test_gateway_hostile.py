@@ -130,6 +130,31 @@ async def rounds_of(
     return seen
 
 
+async def rounds_until_changed(
+    discovery: GatewayDiscovery, targets: set[str], pause: float, seconds: float = 120.0
+) -> list[tuple[float, dict[str, NodeChange]]]:
+    """Refresh until each of ``targets`` has changed once (or ``seconds`` have passed); return each
+    call's changes as :func:`rounds_of` does."""
+    began = time.monotonic()
+    seen: list[tuple[float, dict[str, NodeChange]]] = []
+    while time.monotonic() - began < seconds:
+        changes = await discovery.refresh()
+        seen.append((time.monotonic() - began, changes))
+        if targets <= set(first_changes(seen)):
+            break
+        await asyncio.sleep(pause)
+    return seen
+
+
+def first_changes(seen: list[tuple[float, dict[str, NodeChange]]]) -> dict[str, NodeChange]:
+    """Each target's first change: what its first reading taken up moved."""
+    first: dict[str, NodeChange] = {}
+    for _, changes in seen:
+        for target, change in changes.items():
+            first.setdefault(target, change)
+    return first
+
+
 def joined_by(seen: list[tuple[float, dict[str, NodeChange]]]) -> dict[str, dict[str, float]]:
     """Each target's joined nodes and when the call that said so returned."""
     joined: dict[str, dict[str, float]] = {}
@@ -396,9 +421,13 @@ def by_base(guards: list[GuardFacts]) -> dict[str, tuple[str, int]]:
 
 
 def test_one_hostile_worker_stops_no_join_and_poisons_no_guard(
-    fleet: Fleet, caplog: pytest.LogCaptureFixture
+    fleet: Fleet, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     interval = 0.5
+    # A sound node's join-time reads that outlast JOIN_WAIT_SECONDS join it a reading later, as
+    # designed (the unit tests above hold that); here every read is waited out to its own bound, so
+    # what the first reading holds is down to the hostile entries, not to how busy the machine is.
+    monkeypatch.setattr("kvcanary.monitor.runs.discovery.JOIN_WAIT_SECONDS", READ_SECONDS)
     settings = settings_of(
         gateway_target("glm", fleet.glm.url, discovery_interval_seconds=interval),
         gateway_target("other", fleet.other.url, discovery_interval_seconds=interval),
@@ -410,7 +439,8 @@ def test_one_hostile_worker_stops_no_join_and_poisons_no_guard(
         http = HttpClient(64)
         discovery = GatewayDiscovery(settings, http, Limits())
         try:
-            seen = await rounds_of(discovery, 4 * interval, pause=0.2)
+            seen = await rounds_until_changed(discovery, {"glm", "other"}, pause=0.2)
+            seen += await rounds_of(discovery, 4 * interval, pause=0.2)  # the far host said once over these
             merged = discovery.merged()
             keys = {"alice": KEYS["alice"], "bob": KEYS["bob"]}
             clients = {t.name: OpenAIHttpTarget(t, keys, client=http) for t in merged.targets}
@@ -426,8 +456,10 @@ def test_one_hostile_worker_stops_no_join_and_poisons_no_guard(
     tiny = node_name("prefill", fleet.tiny.url)
     joined = joined_by(seen)
     assert set(joined["glm"]) == {roomy, d0, tiny} and set(joined["other"]) == {roomy, d0}, joined
-    slowest = max(at for nodes in joined.values() for at in nodes.values())
-    assert slowest < 2 * interval, f"a sound node joined {slowest:.1f}s after the first reading"
+    # At the first reading: each gateway's first change is every node it lists but the far host,
+    # counted in readings, not seconds (a loaded machine's pace moved a bound of 1 s).
+    first = {target: set(change.joined) for target, change in first_changes(seen).items()}
+    assert first == {"glm": {roomy, d0, tiny}, "other": {roomy, d0}}, (first, joined)
 
     # The far host: refused, said once over every reading, counted.
     assert discovery.refused == {"glm": {"url": 1}, "other": {}}
