@@ -116,31 +116,21 @@ class Held:
 
 
 async def rounds_of(
-    discovery: GatewayDiscovery, seconds: float, pause: float = INTERVAL, began: float | None = None
+    discovery: GatewayDiscovery,
+    seconds: float,
+    pause: float = INTERVAL,
+    began: float | None = None,
+    done: Callable[[list[tuple[float, dict[str, NodeChange]]]], bool] | None = None,
 ) -> list[tuple[float, dict[str, NodeChange]]]:
-    """Refresh for ``seconds``; return each call's changes and how long after ``began`` (default:
-    now) it returned."""
+    """Refresh for ``seconds`` (or until ``done`` says so of what was seen); return each call's
+    changes and how long after ``began`` (default: now) it returned."""
     began = time.monotonic() if began is None else began
     until = time.monotonic() + seconds
     seen = []
     while time.monotonic() < until:
         changes = await discovery.refresh()
         seen.append((time.monotonic() - began, changes))
-        await asyncio.sleep(pause)
-    return seen
-
-
-async def rounds_until_changed(
-    discovery: GatewayDiscovery, targets: set[str], pause: float, seconds: float = 120.0
-) -> list[tuple[float, dict[str, NodeChange]]]:
-    """Refresh until each of ``targets`` has changed once (or ``seconds`` have passed); return each
-    call's changes as :func:`rounds_of` does."""
-    began = time.monotonic()
-    seen: list[tuple[float, dict[str, NodeChange]]] = []
-    while time.monotonic() - began < seconds:
-        changes = await discovery.refresh()
-        seen.append((time.monotonic() - began, changes))
-        if targets <= set(first_changes(seen)):
+        if done is not None and done(seen):
             break
         await asyncio.sleep(pause)
     return seen
@@ -439,7 +429,8 @@ def test_one_hostile_worker_stops_no_join_and_poisons_no_guard(
         http = HttpClient(64)
         discovery = GatewayDiscovery(settings, http, Limits())
         try:
-            seen = await rounds_until_changed(discovery, {"glm", "other"}, pause=0.2)
+            both_changed = lambda seen: {"glm", "other"} <= set(first_changes(seen))  # noqa: E731
+            seen = await rounds_of(discovery, 120.0, pause=0.2, done=both_changed)
             seen += await rounds_of(discovery, 4 * interval, pause=0.2)  # the far host said once over these
             merged = discovery.merged()
             keys = {"alice": KEYS["alice"], "bob": KEYS["bob"]}
