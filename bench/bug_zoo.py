@@ -116,11 +116,12 @@ def run_kind(url: str, kind: str, flags: tuple[str, ...] = ()) -> Verdict:
     options: dict[str, dict[str, Any]] = {}
     if "--lora-adapter" in flags:
         options["shared_prefix"] = {"adapters": list(ADAPTERS)}
-    if "--session-cache" in flags:
-        # The session cache keys by salt, not tenant: shared across tenants on purpose.
+    if "--session-cache" in flags or _flag(flags, "--prefix-cache") == "shared":
+        # Both are shared across tenants on purpose (the session cache keys by salt, not tenant), as
+        # an operator who runs them says: a hit across tenants is then the policy, not a leak.
         options["prefix_cache"] = {"policy": "shared"}
     if "--reasoning-end-str" in flags:
-        options["full_batch"] = {"reasoning_end": flags[flags.index("--reasoning-end-str") + 1]}
+        options["full_batch"] = {"reasoning_end": _flag(flags, "--reasoning-end-str")}
     config = TargetConfig(
         name="zoo", base_url=url, engine="reference", model="kvcanary-reference",
         tenants=[{"name": t} for t in KEYS], timeout_seconds=TIMEOUTS.get(kind, 15), probes=[kind],
@@ -133,6 +134,11 @@ def run_kind(url: str, kind: str, flags: tuple[str, ...] = ()) -> Verdict:
         return result.verdict
 
     return asyncio.run(go())
+
+
+def _flag(flags: tuple[str, ...], name: str) -> str | None:
+    """Return the value given to ``name`` in ``flags``, or None where it is not given."""
+    return flags[flags.index(name) + 1] if name in flags else None
 
 
 def cell(verdicts: list[Verdict]) -> str:

@@ -36,3 +36,12 @@ def test_an_unknown_defect_is_refused_by_name(capsys: pytest.CaptureFixture[str]
         load_bench().main(["matrix", "--defects", "no-such-bug"])
     assert exit_info.value.code == 2
     assert "no-such-bug" in capsys.readouterr().err
+
+
+def test_a_cache_shared_on_purpose_is_judged_as_its_operator_says(capsys: pytest.CaptureFixture[str]) -> None:
+    """The shared-prefix workers share their cache across tenants by design: ``prefix_cache`` is told
+    ``policy: shared``, as their operator would, so a hit across tenants is a pass, not a leak."""
+    argv = ["matrix", "--defects", "prefix-key-partial", "--kinds", "prefix_cache", "--runs", "1"]
+    assert load_bench().main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `prefix_cache`")]
+    assert rows == ["| `prefix_cache` | pass 1/1 | pass 1/1 |"], rows
