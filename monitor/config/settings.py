@@ -20,14 +20,9 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from kvcanary.monitor.config.targets import (
-    DAY,
-    ContainmentPolicy,
-    EnvName,
-    Strict,
-    TargetConfig,
-    http_url,
-)
+from kvcanary.monitor.config.base import DAY, EnvName, Strict, http_url
+from kvcanary.monitor.config.containment_policy import ContainmentPolicy
+from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.probes.yamlfile import DuplicateKeyError, error_lines, load_yaml
 from kvcanary.wire import QUARANTINE_BUCKET
 

@@ -1,29 +1,27 @@
 """The part of the settings that describes what is probed: targets, their tenants and nodes.
 
-Also the base every settings model shares (:class:`Strict`: unknown keys refused, no inf/nan) and
-the name rules used across the config. :mod:`monitor.config.settings` assembles the whole ``Settings``.
+:mod:`monitor.config.base` holds what every settings model shares, :mod:`.containment_policy` what a
+leak does to routing; :mod:`monitor.config.settings` assembles the whole ``Settings``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from kvcanary.monitor.config.base import DAY, EnvName, Name, Strict, http_url
+from kvcanary.monitor.config.containment_policy import TargetContainment
 from kvcanary.monitor.config.credentials import CredentialScope, parse_host_rule
 from kvcanary.probes import REGISTRY
 from kvcanary.probes.target import Node, ServingPath, ranked_name
@@ -32,23 +30,13 @@ from kvcanary.probes.yamlfile import key_path
 log = logging.getLogger(__name__)
 
 Engine = Literal["sglang", "vllm", "llamacpp", "reference", "openai"]
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-DAY = 86400.0
 
-
-def _name(value: str) -> str:
-    if not NAME_RE.match(value):
-        raise ValueError("must be 1-63 letters, digits, '_', '.', '-'")
-    return value
-
-
-def _env_name(value: str) -> str:
-    if not ENV_RE.match(value):
-        raise ValueError("must be an environment variable name")
-    return value
-
-
+#: What a target that states no ``probes`` runs: three kinds that judge answers, and, on an engine
+#: that publishes its pools, version and counters (every one but a hosted API), the three audits that
+#: read them and send no request.
+DEFAULT_PROBES = ("canary", "cross_tenant", "boundary")
+AUDITS = ("capacity", "version", "counters")
+AUDITED_ENGINES = frozenset({"sglang", "vllm", "llamacpp", "reference"})
 #: What ``path_probes`` is by default: the canary and the admission boundary judge one pair's
 #: hand-off and its decode pages; the other kinds judge what no pair changes.
 PATH_KINDS = ("canary", "boundary")
@@ -72,65 +60,8 @@ def _host_entry(value: str) -> str:
     return value.strip()
 
 
-#: A target, tenant or node name (``NAME_RE``).
-Name = Annotated[str, AfterValidator(_name)]
-#: The name of an environment variable a secret is read from (``ENV_RE``).
-EnvName = Annotated[str, AfterValidator(_env_name)]
 #: A ``credential_hosts`` entry (``monitor/config/credentials.py``, ``parse_host_rule``).
 HostEntry = Annotated[str, AfterValidator(_host_entry)]
-
-
-class Strict(BaseModel):
-    # No inf/nan: an infinite interval or retention passes "> 0" and then overflows a timer.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-Containment = Literal["observe", "quarantine"]
-#: What a target that states no ``probes`` runs: three kinds that judge answers, and, on an engine
-#: that publishes its pools, version and counters (every one but a hosted API), the three audits that
-#: read them and send no request.
-DEFAULT_PROBES = ("canary", "cross_tenant", "boundary")
-AUDITS = ("capacity", "version", "counters")
-AUDITED_ENGINES = frozenset({"sglang", "vllm", "llamacpp", "reference"})
-
-
-def _off_as_written(value: Any) -> Any:
-    """YAML 1.1 reads an unquoted ``off`` as false: take it as the word the operator wrote."""
-    return "off" if value is False else value
-
-
-#: ``off``: the gateways get no admission facts; ``observe``: they count what they would refuse;
-#: ``enforce``: they refuse it (``monitor/containment/guards.py``).
-AdmissionGuard = Annotated[Literal["off", "observe", "enforce"], BeforeValidator(_off_as_written)]
-#: What a ``suspected`` leak (a fingerprint check's, ``probes/base.py``) does: ``page`` (and verify
-#: it by probes; an operator's ``confirm`` quarantines) or ``quarantine`` as a certain one does.
-Suspected = Literal["page", "quarantine"]
-
-
-class ContainmentPolicy(Strict):
-    """What an open critical leak on a target does to the gateways' routing (``monitor/containment/``):
-    ``observe`` records that it would quarantine the target; ``quarantine`` has every gateway's tap
-    stop sending customers to it. Set at the top (``containment:``) and, to differ, on a target."""
-
-    mode: Containment = "observe"
-    # A quarantine by an incident ends once the incident resolved and the target then went this
-    # long without any failure: a deployment that leaks one request in four never gets there.
-    lift_after_seconds: float = Field(3600.0, ge=0, le=30 * DAY)
-    # Whether the gateways refuse, before any upstream call, a prompt the target's smallest
-    # measured KV pool surely cannot hold (the admission check the incident's engine lacked).
-    admission_guard: AdmissionGuard = "off"
-    # Proof moves traffic, a hint pages: customers sharing a public text must not take a healthy
-    # deployment away. ``quarantine`` here is for a target where any hint must close the door.
-    suspected: Suspected = "page"
-
-
-class TargetContainment(Strict):
-    """A target's own ``containment:``: what it states replaces the top-level policy's value."""
-
-    mode: Containment | None = None
-    lift_after_seconds: float | None = Field(None, ge=0, le=30 * DAY)
-    admission_guard: AdmissionGuard | None = None
-    suspected: Suspected | None = None
 
 
 class TenantConfig(Strict):
@@ -144,24 +75,6 @@ class TenantConfig(Strict):
         if isinstance(data, dict) and "api_key" in data:
             raise ValueError("api_key: literal keys are refused; use api_key_env or api_key_file")
         return data
-
-
-def http_url(v: str) -> str:
-    """Accept ``http(s)://host[:port][/prefix]`` without credentials, query or fragment; raise ValueError."""
-    try:
-        url = httpx.URL(v)
-    except (httpx.InvalidURL, ValueError) as exc:
-        raise ValueError(f"not a valid URL: {exc}") from None
-    if url.port is not None and not 0 < url.port < 65536:
-        raise ValueError(f"not a valid URL: port {url.port} is out of range")
-    if url.scheme not in ("http", "https") or not url.host:
-        raise ValueError("must be an http:// or https:// URL with a host")
-    if url.userinfo:
-        # Credentials in a URL end up in logs, rows and error messages; keys belong to tenants.
-        raise ValueError("must not carry credentials; use the tenants' api_key_env or api_key_file")
-    if url.query or url.fragment:
-        raise ValueError("must not carry a query string or fragment")
-    return v.rstrip("/")
 
 
 class NodeConfig(Strict):

@@ -3,10 +3,10 @@ a deployment's KV pool surely cannot hold (the admission check the incident's en
 enforced from what kvcanary measured).
 
 For each target whose containment policy sets ``admission_guard`` to ``observe`` or ``enforce``
-(``config/targets.py``), the monitor publishes beside the quarantine set (``GET /api/v1/quarantine``,
-its ``guards``; ``docs/tap-protocol.md``) one guard per deployment, each naming its api_base keys
-(``monitor/routing.py``'s ``routes_of``: the target's ``base_url`` and ``gateway_api_bases``, and
-each node's URL):
+(``config/containment_policy.py``), the monitor publishes beside the quarantine set
+(``GET /api/v1/quarantine``, its ``guards``; ``docs/tap-protocol.md``) one guard per deployment,
+each naming its api_base keys (``monitor/routing.py``'s ``routes_of``: the target's ``base_url``
+and ``gateway_api_bases``, and each node's URL):
 
 - ``kv_pool_tokens``: for a node's own deployment (its api_base is a prefill or aggregated node's
   URL), that node's smallest KV pool; for the target's (its ``base_url``, a gateway routing to any of

@@ -33,7 +33,8 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcanary.monitor.config.targets import NodeConfig, http_url
+from kvcanary.monitor.config.base import http_url
+from kvcanary.monitor.config.targets import NodeConfig
 from kvcanary.monitor.targets.http import CONNECT_ERRORS, HttpClient, chunks
 from kvcanary.monitor.targets.openai_format import Limits, read_limited
 

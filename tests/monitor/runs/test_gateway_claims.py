@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from kvcanary.monitor.config.targets import NAME_RE
+from kvcanary.monitor.config.base import NAME_RE
 from kvcanary.monitor.routing import routes_of
 from kvcanary.monitor.runs.discovery import GatewayDiscovery
 from kvcanary.monitor.targets.http import HttpClient

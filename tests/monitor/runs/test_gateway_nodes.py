@@ -29,8 +29,9 @@ from unittest.mock import patch
 import httpx
 import pytest
 
+from kvcanary.monitor.config.base import NAME_RE
 from kvcanary.monitor.config.settings import Settings
-from kvcanary.monitor.config.targets import NAME_RE, TargetConfig
+from kvcanary.monitor.config.targets import TargetConfig
 from kvcanary.monitor.runs import discovery as discovery_module
 from kvcanary.monitor.runs.discovery import GatewayDiscovery, NodeChange
 from kvcanary.monitor.targets.http import HttpClient
