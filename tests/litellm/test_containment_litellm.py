@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -59,15 +59,23 @@ RULES = REPO / "alerts" / "kvcanary.rules.yml"
 pytestmark = pytest.mark.external_service
 
 
+class Answer(NamedTuple):
+    """One customer's request: when it was sent and when its answer ended (wall clock), its status
+    and the deployment that served it. The gateway routes a request when it comes: one routed before
+    the quarantine set was taken up may end after the bound on a loaded machine."""
+
+    sent: float
+    finished: float
+    status: int
+    api_base: str
+
+
 @dataclass
 class Customers:
-    """Three callers asking through the proxy without pause; each answer with its wall-clock end,
-    and again with the time it was asked (the gateway routes a request when it comes: one routed
-    before the quarantine set was taken up may end after the bound on a loaded machine)."""
+    """Three callers asking through the proxy without pause."""
 
     proxy: Proxy
-    answers: list[tuple[float, int, str]] = field(default_factory=list)  # (finished, status, api_base)
-    asked: list[tuple[float, int, str]] = field(default_factory=list)  # (sent, status, api_base)
+    answers: list[Answer] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
 
@@ -77,8 +85,7 @@ class Customers:
                 while not self._stop.is_set():
                     sent = time.time()
                     answer = ask(self.proxy, client)
-                    self.answers.append((time.time(), answer.status, answer.api_base))
-                    self.asked.append((sent, answer.status, answer.api_base))
+                    self.answers.append(Answer(sent, time.time(), answer.status, answer.api_base))
 
         self._threads = [threading.Thread(target=caller, daemon=True) for _ in range(3)]
         for thread in self._threads:
@@ -153,7 +160,7 @@ def test_no_customer_gets_an_answer_from_the_leaking_deployment_two_seconds_afte
     leaking, sound = key_of(stack.leaking), key_of(stack.sound)
     customers = Customers(stack.proxy).start()
     try:
-        wait_served = lambda: {a[2] for a in customers.answers} == {leaking, sound}  # noqa: E731
+        wait_served = lambda: {a.api_base for a in customers.answers} == {leaking, sound}  # noqa: E731
         stack.monitor.wait_for("both deployments to serve customers", wait_served, 60)
         stack.monitor.start()
         verdict_at = stack.monitor.wait_for("the first leak verdict", lambda: first_leak(stack.monitor), 90)
@@ -161,16 +168,16 @@ def test_no_customer_gets_an_answer_from_the_leaking_deployment_two_seconds_afte
     finally:
         customers.stop()
     answers = list(customers.answers)
-    before = [a for a in answers if a[0] < verdict_at]
-    assert {a[2] for a in before} == {leaking, sound}, "both deployments served before the leak"
-    from_leaking = [finished for finished, _, api_base in answers if api_base == leaking]
-    last = max(from_leaking) - verdict_at
-    last_asked = max(sent for sent, _, api_base in customers.asked if api_base == leaking) - verdict_at
+    before = [a for a in answers if a.finished < verdict_at]
+    assert {a.api_base for a in before} == {leaking, sound}, "both deployments served before the leak"
+    from_leaking = [a for a in answers if a.api_base == leaking]
+    last = max(a.finished for a in from_leaking) - verdict_at
+    last_asked = max(a.sent for a in from_leaking) - verdict_at
     print(f"\nthe last answer from the leaking deployment came {last:.2f}s after the verdict, "
           f"to a request sent {last_asked:.2f}s after it")  # fmt: skip
     assert last_asked < CONTAINMENT_SECONDS
-    after = [a for a in customers.asked if a[0] > verdict_at + CONTAINMENT_SECONDS]
-    assert len(after) >= 10 and {(status, api_base) for _, status, api_base in after} == {(200, sound)}
+    after = [a for a in answers if a.sent > verdict_at + CONTAINMENT_SECONDS]
+    assert len(after) >= 10 and {(a.status, a.api_base) for a in after} == {(200, sound)}
 
     lifted = httpx.delete(
         f"{stack.monitor.url}/api/v1/targets/glm/quarantine",
@@ -183,14 +190,14 @@ def test_no_customer_gets_an_answer_from_the_leaking_deployment_two_seconds_afte
     try:
         stack.monitor.wait_for(
             "the leaking deployment to serve again",
-            lambda: any(api_base == leaking for _, _, api_base in again.answers),
+            lambda: any(a.api_base == leaking for a in again.answers),
             timeout=15,
         )
     finally:
         again.stop()
-    back = min(finished for finished, _, api_base in again.answers if api_base == leaking) - lifted_at
+    back = min(a.finished for a in again.answers if a.api_base == leaking) - lifted_at
     print(f"traffic returned {back:.2f}s after the lift")
-    assert {status for _, status, _ in again.answers} == {200}
+    assert {a.status for a in again.answers} == {200}
 
 
 def lift(monitor: Served) -> None:
@@ -243,7 +250,7 @@ def test_over_jetstream_every_gateway_replica_watching_the_bucket_stops_within_t
             proxies.append(start_gateway(tmp_path / f"gateway-{i}", [leaking, sound], env))
         customers = [Customers(proxy).start() for proxy in proxies]
         both = {key_of(leaking), key_of(sound)}
-        served_both = lambda: all({a[2] for a in c.answers} == both for c in customers)  # noqa: E731
+        served_both = lambda: all({a.api_base for a in c.answers} == both for c in customers)  # noqa: E731
         replicas[0].wait_for("both deployments to serve both gateways' customers", served_both, 60)
         replicas[0].migrate()
         for replica in replicas:  # started side by side, so that both answer about when one can judge
@@ -259,16 +266,15 @@ def test_over_jetstream_every_gateway_replica_watching_the_bucket_stops_within_t
         for c in customers:
             c.stop()
         for i, c in enumerate(customers):
-            from_leaking = [finished for finished, _, api_base in c.answers if api_base == key_of(leaking)]
-            last = max(from_leaking) - since
-            last_asked = max(sent for sent, _, api_base in c.asked if api_base == key_of(leaking)) - since
+            from_leaking = [a for a in c.answers if a.api_base == key_of(leaking)]
+            last = max(a.finished for a in from_leaking) - since
+            last_asked = max(a.sent for a in from_leaking) - since
             lag = verdict_at - up_at
             print(f"\ngateway {i}: the last answer from the leaking deployment {last:.2f}s after the later "
                   f"of the verdict and both replicas up, to a request sent {last_asked:.2f}s after it "
                   f"(the verdict {lag:+.2f}s after them)")  # fmt: skip
             assert last_asked < CONTAINMENT_SECONDS
-            after = {(status, api_base) for sent, status, api_base in c.asked
-                     if sent > since + CONTAINMENT_SECONDS}  # fmt: skip
+            after = {(a.status, a.api_base) for a in c.answers if a.sent > since + CONTAINMENT_SECONDS}
             assert after == {(200, key_of(sound))}, after
         factory = make_session_factory(make_engine(database_url))
         judged = replicas[0].wait_for("the customers' records judged from the stream",
@@ -279,7 +285,7 @@ def test_over_jetstream_every_gateway_replica_watching_the_bucket_stops_within_t
         again = [Customers(proxy).start() for proxy in proxies]
         try:
             served_again = lambda: all(  # noqa: E731
-                any(api_base == key_of(leaking) for _, _, api_base in c.answers) for c in again
+                any(a.api_base == key_of(leaking) for a in c.answers) for c in again
             )
             what = "the leaking deployment to serve again through each gateway"
             replicas[0].wait_for(what, served_again, 15)
@@ -384,7 +390,7 @@ def test_a_forged_set_moves_no_gateway_for_a_moment_and_operator_changes_still_r
     customers = Customers(stack.proxy).start()
     try:
         first.wait_for(
-            "both deployments to serve", lambda: {a[2] for a in customers.answers} == {glm, calm}, 60
+            "both deployments to serve", lambda: {a.api_base for a in customers.answers} == {glm, calm}, 60
         )
         first.wait_for("the set in the bucket", lambda: stack.sampled.current.revision >= 0, 30)
         forged = forgeries(stack, make_keys(tmp_path / "forger"), held(NATS_URL, stack.bucket))
@@ -397,8 +403,10 @@ def test_a_forged_set_moves_no_gateway_for_a_moment_and_operator_changes_still_r
         puts = rogue.stop(last=forged[0])
         sampler.stop()
         lifted_at = by_hand("DELETE", "glm", second)
-        served_again = lambda: min((a[0] for a in customers.answers if a[2] == glm and a[0] > lifted_at),  # noqa: E731
-                                   default=None)  # fmt: skip
+        served_again = lambda: min(  # noqa: E731
+            (a.finished for a in customers.answers if a.api_base == glm and a.finished > lifted_at),
+            default=None,
+        )
         back = first.wait_for("glm to serve a customer again", served_again, 15) - lifted_at
         Rogue(NATS_URL, stack.bucket, [forged[1]]).start().stop(last=forged[1])
         calm_off_at = by_hand("POST", "calm", first)
@@ -407,16 +415,17 @@ def test_a_forged_set_moves_no_gateway_for_a_moment_and_operator_changes_still_r
     finally:
         customers.stop()
     answers = list(customers.answers)
-    during = [a for a in answers if quarantined_at + CONTAINMENT_SECONDS < a[0] < lifted_at]
-    last_calm = max(a[0] for a in answers if a[2] == calm) - calm_off_at
+    during = [a for a in answers if quarantined_at + CONTAINMENT_SECONDS < a.finished < lifted_at]
+    last_calm = max(a.finished for a in answers if a.api_base == calm) - calm_off_at
     print(f"\n{puts} forged values; {len(during)} customer answers meanwhile, "
-          f"{sum(a[2] == glm for a in during)} from glm; {sampler.samples} samples of a tap, "
+          f"{sum(a.api_base == glm for a in during)} from glm; {sampler.samples} samples of a tap, "
           f"{len(sampler.wrong)} wrong; after the forgery the operator's lift reached the gateway in "
           f"{back:.2f} s; the last answer from calm {last_calm:.2f} s after its quarantine")  # fmt: skip
-    assert len(during) >= 20 and {(status, api_base) for _, status, api_base in during} == {(200, calm)}
+    assert len(during) >= 20 and {(a.status, a.api_base) for a in during} == {(200, calm)}
     assert sampler.wrong == [] and sampler.samples > 500
     assert back < CONTAINMENT_SECONDS and last_calm < CONTAINMENT_SECONDS
-    assert {(s, a) for t, s, a in answers if t > calm_off_at + CONTAINMENT_SECONDS} == {(200, glm)}
+    after_calm = [a for a in answers if a.finished > calm_off_at + CONTAINMENT_SECONDS]
+    assert {(a.status, a.api_base) for a in after_calm} == {(200, glm)}
     assert_counted_and_said(stack)
 
 
